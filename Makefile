@@ -1,0 +1,36 @@
+# chatcore: `make chat` to talk, `make test` to run the suite.
+# Both create the virtual environment on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch==2.13.0 is the CPU build on machines that carry it locally; elsewhere pip
+# fetches the same release the usual way. Override with `make TORCH=torch ...`.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.chatcore-installed
+
+.PHONY: chat test test-fast bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+chat: $(STAMP)
+	$(VENV)/bin/chatcore chat
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/decode_speed.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,1 @@
+"""Built-in adapters (installed as chatcore.adapters)."""

@@ -1,0 +1,137 @@
+"""Decoding speed: chatcore's decoders vs transformers' generate, same model, same run.
+
+    python bench/decode_speed.py [--model chatcore-tiny] [--tokens 64] [--repeats 7]
+
+Both sides decode exactly --tokens new tokens (EOS banned until then) from the same
+prompt; the median of --repeats alternating runs is reported, with the ratio
+ours / generate in tokens per second (above 1.0 means chatcore is faster). Also the
+time to the first token for a conversation whose history is about 400 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="chatcore-tiny")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args()
+
+    import torch
+    import transformers
+
+    from chatcore.engine import Engine, ReplyOptions
+    from chatcore.plugin_manager import PluginHost
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    host = PluginHost()
+    host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k"))
+    engine = Engine(args.model, device=args.device, host=host)
+    model = engine.loaded.model
+    device = engine.loaded.device
+    eos = engine.eos_token_id
+    n = args.tokens
+    print(f"model {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters) on {device}, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+
+    conversation = engine.conversation()
+    conversation.add_user("hi, how are you doing today? what did you do this weekend?")
+    prompt = conversation.prompt(n).token_ids
+    input_ids = torch.tensor([prompt], device=device)
+    mask = torch.ones_like(input_ids)
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def ours(decoder: str, settings: dict) -> float:
+        options = ReplyOptions(decoder=decoder, decoder_settings=settings, seed=0, max_new_tokens=n, min_new_tokens=n)
+        sync()
+        start = time.perf_counter()
+        response = conversation.reply(options)
+        response.text()
+        sync()
+        elapsed = time.perf_counter() - start
+        assert len(response.token_ids) == n, len(response.token_ids)
+        conversation.turns.pop()  # keep the same prompt for every run
+        return elapsed
+
+    def theirs(**kwargs: object) -> float:
+        torch.manual_seed(0)
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=eos, **kwargs)
+        sync()
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] - input_ids.shape[1] == n
+        return elapsed
+
+    cases = [
+        ("greedy", ("greedy", {}), {"do_sample": False}),
+        ("top-k (k=40, T=0.8)", ("top-k", {"top_k": 40, "temperature": 0.8}),
+         {"do_sample": True, "top_k": 40, "temperature": 0.8, "top_p": 1.0}),
+    ]
+    for label, (decoder, settings), hf_kwargs in cases:
+        ours(decoder, settings), theirs(**hf_kwargs)  # warm-up
+        ours_times, hf_times = [], []
+        for _ in range(args.repeats):
+            ours_times.append(ours(decoder, settings))
+            hf_times.append(theirs(**hf_kwargs))
+        ours_tps = n / statistics.median(ours_times)
+        hf_tps = n / statistics.median(hf_times)
+        print(f"{label:22s} chatcore {ours_tps:8.1f} tok/s   transformers.generate {hf_tps:8.1f} tok/s   "
+              f"ratio {ours_tps / hf_tps:.2f}x")
+
+    # Time to first token with a ~400-token history.
+    long_conversation = engine.conversation()
+    lines = ["i went hiking with my friends last weekend and it was a lot of fun",
+             "that sounds great, where did you go? i love the mountains in the fall"]
+    previous = -1
+    while True:
+        long_conversation.add_user(lines[len(long_conversation.turns) % 2])
+        length = len(long_conversation.prompt(n).token_ids)
+        if length >= 400 or length <= previous:  # reached 400 tokens, or the model's context
+            break
+        previous = length
+    history_tokens = len(long_conversation.prompt(n).token_ids)
+    long_ids = torch.tensor([long_conversation.prompt(n).token_ids], device=device)
+
+    def first_token_ours() -> float:
+        sync()
+        start = time.perf_counter()
+        response = long_conversation.reply(ReplyOptions(decoder="greedy", max_new_tokens=1, seed=0))
+        next(iter(response), None)
+        response.text()
+        sync()
+        elapsed = time.perf_counter() - start
+        long_conversation.turns.pop()
+        return elapsed
+
+    def first_token_theirs() -> float:
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=1, do_sample=False,
+                           pad_token_id=eos)
+        sync()
+        return time.perf_counter() - start
+
+    first_token_ours(), first_token_theirs()
+    ours_ttft = statistics.median(first_token_ours() for _ in range(args.repeats))
+    hf_ttft = statistics.median(first_token_theirs() for _ in range(args.repeats))
+    print(f"time to first token, {history_tokens}-token history: chatcore {ours_ttft * 1000:.1f} ms   "
+          f"transformers.generate {hf_ttft * 1000:.1f} ms   ratio {hf_ttft / ours_ttft:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

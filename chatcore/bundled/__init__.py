@@ -1,0 +1,1 @@
+"""Model folders shipped with chatcore (ordinary Hugging Face folders)."""

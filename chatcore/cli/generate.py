@@ -1,0 +1,52 @@
+"""``chatcore generate``: a one-shot reply to a message or a scripted conversation."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from chatcore.cli.specs import parse_spec
+
+
+@click.command()
+@click.argument("turns", nargs=-1, required=True)
+@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
+@click.option("-d", "--decoder", "decoder_spec", default="top-k", show_default=True,
+              help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".')
+@click.option("-s", "--steer", "steer_specs", multiple=True,
+              help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.')
+@click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the reply with its provenance as JSON.")
+def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs: tuple[str, ...],
+             seed: int | None, max_new_tokens: int, device: str | None, dtype: str, as_json: bool) -> None:
+    """Reply once to TURNS (oldest first; the last is the user's message).
+
+    A single TURN is one message. Several TURNS are a scripted conversation whose
+    turns alternate between user and bot, ending with the user. Give "-" to read
+    turns from standard input, one per line.
+    """
+    from chatcore.engine import Engine, ReplyOptions
+
+    if turns == ("-",):
+        turns = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
+    decoder, decoder_settings = parse_spec(decoder_spec)
+    steerers = [parse_spec(spec) for spec in steer_specs]
+    options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
+                           seed=seed, max_new_tokens=max_new_tokens)
+    engine = Engine(model, device=device, dtype=dtype)
+    # Build decoder and steerers once up front so bad settings fail before any work.
+    engine.make_decoder(decoder, decoder_settings)
+    for name, settings in steerers:
+        engine.make_steerer(name, settings)
+    response = engine.reply_to(list(turns), options)
+    if as_json:
+        click.echo(json.dumps(response.to_dict(), indent=2, ensure_ascii=False))
+        return
+    for delta in response:
+        click.echo(delta, nl=False)
+    click.echo()

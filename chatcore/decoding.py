@@ -1,0 +1,214 @@
+"""Decoders and the shared, KV-cached decoding loop.
+
+A decoder turns a :class:`GenerationSession` into the reply's token ids. Token-level
+decoders (greedy, top-k) subclass :class:`TokenDecoder`: they give a list of score
+processors and a ``select`` rule, and :meth:`GenerationSession.run` does the loop:
+
+    step (model wrapped by steerers) -> processors -> select -> append -> stop?
+
+Response-level decoders (MMI) call ``session.run`` with several rows and choose among
+the finished candidates, recording them in ``session.candidates``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+from chatcore.options import parse_settings, settings_dict
+from chatcore.processors import NoRepeatNGram, RepetitionPenalty, ScoreProcessor
+from chatcore.steering import Steerer, compose
+from chatcore.step import Step, StepState, model_step
+
+if TYPE_CHECKING:
+    import torch
+
+    from chatcore.models import LoadedModel
+
+Select = Callable[["torch.Tensor", "torch.Generator"], "torch.Tensor"]
+
+
+@dataclass
+class Candidate:
+    """One sampled reply, for decoders that produce several."""
+
+    token_ids: list[int]
+    text: str
+    scores: dict[str, float] = field(default_factory=dict)
+    chosen: bool = False
+
+
+@dataclass
+class GenerationSession:
+    """Everything the decoding of one response needs.
+
+    prompt_ids:      the formatted prompt (history turns each followed by EOS).
+    steerers:        in composition order (see chatcore.steering).
+    generator:       the seeded random generator every sampling draw uses.
+    min_new_tokens:  EOS is banned during the first this-many steps.
+    candidates:      filled by decoders that sample several replies.
+    details:         free-form notes for provenance (decoders and steerers may add).
+    """
+
+    model: "LoadedModel"
+    prompt_ids: list[int]
+    steerers: Sequence[Steerer]
+    max_new_tokens: int
+    generator: "torch.Generator"
+    seed: int
+    min_new_tokens: int = 0
+    candidates: list[Candidate] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+    first_token_time: float | None = None
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.model.eos_token_id
+
+    def build_step(self) -> Step:
+        return compose(model_step(self.model.model), self.steerers)
+
+    def run(
+        self,
+        processors: Sequence[ScoreProcessor],
+        select: Select,
+        rows: int = 1,
+        prompts: Sequence[Sequence[int]] | None = None,
+    ) -> Iterator["torch.Tensor"]:
+        """Decode ``rows`` sequences in one batch, yielding each step's (B,) new tokens.
+
+        All rows start from ``prompt_ids`` unless ``prompts`` gives one prompt per row
+        (left-padded). A row that emitted EOS keeps receiving EOS and is ignored; the
+        loop ends when every row has finished or after ``max_new_tokens`` steps.
+        """
+        import torch
+
+        device = self.model.device
+        eos = self.eos_token_id
+        if prompts is None:
+            prompts = [self.prompt_ids] * rows
+        batch = len(prompts)
+        prompt_length = max(len(p) for p in prompts)
+        if prompt_length == 0:
+            raise ValueError("cannot decode from an empty prompt")
+        total = prompt_length + self.max_new_tokens
+        sequences = torch.full((batch, total), eos, dtype=torch.long, device=device)
+        attention = torch.zeros((batch, total), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            sequences[row, prompt_length - len(prompt) : prompt_length] = torch.tensor(prompt, dtype=torch.long)
+            attention[row, prompt_length - len(prompt) : prompt_length] = 1
+        if all(len(p) == prompt_length for p in prompts):
+            positions = torch.arange(prompt_length, device=device).expand(batch, -1)
+        else:
+            positions = (attention[:, :prompt_length].cumsum(-1) - 1).clamp(min=0)
+        next_position = attention[:, :prompt_length].sum(-1, keepdim=True)  # (B, 1)
+
+        step_fn = self.build_step()
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        cache = None
+        length = prompt_length
+        input_ids = sequences[:, :prompt_length]
+        with torch.inference_mode():
+            for step_index in range(self.max_new_tokens):
+                state = StepState(
+                    input_ids=input_ids,
+                    sequences=sequences[:, :length],
+                    attention_mask=attention[:, :length],
+                    position_ids=positions,
+                    cache=cache,
+                    step=step_index,
+                    prompt_length=prompt_length,
+                )
+                output = step_fn(state)
+                cache = output.cache
+                scores = output.logits
+                history = sequences[:, :length]
+                if step_index < self.min_new_tokens:
+                    # Too early to stop: EOS is not an option (an empty reply helps no one).
+                    scores = scores.clone()
+                    scores[:, eos] = float("-inf")
+                for processor in processors:
+                    scores = processor(history, scores)
+                tokens = select(scores, self.generator)  # (B,)
+                tokens = torch.where(finished, torch.full_like(tokens, eos), tokens)
+                sequences[:, length] = tokens
+                attention[:, length] = (~finished).long()
+                length += 1
+                if self.first_token_time is None:
+                    self.first_token_time = time.perf_counter()
+                yield tokens
+                finished |= tokens == eos
+                if bool(finished.all()):
+                    break
+                input_ids = sequences[:, length - 1 : length]
+                positions = next_position
+                next_position = next_position + 1
+
+
+class Decoder:
+    """Base class for decoders: a ``name``, a ``Settings`` dataclass, ``decode(session)``.
+
+    ``decode`` yields the reply's token ids (without the final EOS). A streaming
+    decoder yields them as they are chosen; a reranking one yields them at the end.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Settings: ClassVar[type] = object
+
+    def __init__(self, settings: Any = None) -> None:
+        self.settings = settings if settings is not None else self.Settings()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None) -> "Decoder":
+        return cls(parse_settings(cls.Settings, dict(options or {}), owner=f"decoder {cls.name!r}"))
+
+    def decode(self, session: GenerationSession) -> Iterator[int]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "settings": settings_dict(self.settings)}
+
+
+class TokenDecoder(Decoder):
+    """A decoder that chooses each next token from processed scores."""
+
+    def repetition_processors(self) -> list[ScoreProcessor]:
+        processors: list[ScoreProcessor] = []
+        penalty = getattr(self.settings, "repetition_penalty", 1.0)
+        if penalty != 1.0:
+            processors.append(RepetitionPenalty(penalty))
+        ngram = getattr(self.settings, "no_repeat_ngram_size", 0)
+        if ngram:
+            processors.append(NoRepeatNGram(ngram))
+        return processors
+
+    def processors(self) -> list[ScoreProcessor]:
+        return self.repetition_processors()
+
+    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
+        raise NotImplementedError
+
+    def decode(self, session: GenerationSession) -> Iterator[int]:
+        eos = session.eos_token_id
+        for tokens in session.run(self.processors(), self.select):
+            token = int(tokens[0])
+            if token == eos:
+                return
+            yield token
+
+
+@dataclass
+class RepetitionSettings:
+    """Repetition controls shared by the token decoders (0 / 1.0 switch them off)."""
+
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
+            raise ValueError(f"`no_repeat_ngram_size` must be a non-negative integer, got {self.no_repeat_ngram_size!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"`repetition_penalty` must be a positive number, got {self.repetition_penalty}")

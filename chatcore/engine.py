@@ -1,0 +1,192 @@
+"""The dialogue engine: a loaded model, the plugin registry, and replies.
+
+    engine = Engine()                       # the bundled chatcore-tiny model
+    conversation = engine.conversation()
+    for delta in conversation.send("hi, how are you?"):
+        print(delta, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatcore.conversation import Conversation
+from chatcore.decoding import Decoder, GenerationSession
+from chatcore.errors import ChatcoreError, OptionError, PluginError
+from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
+from chatcore.plugin_manager import PluginHost, get_plugin_host
+from chatcore.registry import Registry
+from chatcore.response import Response
+from chatcore.steering import Steerer
+
+DEFAULT_DECODER = "top-k"
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+@dataclass
+class ReplyOptions:
+    """How to produce one reply. Decoder and steerers are names plus raw settings."""
+
+    decoder: str = DEFAULT_DECODER
+    decoder_settings: dict[str, Any] = field(default_factory=dict)
+    steerers: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    seed: int | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise OptionError(f"`max_new_tokens` must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise OptionError(
+                f"`min_new_tokens` must be an integer between 0 and max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens!r}"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise OptionError(f"`seed` must be a non-negative integer, got {self.seed!r}")
+
+
+class Engine:
+    """Owns one model (and tokenizer) and builds decoders and steerers from the registry."""
+
+    def __init__(
+        self,
+        model: str | LoadedModel = DEFAULT_MODEL,
+        device: str | None = None,
+        dtype: str | None = None,
+        host: PluginHost | None = None,
+    ) -> None:
+        self.host = host or get_plugin_host()
+        self.registry = Registry.build(self.host)
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+
+    # -- model -------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    @property
+    def eos_token_id(self) -> int:
+        return self.loaded.eos_token_id
+
+    # -- plugins -----------------------------------------------------------------
+    def make_decoder(self, name: str, settings: Mapping[str, Any] | None = None) -> Decoder:
+        cls = self.registry.decoder(name)
+        return self._construct(cls, settings, "decoder", name)
+
+    def make_steerer(self, name: str, settings: Mapping[str, Any] | None = None) -> Steerer:
+        cls = self.registry.steerer(name)
+        return self._construct(cls, settings, "steerer", name)
+
+    def _construct(self, cls: Any, settings: Mapping[str, Any] | None, kind: str, name: str) -> Any:
+        try:
+            return cls.from_options(settings or {})
+        except ChatcoreError:
+            raise
+        except (ValueError, TypeError) as error:
+            raise OptionError(f"{kind} {name!r}: {error}") from error
+        except Exception as error:  # a broken plugin must not take the program down
+            plugin = self._plugin_of(kind, name)
+            self.host.report(plugin, f"{kind} {name}", error)
+            raise PluginError(plugin, f"{kind} {name!r} failed to start: {type(error).__name__}: {error}") from error
+
+    def _plugin_of(self, kind: str, name: str) -> str:
+        table = self.registry.decoders if kind == "decoder" else self.registry.steerers
+        return table[name].plugin if name in table else "?"
+
+    # -- conversations ----------------------------------------------------------
+    def conversation(self, **meta: Any) -> Conversation:
+        return Conversation(self, **meta)
+
+    def reply_to(self, turns: Sequence[str], options: ReplyOptions | None = None, **overrides: Any) -> Response:
+        """One-shot: a reply to a scripted context (oldest turn first, the user's last)."""
+        conversation = self.conversation()
+        for index, text in enumerate(turns):
+            if (len(turns) - index) % 2 == 1:
+                conversation.add_user(text)
+            else:
+                from chatcore.text import clean_message
+
+                conversation.add_bot_text(clean_message(text))
+        return conversation.reply(options, **overrides)
+
+    def respond(self, conversation: Conversation, options: ReplyOptions | None = None, **overrides: Any) -> Response:
+        import dataclasses
+
+        options = dataclasses.replace(options or ReplyOptions(), **overrides) if overrides else (options or ReplyOptions())
+        decoder = self.make_decoder(options.decoder, options.decoder_settings)
+        steerers = [self.make_steerer(name, settings) for name, settings in options.steerers]
+        seed = options.seed if options.seed is not None else random.randrange(2**31)
+        plan = conversation.prompt(options.max_new_tokens)
+        provenance: dict[str, Any] = {
+            "model": self.loaded.name,
+            "decoder": decoder.describe(),
+            "steerers": [s.describe() for s in steerers],
+            "seed": seed,
+            "max_new_tokens": options.max_new_tokens,
+            "prompt_tokens": len(plan.token_ids),
+            "history_turns_used": plan.turns_used,
+            "history_turns_dropped": plan.turns_dropped,
+            "truncated_tokens": plan.truncated_tokens,
+        }
+
+        def token_source() -> Iterator[int]:
+            import torch
+
+            generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
+            session = GenerationSession(
+                model=self.loaded,
+                prompt_ids=plan.token_ids,
+                steerers=steerers,
+                max_new_tokens=options.max_new_tokens,
+                min_new_tokens=options.min_new_tokens,
+                generator=generator,
+                seed=seed,
+            )
+            started = time.perf_counter()
+            for steerer in steerers:
+                self._guard(steerer, "prepare", lambda s=steerer: s.prepare(session))
+            first = True
+            for token in self._guarded_decode(decoder, steerers, session):
+                if first:
+                    provenance["timings"]["first_token_s"] = round(time.perf_counter() - started, 4)
+                    first = False
+                yield token
+            if session.candidates:
+                provenance["candidates"] = [dataclasses.asdict(c) for c in session.candidates]
+            if session.details:
+                provenance["details"] = session.details
+
+        return Response(token_source, self.tokenizer, provenance, finalize=conversation._record)
+
+    def _guard(self, plugin_object: Any, what: str, call: Any) -> Any:
+        try:
+            return call()
+        except ChatcoreError:
+            raise
+        except Exception as error:
+            kind = "decoder" if isinstance(plugin_object, Decoder) else "steerer"
+            plugin = self._plugin_of(kind, plugin_object.name)
+            self.host.report(plugin, f"{kind} {plugin_object.name} {what}", error)
+            raise PluginError(plugin, f"{kind} {plugin_object.name!r} failed in {what}: {type(error).__name__}: {error}") from error
+
+    def _guarded_decode(self, decoder: Decoder, steerers: Sequence[Steerer], session: GenerationSession) -> Iterator[int]:
+        iterator = decoder.decode(session)
+        while True:
+            try:
+                token = next(iterator)
+            except StopIteration:
+                return
+            except ChatcoreError:
+                raise
+            except Exception as error:
+                # A steerer raising inside its wrapped step surfaces here too.
+                names = [decoder.name] + [s.name for s in steerers]
+                plugin = ", ".join(sorted({self._plugin_of("decoder", decoder.name)} | {self._plugin_of("steerer", s.name) for s in steerers}))
+                self.host.report(plugin, "decoding", error)
+                raise PluginError(plugin, f"decoding with {' + '.join(names)} failed: {type(error).__name__}: {error}") from error
+            yield int(token)

@@ -1,0 +1,150 @@
+"""Running a decoder + steerer configuration over a prompt set and measuring it."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from chatcore.evaluation.metrics import contains_any, distinct_n, is_degenerate, words
+from chatcore.evaluation.prompts import EvalContext
+
+if TYPE_CHECKING:
+    from chatcore.engine import Engine, ReplyOptions
+
+
+@dataclass
+class EvalRow:
+    label: str
+    count: int
+    perplexity: float | None
+    distinct_1: float
+    distinct_2: float
+    distinct_3: float
+    mean_length: float
+    degenerate_share: float
+    attribute_share: float | None = None
+    tokens_per_s: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EvalReport:
+    rows: list[EvalRow]
+    samples: list[dict[str, Any]]
+    settings: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"settings": self.settings, "rows": [asdict(r) for r in self.rows], "samples": self.samples}
+
+    def table(self) -> str:
+        headers = ["", "n", "ppl", "dist-1", "dist-2", "dist-3", "len", "degen", "attr", "tok/s"]
+        lines = []
+        for row in self.rows:
+            lines.append([
+                row.label, str(row.count),
+                f"{row.perplexity:.1f}" if row.perplexity is not None else "-",
+                f"{row.distinct_1:.3f}", f"{row.distinct_2:.3f}", f"{row.distinct_3:.3f}",
+                f"{row.mean_length:.1f}", f"{row.degenerate_share:.1%}",
+                f"{row.attribute_share:.1%}" if row.attribute_share is not None else "-",
+                f"{row.tokens_per_s:.0f}" if row.tokens_per_s is not None else "-",
+            ])
+            for key, value in row.extra.items():
+                if key not in headers:
+                    headers.append(key)
+                lines[-1].append(f"{value:.3f}")
+        widths = [max(len(h), *(len(line[i]) if i < len(line) else 1 for line in lines)) for i, h in enumerate(headers)]
+        out = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))]
+        for line in lines:
+            out.append("  ".join((c.rjust(w) if i else c.ljust(w)) for i, (c, w) in enumerate(zip(line, widths))))
+        return "\n".join(out)
+
+
+def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]]) -> float | None:
+    """exp(mean NLL per token) of each reply (and its EOS) given its context, under the
+    engine's plain model: no steering, no decoder."""
+    import torch
+
+    from chatcore.conversation import build_prompt
+    from chatcore.text import encode_text
+
+    model, tokenizer, eos = engine.loaded.model, engine.tokenizer, engine.eos_token_id
+    total_nll, total_tokens = 0.0, 0
+    for context, reply in pairs:
+        reply_ids = encode_text(tokenizer, reply) + [eos]
+        budget = engine.loaded.max_positions - len(reply_ids)
+        if budget < 2:
+            continue
+        plan = build_prompt([encode_text(tokenizer, t) for t in context], eos, budget)
+        ids = torch.tensor([plan.token_ids + reply_ids], device=engine.loaded.device)
+        with torch.inference_mode():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(plan.token_ids) - 1 : -1].float()  # (R, V)
+        targets = ids[0, len(plan.token_ids) :]
+        total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        total_tokens += targets.numel()
+    return math.exp(total_nll / total_tokens) if total_tokens else None
+
+
+def summarize(label: str, replies: Sequence[str], perplexity: float | None, vocabulary: set[str] | None,
+              tokens_per_s: float | None = None) -> EvalRow:
+    return EvalRow(
+        label=label,
+        count=len(replies),
+        perplexity=perplexity,
+        distinct_1=distinct_n(replies, 1),
+        distinct_2=distinct_n(replies, 2),
+        distinct_3=distinct_n(replies, 3),
+        mean_length=sum(len(words(r)) for r in replies) / max(1, len(replies)),
+        degenerate_share=sum(is_degenerate(r) for r in replies) / max(1, len(replies)),
+        attribute_share=(sum(contains_any(r, vocabulary) for r in replies) / max(1, len(replies)))
+        if vocabulary is not None else None,
+        tokens_per_s=tokens_per_s,
+    )
+
+
+def evaluate(
+    engine: "Engine",
+    contexts: Sequence[EvalContext],
+    options: "ReplyOptions",
+    label: str = "model",
+    vocabulary: set[str] | None = None,
+    seed: int = 0,
+    include_reference: bool = True,
+) -> EvalReport:
+    """Reply to every context (seed ``seed + i`` for the i-th) and measure the replies."""
+    import dataclasses
+
+    from chatcore.errors import ChatcoreError
+
+    replies, pairs, samples = [], [], []
+    new_tokens, seconds = 0, 0.0
+    for index, context in enumerate(contexts):
+        run_options = dataclasses.replace(options, seed=seed + index)
+        started = time.perf_counter()
+        try:
+            response = engine.reply_to(context.turns, run_options)
+            text = response.text()
+        except ChatcoreError as error:
+            samples.append({"context": context.turns, "error": str(error)})
+            continue
+        seconds += time.perf_counter() - started
+        new_tokens += len(response.token_ids)
+        replies.append(text)
+        pairs.append((context.turns, text))
+        sample = {"context": context.turns, "reply": text}
+        if context.reference is not None:
+            sample["reference"] = context.reference
+        if "candidates" in response.provenance:
+            sample["candidates"] = response.provenance["candidates"]
+        samples.append(sample)
+    rows = [summarize(label, replies, reply_perplexity(engine, pairs), vocabulary,
+                      new_tokens / seconds if seconds else None)]
+    references = [(c.turns, c.reference) for c in contexts if c.reference]
+    if include_reference and references:
+        rows.append(summarize("human", [r for _, r in references], reply_perplexity(engine, references), vocabulary))
+    settings = {"model": engine.loaded.name, "decoder": options.decoder, "decoder_settings": options.decoder_settings,
+                "steerers": options.steerers, "max_new_tokens": options.max_new_tokens, "seed": seed,
+                "contexts": len(contexts)}
+    return EvalReport(rows, samples, settings)

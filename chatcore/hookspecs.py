@@ -1,0 +1,94 @@
+"""Every hook chatcore calls, with its contract.
+
+A plugin is a module (or object) with functions marked ``@chatcore.hookimpl`` whose
+names and argument names match the specifications below. Plugins are found through
+the ``chatcore`` entry-point group; the built-in decoders, steerers and commands are
+plugins of exactly the same kind.
+
+Every hook is called once per registered implementation. An implementation that
+raises is reported with its plugin's name and skipped; the others still run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import click
+
+    from chatcore.conversation import Conversation, Turn
+    from chatcore.response import Response
+
+hookspec = pluggy.HookspecMarker("chatcore")
+hookimpl = pluggy.HookimplMarker("chatcore")
+
+
+@hookspec
+def register_decoders(register: Callable[[type], None]) -> None:
+    """Register decoder classes by calling ``register(DecoderClass)``.
+
+    Called once, when the registry is built. ``DecoderClass`` subclasses
+    :class:`chatcore.decoding.Decoder`: it has a unique ``name``, a ``Settings``
+    dataclass and a ``decode(session)`` method. If two plugins register the same name,
+    the first registration wins (pluggy calls later-registered plugins first, and the
+    built-ins are ``trylast``) and the other is reported as shadowed.
+    The return value is ignored.
+    """
+
+
+@hookspec
+def register_steerers(register: Callable[[type], None]) -> None:
+    """Register steerer classes by calling ``register(SteererClass)``.
+
+    Called once, when the registry is built. ``SteererClass`` subclasses
+    :class:`chatcore.steering.Steerer`: a unique ``name``, a ``Settings`` dataclass,
+    ``prepare(session)`` (once per response) and ``wrap(step)`` (returns a new step
+    function). Name clashes are resolved as for :func:`register_decoders`.
+    The return value is ignored.
+    """
+
+
+@hookspec
+def register_commands(cli: click.Group) -> None:
+    """Add commands or command groups to the ``chatcore`` command line.
+
+    Called once when the CLI is built, before arguments are parsed, so an
+    implementation must not import torch or other heavy modules at this point
+    (``chatcore --help`` stays instant): import them inside the command's body.
+    Use ``cli.add_command(...)`` or the ``@cli.command()`` decorator.
+    The return value is ignored.
+    """
+
+
+@hookspec
+def on_user_message(conversation: Conversation, turn: Turn) -> None:
+    """A user turn was added to ``conversation``.
+
+    Called after ``turn`` is appended to ``conversation.turns`` and before any reply
+    is generated. Adapters and the conversation log use it to persist or audit the
+    message. Must not modify the conversation. The return value is ignored.
+    """
+
+
+@hookspec
+def on_response(conversation: Conversation, response: Response) -> None:
+    """A reply finished (completely, or interrupted) and was added to ``conversation``.
+
+    Called once per reply, after its text and provenance are final
+    (``response.text()``, ``response.provenance``, ``response.interrupted``). Use it to
+    log the reply. Must not modify the conversation. The return value is ignored.
+    """
+
+
+@hookspec
+def register_prompt_sets(register: Callable[[str, Callable[[], list[Any]]], None]) -> None:
+    """Register prompt sets for ``chatcore eval`` by calling ``register(name, loader)``.
+
+    ``loader()`` returns a list of contexts; each context is a list of turns (str),
+    oldest first, ending with the turn to reply to. Loaders are called only when the
+    set is used, so they may be slow. Name clashes: the first registration wins.
+    The return value is ignored.
+    """

@@ -1,0 +1,126 @@
+"""Typed, validated settings for decoders and steerers.
+
+Every decoder and steerer declares its settings as a dataclass. ``parse_settings``
+turns ``key=value`` strings (from the CLI, the REPL or Discord) into that dataclass,
+converting each value to the field's type and refusing unknown keys. Range checks
+live in the dataclass's ``__post_init__`` and raise ``ValueError`` naming the field
+and the value; they are reported as :class:`~chatcore.errors.OptionError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from chatcore.errors import OptionError
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _convert(field_name: str, annotation: Any, raw: Any) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "")):
+            if type(None) in args:
+                return None
+        errors = []
+        for option in non_none:
+            try:
+                return _convert(field_name, option, raw)
+            except OptionError as error:
+                errors.append(str(error))
+        raise OptionError(errors[0] if errors else f"`{field_name}`: cannot parse {raw!r}")
+    if origin is typing.Literal:
+        if raw not in args:
+            choices = ", ".join(str(a) for a in args)
+            raise OptionError(f"`{field_name}` must be one of {choices}, got {raw!r}")
+        return raw
+    if origin in (tuple, list):
+        items: Iterable[Any]
+        if isinstance(raw, str):
+            items = [item.strip() for item in raw.split(",") if item.strip()]
+        else:
+            items = list(raw)
+        inner = args[0] if args else str
+        converted = [_convert(field_name, inner, item) for item in items]
+        return tuple(converted) if origin is tuple else converted
+    if annotation is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in _TRUE | _FALSE:
+            return raw.lower() in _TRUE
+        raise OptionError(f"`{field_name}` must be true or false, got {raw!r}")
+    if annotation is int:
+        if isinstance(raw, bool):
+            raise OptionError(f"`{field_name}` must be an integer, got {raw!r}")
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise OptionError(f"`{field_name}` must be an integer, got {raw!r}") from None
+    if annotation is float:
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise OptionError(f"`{field_name}` must be a number, got {raw!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise OptionError(f"`{field_name}` must be a finite number, got {raw!r}")
+        return value
+    if annotation is str:
+        if not isinstance(raw, str):
+            raise OptionError(f"`{field_name}` must be text, got {raw!r}")
+        return raw
+    return raw
+
+
+def settings_fields(settings_cls: type) -> dict[str, Any]:
+    """Field name -> resolved type annotation."""
+    hints = typing.get_type_hints(settings_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(settings_cls) if f.init}
+
+
+def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str = "") -> T:
+    """Build ``settings_cls`` from raw values; unknown keys and bad values raise OptionError."""
+    fields = settings_fields(settings_cls)
+    where = f" for {owner}" if owner else ""
+    unknown = [key for key in values if key.replace("-", "_") not in fields]
+    if unknown:
+        known = ", ".join(fields) or "none"
+        raise OptionError(f"unknown setting{where}: {', '.join(map(repr, unknown))} (known: {known})")
+    converted = {}
+    for key, raw in values.items():
+        name = key.replace("-", "_")
+        converted[name] = _convert(name, fields[name], raw)
+    try:
+        return settings_cls(**converted)
+    except OptionError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise OptionError(f"{error}{where}") from error
+
+
+def parse_key_values(pairs: Iterable[str]) -> dict[str, str]:
+    """``["top_k=40", "temperature=0.7"]`` -> ``{"top_k": "40", "temperature": "0.7"}``."""
+    result: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise OptionError(f"expected key=value, got {pair!r}")
+        result[key.strip()] = value
+    return result
+
+
+def settings_dict(settings: Any) -> dict[str, Any]:
+    """A JSON-friendly view of a settings dataclass (for provenance and the log)."""
+    out = {}
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        out[field.name] = list(value) if isinstance(value, tuple) else value
+    return out

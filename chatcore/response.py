@@ -1,0 +1,121 @@
+"""A reply: lazy, streamed as text deltas, with its provenance.
+
+Nothing is generated until the response is iterated (or ``text()`` is called).
+Iterating yields text deltas as the decoder produces tokens; iterating again replays
+them. When the reply ends (completely, or interrupted with :meth:`interrupt`), the
+``on_done`` callbacks run once, in order; the conversation uses one to record the
+reply and fire the ``on_response`` hook.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from chatcore.streaming import IncrementalDetokenizer
+
+
+class Response:
+    def __init__(
+        self,
+        token_source: Callable[[], Iterator[int]],
+        tokenizer: Any,
+        provenance: dict[str, Any],
+        finalize: Callable[["Response"], None] | None = None,
+    ) -> None:
+        self._token_source = token_source
+        self._tokenizer = tokenizer
+        self._finalize = finalize
+        self._chunks: list[str] = []
+        self._iterator: Iterator[int] | None = None
+        self._callbacks: list[Callable[["Response"], None]] = []
+        self.token_ids: list[int] = []
+        self.provenance: dict[str, Any] = provenance
+        self.done = False
+        self.interrupted = False
+        self._started: float | None = None
+
+    def on_done(self, callback: Callable[["Response"], None]) -> None:
+        """Run ``callback(response)`` when the reply ends (at once if it already has)."""
+        if self.done:
+            callback(self)
+        else:
+            self._callbacks.append(callback)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from list(self._chunks)
+        if self.done:
+            return
+        if self._iterator is None:
+            self._started = time.perf_counter()
+            self.provenance.setdefault("timings", {})
+            self._iterator = self._token_source()
+            self._detokenizer = IncrementalDetokenizer(self._tokenizer)
+        try:
+            for token in self._iterator:
+                self.token_ids.append(token)
+                delta = self._detokenizer.push(token)
+                if delta:
+                    self._chunks.append(delta)
+                    yield delta
+        except BaseException:
+            # Ctrl-C (KeyboardInterrupt) or a consumer that stopped iterating
+            # (GeneratorExit): keep the partial reply, marked interrupted.
+            self._finish(interrupted=True)
+            raise
+        tail = self._flush()
+        self._finish(interrupted=False)
+        if tail:
+            yield tail
+
+    def _flush(self) -> str:
+        if self._iterator is None or self._flushed:
+            return ""
+        self._flushed = True
+        tail = self._detokenizer.flush()
+        if tail:
+            self._chunks.append(tail)
+        return tail
+
+    _flushed = False
+
+    def _finish(self, interrupted: bool) -> None:
+        if self.done:
+            return
+        if self._iterator is not None:
+            close = getattr(self._iterator, "close", None)
+            if close is not None:
+                close()
+        self._flush()
+        self.done = True
+        self.interrupted = interrupted
+        elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
+        timings = self.provenance.setdefault("timings", {})
+        timings["total_s"] = round(elapsed, 4)
+        timings["new_tokens"] = len(self.token_ids)
+        timings["tokens_per_s"] = round(len(self.token_ids) / elapsed, 2) if elapsed > 0 else None
+        self.provenance["interrupted"] = interrupted
+        if self._finalize is not None:
+            self._finalize(self)
+        for callback in self._callbacks:
+            callback(self)
+        self._callbacks.clear()
+
+    def interrupt(self) -> None:
+        """Stop generating; the partial reply is kept and marked interrupted."""
+        if self._iterator is None and not self.done:
+            self._started = time.perf_counter()
+        self._finish(interrupted=True)
+
+    def text(self) -> str:
+        """The whole reply (generating it if needed)."""
+        for _ in self:
+            pass
+        return "".join(self._chunks)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text(), "token_ids": list(self.token_ids), **self.provenance}

@@ -1,0 +1,56 @@
+"""The steerer interface: middleware around one decoding step.
+
+A steerer has a ``name``, typed ``Settings``, a ``prepare(session)`` called once per
+response (load word lists, encode content), and ``wrap(step) -> step``.
+
+Composition order (written down, and the same everywhere): steerers are applied in
+the order they are given. The first wraps the model's own step, the second wraps
+that, and so on, so the **last steerer is the outermost**: it sees the state first
+and edits the logits last. Logit edits therefore accumulate in the given order, and
+a steerer that re-runs its inner step (PPLM) re-runs every steerer listed before it.
+After all steerers, the decoder's score processors run (see chatcore.processors).
+
+A steerer instance serves one response at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from chatcore.options import parse_settings, settings_dict
+from chatcore.step import Step
+
+if TYPE_CHECKING:
+    from chatcore.decoding import GenerationSession
+
+
+class Steerer:
+    """Base class for steerers. Subclasses set ``name`` and ``Settings`` and implement ``wrap``."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Settings: ClassVar[type] = object
+
+    def __init__(self, settings: Any = None) -> None:
+        self.settings = settings if settings is not None else self.Settings()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None) -> "Steerer":
+        return cls(parse_settings(cls.Settings, dict(options or {}), owner=f"steerer {cls.name!r}"))
+
+    def prepare(self, session: "GenerationSession") -> None:
+        """Called once per response, before the first step."""
+
+    def wrap(self, step: Step) -> Step:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "settings": settings_dict(self.settings)}
+
+
+def compose(step: Step, steerers: Sequence[Steerer]) -> Step:
+    """Wrap ``step`` by each steerer in order (the last one given is the outermost)."""
+    for steerer in steerers:
+        step = steerer.wrap(step)
+    return step

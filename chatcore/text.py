@@ -1,0 +1,44 @@
+"""Text <-> token helpers that treat user text as text, never as control tokens."""
+
+from __future__ import annotations
+
+import unicodedata
+from typing import Any
+
+from chatcore.errors import ChatcoreError
+
+MAX_MESSAGE_CHARS = 8000
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` with special-token strings (``<|endoftext|>``) kept as text."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
+    """Normalise one incoming message, or raise ChatcoreError saying what is wrong.
+
+    Line breaks and tabs become spaces (turns are separated by EOS, not newlines);
+    other control characters and lone surrogates are removed; whitespace is collapsed.
+    """
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ChatcoreError(f"the message is not UTF-8 text (bad byte at position {error.start})") from None
+    if not isinstance(text, str):
+        raise ChatcoreError(f"a message must be text, got {type(text).__name__}")
+    if len(text) > max_chars:
+        raise ChatcoreError(f"the message is {len(text):,} characters long; the limit is {max_chars:,}")
+    kept = []
+    for char in text:
+        if char in "\n\r\t\v\f":
+            kept.append(" ")
+        elif unicodedata.category(char) in ("Cc", "Cs"):
+            continue
+        else:
+            kept.append(char)
+    cleaned = " ".join("".join(kept).split())
+    if not cleaned:
+        raise ChatcoreError("the message is empty")
+    return cleaned

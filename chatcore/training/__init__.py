@@ -1,0 +1,1 @@
+"""Training chatcore's models: corpora, tokenizer, forward and reverse language models."""

@@ -1,0 +1,1 @@
+"""Built-in chatcore plugins: decoders, steerers and commands (installed as chatcore.plugins)."""

@@ -1,0 +1,129 @@
+"""The ``bow-bias`` steerer: add a bias to the scores of a bag of words.
+
+Every tokenization of each word is covered: with and without a leading space, in
+lower case, capitalised and as given. A word of several tokens is biased token by
+token: its first token always, and its k-th token when the reply so far ends with
+its first k-1 tokens, so multi-token words are completed rather than just started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import chatcore
+from chatcore.errors import OptionError
+from chatcore.steering import Steerer
+from chatcore.step import Step, StepOutput, StepState
+from chatcore.text import encode_text
+
+if TYPE_CHECKING:
+    import torch
+
+    from chatcore.decoding import GenerationSession
+
+WORDLIST_DIR = Path(__file__).with_name("wordlists")
+
+
+def builtin_topics() -> list[str]:
+    return sorted(p.stem for p in WORDLIST_DIR.glob("*.txt"))
+
+
+def read_word_file(path: str | Path) -> list[str]:
+    """One word or phrase per line; blank lines and lines starting with # are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise OptionError(f"`file`: no such word file {str(path)!r}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise OptionError(f"`file`: {str(path)!r} is not UTF-8 text") from None
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def word_variants(word: str) -> set[str]:
+    forms = {word, word.lower(), word[:1].upper() + word[1:]}
+    return {prefix + form for form in forms for prefix in ("", " ")}
+
+
+@dataclass
+class BowBiasSettings:
+    words: tuple[str, ...] = ()
+    topic: str | None = None
+    file: str | None = None
+    strength: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not -100.0 <= self.strength <= 100.0:
+            raise ValueError(f"`strength` must be between -100 and 100, got {self.strength}")
+        if self.topic is not None and self.topic not in builtin_topics():
+            raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {self.topic!r}")
+        if self.file is not None:
+            read_word_file(self.file)  # fail now, not mid-reply
+
+    def all_words(self) -> list[str]:
+        words = [w.strip() for w in self.words if w.strip()]
+        if self.topic:
+            words += read_word_file(WORDLIST_DIR / f"{self.topic}.txt")
+        if self.file:
+            words += read_word_file(self.file)
+        return words
+
+
+class BowBiasSteerer(Steerer):
+    name = "bow-bias"
+    description = "adds `strength` to the scores of a bag of words (inline, a topic, or a file)"
+    Settings = BowBiasSettings
+
+    def __init__(self, settings: BowBiasSettings | None = None) -> None:
+        super().__init__(settings)
+        if not self.settings.all_words():
+            raise OptionError("steerer 'bow-bias' needs words: give `words=a,b,c`, `topic=NAME` or `file=PATH`")
+        self.sequences: list[tuple[int, ...]] = []
+        self.first_tokens: "torch.Tensor | None" = None
+
+    def prepare(self, session: "GenerationSession") -> None:
+        import torch
+
+        tokenizer = session.model.tokenizer
+        unique: set[tuple[int, ...]] = set()
+        for word in self.settings.all_words():
+            for form in word_variants(word):
+                ids = tuple(encode_text(tokenizer, form))
+                if ids:
+                    unique.add(ids)
+        self.sequences = sorted(unique)
+        firsts = sorted({ids[0] for ids in self.sequences})
+        self.first_tokens = torch.tensor(firsts, dtype=torch.long, device=session.model.device)
+        self.prompt_length = len(session.prompt_ids)
+
+    def bias(self, state: StepState, logits: "torch.Tensor") -> "torch.Tensor":
+        assert self.first_tokens is not None, "prepare() was not called"
+        bias = torch_zeros_like(logits)
+        bias[:, self.first_tokens] = self.settings.strength
+        generated = state.sequences[:, state.prompt_length :].tolist()
+        for row, tokens in enumerate(generated):
+            for ids in self.sequences:
+                for k in range(1, len(ids)):
+                    if k <= len(tokens) and tuple(tokens[len(tokens) - k :]) == ids[:k]:
+                        bias[row, ids[k]] = self.settings.strength
+        return bias
+
+    def wrap(self, step: Step) -> Step:
+        def steered(state: StepState) -> StepOutput:
+            output = step(state)
+            return output.replace(logits=output.logits + self.bias(state, output.logits))
+
+        return steered
+
+
+def torch_zeros_like(tensor: "torch.Tensor") -> "torch.Tensor":
+    import torch
+
+    return torch.zeros_like(tensor)
+
+
+@chatcore.hookimpl(trylast=True)
+def register_steerers(register: Callable[[type], None]) -> None:
+    register(BowBiasSteerer)

@@ -1,0 +1,89 @@
+"""``chatcore eval`` and its built-in prompt sets."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import click
+
+import chatcore
+
+
+@click.command("eval")
+@click.option("-m", "--model", default="chatcore-tiny", show_default=True)
+@click.option("-d", "--decoder", "decoder_spec", default="top-k", show_default=True,
+              help='Decoder and settings, e.g. "top-k top_k=20".')
+@click.option("-s", "--steer", "steer_specs", multiple=True, help='Steerer and settings; repeatable, applied in order.')
+@click.option("-p", "--prompts", default="chitchat-heldout", show_default=True,
+              help="A prompt set name (see `chatcore plugins`) or a .jsonl / .txt file.")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Context i uses seed + i.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=40, show_default=True)
+@click.option("--attribute", default=None,
+              help="Word list for the attribute column: a built-in topic (food, sports, ...) or a word file.")
+@click.option("--samples", type=click.IntRange(0, 100_000), default=5, show_default=True, help="Sample replies to print.")
+@click.option("--device", default=None)
+@click.option("--json", "json_path", default=None, help="Also write the full report (with every reply) to this file.")
+def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], prompts: str, limit: int, seed: int,
+                 max_new_tokens: int, attribute: str | None, samples: int, device: str | None,
+                 json_path: str | None) -> None:
+    """Measure a decoder and steerer configuration over a prompt set.
+
+    Prints perplexity of the replies under the plain model, distinct-1/2/3, mean
+    length in words, share of degenerate replies, the attribute share, and tokens/s;
+    with a "human" row for prompt sets that carry the human replies.
+    """
+    from pathlib import Path
+
+    from chatcore.cli.specs import parse_spec
+    from chatcore.engine import Engine, ReplyOptions
+    from chatcore.evaluation.prompts import load_prompt_file
+    from chatcore.evaluation.runner import evaluate
+
+    decoder, decoder_settings = parse_spec(decoder_spec)
+    steerers = [parse_spec(spec) for spec in steer_specs]
+    options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
+                           max_new_tokens=max_new_tokens)
+    engine = Engine(model, device=device)
+    engine.make_decoder(decoder, decoder_settings)
+    for name, settings in steerers:
+        engine.make_steerer(name, settings)
+    if Path(prompts).is_file():
+        contexts = load_prompt_file(prompts)
+    else:
+        contexts = engine.registry.prompt_set(prompts)()
+    contexts = contexts[:limit]
+    vocabulary = load_vocabulary(attribute) if attribute else None
+    label = " + ".join([decoder] + [name for name, _ in steerers])
+    report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed)
+    click.echo(report.table())
+    shown = [s for s in report.samples if "reply" in s][:samples]
+    for sample in shown:
+        click.echo(f"\n> {sample['context'][-1]}\n{sample['reply']}")
+    errors = [s for s in report.samples if "error" in s]
+    if errors:
+        click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+
+
+def load_vocabulary(attribute: str) -> set[str]:
+    from chatcore.plugins.bow_bias import WORDLIST_DIR, builtin_topics, read_word_file
+
+    if attribute in builtin_topics():
+        return set(read_word_file(WORDLIST_DIR / f"{attribute}.txt"))
+    return set(read_word_file(attribute))
+
+
+@chatcore.hookimpl(trylast=True)
+def register_commands(cli: click.Group) -> None:
+    cli.add_command(eval_command)
+
+
+@chatcore.hookimpl(trylast=True)
+def register_prompt_sets(register: Callable[[str, Callable[[], list[Any]]], None]) -> None:
+    from chatcore.evaluation import prompts
+
+    register("openers", prompts.openers)
+    register("chitchat-heldout", prompts.chitchat_heldout)

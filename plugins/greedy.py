@@ -1,0 +1,31 @@
+"""The ``greedy`` decoder: always the highest-scoring token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import chatcore
+from chatcore.decoding import RepetitionSettings, TokenDecoder
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class GreedySettings(RepetitionSettings):
+    pass
+
+
+class GreedyDecoder(TokenDecoder):
+    name = "greedy"
+    description = "the most likely token at every step (deterministic)"
+    Settings = GreedySettings
+
+    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
+        return scores.argmax(dim=-1)
+
+
+@chatcore.hookimpl(trylast=True)
+def register_decoders(register: Callable[[type], None]) -> None:
+    register(GreedyDecoder)

@@ -1,0 +1,111 @@
+"""Shared fixtures: a real tiny GPT-2 model folder, a plugin host, an engine.
+
+The model has random weights (seeded), a byte-level BPE tokenizer trained on a slice
+of the chitchat corpus, and 128 positions, so everything runs in seconds on a CPU.
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Never reach for a hub from the test suite.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+import chatcore.plugin_manager as plugin_manager
+
+BUILTIN_TEST_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias")
+
+TINY_VOCAB_SIZE = 400
+TINY_POSITIONS = 128
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import torch
+
+    torch.set_num_threads(2)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except Exception:  # pragma: no cover - older or newer transformers layouts
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _isolated_plugins(monkeypatch: pytest.MonkeyPatch):
+    """Only the built-ins load from entry points; the process-wide host is reset after each test."""
+    monkeypatch.setenv("CHATCORE_PLUGINS", "")
+    monkeypatch.delenv("CHATCORE_DEBUG", raising=False)
+    plugin_manager.set_plugin_host(None)
+    yield
+    plugin_manager.set_plugin_host(None)
+
+
+@pytest.fixture(scope="session")
+def chitchat_texts() -> list[str]:
+    from chatcore.training.corpus import load_chitchat
+
+    dialogues = load_chitchat()[:300]
+    return [turn for dialogue in dialogues for turn in dialogue.turns]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, chitchat_texts: list[str]):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from chatcore.training.tokenizer import train_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = train_tokenizer(chitchat_texts, vocab_size=TINY_VOCAB_SIZE)
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=TINY_POSITIONS,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        eos_token_id=eos,
+        bos_token_id=eos,
+        pad_token_id=eos,
+    )
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_model_dir):
+    """The tiny model, loaded through chatcore's public loading path."""
+    from chatcore.models import load_model
+
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded):
+    return loaded.tokenizer
+
+
+@pytest.fixture
+def host() -> plugin_manager.PluginHost:
+    """A fresh host with the three built-in plugins registered by module."""
+    plugin_host = plugin_manager.PluginHost()
+    plugin_host.load_modules(BUILTIN_TEST_PLUGINS)
+    assert plugin_host.problems == []
+    return plugin_host
+
+
+@pytest.fixture
+def engine(loaded, host):
+    from chatcore.engine import Engine
+
+    return Engine(loaded, host=host)

@@ -1,0 +1,148 @@
+"""Every hook is documented with its exact signature, and every hook has a test here."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+import chatcore
+from chatcore import hookspecs
+from chatcore.decoding import Decoder
+from chatcore.evaluation.prompts import EvalContext
+from chatcore.registry import Registry
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "hooks.md"
+
+
+def hook_names() -> list[str]:
+    return sorted(
+        name for name, function in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(function, "chatcore_spec")
+    )
+
+
+def signature_text(name: str) -> str:
+    function = getattr(hookspecs, name)
+    parameters = ", ".join(f"{p.name}: {p.annotation}" for p in inspect.signature(function).parameters.values())
+    return f"def {name}({parameters}) -> None"
+
+
+def test_there_are_hooks() -> None:
+    assert {"register_decoders", "register_steerers", "register_commands", "on_user_message", "on_response"} <= set(
+        hook_names()
+    )
+
+
+@pytest.mark.parametrize("name", hook_names())
+def test_hook_is_documented_with_exact_signature(name: str) -> None:
+    text = DOCS.read_text(encoding="utf-8")
+    assert f"## {name}\n" in text, f"docs/hooks.md has no section for {name}"
+    section = text.split(f"## {name}\n", 1)[1].split("\n## ", 1)[0]
+    assert signature_text(name) in section, f"docs/hooks.md shows another signature for {name}"
+    assert getattr(hookspecs, name).__doc__, f"hookspec {name} has no docstring"
+
+
+def test_docs_have_no_stale_hooks() -> None:
+    documented = re.findall(r"^## (\w+)$", DOCS.read_text(encoding="utf-8"), flags=re.M)
+    assert sorted(documented) == hook_names()
+
+
+@pytest.mark.parametrize("name", hook_names())
+def test_every_hook_has_a_test(name: str) -> None:
+    assert hasattr(sys.modules[__name__], f"test_hook_{name}"), f"no test_hook_{name} in {__file__}"
+
+
+class EchoDecoder(Decoder):
+    name = "echo-test"
+
+    def decode(self, session):  # pragma: no cover - only registered
+        yield from ()
+
+
+def test_hook_register_decoders(host) -> None:
+    class Plugin:
+        @chatcore.hookimpl
+        def register_decoders(self, register):
+            register(EchoDecoder)
+
+    host.register(Plugin(), "echo")
+    registry = Registry.build(host)
+    assert registry.decoder("echo-test") is EchoDecoder
+    assert registry.decoders["echo-test"].plugin == "echo"
+
+
+def test_hook_register_steerers(host) -> None:
+    from chatcore.steering import Steerer
+
+    class Nudge(Steerer):
+        name = "nudge-test"
+
+        def wrap(self, step):
+            return step
+
+    class Plugin:
+        @chatcore.hookimpl
+        def register_steerers(self, register):
+            register(Nudge)
+
+    host.register(Plugin(), "nudge")
+    assert Registry.build(host).steerer("nudge-test") is Nudge
+
+
+def test_hook_register_commands(host) -> None:
+    group = click.Group("chatcore")
+
+    class Plugin:
+        @chatcore.hookimpl
+        def register_commands(self, cli):
+            @cli.command()
+            def hello() -> None:
+                click.echo("hello from a plugin")
+
+    host.register(Plugin(), "hello")
+    host.call_each("register_commands", cli=group)
+    result = click.testing.CliRunner().invoke(group, ["hello"])
+    assert result.exit_code == 0 and "hello from a plugin" in result.output
+
+
+def test_hook_register_prompt_sets(host) -> None:
+    class Plugin:
+        @chatcore.hookimpl
+        def register_prompt_sets(self, register):
+            register("greetings-test", lambda: [EvalContext(["hi"]), EvalContext(["hello"], "hey")])
+
+    host.register(Plugin(), "greetings")
+    contexts = Registry.build(host).prompt_set("greetings-test")()
+    assert [c.turns for c in contexts] == [["hi"], ["hello"]]
+
+
+def test_hook_on_user_message(engine) -> None:
+    seen = []
+
+    class Plugin:
+        @chatcore.hookimpl
+        def on_user_message(self, conversation, turn):
+            seen.append((conversation.id, turn.role, turn.text, len(conversation.turns)))
+
+    engine.host.register(Plugin(), "listener")
+    conversation = engine.conversation()
+    conversation.add_user("hello\tthere")
+    assert seen == [(conversation.id, "user", "hello there", 1)]
+
+
+def test_hook_on_response(engine) -> None:
+    seen = []
+
+    class Plugin:
+        @chatcore.hookimpl
+        def on_response(self, conversation, response):
+            seen.append((response.text(), conversation.turns[-1].text, response.provenance["decoder"]["name"]))
+
+    engine.host.register(Plugin(), "listener")
+    conversation = engine.conversation()
+    text = conversation.send("hi", decoder="greedy", max_new_tokens=5).text()
+    assert seen == [(text, text, "greedy")]

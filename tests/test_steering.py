@@ -1,0 +1,275 @@
+"""Steerers: bow-bias on the tiny model, multi-token words, composition order, prepare()."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import chatcore
+from chatcore.decoding import GenerationSession
+from chatcore.engine import Engine, ReplyOptions
+from chatcore.plugins.bow_bias import BowBiasSteerer, builtin_topics, word_variants
+from chatcore.steering import Steerer, compose
+from chatcore.step import StepOutput, StepState
+from chatcore.text import encode_text
+
+WORDS = "pizza,food,movie,weather"
+
+
+def session_for(loaded, prompt_ids, steerers=(), max_new_tokens=4):
+    return GenerationSession(model=loaded, prompt_ids=list(prompt_ids), steerers=list(steerers),
+                             max_new_tokens=max_new_tokens, generator=torch.Generator().manual_seed(0), seed=0)
+
+
+def prepared_bow(loaded, prompt_ids, **settings):
+    steerer = BowBiasSteerer.from_options(settings)
+    steerer.prepare(session_for(loaded, prompt_ids, [steerer]))
+    return steerer
+
+
+def state_after(prompt_ids, generated):
+    sequences = torch.tensor([list(prompt_ids) + list(generated)])
+    return StepState(input_ids=sequences[:, -1:], sequences=sequences, attention_mask=torch.ones_like(sequences),
+                     position_ids=torch.tensor([[sequences.size(1) - 1]]), cache=None, step=len(generated),
+                     prompt_length=len(prompt_ids))
+
+
+# -- bow-bias ------------------------------------------------------------------------------------
+
+
+def test_bow_bias_covers_every_variant_of_every_word(loaded, tokenizer):
+    prompt = encode_text(tokenizer, "hi") + [tokenizer.eos_token_id]
+    steerer = prepared_bow(loaded, prompt, words="Pizza")
+    assert word_variants("Pizza") == {"Pizza", "pizza", " Pizza", " pizza"}
+    expected = {tuple(encode_text(tokenizer, form)) for form in word_variants("Pizza")}
+    assert set(steerer.sequences) == expected
+    assert sorted(steerer.first_tokens.tolist()) == sorted({ids[0] for ids in expected})
+
+
+def test_bow_bias_raises_the_share_of_word_tokens(engine, loaded, tokenizer):
+    prompt = encode_text(tokenizer, "what should we talk about?") + [tokenizer.eos_token_id]
+    targets = set(prepared_bow(loaded, prompt, words=WORDS).first_tokens.tolist())
+
+    def share(steerers):
+        hits = total = 0
+        for seed in range(6):
+            response = engine.conversation().send(
+                "what should we talk about?",
+                ReplyOptions(decoder="top-k", decoder_settings={"top_k": 400, "temperature": 1.0}, seed=seed,
+                             steerers=steerers, min_new_tokens=20, max_new_tokens=20))
+            response.text()
+            hits += sum(token in targets for token in response.token_ids)
+            total += len(response.token_ids)
+        return hits / total
+
+    plain = share([])
+    steered = share([("bow-bias", {"words": WORDS, "strength": 8})])
+    negative = share([("bow-bias", {"words": WORDS, "strength": -8})])
+    assert steered > 0.5
+    assert steered > plain * 3
+    assert negative < plain
+
+
+def test_bow_bias_with_a_builtin_topic_steers_greedy_decoding(engine, loaded, tokenizer):
+    assert "food" in builtin_topics()
+    response = engine.conversation().send(
+        "hi", ReplyOptions(decoder="greedy", steerers=[("bow-bias", {"topic": "food", "strength": 20})],
+                           min_new_tokens=10, max_new_tokens=10))
+    response.text()
+    prompt = encode_text(tokenizer, "hi") + [tokenizer.eos_token_id]
+    steerer = prepared_bow(loaded, prompt, topic="food")
+    biased = set(steerer.first_tokens.tolist()) | {ids[k] for ids in steerer.sequences for k in range(1, len(ids))}
+    assert all(token in biased for token in response.token_ids)
+
+
+def test_bow_bias_reads_word_files(engine, tmp_path):
+    path = tmp_path / "words.txt"
+    path.write_text("# a comment\n\npizza\n  pasta  \n", encoding="utf-8")
+    steerer = engine.make_steerer("bow-bias", {"file": str(path), "words": "cake"})
+    assert steerer.settings.all_words() == ["cake", "pizza", "pasta"]
+
+
+def test_multi_token_words_are_completed_token_by_token(loaded, tokenizer):
+    prompt = encode_text(tokenizer, "hello") + [tokenizer.eos_token_id]
+    strength = 5.0
+    steerer = prepared_bow(loaded, prompt, words="chocolate", strength=strength)
+    firsts = set(steerer.first_tokens.tolist())
+    word = encode_text(tokenizer, " chocolate")
+    assert len(word) >= 3  # several tokens in a 400-token vocabulary
+    zeros = torch.zeros((1, len(tokenizer)))
+
+    # at the start only first tokens are biased
+    bias = steerer.bias(state_after(prompt, []), zeros)
+    assert set(torch.nonzero(bias[0]).flatten().tolist()) == firsts
+    assert word[0] in firsts and word[1] not in firsts
+
+    # after the word's first k tokens, its (k+1)-th token is biased
+    for k in range(1, len(word)):
+        bias = steerer.bias(state_after(prompt, [7] + word[:k]), zeros)
+        assert bias[0, word[k]].item() == strength, k
+        assert all(bias[0, t].item() == strength for t in firsts)
+
+    # an unrelated ending biases first tokens only (the prompt does not count)
+    unrelated = encode_text(tokenizer, " the")
+    bias = steerer.bias(state_after(prompt + word[:1], unrelated), zeros)
+    assert set(torch.nonzero(bias[0]).flatten().tolist()) == firsts
+
+
+def test_bow_bias_adds_to_the_inner_logits(loaded, tokenizer):
+    prompt = encode_text(tokenizer, "hi") + [tokenizer.eos_token_id]
+    steerer = prepared_bow(loaded, prompt, words="pizza", strength=3)
+    logits = torch.randn((1, len(tokenizer)), generator=torch.Generator().manual_seed(0))
+    inner = lambda state: StepOutput(logits=logits.clone(), cache="cache")  # noqa: E731
+    state = state_after(prompt, [])
+    output = steerer.wrap(inner)(state)
+    assert output.cache == "cache"
+    torch.testing.assert_close(output.logits, logits + steerer.bias(state, logits))
+
+
+# -- composition order ------------------------------------------------------------------------------
+
+
+@dataclass
+class ForceSettings:
+    token: int = 0
+
+
+EVENTS: list[str] = []
+
+
+class ForceSteerer(Steerer):
+    """Records entering and leaving its step, then makes ``token`` the only choice."""
+
+    name = "force"
+    Settings = ForceSettings
+
+    def prepare(self, session):
+        EVENTS.append(f"prepare {self.settings.token}")
+
+    def wrap(self, step):
+        EVENTS.append(f"wrap {self.settings.token}")
+
+        def steered(state):
+            EVENTS.append(f"in {self.settings.token}")
+            output = step(state)
+            EVENTS.append(f"out {self.settings.token}")
+            logits = torch.full_like(output.logits, -1e9)
+            logits[:, self.settings.token] = 0.0
+            return output.replace(logits=logits)
+
+        return steered
+
+
+class ForcePlugin:
+    @chatcore.hookimpl
+    def register_steerers(self, register):
+        register(ForceSteerer)
+
+
+@pytest.fixture
+def force_engine(loaded, host):
+    host.register(ForcePlugin(), "force-plugin")
+    EVENTS.clear()
+    yield Engine(loaded, host=host)
+    EVENTS.clear()
+
+
+def test_the_last_steerer_given_is_the_outermost(force_engine):
+    options = ReplyOptions(decoder="greedy", steerers=[("force", {"token": 5}), ("force", {"token": 7})],
+                           min_new_tokens=3, max_new_tokens=3)
+    response = force_engine.conversation().send("hi", options)
+    response.text()
+    # the last one edits the logits last, so its token wins
+    assert response.token_ids == [7, 7, 7]
+    assert EVENTS[:4] == ["prepare 5", "prepare 7", "wrap 5", "wrap 7"]
+    steps = EVENTS[4:]
+    assert steps == ["in 7", "in 5", "out 5", "out 7"] * 3
+
+    EVENTS.clear()
+    options.steerers.reverse()
+    response = force_engine.conversation().send("hi", options)
+    response.text()
+    assert response.token_ids == [5, 5, 5]
+    assert EVENTS[4:8] == ["in 5", "in 7", "out 7", "out 5"]
+
+
+def test_compose_wraps_in_order():
+    calls = []
+
+    class Tag(Steerer):
+        name = "tag"
+        Settings = ForceSettings
+
+        def wrap(self, step):
+            def steered(state):
+                calls.append(self.settings.token)
+                return step(state)
+
+            return steered
+
+    step = compose(lambda state: calls.append("model") or "done", [Tag(ForceSettings(1)), Tag(ForceSettings(2)),
+                                                                    Tag(ForceSettings(3))])
+    assert step(None) == "done"
+    assert calls == [3, 2, 1, "model"]
+    assert compose(len, []) is len
+
+
+def test_prepare_is_called_once_per_response(force_engine):
+    for n in (1, 6):
+        EVENTS.clear()
+        response = force_engine.conversation().send(
+            "hi", ReplyOptions(decoder="top-k", seed=n, steerers=[("force", {"token": 9})],
+                               min_new_tokens=n, max_new_tokens=n))
+        assert EVENTS == []  # nothing happens before the reply is consumed
+        response.text()
+        assert EVENTS.count("prepare 9") == 1 and EVENTS.count("wrap 9") == 1
+        assert EVENTS.index("prepare 9") < EVENTS.index("in 9")
+        assert EVENTS.count("in 9") == n
+        response.text()  # replaying generates nothing
+        assert EVENTS.count("prepare 9") == 1 and EVENTS.count("in 9") == n
+
+
+def test_steerers_see_the_documented_step_states(loaded, host, tokenizer):
+    states = []
+
+    class Spy(Steerer):
+        name = "spy"
+        Settings = ForceSettings
+
+        def wrap(self, step):
+            def steered(state):
+                states.append((state.input_ids.tolist(), state.sequences.tolist(), state.position_ids.tolist(),
+                               state.cache is None, state.step, state.prompt_length,
+                               state.attention_mask.tolist()))
+                output = step(state)
+                assert output.logits.shape == (1, len(tokenizer)) and output.logits.dtype == torch.float32
+                return output
+
+            return steered
+
+    class SpyPlugin:
+        @chatcore.hookimpl
+        def register_steerers(self, register):
+            register(Spy)
+
+    host.register(SpyPlugin(), "spy-plugin")
+    engine = Engine(loaded, host=host)
+    conversation = engine.conversation()
+    conversation.add_user("hello")
+    prompt = conversation.prompt(4).token_ids
+    response = conversation.reply(ReplyOptions(decoder="greedy", steerers=[("spy", {})], min_new_tokens=4,
+                                               max_new_tokens=4))
+    response.text()
+    generated = response.token_ids
+    assert len(states) == 4
+    p = len(prompt)
+    first = states[0]
+    assert first == ([prompt], [prompt], [list(range(p))], True, 0, p, [[1] * p])
+    for index, (input_ids, sequences, positions, no_cache, step, prompt_length, mask) in enumerate(states[1:], 1):
+        assert input_ids == [[generated[index - 1]]]
+        assert sequences == [prompt + generated[:index]]
+        assert positions == [[p + index - 1]]
+        assert not no_cache and step == index and prompt_length == p
+        assert mask == [[1] * (p + index)]
