@@ -30,6 +30,7 @@ def main() -> None:
     from chatcore.engine import Engine, ReplyOptions
     from chatcore.plugin_manager import PluginHost
 
+    transformers.logging.set_verbosity_error()
     if args.threads:
         torch.set_num_threads(args.threads)
     host = PluginHost()

@@ -110,6 +110,8 @@ class Conversation:
         return self.reply(options, **overrides)
 
     def _record(self, response: "Response") -> None:
+        if response.error is not None and not response.token_ids:
+            return  # a reply that failed before its first token is not a turn
         text = "".join(response._chunks)
         self.add_bot_text(text, interrupted=response.interrupted, meta={"provenance": response.provenance})
         self.engine.host.call_each("on_response", conversation=self, response=response)

@@ -21,7 +21,7 @@ from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
 from chatcore.plugin_manager import PluginHost, get_plugin_host
 from chatcore.registry import Registry
 from chatcore.response import Response
-from chatcore.steering import Steerer
+from chatcore.steering import Steerer, failed_layer
 
 DEFAULT_DECODER = "top-k"
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -46,8 +46,23 @@ class ReplyOptions:
                 f"`min_new_tokens` must be an integer between 0 and max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens!r}"
             )
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise OptionError(f"`seed` must be a non-negative integer, got {self.seed!r}")
+
+
+def validate_options(options: ReplyOptions, registry: Registry | None = None) -> None:
+    """Check decoder and steerer names and settings without loading a model."""
+    registry = registry or Registry.build(get_plugin_host())
+    for kind, name, settings in [("decoder", options.decoder, options.decoder_settings)] + [
+        ("steerer", name, settings) for name, settings in options.steerers
+    ]:
+        cls = registry.decoder(name) if kind == "decoder" else registry.steerer(name)
+        try:
+            cls.from_options(settings or {})
+        except ChatcoreError:
+            raise
+        except (ValueError, TypeError) as error:
+            raise OptionError(f"{kind} {name!r}: {error}") from error
 
 
 class Engine:
@@ -184,9 +199,14 @@ class Engine:
             except ChatcoreError:
                 raise
             except Exception as error:
-                # A steerer raising inside its wrapped step surfaces here too.
-                names = [decoder.name] + [s.name for s in steerers]
-                plugin = ", ".join(sorted({self._plugin_of("decoder", decoder.name)} | {self._plugin_of("steerer", s.name) for s in steerers}))
-                self.host.report(plugin, "decoding", error)
-                raise PluginError(plugin, f"decoding with {' + '.join(names)} failed: {type(error).__name__}: {error}") from error
+                layer = failed_layer(error)
+                if layer == "model":
+                    raise ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}") from error
+                if layer is not None and layer.startswith("steerer:"):
+                    kind, name = "steerer", layer.split(":", 1)[1]
+                else:
+                    kind, name = "decoder", decoder.name
+                plugin = self._plugin_of(kind, name)
+                self.host.report(plugin, f"{kind} {name}", error)
+                raise PluginError(plugin, f"{kind} {name!r} failed while generating: {type(error).__name__}: {error}") from error
             yield int(token)

@@ -59,13 +59,15 @@ def _convert(field_name: str, annotation: Any, raw: Any) -> Any:
             return raw.lower() in _TRUE
         raise OptionError(f"`{field_name}` must be true or false, got {raw!r}")
     if annotation is int:
-        if isinstance(raw, bool):
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
             raise OptionError(f"`{field_name}` must be an integer, got {raw!r}")
         try:
             return int(raw)
         except (TypeError, ValueError):
             raise OptionError(f"`{field_name}` must be an integer, got {raw!r}") from None
     if annotation is float:
+        if isinstance(raw, bool):
+            raise OptionError(f"`{field_name}` must be a number, got {raw!r}")
         try:
             value = float(raw)
         except (TypeError, ValueError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -52,6 +53,10 @@ class PluginInfo:
     hooks: list[str] = field(default_factory=list)
 
 
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _allowed_names() -> set[str] | None:
     raw = os.environ.get(ENV_PLUGINS)
     if raw is None:
@@ -73,6 +78,8 @@ class PluginHost:
     def report(self, plugin: str, stage: str, error: BaseException | str) -> None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         problem = PluginProblem(plugin, stage, message)
+        if problem in self.problems:
+            return  # e.g. the same name clash seen again when another registry is built
         self.problems.append(problem)
         logger.warning("%s", problem)
 
@@ -99,8 +106,10 @@ class PluginHost:
         allowed = _allowed_names()
         seen: set[str] = set()
         for entry_point in metadata.entry_points(group=group):
-            builtin = entry_point.value.startswith(BUILTIN_PREFIX)
             distribution = entry_point.dist.name if entry_point.dist else None
+            # Built-in means shipped by chatcore's own distribution, not merely a module
+            # under the chatcore namespace.
+            builtin = _normalise(distribution or "") == "chatcore" and entry_point.value.startswith(BUILTIN_PREFIX)
             name = entry_point.name if builtin else f"{distribution or 'unknown'}:{entry_point.name}"
             if name in seen:
                 continue  # the same distribution found twice on sys.path
@@ -134,7 +143,9 @@ class PluginHost:
             except Exception as error:
                 self.report(module_name, "import", error)
                 continue
-            self.register(module, module_name)
+            info = PluginInfo(name=module_name, module=module_name, distribution=None, version=None,
+                              builtin=module_name.startswith(BUILTIN_PREFIX))
+            self.register(module, module_name, info)
         self.check_pending()
 
     def check_pending(self) -> None:

@@ -34,6 +34,7 @@ class Response:
         self.provenance: dict[str, Any] = provenance
         self.done = False
         self.interrupted = False
+        self.error: BaseException | None = None
         self._started: float | None = None
 
     def on_done(self, callback: Callable[["Response"], None]) -> None:
@@ -59,9 +60,12 @@ class Response:
                 if delta:
                     self._chunks.append(delta)
                     yield delta
-        except BaseException:
+        except BaseException as error:
             # Ctrl-C (KeyboardInterrupt) or a consumer that stopped iterating
-            # (GeneratorExit): keep the partial reply, marked interrupted.
+            # (GeneratorExit): keep the partial reply, marked interrupted. Any other
+            # error is kept in ``self.error`` too.
+            if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
+                self.error = error
             self._finish(interrupted=True)
             raise
         tail = self._flush()

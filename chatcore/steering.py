@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from chatcore.options import parse_settings, settings_dict
-from chatcore.step import Step
+from chatcore.step import Step, StepOutput, StepState
 
 if TYPE_CHECKING:
     from chatcore.decoding import GenerationSession
@@ -49,8 +49,35 @@ class Steerer:
         return {"name": self.name, "settings": settings_dict(self.settings)}
 
 
+LAYER_ATTRIBUTE = "chatcore_step_layer"
+
+
+def _tag_failures(step: Step, layer: str) -> Step:
+    """Mark an exception escaping ``step`` with the layer it came from, unless an inner
+    layer already did: the innermost layer that raised is the one to blame."""
+
+    def tagged(state: StepState) -> StepOutput:
+        try:
+            return step(state)
+        except Exception as error:
+            if not hasattr(error, LAYER_ATTRIBUTE):
+                setattr(error, LAYER_ATTRIBUTE, layer)
+            raise
+
+    return tagged
+
+
+def failed_layer(error: BaseException) -> str | None:
+    """``"model"``, ``"steerer:NAME"``, or None if the error did not come from a step."""
+    return getattr(error, LAYER_ATTRIBUTE, None)
+
+
 def compose(step: Step, steerers: Sequence[Steerer]) -> Step:
-    """Wrap ``step`` by each steerer in order (the last one given is the outermost)."""
+    """Wrap ``step`` by each steerer in order (the last one given is the outermost).
+
+    Every layer is tagged so that a failure names the steerer (or the model) it came from.
+    """
+    step = _tag_failures(step, "model")
     for steerer in steerers:
-        step = steerer.wrap(step)
+        step = _tag_failures(steerer.wrap(step), f"steerer:{steerer.name}")
     return step

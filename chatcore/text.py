@@ -32,7 +32,7 @@ def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
         raise ChatcoreError(f"the message is {len(text):,} characters long; the limit is {max_chars:,}")
     kept = []
     for char in text:
-        if char in "\n\r\t\v\f":
+        if char.isspace():  # \n, \t, NEL, U+2028 ...: a line break separates words
             kept.append(" ")
         elif unicodedata.category(char) in ("Cc", "Cs"):
             continue

@@ -93,8 +93,15 @@ class BowBiasSteerer(Steerer):
                 ids = tuple(encode_text(tokenizer, form))
                 if ids:
                     unique.add(ids)
+        # A variant like " Word" may tokenize as a bare space then the word; biasing that
+        # space token would push every reply towards whitespace. Such sequences keep
+        # their continuation (biased after a space the model chose itself) but not
+        # their first token.
         self.sequences = sorted(unique)
-        firsts = sorted({ids[0] for ids in self.sequences})
+        firsts = sorted({
+            ids[0] for ids in self.sequences
+            if len(ids) == 1 or tokenizer.decode([ids[0]]).strip()
+        })
         self.first_tokens = torch.tensor(firsts, dtype=torch.long, device=session.model.device)
         self.prompt_length = len(session.prompt_ids)
 

@@ -13,6 +13,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The models are tiny: threads only add overhead (and contention on a busy machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
@@ -27,7 +29,7 @@ TINY_POSITIONS = 128
 def pytest_configure(config: pytest.Config) -> None:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     try:
         from transformers.utils import logging as hf_logging
 

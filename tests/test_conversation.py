@@ -161,8 +161,6 @@ def test_clean_message_normalises(raw, cleaned):
     assert clean_message(raw) == cleaned
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: NEL (U+0085), a line break, is deleted as a control character "
-                                      "instead of becoming a space, so the words around it are glued together")
 def test_next_line_character_becomes_a_space():
     assert clean_message("first\x85second") == "first second"
 
@@ -266,6 +264,20 @@ def test_provenance_describes_the_reply(engine, loaded):
     assert data["seed"] == 3 and data["max_new_tokens"] == 5
     assert data["interrupted"] is False
     assert {"total_s", "new_tokens", "tokens_per_s", "first_token_s"} <= set(data["timings"])
+
+
+def test_reply_and_send_accept_option_overrides(engine):
+    conversation = engine.conversation()
+    response = conversation.send("hi", decoder="greedy", max_new_tokens=3, min_new_tokens=3, seed=9)
+    response.text()
+    assert len(response.token_ids) == 3 and response.provenance["seed"] == 9
+    assert response.provenance["decoder"]["name"] == "greedy"
+    base = ReplyOptions(decoder="top-k", max_new_tokens=5, min_new_tokens=5)
+    again = conversation.reply(base, seed=9)
+    again.text()
+    assert len(again.token_ids) == 5 and again.provenance["seed"] == 9 and base.seed is None
+    with pytest.raises(OptionError):
+        conversation.reply(base, max_new_tokens=0)
 
 
 def test_reply_to_alternates_turns_ending_with_the_user(engine):

@@ -72,7 +72,7 @@ def all_contexts():
     return [[m] for m in MESSAGES] + CONTEXTS
 
 
-@pytest.mark.parametrize("min_new_tokens", [0, 24])
+@pytest.mark.parametrize("min_new_tokens", [0, 5, 24])
 def test_greedy_matches_generate(engine, loaded, min_new_tokens):
     max_new = 24
     compared_nonempty = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +84,9 @@ def test_engine_works_next_to_a_broken_plugin(loaded, host):
     host.register(RaisingRegistration(), "raiser")
     engine = Engine(loaded, host=host)
     response = engine.conversation().send("hi", ReplyOptions(decoder="greedy", max_new_tokens=3, min_new_tokens=3))
-    assert len(response.token_ids) == 0 and len(response.text()) > 0
+    assert response.text()
+    assert len(response.token_ids) == 3
+    assert problems_of(host) == [("raiser", "hook register_decoders")]
 
 
 def test_a_module_that_fails_to_import_is_reported_not_raised():
@@ -289,6 +292,20 @@ def test_bad_steerer_settings_raise_option_errors(engine, settings, needle):
     assert needle in str(excinfo.value)
 
 
+def test_integer_settings_refuse_fractional_numbers(engine):
+    with pytest.raises(OptionError, match="`top_k` must be an integer, got 2.7"):
+        engine.make_decoder("top-k", {"top_k": 2.7})
+
+
+def test_integer_settings_accept_integral_values(engine):
+    assert engine.make_decoder("top-k", {"top_k": 3}).settings.top_k == 3
+    assert engine.make_decoder("top-k", {"top_k": " 4 "}).settings.top_k == 4
+    with pytest.raises(OptionError, match="`top_k` must be an integer, got True"):
+        engine.make_decoder("top-k", {"top_k": True})
+    with pytest.raises(OptionError, match="`top_k` must be an integer, got '2.5'"):
+        engine.make_decoder("top-k", {"top_k": "2.5"})
+
+
 def test_settings_accept_strings_and_dashes(engine):
     decoder = engine.make_decoder("top-k", {"top-k": "12", "temperature": "0.5", "no-repeat-ngram-size": "2"})
     assert (decoder.settings.top_k, decoder.settings.temperature, decoder.settings.no_repeat_ngram_size) == (12, 0.5, 2)
@@ -378,7 +395,7 @@ def test_a_steerer_raising_in_its_step_is_a_plugin_error_and_the_engine_recovers
     assert "exploding-plugin" in excinfo.value.plugin
     assert "exploding-plugin" in str(excinfo.value)
     assert "steerer went off" in str(excinfo.value)
-    assert any("exploding-plugin" in p.plugin and p.stage == "decoding" for p in engine.host.problems)
+    assert any("exploding-plugin" in p.plugin and p.stage == "steerer exploding" for p in engine.host.problems)
     assert response.done and response.interrupted
     assert len(response.token_ids) == 2
 
@@ -392,8 +409,6 @@ def test_a_steerer_raising_in_its_step_is_a_plugin_error_and_the_engine_recovers
     assert len(fresh.token_ids) == 5
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a steerer failing inside its wrapped step is blamed on every plugin "
-                                      "in the pipeline (decoder included) as one made-up plugin name")
 def test_a_steerer_failure_is_blamed_on_the_steerer_plugin_alone(exploding_engine):
     response = exploding_engine.conversation().send(
         "hi", ReplyOptions(decoder="greedy", steerers=[("exploding", {})], min_new_tokens=10, max_new_tokens=10))
@@ -452,7 +467,16 @@ def third_party(tmp_path, monkeypatch):
          "chatcore_third_broken": "raise SystemExit('a plugin must not exit the program')\n"},
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
+    yield tmp_path
+    for module in ("chatcore_third_plugin", "chatcore_third_broken"):
+        sys.modules.pop(module, None)
+
+
+@pytest.fixture(autouse=True)
+def _forget_test_modules():
+    yield
+    for module in [m for m in sys.modules if m.startswith("chatcore_test_")]:
+        del sys.modules[module]
 
 
 def test_builtin_entry_points_always_load():
@@ -467,7 +491,7 @@ def test_builtin_entry_points_always_load():
     registry = Registry.build(host)
     assert {"greedy", "top-k"} <= set(registry.decoders) and "bow-bias" in registry.steerers
     assert registry.decoders["greedy"].plugin == "greedy"
-    assert host.problems == []
+    assert [p for p in host.problems if p.plugin in BUILTIN_ENTRY_POINTS] == []
 
 
 def test_third_party_plugins_are_skipped_when_chatcore_plugins_is_empty(third_party):
@@ -476,7 +500,7 @@ def test_third_party_plugins_are_skipped_when_chatcore_plugins_is_empty(third_pa
     names = {info.name for info in host.plugins()}
     assert BUILTIN_ENTRY_POINTS <= names
     assert not any(name.startswith("chatcore-third:") for name in names)
-    assert host.problems == []
+    assert not any(p.plugin.startswith("chatcore-third:") for p in host.problems)
     assert "third" not in Registry.build(host).decoders
 
 
@@ -491,8 +515,9 @@ def test_chatcore_plugins_selects_third_party_plugins(third_party, monkeypatch, 
     assert (info.builtin, info.distribution, info.version, info.module) == (
         False, "chatcore-third", "1.2.3", "chatcore_third_plugin")
     assert Registry.build(host).decoders["third"].plugin == "chatcore-third:third"
-    broken_loaded = allowed == "chatcore-third"
-    assert (("chatcore-third:broken", "import") in problems_of(host)) is broken_loaded
+    third_problems = [p for p in problems_of(host) if p[0].startswith("chatcore-third:")]
+    # naming the distribution selects all its entry points, the broken one included
+    assert third_problems == ([("chatcore-third:broken", "import")] if allowed == "chatcore-third" else [])
 
 
 def test_without_chatcore_plugins_every_plugin_loads_and_a_broken_one_is_reported(third_party, monkeypatch):
@@ -500,13 +525,11 @@ def test_without_chatcore_plugins_every_plugin_loads_and_a_broken_one_is_reporte
     host = PluginHost()
     host.load_entry_points()  # SystemExit at import must not end the program
     assert "chatcore-third:third" in {info.name for info in host.plugins()}
-    assert problems_of(host) == [("chatcore-third:broken", "import")]
-    assert "SystemExit" in host.problems[0].message
+    third = [p for p in host.problems if p.plugin.startswith("chatcore-third:")]
+    assert [(p.plugin, p.stage) for p in third] == [("chatcore-third:broken", "import")]
+    assert "SystemExit" in third[0].message
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: built-ins are recognised by the entry point's module prefix "
-                                      "'chatcore.', so another distribution's entry point under that "
-                                      "namespace bypasses CHATCORE_PLUGINS and is labelled built-in")
 def test_only_chatcores_own_entry_points_count_as_builtin(tmp_path, monkeypatch):
     make_distribution(tmp_path, "sneaky-dist", {"sneaky": "chatcore.text"}, {})
     monkeypatch.syspath_prepend(str(tmp_path))

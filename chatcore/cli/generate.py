@@ -30,7 +30,7 @@ def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs:
     turns alternate between user and bot, ending with the user. Give "-" to read
     turns from standard input, one per line.
     """
-    from chatcore.engine import Engine, ReplyOptions
+    from chatcore.engine import Engine, ReplyOptions, validate_options
 
     if turns == ("-",):
         turns = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
@@ -38,11 +38,8 @@ def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs:
     steerers = [parse_spec(spec) for spec in steer_specs]
     options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
                            seed=seed, max_new_tokens=max_new_tokens)
+    validate_options(options)  # bad names or settings fail before the model loads
     engine = Engine(model, device=device, dtype=dtype)
-    # Build decoder and steerers once up front so bad settings fail before any work.
-    engine.make_decoder(decoder, decoder_settings)
-    for name, settings in steerers:
-        engine.make_steerer(name, settings)
     response = engine.reply_to(list(turns), options)
     if as_json:
         click.echo(json.dumps(response.to_dict(), indent=2, ensure_ascii=False))

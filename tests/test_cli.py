@@ -1,0 +1,170 @@
+"""The command line, through click's test runner (and one real interpreter for import costs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from chatcore.cli import build_cli
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+
+    def invoke(*args, input=None):
+        return runner.invoke(build_cli(), list(args), input=input, catch_exceptions=True)
+
+    return invoke
+
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def assert_clean_failure(result, *needles):
+    assert result.exit_code != 0
+    assert isinstance(result.exception, SystemExit), result.exception  # handled, not a crash
+    assert "Traceback" not in result.output
+    lines = error_lines(result)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("Error: ")
+    for needle in needles:
+        assert needle in lines[0]
+    assert result.stdout == ""
+
+
+def test_generate_json(run, tiny_model_dir):
+    result = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "--seed", "4",
+                 "-n", "6", "--json", "hi")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert {"text", "seed", "decoder", "steerers", "timings"} <= set(data)
+    assert data["seed"] == 4
+    assert data["decoder"]["name"] == "greedy"
+    assert data["steerers"] == []
+    assert data["max_new_tokens"] == 6
+    assert isinstance(data["text"], str) and 1 <= len(data["token_ids"]) <= 6
+    assert data["timings"]["new_tokens"] == len(data["token_ids"])
+    assert data["interrupted"] is False
+
+
+def test_generate_is_reproducible_and_takes_steerers(run, tiny_model_dir):
+    args = ("generate", "--model", str(tiny_model_dir), "--decoder", "top-k top_k=50 temperature=0.9",
+            "--steer", "bow-bias words=pizza,pasta strength=4", "--seed", "11", "-n", "8", "--json",
+            "hello", "hi there", "what do you like to eat?")
+    first, second = run(*args), run(*args)
+    assert first.exit_code == 0, first.output
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert a["text"] == b["text"] and a["token_ids"] == b["token_ids"]
+    assert a["decoder"]["settings"]["top_k"] == 50 and a["decoder"]["settings"]["temperature"] == 0.9
+    assert a["steerers"][0]["name"] == "bow-bias"
+    assert a["steerers"][0]["settings"]["words"] == ["pizza", "pasta"]
+    assert a["history_turns_used"] == 3
+
+
+def test_generate_streams_plain_text(run, tiny_model_dir):
+    plain = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "6", "hi")
+    as_json = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "6", "--json", "hi")
+    assert plain.exit_code == 0, plain.output
+    assert plain.stdout == json.loads(as_json.stdout)["text"] + "\n"
+
+
+def test_generate_reads_turns_from_stdin(run, tiny_model_dir):
+    result = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "4", "--json", "-",
+                 input="hello\n\nhi there\nhow are you?\n")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["history_turns_used"] == 3
+
+
+@pytest.mark.parametrize(
+    "decoder_spec, needles",
+    [
+        ("top-k top_k=0", ["top_k", "got 0"]),
+        ("top-k top_k=abc", ["`top_k` must be an integer, got 'abc'"]),
+        ("top-k temperature=-1", ["`temperature`", "-1"]),
+        ("top-k foo=1", ["unknown setting", "'foo'"]),
+        ("top-k top_k", ["expected key=value, got 'top_k'"]),
+        ("beam", ["unknown decoder 'beam'", "greedy", "top-k"]),
+        ("'unclosed", ["cannot parse"]),
+    ],
+)
+def test_bad_decoders_fail_with_one_clean_line(run, tiny_model_dir, decoder_spec, needles):
+    result = run("generate", "--model", str(tiny_model_dir), "--decoder", decoder_spec, "hi")
+    assert_clean_failure(result, *needles)
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--steer", "bow-bias"], ["needs words"]),
+        (["--steer", "nudge words=x"], ["unknown steerer 'nudge'", "bow-bias"]),
+        (["--steer", "bow-bias words=x strength=1e9"], ["`strength`"]),
+    ],
+)
+def test_bad_steerers_fail_with_one_clean_line(run, tiny_model_dir, args, needles):
+    result = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", *args, "hi")
+    assert_clean_failure(result, *needles)
+
+
+def test_bad_messages_and_models_fail_cleanly(run, tiny_model_dir, tmp_path):
+    assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "  "), "empty")
+    assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "--seed", "-5", "hi"),
+                         "`seed` must be a non-negative integer, got -5")
+    assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "-n", "200", "hi"), "context budget")
+    assert_clean_failure(run("generate", "--model", str(tmp_path / "no-such-model"), "hi"), "cannot load model")
+
+
+def test_debug_mode_shows_the_exception(run, tiny_model_dir, monkeypatch):
+    from chatcore.errors import OptionError
+
+    monkeypatch.setenv("CHATCORE_DEBUG", "1")
+    result = run("generate", "--model", str(tiny_model_dir), "--decoder", "top-k top_k=0", "hi")
+    assert result.exit_code != 0
+    assert isinstance(result.exception, OptionError)
+
+
+def test_plugins_json_lists_the_builtins(run):
+    result = run("plugins", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    rows = {row["name"]: row for row in data["plugins"]}
+    assert {"greedy", "top_k", "bow_bias"} <= set(rows)
+    assert rows["greedy"]["decoders"] == ["greedy"]
+    assert rows["top_k"]["decoders"] == ["top-k"]
+    assert rows["bow_bias"]["steerers"] == ["bow-bias"]
+    for name in ("greedy", "top_k", "bow_bias"):
+        assert rows[name]["builtin"] is True and rows[name]["module"] == f"chatcore.plugins.{name}"
+    decoders = {d for row in rows.values() for d in row["decoders"]}
+    steerers = {s for row in rows.values() for s in row["steerers"]}
+    assert {"greedy", "top-k"} <= decoders and "bow-bias" in steerers
+    assert [p for p in data["problems"] if p["plugin"] in ("greedy", "top_k", "bow_bias")] == []
+
+
+def test_plugins_text_listing(run):
+    result = run("plugins")
+    assert result.exit_code == 0, result.output
+    assert "greedy  (built-in; chatcore.plugins.greedy)" in result.stdout
+    assert "decoders: top-k" in result.stdout
+    assert "steerers: bow-bias" in result.stdout
+
+
+def test_help_lists_the_commands(run):
+    result = run("--help")
+    assert result.exit_code == 0
+    for command in ("generate", "plugins", "train"):
+        assert command in result.stdout
+
+
+def test_building_the_cli_imports_neither_torch_nor_transformers():
+    code = ("import sys; from chatcore.cli import build_cli; build_cli(); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))")
+    env = dict(os.environ, CHATCORE_PLUGINS="")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert completed.returncode == 0, completed.stderr
