@@ -13,11 +13,11 @@ the finished candidates, recording them in ``session.candidates``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from chatcore.options import parse_settings, settings_dict
+from chatcore.options import Configurable
 from chatcore.processors import NoRepeatNGram, RepetitionPenalty, ScoreProcessor
 from chatcore.steering import Steerer, compose
 from chatcore.step import Step, StepState, model_step
@@ -147,29 +147,17 @@ class GenerationSession:
                 next_position = next_position + 1
 
 
-class Decoder:
+class Decoder(Configurable):
     """Base class for decoders: a ``name``, a ``Settings`` dataclass, ``decode(session)``.
 
     ``decode`` yields the reply's token ids (without the final EOS). A streaming
     decoder yields them as they are chosen; a reranking one yields them at the end.
     """
 
-    name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    Settings: ClassVar[type] = object
-
-    def __init__(self, settings: Any = None) -> None:
-        self.settings = settings if settings is not None else self.Settings()
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None = None) -> "Decoder":
-        return cls(parse_settings(cls.Settings, dict(options or {}), owner=f"decoder {cls.name!r}"))
+    kind: ClassVar[str] = "decoder"
 
     def decode(self, session: GenerationSession) -> Iterator[int]:
         raise NotImplementedError
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "settings": settings_dict(self.settings)}
 
 
 class TokenDecoder(Decoder):

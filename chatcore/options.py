@@ -13,11 +13,12 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from chatcore.errors import OptionError
 
 T = TypeVar("T")
+C = TypeVar("C", bound="Configurable")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -106,6 +107,27 @@ def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str 
         raise
     except (ValueError, TypeError) as error:
         raise OptionError(f"{error}{where}") from error
+
+
+class Configurable:
+    """A named plugin object with typed ``Settings``: the shared base of decoders and
+    steerers. ``from_options`` parses raw ``key=value`` settings; ``describe`` gives the
+    name and settings for provenance."""
+
+    kind: ClassVar[str] = "plugin"
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Settings: ClassVar[type] = object
+
+    def __init__(self, settings: Any = None) -> None:
+        self.settings = settings if settings is not None else self.Settings()
+
+    @classmethod
+    def from_options(cls: type[C], options: Mapping[str, Any] | None = None) -> C:
+        return cls(parse_settings(cls.Settings, dict(options or {}), owner=f"{cls.kind} {cls.name!r}"))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "settings": settings_dict(self.settings)}
 
 
 def parse_key_values(pairs: Iterable[str]) -> dict[str, str]:

@@ -15,38 +15,26 @@ A steerer instance serves one response at a time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
-from chatcore.options import parse_settings, settings_dict
+from chatcore.options import Configurable
 from chatcore.step import Step, StepOutput, StepState
 
 if TYPE_CHECKING:
     from chatcore.decoding import GenerationSession
 
 
-class Steerer:
+class Steerer(Configurable):
     """Base class for steerers. Subclasses set ``name`` and ``Settings`` and implement ``wrap``."""
 
-    name: ClassVar[str] = ""
-    description: ClassVar[str] = ""
-    Settings: ClassVar[type] = object
-
-    def __init__(self, settings: Any = None) -> None:
-        self.settings = settings if settings is not None else self.Settings()
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None = None) -> "Steerer":
-        return cls(parse_settings(cls.Settings, dict(options or {}), owner=f"steerer {cls.name!r}"))
+    kind: ClassVar[str] = "steerer"
 
     def prepare(self, session: "GenerationSession") -> None:
         """Called once per response, before the first step."""
 
     def wrap(self, step: Step) -> Step:
         raise NotImplementedError
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "settings": settings_dict(self.settings)}
 
 
 LAYER_ATTRIBUTE = "chatcore_step_layer"

@@ -1,19 +1,28 @@
-"""``chatcore train``: tokenizer, forward model and reverse (MMI) model training."""
+"""``chatcore train``: data filtering, tokenizer, forward model and reverse (MMI) model training."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
 import chatcore
+
+if TYPE_CHECKING:
+    from chatcore.training.filtering import FilterConfig, FilterReport
 
 
 @click.group()
 def train() -> None:
     """Train a tokenizer or a dialogue model (forward, or reverse for MMI).
 
-    Corpora: "chitchat" (built in) or a JSONL file, one dialogue per line:
-    {"id": "...", "turns": ["hi", "hello, how are you?", ...]}.
-    The held-out split is by dialogue and the same for every command.
+    Corpora: "chitchat" (built in) or a JSONL file of dialogues
+    ({"id": "...", "turns": ["hi", "hello, how are you?", ...]}), of thread-tree
+    messages ({"id", "parent_id", "text", "community"}) or of chat-log messages
+    ({"channel", "author", "text", "time"}). The held-out split is by thread and the
+    same for every command; the training split is filtered DialoGPT-style unless
+    --no-filter is given.
     """
 
 
@@ -22,17 +31,113 @@ heldout_option = click.option("--heldout", type=click.FloatRange(0, 0.5), defaul
                               help="Share of dialogues held out for evaluation.")
 
 
+def filter_options(with_switch: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options that configure the filtering stage, shared by the train commands."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        options = [
+            click.option("--filter-config", type=click.Path(dir_okay=False), default=None,
+                         help="JSON or TOML file of filter settings (see docs/training-data.md)."),
+            click.option("--filter-disable", default="", metavar="RULES",
+                         help="Comma list of rules to turn off: community, url, markup, length, repeat, "
+                              "blocklist, top-words, bland."),
+            click.option("--filter-set", multiple=True, metavar="KEY=VALUE",
+                         help="One filter setting, e.g. max_words=300 or blocklist_path=words.txt (repeatable)."),
+            click.option("--filter-report", type=click.Path(dir_okay=False), default=None,
+                         help="Write the full filter report (counts and examples) to this JSON file."),
+        ]
+        if with_switch:
+            options.insert(0, click.option("--no-filter", is_flag=True, help="Train on the corpus unfiltered."))
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def build_filter_config(config_file: str | None, disable: str, settings: tuple[str, ...]) -> FilterConfig:
+    from chatcore.errors import OptionError
+    from chatcore.training.filtering import FilterConfig, load_filter_config
+
+    config = load_filter_config(config_file) if config_file else FilterConfig()
+    values: dict[str, Any] = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise OptionError(f"--filter-set expects KEY=VALUE, got {item!r}")
+        values[key.strip()] = value.strip()
+    if disable:
+        extra = [name.strip() for name in disable.split(",") if name.strip()]
+        values["disable"] = tuple(dict.fromkeys([*config.disable, *extra]))
+    return config.updated(values, origin="--filter-set / --filter-disable") if values else config
+
+
+def report_writer(path: str | None, examples: int = 2) -> Callable[[FilterReport], None]:
+    """Print the report's table (with a few examples) and write the full report to ``path``."""
+
+    def write(report: FilterReport) -> None:
+        import json
+        from pathlib import Path
+
+        click.echo(report.format(examples=examples))
+        if path:
+            Path(path).write_text(json.dumps(report.to_dict(), indent=2, ensure_ascii=False), encoding="utf-8")
+            click.echo(f"filter report written to {path}")
+
+    return write
+
+
 @train.command("tokenizer")
 @corpus_option
 @heldout_option
 @click.option("--vocab-size", type=click.IntRange(300, 1_000_000), default=8192, show_default=True)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
-def train_tokenizer(corpus: str, heldout: float, vocab_size: int, out_dir: str) -> None:
-    """Train a byte-level BPE tokenizer on the training split."""
+@filter_options(with_switch=True)
+def train_tokenizer(corpus: str, heldout: float, vocab_size: int, out_dir: str, no_filter: bool,
+                    filter_config: str | None, filter_disable: str, filter_set: tuple[str, ...],
+                    filter_report: str | None) -> None:
+    """Train a byte-level BPE tokenizer on the (filtered) training split."""
     from chatcore.training.pipeline import train_tokenizer_command
 
-    path = train_tokenizer_command(corpus, out_dir, vocab_size, heldout)
+    config = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
+    path = train_tokenizer_command(corpus, out_dir, vocab_size, heldout, filter_config=config,
+                                   on_filter_report=report_writer(filter_report))
     click.echo(f"tokenizer saved to {path}")
+
+
+@train.command("filter")
+@corpus_option
+@filter_options(with_switch=False)
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the kept dialogues here as JSONL (a corpus for --corpus).")
+@click.option("--examples", type=click.IntRange(0, 1000), default=3, show_default=True,
+              help="Examples to show per rule.")
+def train_filter(corpus: str, filter_config: str | None, filter_disable: str, filter_set: tuple[str, ...],
+                 filter_report: str | None, out_path: str | None, examples: int) -> None:
+    """Filter a whole corpus and print what each rule removed (no training).
+
+    Training commands filter their training split the same way; use this to tune the
+    settings first.
+    """
+    import json
+    from pathlib import Path
+
+    from chatcore.training.filtering import filter_dialogues
+    from chatcore.training.threads import load_dialogues
+
+    config = build_filter_config(filter_config, filter_disable, filter_set)
+    if examples > config.examples:
+        config = config.updated({"examples": examples})
+    result = filter_dialogues(load_dialogues(corpus), config)
+    report_writer(filter_report, examples=examples)(result.report)
+    if out_path:
+        with Path(out_path).open("w", encoding="utf-8") as handle:
+            for dialogue in result.dialogues:
+                record: dict[str, Any] = {"id": dialogue.id, "turns": list(dialogue.turns)}
+                if dialogue.community is not None:
+                    record["community"] = dialogue.community
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        click.echo(f"{len(result.dialogues):,} dialogues written to {out_path}")
 
 
 @train.command("model")
@@ -50,7 +155,10 @@ def train_tokenizer(corpus: str, heldout: float, vocab_size: int, out_dir: str) 
 @click.option("--n-positions", type=click.IntRange(16, 8192), default=512, show_default=True)
 @click.option("--dropout", type=click.FloatRange(0, 0.9), default=0.1, show_default=True)
 @click.option("--epochs", type=click.FloatRange(0.001, 10_000), default=10.0, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1, 65536), default=32, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 65536), default=32, show_default=True,
+              help="Blocks per device per micro-batch.")
+@click.option("--grad-accum", type=click.IntRange(1, 65536), default=1, show_default=True,
+              help="Micro-batches per optimizer step (gradient accumulation).")
 @click.option("--block-size", type=click.IntRange(8, 8192), default=256, show_default=True)
 @click.option("--lr", "learning_rate", type=click.FloatRange(1e-8, 1.0), default=1e-3, show_default=True)
 @click.option("--warmup-steps", type=click.IntRange(0, 10**9), default=100, show_default=True)
@@ -61,26 +169,40 @@ def train_tokenizer(corpus: str, heldout: float, vocab_size: int, out_dir: str) 
 @click.option("--save-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float16", show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@filter_options(with_switch=True)
 def train_model(corpus: str, heldout: float, out_dir: str, reverse: bool, tokenizer_path: str | None,
                 init_from: str | None, vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_positions: int,
-                dropout: float, epochs: float, batch_size: int, block_size: int, learning_rate: float,
-                warmup_steps: int, eval_every: int, seed: int, device: str | None, precision: str,
-                save_dtype: str, resume: bool, quiet: bool) -> None:
-    """Train a GPT-2-architecture dialogue model from scratch, or fine-tune one."""
+                dropout: float, epochs: float, batch_size: int, grad_accum: int, block_size: int,
+                learning_rate: float, warmup_steps: int, eval_every: int, seed: int, device: str | None,
+                precision: str, save_dtype: str, resume: bool, quiet: bool, no_filter: bool,
+                filter_config: str | None, filter_disable: str, filter_set: tuple[str, ...],
+                filter_report: str | None) -> None:
+    """Train a GPT-2-architecture dialogue model from scratch, or fine-tune one.
+
+    On several GPUs (or CPU processes, with --device cpu), launch it with torchrun:
+
+    \b
+        torchrun --nproc_per_node=N -m chatcore.cli train model ...
+    """
     from chatcore.errors import OptionError
     from chatcore.training.pipeline import train_model_command
-    from chatcore.training.trainer import ModelShape, TrainConfig
+    from chatcore.training.trainer import ModelShape, TrainConfig, distributed_context
 
     try:
         shape = ModelShape(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, dropout=dropout)
         config = TrainConfig(out_dir=out_dir, epochs=epochs, batch_size=batch_size, block_size=block_size,
                              learning_rate=learning_rate, warmup_steps=warmup_steps, eval_every=eval_every,
-                             seed=seed, device=device, precision=precision, save_dtype=save_dtype)
+                             seed=seed, device=device, precision=precision, save_dtype=save_dtype,
+                             grad_accum=grad_accum)
     except ValueError as error:
         raise OptionError(str(error)) from None
+    filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
     result = train_model_command(corpus, config, shape, tokenizer_path=tokenizer_path, init_from=init_from,
                                  reverse=reverse, heldout=heldout, vocab_size=vocab_size, resume=resume,
-                                 progress=not quiet)
+                                 progress=not quiet, filter_config=filtering,
+                                 on_filter_report=report_writer(filter_report))
+    if not distributed_context().is_main:
+        return
     click.echo(f"best held-out loss {result.best_val_loss:.4f} (perplexity {result.best_val_perplexity:.2f}) "
                f"at step {result.best_step}; {result.parameters:,} parameters; model in {out_dir}/best")
 

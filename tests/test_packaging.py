@@ -48,6 +48,17 @@ def test_wheel_imports_every_builtin_and_has_no_bare_packages(tmp_path: Path) ->
     top_level = {name.split("/", 1)[0] for name in names}
     assert "plugins" not in top_level and "adapters" not in top_level, top_level
     assert "chatcore/plugins/greedy.py" in names
+    # Every source file of the three folders is in the wheel (a subpackage missing from
+    # pyproject's package list would silently vanish from installs).
+    for folder, prefix in (("chatcore", "chatcore/"), ("plugins", "chatcore/plugins/"), ("adapters", "chatcore/adapters/")):
+        for source in (ROOT / folder).rglob("*.py"):
+            relative = source.relative_to(ROOT / folder).as_posix()
+            if folder == "chatcore" and relative.split("/", 1)[0] in ("plugins", "adapters"):
+                continue
+            assert prefix + relative in names, f"{prefix + relative} is missing from the wheel"
+    for data in ("chatcore/training/blocklist.txt", "chatcore/evaluation/openers.txt",
+                 "chatcore/bundled/chatcore-tiny/config.json", "chatcore/plugins/wordlists/food.txt"):
+        assert data in names, f"{data} is missing from the wheel"
     assert any(name.startswith("chatcore/bundled/") for name in names)
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)

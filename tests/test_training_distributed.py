@@ -100,6 +100,7 @@ def _assert_same_weights(first: dict, second: dict) -> None:
         torch.testing.assert_close(first[name], second[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_large_batch(tiny_corpus, tmp_path):
     corpus, tokenizer_dir = tiny_corpus
     large, large_state = _train_in_process(corpus, tokenizer_dir, tmp_path / "large", batch_size=4, epochs=0.15)

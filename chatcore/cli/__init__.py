@@ -46,10 +46,9 @@ def cli() -> None:
 
 
 def build_cli() -> click.Group:
-    from chatcore.cli import chat, generate, plugins_command
+    from chatcore.cli import generate, plugins_command
     from chatcore.plugin_manager import get_plugin_host
 
-    cli.add_command(chat.chat)
     cli.add_command(generate.generate)
     cli.add_command(plugins_command.plugins)
     host = get_plugin_host()

@@ -3,9 +3,11 @@
 A corpus is a list of :class:`Dialogue`: an id and its turns, oldest first, each turn the
 text of one speaker's message(s). The JSONL format, one dialogue per line::
 
-    {"id": "optional-stable-id", "turns": ["hi there", "hello! how are you?", "fine"]}
+    {"id": "optional-stable-id", "turns": ["hi there", "hello! how are you?", "fine"],
+     "community": "optional channel, subreddit or file name"}
 
-A line may also be a bare JSON list of turns. Blank lines are skipped.
+A line may also be a bare JSON list of turns. Blank lines are skipped. ``community``
+groups dialogues for the filtering rule that drops whole communities.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ BUILTIN_CORPORA = ("chitchat",)
 class Dialogue:
     id: str
     turns: tuple[str, ...]
+    community: str | None = None
 
 
 def _clean_turn(text: str) -> str:
@@ -84,7 +87,10 @@ def load_jsonl(path: str | Path) -> list[Dialogue]:
         if len(cleaned) < 2:
             continue  # a monologue teaches no reply
         dialogue_id = str(record.get("id") or hashlib.sha1("\n".join(cleaned).encode()).hexdigest()[:16])
-        dialogues.append(Dialogue(id=dialogue_id, turns=cleaned))
+        community = record.get("community")
+        if community is not None and not isinstance(community, str):
+            raise CorpusError(f"{path}:{number}: `community` must be a string")
+        dialogues.append(Dialogue(id=dialogue_id, turns=cleaned, community=community or None))
     if not dialogues:
         raise CorpusError(f"{path}: no dialogue with at least two turns")
     return dialogues

@@ -1,20 +1,69 @@
-"""End-to-end training runs behind ``chatcore train``: corpus -> tokenizer -> model."""
+"""End-to-end training runs behind ``chatcore train``: corpus -> filter -> tokenizer -> model.
+
+The held-out split comes first and only the training split is filtered, so the
+held-out dialogues, and the perplexity measured on them, are the same with and without
+filtering (and the same as ``chatcore eval``'s chitchat held-out prompts).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from chatcore.errors import ChatcoreError, ModelLoadError
-from chatcore.training.corpus import load_corpus, split_heldout
-from chatcore.training.trainer import ModelShape, TrainConfig, TrainResult, build_model, train
+from chatcore.training.corpus import Dialogue
+from chatcore.training.filtering import FilterConfig, FilterReport
+from chatcore.training.threads import load_dialogues, split_heldout_by_thread
+from chatcore.training.trainer import (
+    ModelShape,
+    TrainConfig,
+    TrainResult,
+    barrier,
+    build_model,
+    distributed_context,
+    init_distributed,
+    train,
+)
+
+DEFAULT_FILTER = FilterConfig()
+ReportCallback = Callable[[FilterReport], None]
 
 
-def train_tokenizer_command(corpus: str, out_dir: str, vocab_size: int, heldout: float) -> Path:
+def training_dialogues(
+    corpus: str,
+    heldout: float,
+    filter_config: FilterConfig | None = DEFAULT_FILTER,
+    on_filter_report: ReportCallback | None = None,
+) -> tuple[list[Dialogue], list[Dialogue], FilterReport | None]:
+    """Load a corpus, split off the held-out dialogues, filter the rest (unless
+    ``filter_config`` is None). Returns (train, held-out, the filter report)."""
+    from chatcore.training.filtering import filter_dialogues
+
+    train_set, heldout_set = split_heldout_by_thread(load_dialogues(corpus), heldout)
+    report = None
+    if filter_config is not None:
+        result = filter_dialogues(train_set, filter_config)
+        train_set, report = result.dialogues, result.report
+        if on_filter_report is not None:
+            on_filter_report(report)
+    return train_set, heldout_set, report
+
+
+def train_tokenizer_command(
+    corpus: str,
+    out_dir: str,
+    vocab_size: int,
+    heldout: float,
+    filter_config: FilterConfig | None = DEFAULT_FILTER,
+    on_filter_report: ReportCallback | None = None,
+) -> Path:
     from chatcore.training.tokenizer import train_tokenizer
 
-    train_set, _ = split_heldout(load_corpus(corpus), heldout)
+    train_set, _, _ = training_dialogues(corpus, heldout, filter_config, on_filter_report)
+    if not train_set:
+        raise ChatcoreError("no training dialogue is left: lower the held-out fraction or relax the filter")
     tokenizer = train_tokenizer((turn for d in train_set for turn in d.turns), vocab_size=vocab_size)
     tokenizer.save_pretrained(out_dir)
     return Path(out_dir)
@@ -43,13 +92,29 @@ def train_model_command(
     vocab_size: int = 8192,
     resume: bool = False,
     progress: bool = True,
+    filter_config: FilterConfig | None = DEFAULT_FILTER,
+    on_filter_report: ReportCallback | None = None,
 ) -> TrainResult:
-    """Train a forward (or, with ``reverse``, an MMI reverse) dialogue model."""
+    """Train a forward (or, with ``reverse``, an MMI reverse) dialogue model.
+
+    Under torchrun every rank loads and filters the corpus itself (both are
+    deterministic); a tokenizer trained from scratch is trained by rank 0 alone and
+    loaded by the others, so all ranks share one vocabulary.
+    """
     from chatcore.training.data import encode_dialogues
 
-    train_set, heldout_set = split_heldout(load_corpus(corpus), heldout)
+    context = distributed_context()
+    train_set, heldout_set, report = training_dialogues(
+        corpus, heldout, filter_config, on_filter_report if context.is_main else None
+    )
     if not train_set:
-        raise ChatcoreError("the training split is empty: lower the held-out fraction or add dialogues")
+        raise ChatcoreError("the training split is empty: lower the held-out fraction, add dialogues "
+                            "or relax the filter")
+    out_path = Path(config.out_dir)
+    if context.is_main:
+        out_path.mkdir(parents=True, exist_ok=True)
+        if report is not None:
+            (out_path / "filter_report.json").write_text(json.dumps(report.to_dict(), indent=2))
     if init_from:
         from transformers import AutoModelForCausalLM
 
@@ -64,6 +129,17 @@ def train_model_command(
     else:
         if tokenizer_path:
             tokenizer = _load_tokenizer(tokenizer_path)
+        elif context.enabled:
+            init_distributed(config.device)
+            shared_path = out_path / "tokenizer"
+            if context.is_main:
+                from chatcore.training.tokenizer import train_tokenizer
+
+                train_tokenizer((t for d in train_set for t in d.turns), vocab_size=vocab_size).save_pretrained(
+                    str(shared_path)
+                )
+            barrier()
+            tokenizer = _load_tokenizer(str(shared_path))
         else:
             from chatcore.training.tokenizer import train_tokenizer
 
@@ -71,12 +147,17 @@ def train_model_command(
         model = build_model(tokenizer, shape)
     train_stream = encode_dialogues(train_set, tokenizer, reverse=reverse)
     heldout_stream = encode_dialogues(heldout_set, tokenizer, reverse=reverse) if heldout_set else train_stream[:0]
-    config.extra.update({"corpus": corpus, "reverse": reverse, "heldout_fraction": heldout, "init_from": init_from})
+    filter_settings = None if filter_config is None else _changed_settings(filter_config)
+    config.extra.update({"corpus": corpus, "reverse": reverse, "heldout_fraction": heldout, "init_from": init_from,
+                         "filter": filter_settings})
     result = train(model, tokenizer, train_stream, heldout_stream, config, resume=resume, progress=progress)
+    if not context.is_main:
+        return result
     card = {
         "corpus": corpus,
         "direction": "reverse" if reverse else "forward",
         "heldout_fraction": heldout,
+        "filter": _filter_summary(filter_settings, report),
         "train_tokens": int(train_stream.numel()),
         "heldout_tokens": int(heldout_stream.numel()),
         "parameters": result.parameters,
@@ -89,3 +170,22 @@ def train_model_command(
     if best.exists():
         (best / "chatcore_training.json").write_text(json.dumps(card, indent=2))
     return result
+
+
+def _changed_settings(config: FilterConfig) -> dict[str, Any]:
+    """The filter settings that differ from the defaults ({} for the default filter)."""
+    from dataclasses import asdict
+
+    defaults = asdict(DEFAULT_FILTER)
+    return {key: value for key, value in asdict(config).items() if defaults[key] != value}
+
+
+def _filter_summary(settings: dict[str, Any] | None, report: FilterReport | None) -> dict[str, Any] | str:
+    if settings is None or report is None:
+        return "off"
+    return {
+        "settings": settings,
+        "exchanges_in": report.exchanges_in,
+        "exchanges_kept": report.exchanges_out,
+        "removed_by_rule": {rule.name: rule.removed for rule in report.rules if rule.status == "on"},
+    }

@@ -4,11 +4,19 @@ One loop serves forward and reverse models, from scratch or fine-tuned from a Hu
 Face model (``init_from``). Checkpoints hold the model, the optimizer, the scheduler and
 the RNG state, so ``resume`` continues exactly. The best model by held-out loss is
 saved as an ordinary Hugging Face folder.
+
+The same loop runs on one device or on several under ``torchrun`` (WORLD_SIZE > 1):
+the model is wrapped in DistributedDataParallel (NCCL on GPUs, gloo on CPUs), every
+optimizer step takes ``batch_size * grad_accum * world_size`` blocks, and each rank
+trains on its own share of them. Only rank 0 evaluates, saves and prints. A checkpoint
+holds no per-device state, so it resumes on any number of devices: with the same global
+batch exactly where it stopped, otherwise at the same position in the epochs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,6 +27,8 @@ from chatcore.errors import ChatcoreError
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("chatcore.training")
 
 
 @dataclass
@@ -55,6 +65,7 @@ class TrainConfig:
     seed: int = 1234
     device: str | None = None
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    grad_accum: int = 1
     save_dtype: str = "float16"
     max_shard_size: str = "15MB"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -62,7 +73,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.epochs <= 0:
             raise ValueError(f"`epochs` must be positive, got {self.epochs}")
-        for name in ("batch_size", "block_size", "eval_every"):
+        for name in ("batch_size", "block_size", "eval_every", "grad_accum"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
@@ -114,6 +125,98 @@ class TrainResult:
         return math.exp(self.best_val_loss)
 
 
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process stands in a torchrun launch (rank 0 of 1 when run plainly)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def distributed_context() -> DistributedContext:
+    """Read the rank and world size that torchrun (or any env:// launcher) exports."""
+    import os
+
+    try:
+        return DistributedContext(
+            rank=int(os.environ.get("RANK", "0")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        )
+    except ValueError as error:
+        raise ChatcoreError(f"bad RANK / LOCAL_RANK / WORLD_SIZE in the environment: {error}") from None
+
+
+_OWNED_GROUP = False  # whether init_distributed created the process group (and so ends it)
+
+
+def init_distributed(device: str | None = None) -> tuple[DistributedContext, str]:
+    """Join the launcher's process group if there is one; return the context and the
+    device this rank trains on. Safe to call more than once."""
+    global _OWNED_GROUP
+    import torch
+
+    context = distributed_context()
+    if not context.enabled:
+        return context, device or ("cuda" if torch.cuda.is_available() else "cpu")
+    import torch.distributed as dist
+
+    use_cuda = device.startswith("cuda") if device else torch.cuda.is_available()
+    if use_cuda:
+        device = f"cuda:{context.local_rank}"
+        torch.cuda.set_device(context.local_rank)
+    else:
+        device = device or "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        _OWNED_GROUP = True
+    return context, device
+
+
+def finish_distributed() -> None:
+    """End the process group if :func:`init_distributed` started it."""
+    global _OWNED_GROUP
+    if _OWNED_GROUP:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _OWNED_GROUP = False
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a single process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def step_shard(
+    order: "torch.Tensor", within: int, batch_size: int, grad_accum: int, world_size: int, rank: int
+) -> list["torch.Tensor"]:
+    """The block indices ``rank`` trains on at step ``within`` of an epoch, as
+    ``grad_accum`` micro-batches.
+
+    A step takes the next ``batch_size * grad_accum * world_size`` entries of the
+    epoch's shuffled order; ranks take consecutive equal shares of it, so no two ranks
+    see the same block and one device with the same global batch sees the same blocks.
+    """
+    global_batch = batch_size * grad_accum * world_size
+    indices = order[within * global_batch : (within + 1) * global_batch]
+    pieces = indices.tensor_split(world_size * grad_accum)
+    return list(pieces[rank * grad_accum : (rank + 1) * grad_accum])
+
+
 def evaluate_loss(model: Any, blocks: "torch.Tensor", batch_size: int, device: str, autocast: Any) -> float:
     """Mean per-token cross-entropy over (N, T+1) blocks."""
     import torch
@@ -151,13 +254,16 @@ def train(
 
     from chatcore.training.data import make_blocks
 
+    context, device = init_distributed(config.device)
     out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out_dir / "checkpoint.pt"
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(config.seed)
-    model.to(device)
-    model.train()
+    if context.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    # Rank 0 keeps the single-process seed; other ranks get their own dropout noise.
+    torch.manual_seed(config.seed + context.rank)
+    raw_model = model
+    raw_model.to(device)
+    raw_model.train()
 
     precision = config.precision
     if precision == "auto":
@@ -169,17 +275,27 @@ def train(
         autocast = lambda: torch.autocast(device_type=device.split(":")[0], dtype=dtype)  # noqa: E731
     scaler = torch.amp.GradScaler(enabled=precision == "fp16")
 
-    if config.block_size > model.config.n_positions:
+    if config.block_size > raw_model.config.n_positions:
         raise ChatcoreError(
-            f"block size {config.block_size} exceeds the model's {model.config.n_positions} positions"
+            f"block size {config.block_size} exceeds the model's {raw_model.config.n_positions} positions"
         )
-    heldout_blocks = make_blocks(heldout_stream, config.block_size) if heldout_stream.numel() > config.block_size else None
+    heldout_blocks = None
+    if context.is_main and heldout_stream.numel() > config.block_size:
+        heldout_blocks = make_blocks(heldout_stream, config.block_size)
     blocks_per_epoch = (train_stream.numel() - 1) // config.block_size
-    steps_per_epoch = max(1, blocks_per_epoch // config.batch_size)
+    micro_batches = config.grad_accum * context.world_size
+    if blocks_per_epoch < micro_batches:
+        raise ChatcoreError(
+            f"the corpus makes {blocks_per_epoch} blocks of {config.block_size} tokens, fewer than the "
+            f"{micro_batches} micro-batches of one step ({context.world_size} device(s) x grad_accum "
+            f"{config.grad_accum}): use a smaller block size or a larger corpus"
+        )
+    global_batch = config.batch_size * micro_batches
+    steps_per_epoch = max(1, blocks_per_epoch // global_batch)
     total_steps = max(1, int(config.epochs * steps_per_epoch))
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay = [p for n, p in raw_model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in raw_model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=config.learning_rate,
@@ -192,17 +308,35 @@ def train(
         if not checkpoint_path.exists():
             raise ChatcoreError(f"--resume: no checkpoint at {checkpoint_path}")
         state = torch.load(checkpoint_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
+        raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, tokens_seen = state["step"], state["tokens_seen"]
         best_val, best_step, elapsed = state["best_val"], state["best_step"], state["elapsed"]
         generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
+        if context.is_main:
+            torch.set_rng_state(state["torch_rng"])
+        saved_steps_per_epoch = state.get("steps_per_epoch", steps_per_epoch)
+        if saved_steps_per_epoch != steps_per_epoch:
+            # Another global batch (device count, batch size or accumulation): continue at
+            # the same position in the epochs rather than at the same step number.
+            step = round(step * steps_per_epoch / saved_steps_per_epoch)
+            best_step = round(best_step * steps_per_epoch / saved_steps_per_epoch) if best_step >= 0 else best_step
+            if context.is_main:
+                logger.warning("resuming with %d blocks per step instead of %s: continuing at step %d of %d",
+                               global_batch, state.get("global_batch"), step, total_steps)
+
+    train_model = raw_model
+    if context.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Wrapping broadcasts rank 0's weights, so every rank starts from the same model.
+        device_ids = [context.local_rank] if device.startswith("cuda") else None
+        train_model = DistributedDataParallel(raw_model, device_ids=device_ids)
 
     def save_checkpoint() -> None:
         torch.save(
             {
-                "model": model.state_dict(),
+                "model": raw_model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "step": step,
                 "tokens_seen": tokens_seen,
@@ -211,6 +345,9 @@ def train(
                 "elapsed": elapsed,
                 "generator": generator.get_state(),
                 "torch_rng": torch.get_rng_state(),
+                "steps_per_epoch": steps_per_epoch,
+                "global_batch": global_batch,
+                "world_size": context.world_size,
                 "config": asdict(config),
             },
             checkpoint_path,
@@ -219,14 +356,24 @@ def train(
     def save_best() -> None:
         save_dtype = getattr(torch, config.save_dtype)
         best_dir = out_dir / "best"
-        copy = type(model)(model.config)
-        copy.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+        copy = type(raw_model)(raw_model.config)
+        copy.load_state_dict({k: v.detach().cpu() for k, v in raw_model.state_dict().items()})
         copy.to(save_dtype)
         copy.config.dtype = config.save_dtype
         copy.save_pretrained(str(best_dir), max_shard_size=config.max_shard_size)
         tokenizer.save_pretrained(str(best_dir))
 
-    bar = tqdm(total=total_steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+    def mean_over_ranks(value: "torch.Tensor") -> float:
+        if context.enabled:
+            import torch.distributed as dist
+
+            value = value.detach().clone()
+            dist.all_reduce(value)
+            value /= context.world_size
+        return value.item()
+
+    show = progress and context.is_main
+    bar = tqdm(total=total_steps, initial=step, disable=not show, unit="step", dynamic_ncols=True)
     started = time.perf_counter() - elapsed
     window_tokens, window_start = 0, time.perf_counter()
     loss_value = float("nan")
@@ -235,54 +382,82 @@ def train(
     while step < total_steps:
         epoch, within = divmod(step, steps_per_epoch)
         if within == 0 or epoch_blocks is None:
-            # A new random offset each epoch so block boundaries move through the text.
+            # A new random offset each epoch so block boundaries move through the text;
+            # seeded by the epoch alone, so every rank shuffles the same way.
             epoch_generator = torch.Generator().manual_seed(config.seed + epoch)
             offset = int(torch.randint(0, config.block_size, (1,), generator=epoch_generator))
             epoch_blocks = make_blocks(train_stream, config.block_size, offset)
             order = torch.randperm(epoch_blocks.size(0), generator=epoch_generator)
         assert order is not None
-        index = order[within * config.batch_size : (within + 1) * config.batch_size]
-        batch = epoch_blocks[index].to(device, non_blocking=True)  # (B, T + 1)
+        pieces = step_shard(order, within, config.batch_size, config.grad_accum, context.world_size, context.rank)
+        rows = sum(piece.numel() for piece in pieces)
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, total_steps, config)
-        with autocast():
-            logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
+        step_loss = torch.zeros((), device=device)
+        for number, piece in enumerate(pieces):
+            batch = epoch_blocks[piece].to(device, non_blocking=True)  # (B, T + 1)
+            last = number == len(pieces) - 1
+            # Gradients are averaged across ranks once per step, on the last micro-batch.
+            sync = contextlib.nullcontext() if last or not context.enabled else train_model.no_sync()
+            with sync:
+                with autocast():
+                    logits = train_model(input_ids=batch[:, :-1]).logits  # (B, T, V)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
+                )
+                share = piece.numel() / rows  # the micro-batch's weight in this rank's mean
+                scaler.scale(loss * share).backward()
+            step_loss += loss.detach() * share
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config.grad_clip)
         scaler.step(optimizer)
         scaler.update()
         step += 1
-        tokens_seen += batch[:, 1:].numel()
-        window_tokens += batch[:, 1:].numel()
+        step_tokens = min(global_batch, order.numel() - within * global_batch) * config.block_size
+        tokens_seen += step_tokens
+        window_tokens += step_tokens
         if step % 10 == 0 or step == total_steps:
-            loss_value = loss.item()
+            loss_value = mean_over_ranks(step_loss)
             now = time.perf_counter()
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{window_tokens / max(1e-9, now - window_start):,.0f}")
             window_tokens, window_start = 0, now
         bar.update(1)
         if step % config.eval_every == 0 or step == total_steps:
-            if heldout_blocks is not None:
-                val = evaluate_loss(model, heldout_blocks, config.batch_size, device, autocast)
-            else:
-                val = loss_value
-            bar.write(f"step {step}/{total_steps}  train loss {loss_value:.4f}  held-out loss {val:.4f}  ppl {math.exp(min(val, 50)):.2f}")
-            if val < best_val:
-                best_val, best_step = val, step
-                save_best()
-            elapsed = time.perf_counter() - started
-            save_checkpoint()
+            if context.is_main:
+                if heldout_blocks is not None:
+                    val = evaluate_loss(raw_model, heldout_blocks, config.batch_size, device, autocast)
+                else:
+                    val = loss_value
+                if show:
+                    bar.write(f"step {step}/{total_steps}  train loss {loss_value:.4f}  held-out loss {val:.4f}  "
+                              f"ppl {math.exp(min(val, 50)):.2f}")
+                if val < best_val:
+                    best_val, best_step = val, step
+                    save_best()
+                elapsed = time.perf_counter() - started
+                save_checkpoint()
+            barrier()  # the other ranks wait for rank 0's evaluation and checkpoint
     bar.close()
     elapsed = time.perf_counter() - started
+    if context.enabled:
+        import torch.distributed as dist
+
+        shared = [best_val, best_step]
+        dist.broadcast_object_list(shared, src=0)
+        best_val, best_step = shared
     result = TrainResult(
         best_val_loss=best_val,
         best_step=best_step,
         steps=step,
         tokens_seen=tokens_seen,
         seconds=elapsed,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=sum(p.numel() for p in raw_model.parameters()),
     )
-    (out_dir / "result.json").write_text(json.dumps({**asdict(result), "best_val_perplexity": result.best_val_perplexity}, indent=2))
+    if context.is_main:
+        result_json = {**asdict(result), "best_val_perplexity": result.best_val_perplexity,
+                       "world_size": context.world_size, "global_batch": global_batch}
+        (out_dir / "result.json").write_text(json.dumps(result_json, indent=2))
+    barrier()
+    finish_distributed()
     return result

@@ -1,0 +1,114 @@
+"""How fast ``chatcore logs list`` answers over a big log.
+
+    python -m chatcore.adapters.conversation_log.benchmark            # 100,000 messages
+    python -m chatcore.adapters.conversation_log.benchmark --messages 1000000 --db big.sqlite3
+
+Fills an SQLite log (in a temporary folder unless ``--db``) with conversations of
+``--per-conversation`` messages each, then times ``ConversationStore.list_conversations``
+in this process and the whole ``chatcore logs list`` command in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+CLI_LAUNCHER = (
+    "import importlib, sys\n"
+    "from chatcore.plugin_manager import get_plugin_host\n"
+    "host = get_plugin_host()\n"
+    "module = importlib.import_module('chatcore.adapters.conversation_log')\n"
+    "if not host.pm.is_registered(module): host.register(module, 'conversation_log')\n"
+    "from chatcore.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def populate(store: "object", messages: int, per_conversation: int, batch: int = 20_000) -> int:
+    """Bulk-insert synthetic conversations; returns the number of conversations."""
+    import sqlalchemy as sa
+
+    from chatcore.adapters.conversation_log.models import ConversationRow, MessageRow
+
+    conversations = max(1, messages // per_conversation)
+    start = datetime(2024, 1, 1, tzinfo=timezone.utc)
+    db = store.db  # type: ignore[attr-defined]
+    with db.begin() as connection:
+        connection.execute(sa.insert(ConversationRow), [
+            {"id": f"{index:032x}", "created": start + timedelta(minutes=index),
+             "updated": start + timedelta(minutes=index, seconds=per_conversation), "adapter": "bench",
+             "channel_key": f"channel-{index % 50}", "model": "chatcore-tiny", "title": f"benchmark {index}",
+             "meta": {}}
+            for index in range(conversations)
+        ])
+    rows = []
+    for number in range(messages):
+        conversation = number // per_conversation % conversations
+        rows.append({"conversation_id": f"{conversation:032x}", "role": "user" if number % 2 == 0 else "bot",
+                     "text": f"message {number} about pizza, music and the weather", "interrupted": False,
+                     "superseded": False,
+                     "created": start + timedelta(minutes=conversation, seconds=number % per_conversation)})
+        if len(rows) == batch:
+            with db.begin() as connection:
+                connection.execute(sa.insert(MessageRow), rows)
+            rows = []
+    if rows:
+        with db.begin() as connection:
+            connection.execute(sa.insert(MessageRow), rows)
+    return conversations
+
+
+def main(argv: list[str] | None = None) -> None:
+    from chatcore.adapters.conversation_log.location import sqlite_url
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--per-conversation", type=int, default=100)
+    parser.add_argument("--db", default=None, help="SQLite file to fill (default: a temporary one).")
+    parser.add_argument("--repeat", type=int, default=20)
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(args.db) if args.db else Path(folder) / "bench.sqlite3"
+        url = sqlite_url(path)
+        store = ConversationStore(url)
+        started = time.perf_counter()
+        conversations = populate(store, args.messages, args.per_conversation)
+        print(f"filled {url}: {store.count_messages():,} messages in {conversations:,} conversations "
+              f"in {time.perf_counter() - started:.1f} s (fts: {store.fts})")
+        times = []
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            store.list_conversations(limit=20)
+            times.append(time.perf_counter() - started)
+        print(f"list_conversations(limit=20): median {statistics.median(times) * 1000:.2f} ms, "
+              f"max {max(times) * 1000:.2f} ms over {args.repeat} runs")
+        started = time.perf_counter()
+        hits = store.search("pizza", limit=50)
+        print(f"search('pizza', limit=50): {(time.perf_counter() - started) * 1000:.2f} ms ({len(hits)} hits)")
+        store.close()
+        env = dict(os.environ, CHATCORE_PLUGINS="")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        completed = subprocess.run([sys.executable, "-c", CLI_LAUNCHER, "logs", "list", "--db", url],
+                                   capture_output=True, text=True, env=env)
+        elapsed = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        if completed.returncode != 0:
+            raise SystemExit(f"chatcore logs list failed: {completed.stderr.strip()}")
+        print(f"`chatcore logs list` (a new process, interpreter start-up and imports included): "
+              f"{elapsed:.2f} s wall, {cpu:.2f} s CPU, {len(completed.stdout.splitlines()) - 1} rows")
+
+
+if __name__ == "__main__":
+    main()

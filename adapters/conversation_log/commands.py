@@ -1,0 +1,165 @@
+"""``chatcore logs``: list, show, search, export and delete logged conversations.
+
+SQLAlchemy is imported only when a subcommand runs, so ``chatcore --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+if TYPE_CHECKING:
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DB_HELP = ("SQLAlchemy URL or SQLite file path of the log "
+           "(default: $CHATCORE_DB, else conversations.sqlite3 in the user data folder).")
+
+
+def db_option(function: F) -> F:
+    return click.option("--db", "db_url", default=None, metavar="URL", help=DB_HELP)(function)
+
+
+def open_store(ctx: click.Context, db_url: str | None) -> "ConversationStore":
+    from chatcore.adapters.conversation_log.location import resolve_url
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+    group_url = (ctx.find_object(dict) or {}).get("db_url")
+    store = ConversationStore(resolve_url(db_url or group_url))
+    ctx.call_on_close(store.close)
+    return store
+
+
+@click.group("logs")
+@db_option
+@click.pass_context
+def logs(ctx: click.Context, db_url: str | None) -> None:
+    """The conversation log: list, show, search, export and delete conversations.
+
+    Every `chatcore chat` conversation is logged (unless --no-log). IDs may be
+    shortened to any unique prefix, as `list` prints them.
+    """
+    ctx.ensure_object(dict)["db_url"] = db_url
+
+
+@logs.command("list")
+@click.option("-n", "--limit", type=click.IntRange(1, 100_000), default=20, show_default=True)
+@click.option("--offset", type=click.IntRange(0), default=0, help="Skip this many of the most recent.")
+@click.option("--adapter", default=None, help="Only conversations from this adapter (repl, discord, ...).")
+@click.option("--channel", "channel_key", default=None, help="Only conversations with this channel key.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@db_option
+@click.pass_context
+def list_command(ctx: click.Context, limit: int, offset: int, adapter: str | None, channel_key: str | None,
+                 as_json: bool, db_url: str | None) -> None:
+    """The most recently active conversations: id, last activity, adapter, messages, title."""
+    from chatcore.adapters.conversation_log import formatting
+
+    store = open_store(ctx, db_url)
+    summaries = store.list_conversations(limit=limit, offset=offset, adapter=adapter, channel_key=channel_key)
+    if as_json:
+        click.echo(formatting.to_json([summary.to_dict() for summary in summaries]))
+    elif summaries:
+        click.echo(formatting.summary_table(summaries))
+    else:
+        click.echo(f"no conversations in {store.display_url}", err=True)
+
+
+@logs.command("show")
+@click.argument("conversation_id", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@db_option
+@click.pass_context
+def show_command(ctx: click.Context, conversation_id: str, as_json: bool, db_url: str | None) -> None:
+    """One conversation, every message with its decoder, tokens, latency and flags."""
+    from chatcore.adapters.conversation_log import formatting
+
+    record = open_store(ctx, db_url).get_conversation(conversation_id)
+    click.echo(formatting.to_json(record.to_dict()) if as_json else formatting.conversation_text(record))
+
+
+@logs.command("search")
+@click.argument("text")
+@click.option("-n", "--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@db_option
+@click.pass_context
+def search_command(ctx: click.Context, text: str, limit: int, as_json: bool, db_url: str | None) -> None:
+    """Messages that contain TEXT (case-insensitive), newest first."""
+    from chatcore.adapters.conversation_log import formatting
+
+    hits = open_store(ctx, db_url).search(text, limit=limit)
+    if as_json:
+        click.echo(formatting.to_json([hit.to_dict() for hit in hits]))
+    elif hits:
+        click.echo(formatting.search_lines(hits))
+    else:
+        click.echo(f"no message contains {text!r}", err=True)
+
+
+@logs.command("export")
+@click.argument("conversation_ids", metavar="[ID]...", nargs=-1)
+@click.option("-f", "--format", "export_format", type=click.Choice(["jsonl", "markdown"]), default="jsonl",
+              show_default=True, help="jsonl: one conversation per line, as JSON; markdown: transcripts.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write to this file instead of standard output.")
+@db_option
+@click.pass_context
+def export_command(ctx: click.Context, conversation_ids: tuple[str, ...], export_format: str, output: str | None,
+                   db_url: str | None) -> None:
+    """Export the given conversations (all of them when no ID is given)."""
+    from chatcore.adapters.conversation_log import formatting
+
+    store = open_store(ctx, db_url)
+    render = formatting.conversation_jsonl if export_format == "jsonl" else formatting.conversation_markdown
+    separator = "\n" if export_format == "jsonl" else "\n---\n\n"
+    stream = open(output, "w", encoding="utf-8") if output else sys.stdout
+    count = 0
+    try:
+        for record in store.iter_conversations(conversation_ids or None):
+            stream.write((separator if count and export_format == "markdown" else "") + render(record) + "\n")
+            count += 1
+    finally:
+        if output:
+            stream.close()
+    if output:
+        click.echo(f"exported {count} conversation(s) to {output}", err=True)
+
+
+@logs.command("delete")
+@click.argument("conversation_id", metavar="ID")
+@click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
+@db_option
+@click.pass_context
+def delete_command(ctx: click.Context, conversation_id: str, yes: bool, db_url: str | None) -> None:
+    """Delete one conversation and all its messages."""
+    from chatcore.adapters.conversation_log import formatting
+
+    store = open_store(ctx, db_url)
+    record = store.get_conversation(conversation_id)
+    if not yes:
+        title = formatting.one_line(record.title or "", 60)
+        click.confirm(f"delete conversation {record.id} ({title!r}, {len(record.messages)} messages)?", abort=True)
+    deleted = store.delete_conversation(record.id)
+    click.echo(f"deleted conversation {record.id} and its {deleted} message(s)")
+
+
+@logs.command("where")
+@db_option
+@click.pass_context
+def where_command(ctx: click.Context, db_url: str | None) -> None:
+    """Print the URL of the log that the other subcommands use (nothing is opened)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from chatcore.adapters.conversation_log.location import resolve_url
+
+    url = resolve_url(db_url or (ctx.find_object(dict) or {}).get("db_url"))
+    try:
+        click.echo(make_url(url).render_as_string(hide_password=True))
+    except ArgumentError:
+        raise click.ClickException(f"{url!r} is not a database URL") from None

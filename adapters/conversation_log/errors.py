@@ -1,0 +1,16 @@
+"""Errors of the conversation log, with messages meant for the person reading them."""
+
+from __future__ import annotations
+
+from chatcore.errors import ChatcoreError
+
+
+class LogError(ChatcoreError):
+    """The conversation log cannot be opened, read or written."""
+
+
+class UnknownConversationError(LogError, KeyError):
+    """No conversation in the log has the given id (or id prefix)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the sentence.
+        return str(self.args[0]) if self.args else ""

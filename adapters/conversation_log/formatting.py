@@ -1,0 +1,144 @@
+"""Text views of logged conversations: tables, transcripts, Markdown and JSON lines.
+
+Everything shown on a terminal goes through :func:`display_safe`, because a model's
+reply (or a logged message) may contain escape sequences that would otherwise drive
+the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chatcore.adapters.conversation_log.store import (
+        ConversationRecord,
+        ConversationSummary,
+        MessageRecord,
+        SearchHit,
+    )
+
+SHORT_ID = 12
+ROLE_LABELS = {"user": "you", "bot": "bot"}
+
+
+def display_safe(text: str) -> str:
+    """``text`` with control characters (ESC, BEL, ...) shown as ``\\x1b`` instead of acted on."""
+    out = []
+    for char in text:
+        if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cs"):
+            out.append(char)
+        else:
+            out.append(f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+    return "".join(out)
+
+
+def one_line(text: str, limit: int | None = None) -> str:
+    flat = " ".join(display_safe(text).split())
+    if limit is not None and len(flat) > limit:
+        return flat[: limit - 1] + "…"
+    return flat
+
+
+def local_time(moment: datetime, seconds: bool = False) -> str:
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M")
+
+
+def summary_table(summaries: Sequence["ConversationSummary"]) -> str:
+    rows = [("ID", "LAST ACTIVE", "ADAPTER", "MSGS", "TITLE")]
+    for summary in summaries:
+        rows.append((summary.id[:SHORT_ID], local_time(summary.updated), summary.adapter or "-",
+                     str(summary.message_count), one_line(summary.title or "", 60)))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
+        for row in rows
+    )
+
+
+def message_notes(message: "MessageRecord") -> str:
+    notes: list[str] = []
+    if message.role == "bot":
+        decoder = (message.decoder or {}).get("name")
+        steerers = [s.get("name", "?") for s in message.steerers or [] if isinstance(s, dict)]
+        if decoder:
+            notes.append(" + ".join([decoder, *steerers]))
+        if message.token_count is not None:
+            notes.append(f"{message.token_count} tokens")
+        if message.latency_s is not None:
+            notes.append(f"{message.latency_s:.2f} s")
+        if message.seed is not None:
+            notes.append(f"seed {message.seed}")
+    if message.interrupted:
+        notes.append("interrupted")
+    if message.superseded:
+        notes.append("superseded by a retry")
+    return f"  [{', '.join(notes)}]" if notes else ""
+
+
+def conversation_header(record: "ConversationSummary") -> list[str]:
+    lines = [f"conversation {record.id}"]
+    if record.title:
+        lines.append(f"title:    {one_line(record.title)}")
+    lines.append(f"started:  {local_time(record.created, seconds=True)}")
+    details = [f"adapter {record.adapter or '-'}", f"model {record.model or '-'}"]
+    if record.channel_key:
+        details.append(f"channel {one_line(record.channel_key)}")
+    lines.append("          " + ", ".join(details))
+    return lines
+
+
+def conversation_text(record: "ConversationRecord") -> str:
+    lines = conversation_header(record) + [""]
+    for message in record.messages:
+        label = ROLE_LABELS.get(message.role, message.role)
+        stamp = message.created.astimezone().strftime("%H:%M:%S")
+        lines.append(f"{stamp} {label}> {display_safe(message.text)}{message_notes(message)}")
+    return "\n".join(lines)
+
+
+def markdown_text(text: str) -> str:
+    # '<' would start an HTML tag in most renderers and hide text such as <|endoftext|>.
+    return display_safe(text).replace("&", "&amp;").replace("<", "&lt;").replace("\n", "  \n")
+
+
+def conversation_markdown(record: "ConversationRecord") -> str:
+    title = markdown_text(one_line(record.title or "")) or f"Conversation {record.id[:SHORT_ID]}"
+    lines = [f"# {title}", ""]
+    lines.append(f"- id: `{record.id}`")
+    lines.append(f"- started: {record.created.isoformat()}")
+    lines.append(f"- adapter: {record.adapter or '-'}; model: {record.model or '-'}")
+    if record.channel_key:
+        lines.append(f"- channel: {one_line(record.channel_key)}")
+    lines.append("")
+    for message in record.messages:
+        label = "**you**" if message.role == "user" else "**bot**"
+        notes = message_notes(message).strip()
+        suffix = f" _{notes}_" if notes else ""
+        text = markdown_text(message.text)
+        if message.superseded:
+            text = f"~~{text}~~"
+        lines.append(f"{label} ({message.created.astimezone().strftime('%H:%M:%S')}): {text}{suffix}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def conversation_jsonl(record: "ConversationRecord") -> str:
+    return json.dumps(record.to_dict(), ensure_ascii=False)
+
+
+def search_lines(hits: Sequence["SearchHit"]) -> str:
+    lines = []
+    for hit in hits:
+        message = hit.message
+        label = ROLE_LABELS.get(message.role, message.role)
+        lines.append(f"{hit.conversation_id[:SHORT_ID]}  {local_time(message.created)}  {label}> "
+                     f"{one_line(message.text, 100)}")
+    return "\n".join(lines)
+
+
+def to_json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False)

@@ -1,0 +1,332 @@
+"""The Discord client: which messages to answer, and answering them without stalling.
+
+Every message the bot sends goes out with ``AllowedMentions.none()`` (also set as
+the client's default), so nothing the model writes (``@everyone``, a role, a user id)
+pings anyone. The model runs on the inference worker's thread; a message handler
+only submits a job and awaits its future, with the typing indicator on meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import discord
+from discord import app_commands
+
+from chatcore.adapters.discord_bot.routing import answer_reason, conversation_key, incoming_text, split_reply
+from chatcore.adapters.discord_bot.worker import WorkerBusy, WorkerClosed
+from chatcore.cli.specs import parse_spec
+from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from chatcore.adapters.discord_bot.config import DiscordSettings
+    from chatcore.adapters.discord_bot.conversations import ChatRuntime, ReplyResult
+    from chatcore.adapters.discord_bot.worker import InferenceWorker, JobControl
+    from chatcore.engine import ReplyOptions
+
+logger = logging.getLogger("chatcore.discord")
+
+NO_MENTIONS = discord.AllowedMentions.none()
+
+BUSY_REPLY = "I'm answering a lot of people right now. Please try again in a minute."
+EMPTY_REPLY = "…I'm not sure what to say to that. Could you put it another way?"
+NEED_TEXT_REPLY = "I only read text: write your message after the mention and I'll answer."
+COOLDOWN_REPLY = "You're going a little fast for me: wait {seconds:g} s between messages."
+RESTARTING_REPLY = "I'm restarting and dropped your message; please send it again in a minute."
+ERROR_REPLY = "Sorry, something went wrong while I was thinking. Please try again."
+
+
+def bot_intents() -> discord.Intents:
+    """Guilds, guild and DM messages, and message content (a privileged intent: it
+    must be switched on in the developer portal; mentions and DMs carry their content
+    even without it, messages in listed channels do not)."""
+    intents = discord.Intents.none()
+    intents.guilds = True
+    intents.guild_messages = True
+    intents.dm_messages = True
+    intents.message_content = True
+    return intents
+
+
+class Cooldown:
+    """At most one answered message per user every ``seconds``; one warning per window."""
+
+    def __init__(self, seconds: float, clock: Any = time.monotonic) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self._last: dict[int, float] = {}
+        self._warned: set[int] = set()
+
+    def check(self, user_id: int) -> Literal["ok", "warn", "quiet"]:
+        if self.seconds <= 0:
+            return "ok"
+        now = self.clock()
+        last = self._last.get(user_id)
+        if last is None or now - last >= self.seconds:
+            if len(self._last) > 10_000:  # forget users whose window has passed
+                self._last = {user: t for user, t in self._last.items() if now - t < self.seconds}
+                self._warned &= set(self._last)
+            self._last[user_id] = now
+            self._warned.discard(user_id)
+            return "ok"
+        if user_id in self._warned:
+            return "quiet"
+        self._warned.add(user_id)
+        return "warn"
+
+
+@dataclass
+class BotStats:
+    """Counters since start: how each message the bot took up ended."""
+
+    replies: int = 0
+    busy: int = 0
+    cooldown: int = 0
+    errors: int = 0
+    interrupted: int = 0
+
+
+@dataclass
+class ChannelSetup:
+    """The decoder and steerers one conversation key uses."""
+
+    decoder: str
+    decoder_settings: dict[str, Any] = field(default_factory=dict)
+    steerers: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def copy(self) -> "ChannelSetup":
+        return ChannelSetup(self.decoder, dict(self.decoder_settings),
+                            [(name, dict(settings)) for name, settings in self.steerers])
+
+
+def _reply_job(key: str, text: str, options: "ReplyOptions", runtime: "ChatRuntime",
+               control: "JobControl") -> "ReplyResult":
+    return runtime.reply(key, text, options, control)
+
+
+@contextlib.asynccontextmanager
+async def typing_indicator(channel: discord.abc.Messageable) -> AsyncIterator[None]:
+    """The typing indicator while the block runs; a channel that refuses it is no error."""
+    typing = channel.typing()
+    try:
+        await typing.__aenter__()
+    except discord.HTTPException:
+        yield
+        return
+    try:
+        yield
+    finally:
+        await typing.__aexit__(None, None, None)
+
+
+class ChatBot(discord.Client):
+    """chatcore on Discord: one engine (behind the worker) for every channel."""
+
+    def __init__(
+        self,
+        settings: "DiscordSettings",
+        worker: "InferenceWorker[ChatRuntime]",
+        *,
+        intents: discord.Intents | None = None,
+        raise_errors: bool | None = None,
+    ) -> None:
+        from chatcore.cli import debug_enabled
+
+        # A text bot has no use for voice: skip discord.py's warnings about voice libraries.
+        discord.VoiceClient.warn_nacl = False
+        discord.VoiceClient.warn_dave = False
+        super().__init__(intents=intents or bot_intents(), allowed_mentions=NO_MENTIONS)
+        self.settings = settings
+        self.worker = worker
+        self.raise_errors = debug_enabled() if raise_errors is None else raise_errors
+        decoder, decoder_settings = parse_spec(settings.decoder)
+        self.default_setup = ChannelSetup(decoder, decoder_settings, [parse_spec(spec) for spec in settings.steer])
+        self.setups: dict[str, ChannelSetup] = {}
+        self.cooldown = Cooldown(settings.cooldown_s)
+        self.stats = BotStats()
+        self.last_provenance: dict[str, dict[str, Any]] = {}
+        self.catalog: dict[str, list[str]] = {"decoders": [], "steerers": []}
+        self.closing = False
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._shutdown_task: asyncio.Task[None] | None = None
+        self.tree = app_commands.CommandTree(self)
+        from chatcore.adapters.discord_bot.slash import ChatCommands
+
+        self.chat_commands = ChatCommands(self)
+        self.tree.add_command(self.chat_commands.group)
+
+    # -- setup --------------------------------------------------------------------
+    async def prepare(self) -> None:
+        """Check the configured decoder and steerers on the engine (bad settings fail
+        here, before connecting) and learn the names the slash commands offer."""
+        setup = self.default_setup
+
+        def check(runtime: "ChatRuntime", control: "JobControl") -> dict[str, list[str]]:
+            runtime.check_decoder(setup.decoder, setup.decoder_settings)
+            for name, settings in setup.steerers:
+                runtime.check_steerer(name, settings)
+            return runtime.names()
+
+        self.catalog = await self.worker.submit(check, control=True)
+
+    async def setup_hook(self) -> None:
+        """Sync the slash commands: to the listed guilds (at once), else globally."""
+        try:
+            if self.settings.guilds:
+                for guild_id in self.settings.guilds:
+                    guild = discord.Object(id=guild_id)
+                    self.tree.copy_global_to(guild=guild)
+                    await self.tree.sync(guild=guild)
+                logger.info("slash commands synced to %d guild(s)", len(self.settings.guilds))
+            else:
+                await self.tree.sync()
+                logger.info("slash commands synced globally (they can take a while to appear)")
+        except discord.HTTPException as error:
+            logger.warning("cannot sync the slash commands (%s); messages still work", error)
+
+    async def on_ready(self) -> None:
+        assert self.user is not None
+        logger.info("connected as %s (id %s) in %d guild(s)", self.user, self.user.id, len(self.guilds))
+
+    # -- conversation setups --------------------------------------------------------
+    def setup_for(self, key: str) -> ChannelSetup:
+        return self.setups.get(key, self.default_setup)
+
+    def reply_options(self, key: str) -> "ReplyOptions":
+        from chatcore.engine import ReplyOptions
+
+        setup = self.setup_for(key)
+        return ReplyOptions(
+            decoder=setup.decoder,
+            decoder_settings=dict(setup.decoder_settings),
+            steerers=[(name, dict(settings)) for name, settings in setup.steerers],
+            max_new_tokens=self.settings.max_new_tokens,
+            min_new_tokens=self.settings.min_new_tokens,
+        )
+
+    def remember_provenance(self, key: str, provenance: dict[str, Any]) -> None:
+        """Keep the newest reply's provenance per key for /chat why (as many keys as
+        conversations are kept open; older ones are read back from the conversation)."""
+        self.last_provenance.pop(key, None)
+        self.last_provenance[key] = provenance
+        while len(self.last_provenance) > self.settings.max_conversations:
+            del self.last_provenance[next(iter(self.last_provenance))]
+
+    # -- messages -----------------------------------------------------------------
+    async def on_message(self, message: discord.Message) -> None:
+        if self.closing or self.user is None:
+            return
+        reason = answer_reason(message, self.user.id, self.settings.channels)
+        if reason is None:
+            return
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        try:
+            await self._answer(message, reason)
+        finally:
+            if task is not None:
+                self._handlers.discard(task)
+
+    async def _answer(self, message: discord.Message, reason: str) -> None:
+        assert self.user is not None
+        text = incoming_text(message, self.user.id)
+        if not text:
+            if reason != "channel":  # in a listed channel, an image alone is not for us
+                await self.send_reply(message, NEED_TEXT_REPLY)
+            return
+        verdict = self.cooldown.check(message.author.id)
+        if verdict != "ok":
+            self.stats.cooldown += 1
+            if verdict == "warn":
+                await self.send_reply(message, COOLDOWN_REPLY.format(seconds=self.settings.cooldown_s))
+            return
+        key = conversation_key(message.channel)
+        job = functools.partial(_reply_job, key, text, self.reply_options(key))
+        try:
+            future = self.worker.submit(job, timeout_s=self.settings.reply_timeout_s)
+        except WorkerBusy:
+            self.stats.busy += 1
+            await self.send_reply(message, BUSY_REPLY)
+            return
+        except WorkerClosed:
+            return
+        try:
+            async with typing_indicator(message.channel):
+                result = await future
+        except WorkerClosed:
+            await self.send_reply(message, RESTARTING_REPLY)
+            return
+        except ChatcoreError as error:
+            self.stats.errors += 1
+            await self.send_reply(message, f"Sorry, I can't answer that: {error}")
+            return
+        except Exception:
+            self.stats.errors += 1
+            logger.exception("replying in %s failed", key)
+            await self.send_reply(message, ERROR_REPLY)
+            if self.raise_errors:
+                raise
+            return
+        self.remember_provenance(key, result.provenance)
+        if result.interrupted:
+            self.stats.interrupted += 1
+        await self.send_reply(message, result.text)
+        self.stats.replies += 1
+
+    async def send_reply(self, message: discord.Message, text: str) -> list[discord.Message]:
+        """Send ``text`` in answer to ``message``: split to Discord's size, never empty,
+        never pinging anyone. The first piece replies to the message in guild channels,
+        where several people may be talking."""
+        pieces = split_reply(text) or [EMPTY_REPLY]
+        sent: list[discord.Message] = []
+        quote = message.guild is not None
+        for piece in pieces:
+            try:
+                if quote:
+                    try:
+                        sent.append(await message.channel.send(
+                            piece, allowed_mentions=NO_MENTIONS, mention_author=False,
+                            reference=message.to_reference(fail_if_not_exists=False),
+                        ))
+                    except discord.Forbidden:
+                        # Quoting needs Read Message History; a plain message does not.
+                        sent.append(await message.channel.send(piece, allowed_mentions=NO_MENTIONS))
+                    quote = False
+                else:
+                    sent.append(await message.channel.send(piece, allowed_mentions=NO_MENTIONS))
+            except discord.HTTPException as error:
+                logger.warning("cannot send to %s: %s", conversation_key(message.channel), error)
+                break
+        return sent
+
+    # -- shutting down ------------------------------------------------------------
+    def request_shutdown(self) -> None:
+        """Start shutting down (once); for signal handlers."""
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown())
+
+    async def shutdown(self) -> None:
+        """Shut down and wait until it is done (however often it is called)."""
+        self.request_shutdown()
+        assert self._shutdown_task is not None
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self) -> None:
+        # Stop taking messages, let the reply in flight finish (or cut it short after
+        # `shutdown_grace_s`), close the log, send what is left, close the connection.
+        self.closing = True
+        logger.info("shutting down (%d message(s) in hand)", len(self._handlers))
+        await self.worker.stop(self.settings.shutdown_grace_s)
+        handlers = [task for task in self._handlers if not task.done()]
+        if handlers:
+            await asyncio.wait(handlers, timeout=10)
+        await self.close()
+        logger.info("stopped: %s", self.stats)

@@ -1,0 +1,84 @@
+"""``chatcore discord``: run the Discord bot.
+
+Options override the settings file; the token comes from ``DISCORD_TOKEN`` or
+``--token-file`` and is never printed or logged. Nothing heavy is imported until the
+command runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from chatcore.adapters.discord_bot.config import TOKEN_ENV
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@click.command("discord")
+@click.option("--settings", "settings_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="A TOML or JSON settings file (options below override it).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help=f"A file holding the bot token (default: ${TOKEN_ENV}).")
+@click.option("-c", "--channel", "channels", multiple=True, type=int,
+              help="A channel or thread id where every message is answered. Repeatable.")
+@click.option("-g", "--guild", "guilds", multiple=True, type=int,
+              help="Sync the slash commands to this guild id at start. Repeatable (default: global).")
+@click.option("--admin-role", "admin_roles", multiple=True,
+              help="A role id or name that may change decoder and steering. Repeatable.")
+@click.option("-m", "--model", default=None, help="Bundled name, local folder or hub id [chatcore-tiny].")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for inference.")
+@click.option("-d", "--decoder", default=None, help='Decoder and settings, e.g. "top-k top_k=20" [top-k].')
+@click.option("-s", "--steer", "steer", multiple=True, help="Steerer and settings. Repeatable; applied in order.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="Longest reply [64].")
+@click.option("--queue-size", type=click.IntRange(1), default=None, help="Replies that may wait [8].")
+@click.option("--cooldown", "cooldown_s", type=click.FloatRange(0), default=None,
+              help="Seconds between two answered messages of one user [2].")
+@click.option("--db", default=None, help="Conversation log: SQLAlchemy URL or SQLite file [$CHATCORE_DB or user data].")
+@click.option("--log/--no-log", "log", default=None, help="Log conversations, resumed after a restart [on].")
+@click.option("--check", is_flag=True, help="Load and check everything, then exit without connecting.")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+def discord_command(settings_file: Path | None, token_file: Path | None, channels: tuple[int, ...],
+                    guilds: tuple[int, ...], admin_roles: tuple[str, ...], model: str | None, device: str | None,
+                    threads: int | None, decoder: str | None, steer: tuple[str, ...], max_new_tokens: int | None,
+                    queue_size: int | None, cooldown_s: float | None, db: str | None, log: bool | None,
+                    check: bool, log_level: str) -> None:
+    """Run a Discord bot: it answers DMs, mentions and the listed channels.
+
+    One conversation per channel, thread and DM, kept in the conversation log so a
+    restart resumes them. Slash commands: /chat reset, decoder, steer, settings, why.
+    SIGTERM or Ctrl-C stops it cleanly. See docs/discord.md for setting up the
+    application and its permissions.
+    """
+    import asyncio
+
+    from chatcore.adapters.discord_bot.config import load_settings, read_token
+    from chatcore.adapters.discord_bot.run import guard_logging
+
+    settings = load_settings(settings_file, {
+        "channels": channels, "guilds": guilds, "admin_roles": admin_roles, "model": model, "device": device,
+        "threads": threads, "decoder": decoder, "steer": steer, "max_new_tokens": max_new_tokens,
+        "queue_size": queue_size, "cooldown_s": cooldown_s, "db": db, "log": log,
+    })
+    token = read_token(token_file)
+    guard_logging(token)
+    level = getattr(logging, log_level.upper())
+    logging.getLogger("chatcore").setLevel(level)
+    # discord.py's debug output is gateway traffic: INFO is as far down as it goes here.
+    logging.getLogger("discord").setLevel(max(level, logging.INFO))
+
+    if check:
+        from chatcore.adapters.discord_bot.run import check as check_bot
+
+        for line in asyncio.run(check_bot(settings)):
+            click.echo(line)
+        source = f"the file {str(token_file)!r}" if token_file is not None else f"${TOKEN_ENV}"
+        click.echo(f"token: found in {source}")
+        return
+
+    from chatcore.adapters.discord_bot.run import serve
+
+    asyncio.run(serve(settings, token))

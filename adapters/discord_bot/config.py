@@ -1,0 +1,226 @@
+"""Settings of the Discord bot: a TOML or JSON file, overridden by command-line options.
+
+The file holds the same keys as the options (``channels``, ``decoder``, ...), either at
+the top level or under a ``[discord]`` table. Unknown keys and bad values are refused
+with a message naming the key. The bot token is never part of the settings: it comes
+from ``DISCORD_TOKEN`` or a token file, so a settings file can be shared or committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chatcore.errors import ChatcoreError, OptionError
+from chatcore.options import parse_settings
+
+TOKEN_ENV = "DISCORD_TOKEN"
+FILE_TABLE = "discord"
+
+logger = logging.getLogger("chatcore.discord")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+
+
+def _non_negative_number(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise ValueError(f"`{name}` must be a non-negative number, got {value!r}")
+
+
+def _snowflakes(name: str, values: tuple[int, ...]) -> None:
+    for value in values:
+        # Discord ids are positive 64-bit integers ("snowflakes").
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**64:
+            raise ValueError(f"`{name}` must list Discord ids (positive integers), got {value!r}")
+
+
+@dataclass
+class DiscordSettings:
+    """Everything ``chatcore discord`` can be told, with defaults that are safe to deploy.
+
+    model:             bundled model name, local folder or hub id.
+    device:            cpu, cuda, cuda:1 ... (default: cuda when present).
+    threads:           torch CPU threads for inference (default: torch's choice).
+    decoder:           decoder spec, e.g. "top-k top_k=20 temperature=0.7".
+    steer:             steerer specs applied to every conversation, in order.
+    max_new_tokens:    the longest reply, in tokens.
+    min_new_tokens:    replies are at least this many tokens.
+    channels:          channel or thread ids where every message is answered (a thread
+                       inside a listed channel counts too); elsewhere only DMs and
+                       mentions are answered.
+    guilds:            guild ids to sync the slash commands to at start (instant);
+                       none: sync globally (can take up to an hour to appear).
+    admin_roles:       role ids or names that may change the decoder and steering in a
+                       guild, besides members with the Manage Server permission.
+    queue_size:        replies waiting for the model; beyond it the bot says it is busy.
+    cooldown_s:        seconds a user waits between two messages the bot answers.
+    reply_timeout_s:   a reply still generating after this long is cut short.
+    shutdown_grace_s:  on SIGTERM / Ctrl-C, how long the reply in flight may finish.
+    max_conversations: conversations kept in memory; older ones resume from the log.
+    locked_settings:   decoder and steerer settings that name files or models on the
+                       bot's machine: /chat decoder and /chat steer refuse them (as they
+                       refuse any value that looks like a path); the settings file may
+                       still use them.
+    log:               log conversations (resumed after a restart); false keeps them
+                       in memory only.
+    db:                the conversation log's database: an SQLAlchemy URL or an SQLite
+                       file path (default: ``$CHATCORE_DB`` or the user data folder).
+    """
+
+    model: str = "chatcore-tiny"
+    device: str | None = None
+    threads: int | None = None
+    decoder: str = "top-k"
+    steer: tuple[str, ...] = ()
+    max_new_tokens: int = 64
+    min_new_tokens: int = 1
+    channels: tuple[int, ...] = ()
+    guilds: tuple[int, ...] = ()
+    admin_roles: tuple[int | str, ...] = ()
+    queue_size: int = 8
+    cooldown_s: float = 2.0
+    reply_timeout_s: float = 120.0
+    shutdown_grace_s: float = 10.0
+    max_conversations: int = 1000
+    locked_settings: tuple[str, ...] = ("file", "discriminator", "block", "reverse_model", "model", "path")
+    log: bool = True
+    db: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(f"`model` must name a model, got {self.model!r}")
+        if self.threads is not None:
+            _positive_int("threads", self.threads)
+        if not isinstance(self.decoder, str) or not self.decoder.strip():
+            raise ValueError(f"`decoder` must be a decoder spec such as 'top-k', got {self.decoder!r}")
+        for spec in self.steer:
+            if not isinstance(spec, str) or not spec.strip():
+                raise ValueError(f"`steer` must list steerer specs such as 'bow-bias topic=food', got {spec!r}")
+        _positive_int("max_new_tokens", self.max_new_tokens)
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"`min_new_tokens` must be an integer between 0 and max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens!r}"
+            )
+        _snowflakes("channels", self.channels)
+        _snowflakes("guilds", self.guilds)
+        for role in self.admin_roles:
+            if isinstance(role, bool) or not (isinstance(role, int) and role > 0 or isinstance(role, str) and role.strip()):
+                raise ValueError(f"`admin_roles` must list role ids or names, got {role!r}")
+        _positive_int("queue_size", self.queue_size)
+        _positive_int("max_conversations", self.max_conversations)
+        for name in ("cooldown_s", "reply_timeout_s", "shutdown_grace_s"):
+            _non_negative_number(name, getattr(self, name))
+        if self.reply_timeout_s == 0:
+            raise ValueError("`reply_timeout_s` must be a positive number, got 0")
+        if self.db is not None and (not isinstance(self.db, str) or not self.db.strip()):
+            raise ValueError(f"`db` must be a database URL or file path, got {self.db!r}")
+
+    def refused_setting(self, settings: Mapping[str, Any]) -> str | None:
+        """Why a decoder or steerer setting given from Discord is refused, if it is.
+
+        Only the bot's operator may point the bot at files and models on its machine;
+        a guild's managers may not (they could make it read any file or fetch any model)."""
+        for key, value in settings.items():
+            if key.replace("-", "_") in self.locked_settings:
+                return f"`{key}` names a file or model on the bot's machine; only the bot's settings file may set it"
+            text = str(value)
+            if "/" in text or "\\" in text or text.startswith("~"):
+                return f"`{key}` looks like a file path; paths can only be set in the bot's settings file"
+        return None
+
+    def is_admin_role(self, role_id: int, role_name: str) -> bool:
+        wanted = {str(role).strip() for role in self.admin_roles}
+        return str(role_id) in wanted or role_name in wanted
+
+
+def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The raw key/values of a ``.toml`` or ``.json`` settings file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ChatcoreError(f"no such settings file: {str(path)!r}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            with path.open("rb") as handle:
+                raw: Any = tomllib.load(handle)
+        elif suffix == ".json":
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            raise ChatcoreError(f"settings file {str(path)!r}: expected a .toml or .json file")
+    except (ValueError, UnicodeDecodeError) as error:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise ChatcoreError(f"settings file {str(path)!r} is not valid {suffix[1:].upper()}: {error}") from None
+    if not isinstance(raw, dict):
+        raise ChatcoreError(f"settings file {str(path)!r}: expected a table of settings at the top level")
+    if FILE_TABLE in raw and isinstance(raw[FILE_TABLE], dict):
+        raw = raw[FILE_TABLE]
+    if "token" in raw:
+        raise ChatcoreError(
+            f"settings file {str(path)!r} holds a token: keep it out of settings files; "
+            f"use {TOKEN_ENV} or --token-file"
+        )
+    return dict(raw)
+
+
+def load_settings(path: str | os.PathLike[str] | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> DiscordSettings:
+    """Settings from ``path`` (if given) with ``overrides`` (command-line options) on top.
+
+    Overrides whose value is ``None`` or an empty tuple mean "not given" and leave the
+    file's value in place.
+    """
+    values: dict[str, Any] = read_settings_file(path) if path is not None else {}
+    for key, value in (overrides or {}).items():
+        if value is None or value == ():
+            continue
+        values[key] = value
+    where = f"settings file {str(path)!r}" if path is not None else "the discord settings"
+    try:
+        return parse_settings(DiscordSettings, values, owner=where)
+    except OptionError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise OptionError(f"{error} in {where}") from None
+
+
+def read_token(token_file: str | os.PathLike[str] | None = None,
+               environ: Mapping[str, str] | None = None) -> str:
+    """The bot token from ``token_file``, else ``$DISCORD_TOKEN``.
+
+    The token never appears in a message: errors describe where it was looked for and
+    what is wrong with it, not its value.
+    """
+    environ = os.environ if environ is None else environ
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            mode = path.stat().st_mode
+            token = path.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise ChatcoreError(f"no such token file: {str(path)!r}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ChatcoreError(f"cannot read the token file {str(path)!r}: {type(error).__name__}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning("the token file %s can be read by other users; chmod 600 it", path)
+        source = f"the token file {str(path)!r}"
+    else:
+        token = environ.get(TOKEN_ENV, "").strip()
+        source = f"${TOKEN_ENV}"
+        if not token:
+            raise ChatcoreError(f"no bot token: set {TOKEN_ENV} or pass --token-file PATH")
+    if not token:
+        raise ChatcoreError(f"{source} is empty")
+    if any(char.isspace() for char in token) or not token.isprintable():
+        raise ChatcoreError(f"{source} does not hold a bot token (it contains spaces or control characters)")
+    return token

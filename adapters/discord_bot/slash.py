@@ -1,0 +1,281 @@
+"""``/chat reset | decoder | steer | settings | why``: the bot's slash commands.
+
+Each command acts on the conversation of the channel, thread or DM it is used in.
+Changing anything in a guild (reset, decoder, steering) needs the Manage Server
+permission or one of the configured ``admin_roles``; in a DM the conversation is the
+user's own, so everyone may change theirs. Commands that need the engine run on the
+inference worker, ahead of waiting replies; when one is not done within
+:data:`DEFER_AFTER_S` (the worker is finishing a reply), the interaction is deferred
+and the answer comes as a follow-up, since Discord drops interactions left
+unanswered for three seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import discord
+from discord import app_commands
+
+from chatcore.adapters.discord_bot.routing import MESSAGE_LIMIT, conversation_key, split_reply
+from chatcore.adapters.discord_bot.worker import WorkerBusy, WorkerClosed
+from chatcore.cli.specs import parse_spec
+from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from chatcore.adapters.discord_bot.bot import ChatBot, ChannelSetup
+    from chatcore.adapters.discord_bot.conversations import ChatRuntime
+    from chatcore.adapters.discord_bot.worker import JobControl
+
+T = TypeVar("T")
+
+DEFER_AFTER_S = 2.0
+NO_MENTIONS = discord.AllowedMentions.none()
+
+
+def describe_spec(name: str, settings: dict[str, Any]) -> str:
+    return " ".join([name, *(f"{key}={value}" for key, value in settings.items())])
+
+
+def format_provenance(provenance: dict[str, Any]) -> str:
+    """The "why" of one reply, short enough for one message."""
+    decoder = provenance.get("decoder") or {}
+    timings = provenance.get("timings") or {}
+    lines = [
+        f"model: {provenance.get('model', '?')}",
+        f"decoder: {describe_spec(decoder.get('name', '?'), decoder.get('settings') or {})}",
+    ]
+    steerers = provenance.get("steerers") or []
+    lines.append("steering: " + (", ".join(describe_spec(s.get("name", "?"), s.get("settings") or {})
+                                          for s in steerers) or "none"))
+    lines.append(f"seed: {provenance.get('seed', '?')}")
+    lines.append(f"context: {provenance.get('prompt_tokens', '?')} tokens, "
+                 f"{provenance.get('history_turns_used', '?')} turn(s) used, "
+                 f"{provenance.get('history_turns_dropped', 0)} older turn(s) left out")
+    if timings:
+        lines.append(f"reply: {timings.get('new_tokens', '?')} tokens in {timings.get('total_s', '?')} s "
+                     f"(first token after {timings.get('first_token_s', '?')} s)")
+    if provenance.get("interrupted"):
+        lines.append("the reply was cut short")
+    candidates = provenance.get("candidates") or []
+    if candidates:
+        chosen = next((c for c in candidates if c.get("chosen")), None)
+        scores = json.dumps(chosen.get("scores", {})) if chosen else "?"
+        lines.append(f"candidates: {len(candidates)}; the chosen one scored {scores}")
+    text = "\n".join(lines)
+    return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 1] + "…"
+
+
+class ChatCommands:
+    """The handlers behind the ``/chat`` group; ``group`` is what the command tree holds."""
+
+    def __init__(self, bot: "ChatBot") -> None:
+        self.bot = bot
+        self.group = self._build_group()
+
+    # -- the command group --------------------------------------------------------
+    def _build_group(self) -> app_commands.Group:
+        group = app_commands.Group(name="chat", description="The conversation with the bot in this channel")
+        handlers = self
+
+        @group.command(name="reset", description="Start a new conversation in this channel")
+        async def reset(interaction: discord.Interaction) -> None:
+            await handlers.reset(interaction)
+
+        @group.command(name="decoder", description="Change how replies are chosen in this channel")
+        @app_commands.describe(spec="a decoder and its settings, e.g. top-k top_k=20 temperature=0.7")
+        async def decoder(interaction: discord.Interaction, spec: str) -> None:
+            await handlers.decoder(interaction, spec)
+
+        @group.command(name="steer", description="Add steering in this channel, or 'off' to remove it")
+        @app_commands.describe(spec="a steerer and its settings, e.g. bow-bias topic=food strength=4; or off")
+        async def steer(interaction: discord.Interaction, spec: str) -> None:
+            await handlers.steer(interaction, spec)
+
+        @group.command(name="settings", description="Show the settings this channel's conversation uses")
+        async def settings(interaction: discord.Interaction) -> None:
+            await handlers.settings(interaction)
+
+        @group.command(name="why", description="Show how the last reply in this channel was made")
+        async def why(interaction: discord.Interaction) -> None:
+            await handlers.why(interaction)
+
+        @decoder.autocomplete("spec")
+        async def decoder_names(interaction: discord.Interaction, current: str) -> list[app_commands.Choice[str]]:
+            return handlers.complete("decoders", current)
+
+        @steer.autocomplete("spec")
+        async def steerer_names(interaction: discord.Interaction, current: str) -> list[app_commands.Choice[str]]:
+            choices = handlers.complete("steerers", current)
+            if "off".startswith(current.strip()):
+                choices.append(app_commands.Choice(name="off", value="off"))
+            return choices
+
+        return group
+
+    def complete(self, kind: str, current: str) -> list[app_commands.Choice[str]]:
+        typed = current.strip()
+        if " " in typed:  # settings are being typed after the name: leave them alone
+            return []
+        return [app_commands.Choice(name=name, value=name)
+                for name in self.bot.catalog.get(kind, []) if name.startswith(typed)][:25]
+
+    # -- permission ---------------------------------------------------------------
+    def may_change(self, interaction: discord.Interaction) -> bool:
+        """Manage Server or a configured role in a guild; anyone in their own DM."""
+        if interaction.guild is None:
+            return True
+        user = interaction.user
+        permissions = getattr(user, "guild_permissions", None)
+        if permissions is None:  # a user Discord sent without member data
+            permissions = getattr(interaction, "permissions", None)
+        if permissions is not None and permissions.manage_guild:  # administrators have it too
+            return True
+        return any(self.bot.settings.is_admin_role(role.id, role.name) for role in getattr(user, "roles", ()))
+
+    async def _refuse(self, interaction: discord.Interaction, what: str) -> None:
+        await respond(interaction, f"Only members with the Manage Server permission or a bot admin role "
+                                   f"can {what} here.", ephemeral=True)
+
+    # -- handlers -----------------------------------------------------------------
+    async def reset(self, interaction: discord.Interaction) -> None:
+        if not self.may_change(interaction):
+            await self._refuse(interaction, "reset the conversation")
+            return
+        key = conversation_key(interaction.channel)
+
+        def job(runtime: "ChatRuntime", control: "JobControl") -> str:
+            return runtime.reset(key).id
+
+        ok, _ = await self._run(interaction, job, ephemeral=False)
+        if ok:
+            self.bot.last_provenance.pop(key, None)
+            await respond(interaction, "Started a new conversation here; earlier messages are forgotten.")
+
+    async def decoder(self, interaction: discord.Interaction, spec: str) -> None:
+        if not self.may_change(interaction):
+            await self._refuse(interaction, "change the decoder")
+            return
+        key = conversation_key(interaction.channel)
+        try:
+            name, settings = parse_spec(spec)
+        except ChatcoreError as error:
+            await respond(interaction, f"Cannot use that: {error}", ephemeral=True)
+            return
+
+        refused = self.bot.settings.refused_setting(settings)
+        if refused is not None:
+            await respond(interaction, f"Cannot use that: {refused}", ephemeral=True)
+            return
+
+        def job(runtime: "ChatRuntime", control: "JobControl") -> None:
+            runtime.check_decoder(name, settings)
+
+        ok, _ = await self._run(interaction, job, ephemeral=False)
+        if ok:
+            setup = self._own_setup(key)
+            setup.decoder, setup.decoder_settings = name, dict(settings)
+            await respond(interaction, f"Decoder in this channel: `{describe_spec(name, settings)}`")
+
+    async def steer(self, interaction: discord.Interaction, spec: str) -> None:
+        if not self.may_change(interaction):
+            await self._refuse(interaction, "change the steering")
+            return
+        key = conversation_key(interaction.channel)
+        if spec.strip().lower() == "off":
+            self._own_setup(key).steerers = []
+            await respond(interaction, "Steering in this channel: off")
+            return
+        try:
+            name, settings = parse_spec(spec)
+        except ChatcoreError as error:
+            await respond(interaction, f"Cannot use that: {error}", ephemeral=True)
+            return
+
+        refused = self.bot.settings.refused_setting(settings)
+        if refused is not None:
+            await respond(interaction, f"Cannot use that: {refused}", ephemeral=True)
+            return
+
+        def job(runtime: "ChatRuntime", control: "JobControl") -> None:
+            runtime.check_steerer(name, settings)
+
+        ok, _ = await self._run(interaction, job, ephemeral=False)
+        if ok:
+            setup = self._own_setup(key)
+            # Naming a steerer again replaces its settings and keeps its place in the order.
+            replaced = [(n, dict(settings)) if n == name else (n, s) for n, s in setup.steerers]
+            if not any(n == name for n, _ in setup.steerers):
+                replaced.append((name, dict(settings)))
+            setup.steerers = replaced
+            listed = ", ".join(f"`{describe_spec(n, s)}`" for n, s in setup.steerers)
+            await respond(interaction, f"Steering in this channel: {listed}")
+
+    async def settings(self, interaction: discord.Interaction) -> None:
+        bot = self.bot
+        key = conversation_key(interaction.channel)
+        setup = bot.setup_for(key)
+        steering = ", ".join(describe_spec(n, s) for n, s in setup.steerers) or "none"
+        channel = interaction.channel
+        listed = {getattr(channel, "id", None), getattr(channel, "parent_id", None)} & set(bot.settings.channels)
+        where = "every message" if listed or interaction.guild is None else "mentions"
+        lines = [
+            f"decoder: {describe_spec(setup.decoder, setup.decoder_settings)}",
+            f"steering: {steering}",
+            f"replies: up to {bot.settings.max_new_tokens} tokens; answers {where} here",
+            f"cooldown: {bot.settings.cooldown_s:g} s per user",
+            f"queue: {bot.worker.waiting} waiting of {bot.worker.queue_size}",
+            f"conversation log: {'on' if bot.settings.log else 'off'} (key {key})",
+        ]
+        await respond(interaction, "\n".join(lines), ephemeral=True)
+
+    async def why(self, interaction: discord.Interaction) -> None:
+        key = conversation_key(interaction.channel)
+        provenance = self.bot.last_provenance.get(key)
+        if provenance is None:
+            def job(runtime: "ChatRuntime", control: "JobControl") -> dict[str, Any] | None:
+                return runtime.last_provenance(key)
+
+            ok, provenance = await self._run(interaction, job, ephemeral=True)
+            if not ok:
+                return
+        if not provenance:
+            await respond(interaction, "There is no reply in this channel's conversation yet.", ephemeral=True)
+            return
+        await respond(interaction, format_provenance(provenance), ephemeral=True)
+
+    # -- helpers ------------------------------------------------------------------
+    def _own_setup(self, key: str) -> "ChannelSetup":
+        if key not in self.bot.setups:
+            self.bot.setups[key] = self.bot.default_setup.copy()
+        return self.bot.setups[key]
+
+    async def _run(self, interaction: discord.Interaction, job: Callable[["ChatRuntime", "JobControl"], T],
+                   ephemeral: bool) -> tuple[bool, T | None]:
+        """Run ``job`` on the worker; defer the interaction if it is slow. (ok, result)."""
+        try:
+            future = self.bot.worker.submit(job, control=True)
+        except (WorkerBusy, WorkerClosed) as error:
+            await respond(interaction, f"Not now: {error}.", ephemeral=True)
+            return False, None
+        done, _ = await asyncio.wait({future}, timeout=DEFER_AFTER_S)
+        if not done and not interaction.response.is_done():
+            await interaction.response.defer(ephemeral=ephemeral, thinking=True)
+        try:
+            return True, await future
+        except ChatcoreError as error:
+            await respond(interaction, f"Cannot use that: {error}", ephemeral=True)
+            return False, None
+
+
+async def respond(interaction: discord.Interaction, text: str, ephemeral: bool = False) -> None:
+    """Answer an interaction (or follow up a deferred one), split and without mentions."""
+    pieces = split_reply(text) or ["(nothing to show)"]
+    for piece in pieces:
+        if interaction.response.is_done():
+            await interaction.followup.send(piece, ephemeral=ephemeral, allowed_mentions=NO_MENTIONS)
+        else:
+            await interaction.response.send_message(piece, ephemeral=ephemeral, allowed_mentions=NO_MENTIONS)

@@ -1,0 +1,175 @@
+"""Starting a terminal chat: options, the conversation log, the model, then the loop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from chatcore.adapters.conversation_log.errors import LogError
+from chatcore.adapters.conversation_log.formatting import SHORT_ID, one_line
+from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.adapters.repl.state import ChatState
+    from chatcore.engine import Engine
+    from chatcore.plugin_manager import PluginHost
+
+LOG_PLUGIN_NAME = "conversation-log:repl"
+
+
+@dataclass
+class ChatConfig:
+    """``chatcore chat``'s start options (they mirror ``chatcore generate``'s)."""
+
+    model: str = "chatcore-tiny"
+    decoder_spec: str = "top-k"
+    steer_specs: tuple[str, ...] = ()
+    seed: int | None = None
+    max_new_tokens: int = 64
+    device: str | None = None
+    dtype: str | None = None
+    continue_last: bool = False
+    conversation_id: str | None = None
+    no_log: bool = False
+    db_url: str | None = None
+    history_file: Path | None = None
+
+
+def open_log(config: ChatConfig, say: Callable[[str], None]) -> tuple["ConversationStore | None", str]:
+    """The store to log to, or None and the reason. Resuming needs it; chatting does not."""
+    if config.no_log:
+        if config.continue_last or config.conversation_id:
+            raise ChatcoreError("--continue and --cid resume from the conversation log; drop --no-log")
+        return None, "--no-log"
+    from chatcore.adapters.conversation_log.location import resolve_url
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+    try:
+        return ConversationStore(resolve_url(config.db_url)), ""
+    except LogError as error:
+        if config.continue_last or config.conversation_id:
+            raise
+        say(f"note: {error}; chatting without the conversation log")
+        return None, "unavailable"
+
+
+def load_engine(config: ChatConfig, host: "PluginHost | None", say: Callable[[str], None]) -> "Engine":
+    say(f"loading {config.model} ...")
+    started = time.perf_counter()
+    from chatcore.engine import Engine  # torch and transformers load here
+
+    engine = Engine(config.model, device=config.device, dtype=config.dtype, host=host)
+    parameters = sum(p.numel() for p in engine.loaded.model.parameters())
+    size = f"{parameters / 1e6:.1f}M" if parameters >= 1e6 else f"{parameters:,}"
+    say(f"loaded {config.model}: {size} parameters on {engine.loaded.device} "
+        f"in {time.perf_counter() - started:.1f} s")
+    return engine
+
+
+def find_resume_id(config: ChatConfig, store: "ConversationStore | None", say: Callable[[str], None]) -> str | None:
+    from chatcore.adapters.repl.state import ADAPTER
+
+    if store is None:
+        return None
+    if config.conversation_id:
+        return store.resolve_id(config.conversation_id)
+    if config.continue_last:
+        found = store.latest_conversation_id(adapter=ADAPTER)
+        if found is None:
+            say("note: no earlier terminal conversation to continue; starting a new one")
+        return found
+    return None
+
+
+def build_state(config: ChatConfig, host: "PluginHost | None" = None,
+                say: Callable[[str], None] = print) -> "ChatState":
+    """Everything up to the first prompt: options checked, log opened, model loaded, conversation ready."""
+    from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
+    from chatcore.adapters.repl.state import ChatState
+    from chatcore.cli.specs import parse_spec
+    from chatcore.engine import ReplyOptions
+
+    decoder, decoder_settings = parse_spec(config.decoder_spec)
+    steerers = [parse_spec(spec) for spec in config.steer_specs]
+    options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
+                           max_new_tokens=config.max_new_tokens)
+    store, off_reason = open_log(config, say)
+    try:
+        resume_id = find_resume_id(config, store, say)  # an unknown id fails before the model loads
+        engine = load_engine(config, host, say)
+        engine.make_decoder(decoder, decoder_settings)  # bad settings fail before the first prompt
+        for name, settings in steerers:
+            engine.make_steerer(name, settings)
+        state = ChatState(engine, options, store=store, log_off_reason=off_reason, next_seed=config.seed)
+        if store is not None:
+            if resume_id is not None:
+                state.switch_to(store.resume(engine, resume_id))
+            state.log_plugin = ConversationLogPlugin(store, notify=state.notify)
+            engine.host.unregister(LOG_PLUGIN_NAME)  # a previous chat in this process
+            if not engine.host.register(state.log_plugin, LOG_PLUGIN_NAME):
+                raise ChatcoreError("the conversation log plugin could not be registered")
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    return state
+
+
+def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
+    if state.log_plugin is not None:
+        state.engine.host.unregister(LOG_PLUGIN_NAME)
+        if state.log_plugin.pending and not state.log_plugin.flush():
+            say(f"note: {state.log_plugin.pending} write(s) could not be saved to the conversation log "
+                f"({state.log_plugin.failing})")
+    if state.store is not None:
+        state.store.close()
+
+
+def banner(state: "ChatState") -> str:
+    from chatcore.adapters.repl.slash_commands import describe_steerers, format_turns
+
+    conversation = state.current
+    log = f"logged to {state.store.display_url}" if state.store is not None else f"not logged ({state.log_off_reason})"
+    lines = [f"chatcore chat: decoder {state.options.decoder}"
+             + (f", steering {'; '.join(describe_steerers(state))}" if state.options.steerers else "")
+             + f"; {log}",
+             "/help lists the commands; Ctrl-C stops a reply; Ctrl-D or /quit exits."]
+    if conversation.turns:
+        title = one_line(str(conversation.meta.get("title") or ""), 60)
+        lines.append(f"resumed {conversation.id[:SHORT_ID]} ({len(conversation.turns)} turns)"
+                     + (f": {title}" if title else ""))
+        lines.append(format_turns(state, limit=6))
+    return "\n".join(lines)
+
+
+def start_chat(config: ChatConfig, host: "PluginHost | None" = None, out: IO[str] | None = None,
+               err: IO[str] | None = None, interactive: bool | None = None, input: Any = None,
+               output: Any = None) -> "ChatState":
+    """Run ``chatcore chat`` to the end; returns the final state (for tests and embedding).
+
+    Replies and command output go to ``out`` (stdout); loading progress and the
+    banner to ``err`` (stderr), so ``chatcore chat < script > replies`` keeps them apart.
+    """
+    import sys
+
+    from chatcore.adapters.repl.terminal import run_terminal
+
+    stream = out if out is not None else sys.stdout
+    status = err if err is not None else (out if out is not None else sys.stderr)
+
+    def say(message: str) -> None:
+        status.write(message + "\n")
+        status.flush()
+
+    state = build_state(config, host, say)
+    try:
+        say(banner(state))
+        run_terminal(state, out=stream, interactive=interactive, history_file=config.history_file,
+                     input=input, output=output)
+    finally:
+        close_state(state, say)
+    return state

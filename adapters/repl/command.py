@@ -1,0 +1,48 @@
+"""``chatcore chat``: the click command. Only click is imported here, so ``--help`` is instant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from chatcore.adapters.conversation_log.commands import DB_HELP
+
+
+@click.command("chat")
+@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
+@click.option("-d", "--decoder", "decoder_spec", default="top-k", show_default=True,
+              help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".')
+@click.option("-s", "--steer", "steer_specs", multiple=True,
+              help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.')
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None,
+              help="Seed of the first reply; each later reply uses the next number.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              show_default=True)
+@click.option("-c", "--continue", "continue_last", is_flag=True,
+              help="Continue the most recent terminal conversation from the log.")
+@click.option("--cid", "conversation_id", default=None, metavar="ID",
+              help="Continue this logged conversation (any unique prefix of its id).")
+@click.option("--no-log", is_flag=True, help="Do not write this chat to the conversation log.")
+@click.option("--db", "db_url", default=None, metavar="URL", help=DB_HELP)
+@click.option("--history-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Input history file (default: repl_history in the user data folder).")
+def chat(model: str, decoder_spec: str, steer_specs: tuple[str, ...], seed: int | None, max_new_tokens: int,
+         device: str | None, dtype: str, continue_last: bool, conversation_id: str | None, no_log: bool,
+         db_url: str | None, history_file: Path | None) -> None:
+    """Talk with a model in the terminal.
+
+    Replies stream as they are generated. Ctrl-C stops a reply (the partial reply is
+    kept), Ctrl-D or /quit exits, /help lists the slash commands (/decoder, /steer,
+    /retry, /why, /resume ...). Every turn is written to the conversation log (see
+    `chatcore logs`) unless --no-log.
+    """
+    from chatcore.adapters.repl.app import ChatConfig, start_chat
+
+    start_chat(ChatConfig(
+        model=model, decoder_spec=decoder_spec, steer_specs=steer_specs, seed=seed, max_new_tokens=max_new_tokens,
+        device=device, dtype=dtype, continue_last=continue_last, conversation_id=conversation_id, no_log=no_log,
+        db_url=db_url, history_file=history_file,
+    ))

@@ -1,0 +1,337 @@
+"""The REPL's slash commands and message handling, free of any terminal I/O.
+
+:func:`handle_line` takes the state and one input line and returns an
+:class:`Outcome`: text to show, maybe a lazy reply to stream, and whether to quit.
+Bad input and bad settings come back as a one-line error, never as an exception
+(anything that is not a :class:`~chatcore.errors.ChatcoreError` is a bug and does
+propagate).
+
+A line starting with ``/`` is a command; start it with ``//`` to send a message that
+begins with ``/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from chatcore.adapters.conversation_log.formatting import SHORT_ID, display_safe, one_line, summary_table
+from chatcore.cli.specs import parse_spec
+from chatcore.errors import ChatcoreError, OptionError
+
+if TYPE_CHECKING:
+    from chatcore.adapters.repl.state import ChatState
+    from chatcore.response import Response
+
+KEYS_HELP = """keys: Enter sends; Esc-Enter (or Alt-Enter) adds a line; /multi swaps the two.
+      Ctrl-C stops a reply (the partial reply is kept, marked interrupted) or clears the line;
+      Ctrl-D or /quit exits. Tab completes commands, decoder and steerer names and settings.
+      Start a message with // to send a line that begins with /."""
+
+
+@dataclass
+class Outcome:
+    output: str = ""
+    reply: "Response | None" = None
+    quit: bool = False
+    error: bool = False
+
+
+def failure(message: Any) -> Outcome:
+    text = " ".join(str(message).split()) or "failed"
+    return Outcome(output=f"error: {text}", error=True)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    usage: str
+    summary: str
+    run: Callable[["ChatState", str], Outcome]
+
+
+COMMANDS: dict[str, Command] = {}
+ALIASES = {"/exit": "/quit", "/q": "/quit", "/?": "/help"}
+
+
+def command(name: str, usage: str, summary: str) -> Callable[[Callable[["ChatState", str], Outcome]], Any]:
+    def add(function: Callable[["ChatState", str], Outcome]) -> Callable[["ChatState", str], Outcome]:
+        COMMANDS[name] = Command(name, usage, summary, function)
+        return function
+
+    return add
+
+
+def _has_undecodable_bytes(text: str) -> bool:
+    # Terminals and the plain reader decode with surrogateescape: bad bytes arrive as lone surrogates.
+    return any("\udc80" <= char <= "\udcff" for char in text)
+
+
+def handle_line(state: "ChatState", line: str) -> Outcome:
+    """One line from the person: a slash command, or a message to reply to."""
+    if _has_undecodable_bytes(line):
+        return failure("the input is not UTF-8 text (undecodable bytes); nothing was sent")
+    stripped = line.strip()
+    if not stripped:
+        return Outcome()
+    if stripped.startswith("/") and not stripped.startswith("//"):
+        return run_command(state, stripped)
+    text = stripped[1:] if stripped.startswith("//") else line
+    try:
+        return Outcome(reply=state.send(text))
+    except ChatcoreError as error:
+        return failure(error)
+
+
+def run_command(state: "ChatState", line: str) -> Outcome:
+    name, _, rest = line.partition(" ")
+    name = ALIASES.get(name.lower(), name.lower())
+    found = COMMANDS.get(name)
+    if found is None:
+        return failure(f"unknown command {one_line(name, 40)!r}; /help lists the commands")
+    try:
+        return found.run(state, rest.strip())
+    except ChatcoreError as error:
+        return failure(error)
+
+
+# -- showing settings ---------------------------------------------------------------
+def format_settings(settings: dict[str, Any]) -> str:
+    """``key=value`` pairs, leaving out unset values (None, empty text or lists)."""
+    parts = []
+    for key, value in settings.items():
+        if value is None or value == "" or value == [] or value == ():
+            continue
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(item) for item in value)
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def describe_decoder(state: "ChatState") -> str:
+    options = state.options
+    decoder = state.engine.make_decoder(options.decoder, options.decoder_settings).describe()
+    settings = format_settings(decoder["settings"])
+    return f"{decoder['name']} {settings}".strip()
+
+
+def describe_steerers(state: "ChatState") -> list[str]:
+    lines = []
+    for name, raw in state.options.steerers:
+        steerer = state.engine.make_steerer(name, raw).describe()
+        lines.append(f"{steerer['name']} {format_settings(steerer['settings'])}".strip())
+    return lines
+
+
+def available(table: dict[str, Any]) -> str:
+    return ", ".join(sorted(table)) or "none"
+
+
+# -- the commands -----------------------------------------------------------------
+@command("/help", "/help", "this list")
+def help_command(state: "ChatState", rest: str) -> Outcome:
+    width = max(len(c.usage) for c in COMMANDS.values())
+    lines = [f"{c.usage.ljust(width)}  {c.summary}" for c in COMMANDS.values()]
+    return Outcome(output="\n".join(lines) + "\n" + KEYS_HELP)
+
+
+@command("/decoder", "/decoder [NAME key=value ...]", "show or switch the decoder (e.g. /decoder top-k top_k=20)")
+def decoder_command(state: "ChatState", rest: str) -> Outcome:
+    if not rest:
+        return Outcome(output=f"decoder: {describe_decoder(state)}\navailable: "
+                              f"{available(state.engine.registry.decoders)}")
+    name, settings = parse_spec(rest)
+    state.engine.make_decoder(name, settings)  # validates before anything changes
+    state.options.decoder, state.options.decoder_settings = name, settings
+    return Outcome(output=f"decoder: {describe_decoder(state)}")
+
+
+@command("/steer", "/steer NAME key=value ... | off [NAME]",
+         "turn a steerer on (or change its settings), or off (all, or one)")
+def steer_command(state: "ChatState", rest: str) -> Outcome:
+    active = [name for name, _ in state.options.steerers]
+    if not rest:
+        shown = "\n  ".join(describe_steerers(state)) or "none"
+        return Outcome(output=f"steering: {shown}\navailable: {available(state.engine.registry.steerers)}")
+    words = rest.split()
+    if words[0].lower() == "off":
+        names = words[1:]
+        if not names:
+            state.options.steerers = []
+            return Outcome(output="steering off")
+        missing = [name for name in names if name not in active]
+        if missing:
+            return failure(f"steerer {missing[0]!r} is not on (on: {', '.join(active) or 'none'})")
+        state.options.steerers = [(n, s) for n, s in state.options.steerers if n not in names]
+        left = ", ".join(n for n, _ in state.options.steerers) or "none"
+        return Outcome(output=f"steering off: {', '.join(names)} (still on: {left})")
+    name, settings = parse_spec(rest)
+    state.engine.make_steerer(name, settings)  # validates before anything changes
+    if name in active:  # new settings, same place in the composition order
+        state.options.steerers = [(n, settings if n == name else s) for n, s in state.options.steerers]
+    else:
+        state.options.steerers = [*state.options.steerers, (name, settings)]
+    return Outcome(output="steering: " + "; ".join(describe_steerers(state)))
+
+
+@command("/settings", "/settings", "model, decoder, steerers, seed, log and conversation")
+def settings_command(state: "ChatState", rest: str) -> Outcome:
+    loaded = state.engine.loaded
+    conversation = state.current
+    seed = "random" if state.next_seed is None else f"{state.next_seed} (next reply; +1 per reply)"
+    log = state.log_status if state.store is None else f"{state.log_status}: {state.store.display_url}"
+    lines = [
+        f"model:          {loaded.name} ({loaded.device})",
+        f"decoder:        {describe_decoder(state)}",
+        f"steerers:       {'; '.join(describe_steerers(state)) or 'none'}",
+        f"seed:           {seed}",
+        f"max new tokens: {state.options.max_new_tokens}",
+        f"log:            {log}",
+        f"conversation:   {conversation.id} ({len(conversation.turns)} turns)",
+        f"multi-line:     {'on (Esc-Enter sends)' if state.multiline else 'off (Esc-Enter adds a line)'}",
+    ]
+    return Outcome(output="\n".join(lines))
+
+
+@command("/new", "/new", "start a new conversation")
+def new_command(state: "ChatState", rest: str) -> Outcome:
+    conversation = state.new_conversation()
+    return Outcome(output=f"new conversation {conversation.id[:SHORT_ID]}")
+
+
+def format_turns(state: "ChatState", limit: int | None = None) -> str:
+    turns = state.current.turns
+    shown = turns if limit is None else turns[-limit:]
+    lines = []
+    if len(shown) < len(turns):
+        lines.append(f"({len(turns) - len(shown)} earlier turns not shown; /history shows all)")
+    for turn in shown:
+        label = "you" if turn.role == "user" else "bot"
+        mark = " [interrupted]" if turn.interrupted else ""
+        lines.append(f"{label}> {display_safe(turn.text)}{mark}")
+    return "\n".join(lines)
+
+
+@command("/history", "/history", "the turns of this conversation")
+def history_command(state: "ChatState", rest: str) -> Outcome:
+    if not state.current.turns:
+        return Outcome(output="(no turns yet)")
+    return Outcome(output=format_turns(state))
+
+
+@command("/retry", "/retry", "drop the last reply and generate a new one")
+def retry_command(state: "ChatState", rest: str) -> Outcome:
+    turns = state.current.turns
+    if not any(turn.role == "user" for turn in turns):
+        return failure("nothing to retry: send a message first")
+    if turns[-1].role == "bot":
+        # The log keeps the dropped reply, marked superseded by the new one.
+        turns.pop()
+    return Outcome(reply=state.reply())
+
+
+def _last_provenance(state: "ChatState") -> dict[str, Any] | None:
+    response = state.last_response
+    if response is not None and response.done:
+        return response.provenance
+    for turn in reversed(state.current.turns):
+        if turn.role == "bot":
+            return turn.meta.get("provenance")
+    return None
+
+
+def _format_scores(scores: dict[str, Any]) -> str:
+    return "  ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+                     for key, value in scores.items())
+
+
+@command("/why", "/why", "how the last reply was chosen: MMI candidates and scores, steering details")
+def why_command(state: "ChatState", rest: str) -> Outcome:
+    provenance = _last_provenance(state)
+    if not provenance:
+        return failure("no reply yet")
+    decoder = provenance.get("decoder") or {}
+    lines = [f"decoder {decoder.get('name', '?')} {format_settings(decoder.get('settings') or {})}".rstrip()
+             + f", seed {provenance.get('seed')}"]
+    candidates = provenance.get("candidates") or []
+    if candidates:
+        lines.append(f"{len(candidates)} candidates (* = chosen):")
+        for index, candidate in enumerate(candidates, 1):
+            mark = "*" if candidate.get("chosen") else " "
+            scores = _format_scores(candidate.get("scores") or {})
+            lines.append(f" {mark}{index:>2}  {scores}  {one_line(candidate.get('text', ''), 70)!r}")
+    for steerer in provenance.get("steerers") or []:
+        lines.append(f"steerer {steerer.get('name')}: {format_settings(steerer.get('settings') or {})}")
+    details = provenance.get("details") or {}
+    for key, value in details.items():
+        lines.append(f"{key}: {one_line(str(value), 200)}")
+    if not candidates and not provenance.get("steerers") and not details:
+        lines.append("no candidates or steering: the decoder chose every token itself")
+    timings = provenance.get("timings") or {}
+    if timings:
+        lines.append(f"{timings.get('new_tokens')} tokens in {timings.get('total_s')} s"
+                     + (" (interrupted)" if provenance.get("interrupted") else ""))
+    return Outcome(output="\n".join(lines))
+
+
+def _store(state: "ChatState") -> Any:
+    if state.store is None:
+        raise ChatcoreError(f"the conversation log is off ({state.log_off_reason})")
+    return state.store
+
+
+@command("/conversations", "/conversations [N]", "recent logged conversations (N of them, default 10)")
+def conversations_command(state: "ChatState", rest: str) -> Outcome:
+    try:
+        limit = int(rest) if rest else 10
+    except ValueError:
+        raise OptionError(f"expected a number of conversations, got {rest!r}") from None
+    if limit < 1:
+        raise OptionError(f"expected a positive number of conversations, got {limit}")
+    summaries = _store(state).list_conversations(limit=limit)
+    if not summaries:
+        return Outcome(output="(no logged conversations yet)")
+    return Outcome(output=summary_table(summaries) + "\n/resume ID continues one")
+
+
+@command("/resume", "/resume ID", "continue a logged conversation (any unique prefix of its id)")
+def resume_command(state: "ChatState", rest: str) -> Outcome:
+    if not rest:
+        return failure("usage: /resume ID (/conversations lists them)")
+    conversation = _store(state).resume(state.engine, rest.split()[0])
+    state.switch_to(conversation)
+    title = one_line(str(conversation.meta.get("title") or ""), 60)
+    header = f"resumed {conversation.id[:SHORT_ID]} ({len(conversation.turns)} turns){': ' + title if title else ''}"
+    recent = format_turns(state, limit=6)
+    return Outcome(output=header + ("\n" + recent if recent else ""))
+
+
+@command("/seed", "/seed [N | random]", "fix the seed of the next reply (then +1 per reply), or go random")
+def seed_command(state: "ChatState", rest: str) -> Outcome:
+    if not rest:
+        return Outcome(output=f"seed: {'random' if state.next_seed is None else state.next_seed}")
+    if rest.lower() in ("random", "off", "none"):
+        state.next_seed = None
+        return Outcome(output="seed: random")
+    try:
+        seed = int(rest)
+    except ValueError:
+        seed = -1
+    if seed < 0 or seed >= 2**63:
+        raise OptionError(f"`seed` must be a non-negative integer or 'random', got {rest!r}")
+    state.next_seed = seed
+    return Outcome(output=f"seed: {seed} for the next reply")
+
+
+@command("/multi", "/multi", "multi-line input on/off (on: Enter adds a line, Esc-Enter sends)")
+def multi_command(state: "ChatState", rest: str) -> Outcome:
+    state.multiline = not state.multiline
+    if state.multiline:
+        return Outcome(output="multi-line on: Enter adds a line, Esc-Enter sends")
+    return Outcome(output="multi-line off: Enter sends, Esc-Enter adds a line")
+
+
+@command("/quit", "/quit", "leave (Ctrl-D does too)")
+def quit_command(state: "ChatState", rest: str) -> Outcome:
+    return Outcome(quit=True)

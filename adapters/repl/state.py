@@ -1,0 +1,84 @@
+"""What one terminal chat holds: the engine, the reply options, the conversation, the log."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
+    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.conversation import Conversation
+    from chatcore.engine import Engine, ReplyOptions
+    from chatcore.response import Response
+
+ADAPTER = "repl"
+
+
+@dataclass
+class ChatState:
+    """The REPL's state; slash commands read and change it, the terminal shows it.
+
+    ``next_seed``: the seed of the next reply, or None for a random one. A fixed seed
+    advances by one per reply, so a conversation replays exactly from the same
+    inputs while ``/retry`` still gives a different reply.
+    """
+
+    engine: "Engine"
+    options: "ReplyOptions"
+    conversation: "Conversation | None" = None
+    store: "ConversationStore | None" = None
+    log_plugin: "ConversationLogPlugin | None" = None
+    log_off_reason: str = "--no-log"
+    next_seed: int | None = None
+    last_response: "Response | None" = None
+    multiline: bool = False
+    notices: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.conversation is None:
+            self.new_conversation()
+
+    @property
+    def current(self) -> "Conversation":
+        assert self.conversation is not None
+        return self.conversation
+
+    def new_conversation(self) -> "Conversation":
+        self.conversation = self.engine.conversation(adapter=ADAPTER)
+        self.last_response = None
+        return self.conversation
+
+    def switch_to(self, conversation: "Conversation") -> None:
+        self.conversation = conversation
+        self.last_response = None
+
+    def reply(self) -> "Response":
+        """A lazy reply to the conversation so far, with the current options and seed."""
+        options = dataclasses.replace(self.options, seed=self.next_seed)
+        response = self.current.reply(options)
+        if self.next_seed is not None:
+            self.next_seed += 1
+        self.last_response = response
+        return response
+
+    def send(self, text: Any) -> "Response":
+        self.current.add_user(text)
+        return self.reply()
+
+    def notify(self, message: str) -> None:
+        """Queue a message for the person (shown between turns, never mid-reply)."""
+        self.notices.append(message)
+
+    def take_notices(self) -> list[str]:
+        notices, self.notices = self.notices, []
+        return notices
+
+    @property
+    def log_status(self) -> str:
+        if self.store is None:
+            return f"off ({self.log_off_reason})"
+        if self.log_plugin is not None and self.log_plugin.failing is not None:
+            return f"failing, {self.log_plugin.pending} write(s) waiting"
+        return "on"

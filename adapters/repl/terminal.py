@@ -1,0 +1,190 @@
+"""Terminal I/O: the read-reply loop, streaming, and the prompt-toolkit line editor.
+
+On a terminal the line editor is a prompt-toolkit session (history file, completion,
+toolbar, multi-line). When standard input is not a terminal (a pipe, a file), lines
+are read plainly so that ``chatcore chat < script.txt`` works too.
+
+Ctrl-C while a reply streams raises KeyboardInterrupt in the loop; the reply is then
+interrupted, which keeps its partial text in the conversation marked interrupted
+(and the log records it so). Ctrl-C at the prompt clears the line; Ctrl-D exits.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from chatcore.adapters.conversation_log.formatting import display_safe
+from chatcore.adapters.repl.completion import completions, toolbar_text
+from chatcore.adapters.repl.slash_commands import Outcome, handle_line
+from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from chatcore.adapters.repl.state import ChatState
+    from chatcore.response import Response
+
+ReadLine = Callable[[], str]
+HISTORY_FILENAME = "repl_history"
+PROMPT = "you> "
+REPLY_PREFIX = "bot> "
+
+
+def debug_enabled() -> bool:
+    from chatcore.cli import debug_enabled as enabled
+
+    return enabled()
+
+
+def stream_reply(response: "Response", out: IO[str]) -> None:
+    """Print a reply as it is generated; Ctrl-C stops it and keeps what came so far."""
+    out.write(REPLY_PREFIX)
+    out.flush()
+    try:
+        for delta in response:
+            out.write(display_safe(delta))
+            out.flush()
+    except KeyboardInterrupt:
+        response.interrupt()
+        out.write(" [interrupted]")
+    except ChatcoreError as error:
+        out.write(f"\nerror: {error}")
+    except Exception as error:
+        if debug_enabled():
+            raise
+        out.write(f"\nerror: unexpected {type(error).__name__}: {error} (CHATCORE_DEBUG=1 shows a traceback)")
+    out.write("\n")
+    out.flush()
+
+
+def show_notices(state: "ChatState", out: IO[str]) -> None:
+    for notice in state.take_notices():
+        out.write(f"note: {display_safe(notice)}\n")
+    out.flush()
+
+
+def run_loop(state: "ChatState", read_line: ReadLine, out: IO[str]) -> None:
+    """Read lines until /quit or end of input, answering each."""
+    while True:
+        show_notices(state, out)
+        try:
+            line = read_line()
+        except KeyboardInterrupt:
+            continue  # the line is cleared; a new prompt follows
+        except EOFError:
+            out.write("\n")
+            break
+        try:
+            outcome = handle_line(state, line)
+            if outcome.output:
+                out.write(outcome.output + "\n")
+            if outcome.reply is not None:
+                stream_reply(outcome.reply, out)
+        except KeyboardInterrupt:
+            out.write("^C\n")  # between reading and streaming (e.g. while the log writes)
+            continue
+        except Exception as error:
+            if debug_enabled():
+                raise
+            outcome = Outcome(error=True)
+            out.write(f"error: unexpected {type(error).__name__}: {error} (CHATCORE_DEBUG=1 shows a traceback)\n")
+        out.flush()
+        if outcome.quit:
+            break
+    show_notices(state, out)
+
+
+# -- line readers -----------------------------------------------------------------
+def plain_reader(stream: IO[bytes] | None = None) -> ReadLine:
+    """Lines from a pipe or file. Bytes that are not UTF-8 become lone surrogates,
+    which the command handler refuses with a clear message."""
+    source = stream if stream is not None else sys.stdin.buffer
+
+    def read_line() -> str:
+        raw = source.readline()
+        if not raw:
+            raise EOFError
+        return raw.decode("utf-8", errors="surrogateescape").rstrip("\r\n")
+
+    return read_line
+
+
+def history_path() -> Path:
+    from chatcore.adapters.conversation_log.location import user_data_path
+
+    return user_data_path() / HISTORY_FILENAME
+
+
+def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, input: Any = None,
+                          output: Any = None) -> ReadLine:
+    """A prompt-toolkit session: history file, completion, toolbar, multi-line."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.application.current import get_app
+    from prompt_toolkit.completion import Completer, Completion
+    from prompt_toolkit.filters import Condition
+    from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    class SlashCompleter(Completer):
+        def get_completions(self, document: Any, complete_event: Any) -> Any:
+            for suggestion in completions(state, document.text_before_cursor):
+                yield Completion(suggestion.text, start_position=suggestion.start, display_meta=suggestion.meta)
+
+    history: History
+    path = history_file if history_file is not None else history_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(exist_ok=True)
+        history = FileHistory(str(path))
+    except OSError as error:
+        state.notify(f"input history is not saved ({path}: {error.strerror or error})")
+        history = InMemoryHistory()
+
+    multiline = Condition(lambda: state.multiline)
+    bindings = KeyBindings()
+
+    @bindings.add("escape", "enter", filter=~multiline)
+    def _newline(event: Any) -> None:
+        # Single-line mode: Esc-Enter (Alt-Enter) adds a line and Enter sends. In
+        # multi-line mode prompt-toolkit's own bindings swap the two.
+        event.current_buffer.insert_text("\n")
+
+    def typing_a_command() -> bool:
+        text = get_app().current_buffer.text
+        return text.startswith("/") and not text.startswith("//") and "\n" not in text
+
+    @bindings.add("enter", filter=multiline & Condition(typing_a_command))
+    def _run_command(event: Any) -> None:
+        # Even in multi-line mode a one-line slash command runs on Enter (/multi, /quit).
+        event.current_buffer.validate_and_handle()
+
+    session: Any = PromptSession(
+        history=history,
+        completer=SlashCompleter(),
+        complete_while_typing=True,
+        bottom_toolbar=lambda: toolbar_text(state),
+        key_bindings=bindings,
+        multiline=multiline,
+        prompt_continuation=lambda width, line_number, wrap_count: "." * (width - 1) + " ",
+        input=input,
+        output=output,
+    )
+
+    def read_line() -> str:
+        return str(session.prompt(PROMPT))
+
+    return read_line
+
+
+def run_terminal(state: "ChatState", out: IO[str] | None = None, interactive: bool | None = None,
+                 history_file: Path | None = None, input: Any = None, output: Any = None) -> None:
+    """Chat until /quit or Ctrl-D, with prompt-toolkit when on a terminal."""
+    out = out if out is not None else sys.stdout
+    if interactive is None:
+        interactive = input is not None or (sys.stdin.isatty() and sys.stdout.isatty())
+    if interactive:
+        read_line = prompt_toolkit_reader(state, history_file, input=input, output=output)
+    else:
+        read_line = plain_reader()
+    run_loop(state, read_line, out)

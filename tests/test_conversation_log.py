@@ -1,0 +1,389 @@
+"""The conversation log: the store on real SQLite files, the hooks through a real engine, `chatcore logs`."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from click.testing import CliRunner
+
+import chatcore.plugin_manager as plugin_manager
+from chatcore.adapters.conversation_log import ConversationLogPlugin, LogError, UnknownConversationError
+from chatcore.adapters.conversation_log import store as store_module
+from chatcore.adapters.conversation_log.formatting import conversation_markdown, conversation_text, display_safe
+from chatcore.adapters.conversation_log.location import resolve_url, sqlite_url
+from chatcore.adapters.conversation_log.store import ConversationStore
+from chatcore.text import encode_text
+
+LOG_MODULE = "chatcore.adapters.conversation_log"
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return tmp_path / "log.sqlite3"
+
+
+@pytest.fixture
+def store(db_path):
+    opened = ConversationStore(sqlite_url(db_path))
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def notices():
+    return []
+
+
+@pytest.fixture
+def log_plugin(engine, store, notices):
+    plugin = ConversationLogPlugin(store, notify=notices.append)
+    assert engine.host.register(plugin, "conversation-log")
+    engine.host.check_pending()
+    return plugin
+
+
+def raw_rows(db_path, sql, *params):
+    """Read through a separate SQLite connection: only committed data is visible."""
+    connection = sqlite3.connect(str(db_path))
+    try:
+        return connection.execute(sql, params).fetchall()
+    finally:
+        connection.close()
+
+
+# -- the store ---------------------------------------------------------------------------
+def test_a_new_log_is_wal_with_indexes_and_a_schema_version(store, db_path):
+    assert store.journal_mode() == "wal"
+    assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
+    indexes = {name for (name,) in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"ix_conversations_updated", "ix_conversations_channel_updated", "ix_conversations_created",
+            "ix_messages_conversation_id"} <= indexes
+    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(1,)]
+    plan = " ".join(str(row) for row in raw_rows(
+        db_path, "EXPLAIN QUERY PLAN SELECT id FROM conversations WHERE channel_key = 'x' ORDER BY updated DESC"))
+    assert "ix_conversations_channel_updated" in plan
+    if sqlite3.sqlite_version_info >= (3, 34):
+        assert store.fts
+
+
+def test_every_write_is_committed_when_it_returns(store, db_path):
+    store.ensure_conversation("c1", adapter="repl", title="first")
+    assert raw_rows(db_path, "SELECT id, adapter, title FROM conversations") == [("c1", "repl", "first")]
+    for number in range(3):
+        store.add_message("c1", "user", f"message {number}")
+        assert raw_rows(db_path, "SELECT count(*) FROM messages") == [(number + 1,)]
+    assert store.ensure_conversation("c1") is False  # already there: nothing changes
+    assert raw_rows(db_path, "SELECT title FROM conversations") == [("first",)]
+
+
+def test_list_show_search_and_delete(store):
+    store.ensure_conversation("aa11", adapter="repl", title="about food")
+    store.ensure_conversation("aa22", adapter="discord", channel_key="guild/1", title="music")
+    store.ensure_conversation("bb33", adapter="discord", channel_key="guild/2")
+    store.add_message("aa11", "user", "I like PIZZA a lot")
+    store.add_message("aa11", "bot", "pizza is great 100% of the time")
+    store.add_message("aa22", "user", "play some jazz")
+    store.add_message("bb33", "user", "ok")
+    store.add_message("aa22", "bot", 'say "hi" to jazz fans')
+
+    listed = store.list_conversations()
+    assert [s.id for s in listed] == ["aa22", "bb33", "aa11"]  # most recently active first
+    assert {s.id: s.message_count for s in listed} == {"aa22": 2, "bb33": 1, "aa11": 2}
+    assert [s.id for s in store.list_conversations(channel_key="guild/2")] == ["bb33"]
+    assert [s.id for s in store.list_conversations(adapter="discord", limit=1)] == ["aa22"]
+    assert [s.id for s in store.list_conversations(limit=1, offset=1)] == ["bb33"]
+    assert store.latest_conversation_id(adapter="repl") == "aa11"
+
+    record = store.get_conversation("aa1")  # a unique prefix is enough
+    assert record.id == "aa11" and [m.text for m in record.messages] == ["I like PIZZA a lot",
+                                                                         "pizza is great 100% of the time"]
+    with pytest.raises(UnknownConversationError, match="starts several"):
+        store.get_conversation("aa")
+    with pytest.raises(UnknownConversationError, match="no conversation 'zz'"):
+        store.get_conversation("zz")
+
+    assert [h.message.text for h in store.search("pizza")] == ["pizza is great 100% of the time",
+                                                             "I like PIZZA a lot"]
+    assert [h.message.text for h in store.search("ok")] == ["ok"]  # shorter than a trigram: LIKE
+    assert [h.message.text for h in store.search("100%")] == ["pizza is great 100% of the time"]
+    assert [h.conversation_id for h in store.search('"hi"')] == ["aa22"]  # quotes are text, not FTS syntax
+    assert store.search("AND OR NEAR(") == []
+    with pytest.raises(LogError, match="empty"):
+        store.search("  ")
+
+    assert store.delete_conversation("aa11") == 2
+    assert store.search("pizza") == []  # the search index forgets deleted messages too
+    assert store.count_messages() == 3
+    with pytest.raises(UnknownConversationError):
+        store.delete_conversation("aa11")
+
+
+def test_an_older_log_is_migrated_and_a_newer_one_refused(db_path, monkeypatch):
+    ConversationStore(sqlite_url(db_path)).close()
+    steps = []
+
+    def add_a_column(connection):
+        steps.append(1)
+        connection.exec_driver_sql("ALTER TABLE conversations ADD COLUMN pinned BOOLEAN DEFAULT 0")
+
+    monkeypatch.setattr(store_module, "SCHEMA_VERSION", 2)
+    monkeypatch.setitem(store_module.MIGRATIONS, 1, add_a_column)
+    ConversationStore(sqlite_url(db_path)).close()
+    ConversationStore(sqlite_url(db_path)).close()  # already upgraded: the step runs once
+    assert steps == [1]
+    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(2,)]
+    assert "pinned" in {row[1] for row in raw_rows(db_path, "PRAGMA table_info(conversations)")}
+
+    monkeypatch.setattr(store_module, "SCHEMA_VERSION", 1)
+    with pytest.raises(LogError, match="newer chatcore"):
+        ConversationStore(sqlite_url(db_path))
+
+
+def test_a_corrupt_file_gives_one_clear_error(tmp_path):
+    path = tmp_path / "broken.sqlite3"
+    path.write_bytes(b"this is not a database, just text\n" * 200)
+    with pytest.raises(LogError, match="not a database"):
+        ConversationStore(sqlite_url(path))
+
+
+def test_the_url_comes_from_the_option_the_environment_or_the_data_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("CHATCORE_DB", raising=False)
+    assert resolve_url() == f"sqlite:///{tmp_path / 'data' / 'chatcore' / 'conversations.sqlite3'}"
+    monkeypatch.setenv("CHATCORE_DB", "postgresql://bot@db/chat")
+    assert resolve_url() == "postgresql://bot@db/chat"
+    assert resolve_url(str(tmp_path / "x.db")) == f"sqlite:///{tmp_path / 'x.db'}"
+    with pytest.raises(LogError, match="not a database URL"):
+        ConversationStore("not a url://")
+
+
+# -- the hooks, through a real engine -------------------------------------------------------
+def test_the_hooks_write_every_turn_with_its_provenance(engine, store, log_plugin, db_path, notices):
+    conversation = engine.conversation(adapter="test", channel_key="room-1")
+    response = conversation.send("hello there, how are you?", decoder="greedy", max_new_tokens=5, seed=3)
+    assert raw_rows(db_path, "SELECT role FROM messages") == [("user",)]  # committed before the reply
+    text = response.text()
+
+    record = store.get_conversation(conversation.id)
+    assert (record.adapter, record.channel_key, record.model) == ("test", "room-1", engine.loaded.name)
+    assert record.title == "hello there, how are you?"
+    user, bot = record.messages
+    assert (user.role, user.text) == ("user", "hello there, how are you?")
+    assert user.token_count == len(encode_text(engine.tokenizer, user.text))
+    assert (bot.role, bot.text, bot.interrupted, bot.superseded) == ("bot", text, False, False)
+    assert bot.token_count == len(response.token_ids)
+    assert bot.decoder == {"name": "greedy", "settings": response.provenance["decoder"]["settings"]}
+    assert bot.steerers == [] and bot.candidates is None and bot.seed == 3
+    assert bot.latency_s == response.provenance["timings"]["total_s"]
+    assert bot.prompt_tokens == response.provenance["prompt_tokens"]
+    assert bot.created == conversation.turns[-1].created
+    assert notices == [] and log_plugin.pending == 0
+
+
+def test_steerers_and_their_settings_are_logged(engine, store, log_plugin):
+    conversation = engine.conversation()
+    conversation.send("what should we eat?", decoder="greedy", max_new_tokens=3,
+                      steerers=[("bow-bias", {"words": "pizza,pasta", "strength": "3"})]).text()
+    bot = store.get_conversation(conversation.id).messages[-1]
+    assert bot.steerers[0]["name"] == "bow-bias"
+    assert bot.steerers[0]["settings"]["words"] == ["pizza", "pasta"]
+    assert bot.steerers[0]["settings"]["strength"] == 3.0
+
+
+def test_an_interrupted_reply_is_logged_as_interrupted(engine, store, log_plugin):
+    conversation = engine.conversation()
+    response = conversation.send("tell me a long story", decoder="greedy", max_new_tokens=40, min_new_tokens=40)
+    stream = iter(response)
+    partial = next(stream)
+    response.interrupt()
+    bot = store.get_conversation(conversation.id).messages[-1]
+    assert bot.interrupted is True and conversation.turns[-1].interrupted is True
+    assert bot.text == conversation.turns[-1].text and bot.text.startswith(partial)
+    assert bot.token_count == len(response.token_ids) < 40
+
+
+def test_a_regenerated_reply_supersedes_the_old_one_and_resume_matches(engine, store, log_plugin):
+    conversation = engine.conversation(adapter="repl")
+    conversation.send("hi", decoder="greedy", max_new_tokens=4).text()
+    conversation.send("how are you?", decoder="top-k", max_new_tokens=4, seed=1).text()
+    conversation.turns.pop()  # what /retry does before asking again
+    conversation.reply(decoder="top-k", max_new_tokens=4, seed=2).text()
+    conversation.reply(decoder="greedy", max_new_tokens=3).text()  # a second reply in a row is a real turn
+
+    messages = store.get_conversation(conversation.id).messages
+    assert [(m.role, m.superseded) for m in messages] == [
+        ("user", False), ("bot", False), ("user", False), ("bot", True), ("bot", False), ("bot", False)]
+
+    resumed = store.resume(engine, conversation.id[:10])
+    assert resumed.id == conversation.id and resumed.meta["adapter"] == "repl"
+    assert [(t.role, t.text, t.created, t.interrupted) for t in resumed.turns] == [
+        (t.role, t.text, t.created, t.interrupted) for t in conversation.turns]
+    assert resumed.turns[-1].meta["provenance"]["decoder"]["name"] == "greedy"
+
+    # The resumed conversation goes on in the same row.
+    resumed.send("and now?", decoder="greedy", max_new_tokens=3).text()
+    assert len(store.load_turns(conversation.id)) == len(conversation.turns) + 2
+    assert store.count_conversations() == 1
+
+
+def test_a_locked_database_keeps_the_chat_going_and_catches_up(engine, db_path):
+    store = ConversationStore(sqlite_url(db_path), timeout_s=0.05)
+    told = []
+    plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0)
+    engine.host.register(plugin, "conversation-log")
+    blocker = sqlite3.connect(str(db_path), isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # another process holding the write lock
+    try:
+        conversation = engine.conversation()
+        conversation.send("first", decoder="greedy", max_new_tokens=3).text()
+        conversation.send("second", decoder="greedy", max_new_tokens=3).text()
+        assert [t.text for t in conversation.turns if t.role == "user"] == ["first", "second"]
+        assert len(told) == 1 and "locked" in told[0]  # told once, not once per turn
+        assert plugin.failing and plugin.pending == 5  # the conversation row and four messages
+    finally:
+        blocker.rollback()
+        blocker.close()
+    conversation.send("third", decoder="greedy", max_new_tokens=3).text()
+    assert plugin.pending == 0 and plugin.failing is None and "available again" in told[-1]
+    assert [(t.role, t.text) for t in store.load_turns(conversation.id)] == [
+        (t.role, t.text) for t in conversation.turns]
+    store.close()
+
+
+def test_a_read_only_log_is_readable_and_writes_are_reported(engine, db_path):
+    with ConversationStore(sqlite_url(db_path)) as writable:
+        writable.ensure_conversation("kept", title="old")
+        writable.add_message("kept", "user", "an old message")
+    read_only = ConversationStore(f"sqlite:///file:{db_path}?mode=ro&uri=true")
+    assert [s.id for s in read_only.list_conversations()] == ["kept"]
+    told = []
+    engine.host.register(ConversationLogPlugin(read_only, notify=told.append), "conversation-log")
+    conversation = engine.conversation()
+    reply = conversation.send("hello", decoder="greedy", max_new_tokens=3).text()
+    assert conversation.turns[-1].text == reply
+    assert len(told) == 1 and "readonly" in told[0].replace("-", "").replace(" ", "")
+    read_only.close()
+
+
+# -- views -----------------------------------------------------------------------------------
+def test_escape_sequences_are_shown_not_obeyed(store):
+    store.ensure_conversation("esc", title="\x1b[2Jcleared?")
+    store.add_message("esc", "bot", "red \x1b[31mtext\x07 <|endoftext|>")
+    record = store.get_conversation("esc")
+    shown = conversation_text(record)
+    assert "\x1b" not in shown and "\x07" not in shown and "\\x1b[31m" in shown
+    markdown = conversation_markdown(record)
+    assert "\x1b" not in markdown and "&lt;|endoftext|>" in markdown
+    assert display_safe("tab\tand\nnewline") == "tab\tand\nnewline"
+
+
+# -- `chatcore logs` -------------------------------------------------------------------------
+@pytest.fixture
+def logs_cli():
+    from chatcore.cli import build_cli
+
+    host = plugin_manager.PluginHost()
+    host.load_modules((LOG_MODULE,))
+    assert host.problems == []
+    plugin_manager.set_plugin_host(host)
+    runner = CliRunner()
+    group = build_cli()
+
+    def invoke(*args, input=None, env=None):
+        return runner.invoke(group, ["logs", *args], input=input, env=env, catch_exceptions=False)
+
+    return invoke
+
+
+@pytest.fixture
+def filled(store):
+    store.ensure_conversation("0123456789abcdef", adapter="repl", title="pizza talk")
+    store.add_message("0123456789abcdef", "user", "do you like pizza?")
+    store.add_message("0123456789abcdef", "bot", "I love pizza", decoder={"name": "greedy", "settings": {}},
+                      token_count=4, latency_s=0.25, seed=7, interrupted=True)
+    store.ensure_conversation("fedcba9876543210", adapter="discord", channel_key="g/1", title="weather")
+    store.add_message("fedcba9876543210", "user", "is it raining?")
+    return store
+
+
+def test_logs_list_show_and_search(logs_cli, filled):
+    url = filled.url
+    listed = logs_cli("list", "--db", url)
+    assert listed.exit_code == 0, listed.output
+    lines = listed.stdout.splitlines()
+    assert lines[0].split()[:4] == ["ID", "LAST", "ACTIVE", "ADAPTER"]
+    assert lines[1].startswith("fedcba987654 ") and lines[2].startswith("0123456789ab ")
+    assert "pizza talk" in lines[2] and " 2 " in lines[2]
+
+    as_json = json.loads(logs_cli("--db", url, "list", "--json").stdout)  # --db on the group works too
+    assert [(c["id"], c["message_count"]) for c in as_json] == [("fedcba9876543210", 1), ("0123456789abcdef", 2)]
+
+    shown = logs_cli("show", "0123", "--db", url)
+    assert shown.exit_code == 0
+    assert "conversation 0123456789abcdef" in shown.stdout
+    assert "you> do you like pizza?" in shown.stdout
+    assert "bot> I love pizza  [greedy, 4 tokens, 0.25 s, seed 7, interrupted]" in shown.stdout
+    record = json.loads(logs_cli("show", "0123", "--json", "--db", url).stdout)
+    assert record["messages"][1]["interrupted"] is True and record["messages"][1]["seed"] == 7
+
+    found = logs_cli("search", "PIZZA", "--db", url, "--json")
+    assert [hit["message"]["text"] for hit in json.loads(found.stdout)] == ["I love pizza", "do you like pizza?"]
+    assert "0123456789ab" in logs_cli("search", "pizza", env={"CHATCORE_DB": url}).stdout  # from the environment
+
+
+def test_logs_export_jsonl_and_markdown(logs_cli, filled, tmp_path):
+    exported = logs_cli("export", "--db", filled.url)
+    records = [json.loads(line) for line in exported.stdout.splitlines()]
+    assert [r["id"] for r in records] == ["0123456789abcdef", "fedcba9876543210"]
+    assert [m["text"] for m in records[0]["messages"]] == ["do you like pizza?", "I love pizza"]
+
+    target = tmp_path / "one.md"
+    written = logs_cli("export", "fedc", "--format", "markdown", "-o", str(target), "--db", filled.url)
+    assert written.exit_code == 0 and "exported 1 conversation" in written.stderr
+    markdown = target.read_text()
+    assert markdown.startswith("# weather") and "**you**" in markdown and "is it raining?" in markdown
+
+
+def test_logs_delete_asks_first(logs_cli, filled):
+    refused = logs_cli("delete", "0123", "--db", filled.url, input="n\n")
+    assert refused.exit_code != 0 and filled.count_conversations() == 2
+    deleted = logs_cli("delete", "0123", "--db", filled.url, "--yes")
+    assert deleted.exit_code == 0 and "deleted conversation 0123456789abcdef and its 2 message(s)" in deleted.stdout
+    assert [s.id for s in filled.list_conversations()] == ["fedcba9876543210"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("show", "nope"), "no conversation 'nope'"),
+    (("delete", "nope", "--yes"), "no conversation 'nope'"),
+    (("export", "nope"), "no conversation 'nope'"),
+    (("search", " "), "the search text is empty"),
+])
+def test_logs_errors_are_one_line(logs_cli, filled, args, needle):
+    result = logs_cli(*args, "--db", filled.url)
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [f"Error: {result.stderr.strip()[7:]}"]
+    assert needle in result.stderr and "Traceback" not in result.output
+
+
+def test_logs_on_a_corrupt_file_is_one_line(logs_cli, tmp_path):
+    path = tmp_path / "corrupt.sqlite3"
+    path.write_bytes(b"\x00garbage" * 500)
+    result = logs_cli("list", "--db", str(path))
+    assert result.exit_code == 1
+    assert len(result.stderr.strip().splitlines()) == 1 and "not a database" in result.stderr
+
+
+def test_listing_uses_indexes_not_a_scan_of_the_messages(store):
+    """`chatcore logs list` stays fast on a big log (bench: python -m chatcore.adapters.conversation_log.benchmark)."""
+    import sqlalchemy as sa
+
+    from chatcore.adapters.conversation_log.models import ConversationRow
+
+    query = (sa.select(*store._summary_columns())
+             .order_by(ConversationRow.updated.desc(), ConversationRow.id.desc()).limit(20))
+    compiled = str(query.compile(store.db, compile_kwargs={"literal_binds": True}))
+    with store.db.connect() as connection:
+        plan = " | ".join(row[-1] for row in connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}"))
+    assert "ix_messages_conversation_id" in plan and "SCAN messages" not in plan, plan

@@ -1,0 +1,966 @@
+"""The Discord adapter: message flows on dpytest's fake gateway, slash-command handlers,
+the inference worker, the conversation log across a restart, and the settings.
+
+Replies come from the tiny fixture model through the real engine (its text is
+gibberish, so tests check where and how replies go, never what they say), or from
+``fixed-text``, a test decoder registered like any plugin that yields the token ids
+of a given text: the way to make the model "say" ``@everyone``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+discord = pytest.importorskip("discord")
+dpytest = pytest.importorskip("discord.ext.test")
+
+import chatcore  # noqa: E402
+from chatcore.adapters.discord_bot import bot as bot_module  # noqa: E402
+from chatcore.adapters.discord_bot.bot import ChatBot, Cooldown, bot_intents  # noqa: E402
+from chatcore.adapters.discord_bot.config import DiscordSettings, load_settings, read_token  # noqa: E402
+from chatcore.adapters.discord_bot.conversations import ChatRuntime  # noqa: E402
+from chatcore.adapters.discord_bot.persistence import LogPersistence, MemoryPersistence  # noqa: E402
+from chatcore.adapters.discord_bot.routing import conversation_key, split_reply  # noqa: E402
+from chatcore.adapters.discord_bot.worker import InferenceWorker, WorkerBusy, WorkerClosed  # noqa: E402
+from chatcore.decoding import Decoder, GenerationSession  # noqa: E402
+from chatcore.errors import ChatcoreError  # noqa: E402
+from chatcore.text import encode_text  # noqa: E402
+
+backend = dpytest.backend
+factories = dpytest.factories
+
+MASS_PING = "hello @everyone and @here and <@&123456789012345678>!"
+
+
+# -- a test decoder: says a fixed text ----------------------------------------------
+@dataclass
+class FixedTextSettings:
+    text: str = MASS_PING
+    repeat: int = 1
+
+
+class FixedTextDecoder(Decoder):
+    name = "fixed-text"
+    description = "yields the tokens of a fixed text (tests)"
+    Settings = FixedTextSettings
+
+    def decode(self, session: GenerationSession) -> Iterator[int]:
+        yield from encode_text(session.model.tokenizer, self.settings.text * self.settings.repeat)
+
+
+class FixedTextPlugin:
+    @chatcore.hookimpl
+    def register_decoders(self, register: Any) -> None:
+        register(FixedTextDecoder)
+
+
+@pytest.fixture
+def chat_engine(loaded, host):
+    from chatcore.engine import Engine
+
+    assert host.register(FixedTextPlugin(), "fixed-text-test")
+    return Engine(loaded, host=host)
+
+
+def settings_for(**changes: Any) -> DiscordSettings:
+    base = dict(cooldown_s=0, max_new_tokens=12, log=False, shutdown_grace_s=5)
+    base.update(changes)
+    return DiscordSettings(**base)
+
+
+# -- a bot on dpytest's fake Discord -------------------------------------------------
+class Harness:
+    """A ChatBot with its worker, connected to dpytest; records every send's payload."""
+
+    def __init__(self, bot: ChatBot, worker: InferenceWorker[ChatRuntime]) -> None:
+        self.bot = bot
+        self.worker = worker
+        self.config = dpytest.get_config()
+        self.payloads: list[tuple[int, dict[str, Any]]] = []
+        original = bot.http.send_message
+
+        async def record(channel_id: int, *, params: Any) -> Any:
+            # dpytest's fake HTTP reads `channel` from its caller's frame: keep it visible.
+            channel = sys._getframe(1).f_locals.get("channel")  # noqa: F841
+            self.payloads.append((channel_id, params.payload))
+            return await original(channel_id, params=params)
+
+        bot.http.send_message = record
+
+    @property
+    def guild(self) -> discord.Guild:
+        return self.config.guilds[0]
+
+    def channel(self, index: int) -> discord.TextChannel:
+        return self.config.channels[index]
+
+    def member(self, index: int) -> discord.Member:
+        return self.config.members[index]
+
+    def listen_in(self, *channels: Any) -> None:
+        self.bot.settings = dataclasses.replace(self.bot.settings, channels=tuple(c.id for c in channels))
+
+    async def say(self, content: str, channel: Any, member: Any) -> list[discord.Message]:
+        """Send a message as ``member`` and return what the bot sent in answer."""
+        await dpytest.message(content, channel=channel, member=member)
+        return self.drain()
+
+    def drain(self) -> list[discord.Message]:
+        sent = []
+        while not dpytest.sent_queue.empty():
+            sent.append(dpytest.sent_queue.get_nowait())
+        return sent
+
+    async def on_worker(self, function: Any) -> Any:
+        return await self.worker.submit(lambda runtime, control: function(runtime), control=True)
+
+    async def close(self) -> None:
+        self.bot.ws = None  # dpytest's fake gateway has no socket to close
+        await self.bot.shutdown()
+        self.drain()
+
+
+async def start_harness(engine: Any, settings: DiscordSettings, persistence: Any = MemoryPersistence, *,
+                        text_channels: int = 2, members: int = 2) -> Harness:
+    """``persistence()`` runs on the worker thread, as in the real bot."""
+    worker: InferenceWorker[ChatRuntime] = InferenceWorker(
+        lambda: ChatRuntime(engine, persistence()),
+        queue_size=settings.queue_size, close_resource=ChatRuntime.close,
+    )
+    worker.start()
+    await worker.ready()
+    intents = bot_intents()
+    intents.members = True  # dpytest fakes message authors from the member cache
+    bot = ChatBot(settings, worker, intents=intents, raise_errors=True)
+    dpytest.configure(bot, text_channels=text_channels, voice_channels=0, members=members)
+    await bot._async_setup_hook()  # binds the client (and dpytest's fake state) to this loop
+    await bot.prepare()
+    return Harness(bot, worker)
+
+
+@pytest_asyncio.fixture
+async def harness(chat_engine):
+    started = await start_harness(chat_engine, settings_for())
+    yield started
+    await started.close()
+
+
+def assert_pings_no_one(payloads: list[tuple[int, dict[str, Any]]]) -> None:
+    assert payloads
+    for _, payload in payloads:
+        allowed = payload["allowed_mentions"]
+        assert allowed["parse"] == []
+        assert not allowed.get("users") and not allowed.get("roles")
+        assert allowed.get("replied_user", False) is False
+
+
+# -- where the bot answers -----------------------------------------------------------
+@pytest.mark.asyncio
+async def test_a_dm_gets_one_reply_in_the_dm_typing_meanwhile(harness: Harness):
+    member = harness.member(0)
+    dm = await member.create_dm()
+    typing_in: list[int] = []
+
+    async def typing(channel: Any) -> None:
+        typing_in.append(channel.id)
+
+    dpytest.callbacks.set_callback(typing, "send_typing")
+    try:
+        sent = await harness.say("hi there, how are you?", dm, member)
+    finally:
+        dpytest.callbacks.remove_callback("send_typing")
+    assert typing_in == [dm.id]
+    assert len(sent) == 1
+    assert sent[0].channel.id == dm.id
+    assert sent[0].content.strip()
+    assert harness.bot.stats.replies == 1
+    assert_pings_no_one(harness.payloads)
+
+
+@pytest.mark.asyncio
+async def test_a_mention_is_answered_and_other_messages_are_not(harness: Harness):
+    channel, member = harness.channel(0), harness.member(0)
+    assert await harness.say("just chatting with friends", channel, member) == []
+    friend = harness.member(1)
+    sent = await harness.say(f"<@{harness.bot.user.id}> what do you think of <@{friend.id}>?", channel, member)
+    assert len(sent) == 1 and sent[0].channel.id == channel.id
+    # The model reads no mention markup: the bot's own is dropped, others become names.
+    key = conversation_key(channel)
+    turns = await harness.on_worker(lambda runtime: [t.text for t in runtime.conversation(key).turns])
+    assert turns[0] == f"what do you think of @{friend.display_name}?"
+
+
+@pytest.mark.asyncio
+async def test_a_listed_channel_gets_every_message_answered(harness: Harness):
+    listed, other, member = harness.channel(0), harness.channel(1), harness.member(0)
+    harness.listen_in(listed)
+    for text in ("good morning", "what's for breakfast?"):
+        sent = await harness.say(text, listed, member)
+        assert len(sent) == 1 and sent[0].channel.id == listed.id
+    assert await harness.say("good morning", other, member) == []
+
+
+@pytest.mark.asyncio
+async def test_bots_are_ignored_the_bot_itself_included(harness: Harness):
+    channel = harness.channel(0)
+    harness.listen_in(channel)
+    robot_user = backend.make_user("OtherBot", "0042")
+    robot_user.bot = True
+    robot = backend.make_member(robot_user, harness.guild)
+    assert await harness.say(f"<@{harness.bot.user.id}> hello bot", channel, robot) == []
+    assert await harness.say("talking to myself", channel, harness.guild.me) == []
+    assert harness.bot.stats.replies == 0 and harness.payloads == []
+
+
+@pytest.mark.asyncio
+async def test_each_channel_thread_and_dm_has_its_own_history(harness: Harness):
+    first, second, member = harness.channel(0), harness.channel(1), harness.member(0)
+    harness.listen_in(first, second)
+    dm = await member.create_dm()
+    await harness.say("apples are red", first, member)
+    await harness.say("the sea is blue", second, member)
+    await harness.say("apples are green too", first, member)
+    await harness.say("secret plans", dm, member)
+
+    def user_turns(runtime: ChatRuntime) -> dict[str, list[str]]:
+        keys = [conversation_key(c) for c in (first, second, dm)]
+        return {key: [t.text for t in runtime.conversation(key).turns if t.role == "user"] for key in keys}
+
+    turns = await harness.on_worker(user_turns)
+    assert turns[conversation_key(first)] == ["apples are red", "apples are green too"]
+    assert turns[conversation_key(second)] == ["the sea is blue"]
+    assert turns[conversation_key(dm)] == ["secret plans"]
+    assert conversation_key(first) == f"{harness.guild.id}/{first.id}/-"
+    assert conversation_key(dm) == f"@me/{dm.id}/-"
+
+
+@pytest.mark.asyncio
+async def test_a_long_conversation_keeps_only_the_newest_turns_that_fit(harness: Harness):
+    member = harness.member(0)
+    dm = await member.create_dm()
+    for index in range(12):
+        await harness.say(f"message number {index}: tell me more about the weather today", dm, member)
+    provenance = harness.bot.last_provenance[conversation_key(dm)]
+    # The fixture model has 128 positions, 12 of them kept for the reply.
+    assert provenance["history_turns_dropped"] > 0
+    assert provenance["prompt_tokens"] <= 128 - 12
+    assert provenance["history_turns_used"] + provenance["history_turns_dropped"] == 23
+
+
+# -- what the bot sends --------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_a_reply_saying_everyone_pings_no_one(chat_engine):
+    harness = await start_harness(chat_engine, settings_for(decoder="fixed-text"))
+    try:
+        channel, member = harness.channel(0), harness.member(0)
+        # A user mention too (of a real member: dpytest resolves the mentions it is sent).
+        harness.bot.default_setup.decoder_settings = {"text": f"{MASS_PING} <@{harness.member(1).id}>"}
+        sent = await harness.say(f"<@{harness.bot.user.id}> say hi to everybody", channel, member)
+        assert len(sent) == 1
+        for ping in ("@everyone", "@here", "<@&123456789012345678>", f"<@{harness.member(1).id}>"):
+            assert ping in sent[0].content
+        (_, payload), = harness.payloads
+        assert payload["content"] == sent[0].content
+        assert payload["allowed_mentions"] == {"parse": [], "replied_user": False}
+        dm = await member.create_dm()
+        await harness.say("and here?", dm, member)
+        assert_pings_no_one(harness.payloads)
+        # And the client's default (dpytest swaps the connection state that holds it,
+        # so a client that has not met dpytest shows it).
+        fresh = ChatBot(settings_for(), harness.worker)
+        default = fresh.allowed_mentions
+        assert (default.everyone, default.users, default.roles, default.replied_user) == (False, False, False, False)
+    finally:
+        await harness.close()
+
+
+@pytest.mark.asyncio
+async def test_a_long_reply_is_split_into_discord_sized_messages(chat_engine):
+    harness = await start_harness(chat_engine, settings_for(decoder="fixed-text text='a rather long line. ' repeat=300"))
+    try:
+        member = harness.member(0)
+        dm = await member.create_dm()
+        sent = await harness.say("tell me a long story", dm, member)
+        assert len(sent) == 3  # 6,000 characters
+        assert all(0 < len(m.content) <= 2000 for m in sent)
+        assert " ".join(m.content for m in sent) == ("a rather long line. " * 300).strip()
+        assert_pings_no_one(harness.payloads)
+    finally:
+        await harness.close()
+
+
+@pytest.mark.asyncio
+async def test_an_empty_reply_is_never_sent(chat_engine):
+    harness = await start_harness(chat_engine, settings_for(decoder="fixed-text text=''"))
+    try:
+        member = harness.member(0)
+        dm = await member.create_dm()
+        sent = await harness.say("hello?", dm, member)
+        assert [m.content for m in sent] == [bot_module.EMPTY_REPLY]
+        # A mention with no text asks for some instead of sending nothing.
+        sent = await harness.say(f"<@{harness.bot.user.id}>", harness.channel(0), member)
+        assert [m.content for m in sent] == [bot_module.NEED_TEXT_REPLY]
+    finally:
+        await harness.close()
+
+
+def make_thread(parent: discord.TextChannel, owner: discord.Member, name: str = "a thread") -> discord.Thread:
+    """A public thread in ``parent`` (dpytest has no thread helper: feed the gateway event)."""
+    thread_id = factories.make_id()
+    backend.get_state().parse_thread_create({
+        "id": thread_id, "guild_id": parent.guild.id, "parent_id": parent.id, "type": 11, "name": name,
+        "owner_id": owner.id, "message_count": 0, "member_count": 1, "rate_limit_per_user": 0,
+        "thread_metadata": {"archived": False, "auto_archive_duration": 1440, "locked": False,
+                            "archive_timestamp": "2024-01-01T00:00:00+00:00"},
+    })
+    thread = parent.guild.get_thread(thread_id)
+    assert thread is not None
+    return thread
+
+
+async def thread_message(harness: Harness, thread: discord.Thread, member: discord.Member,
+                         content: str) -> list[discord.Message]:
+    data = factories.make_message_dict(thread, member, content=content, guild_id=thread.guild.id)
+    backend.get_state().parse_message_create(data)
+    await dpytest.run_all_events()
+    return harness.drain()
+
+
+@pytest.mark.asyncio
+async def test_a_thread_of_a_listed_channel_is_its_own_conversation(harness: Harness):
+    listed, member = harness.channel(0), harness.member(0)
+    harness.listen_in(listed)
+    thread = make_thread(listed, member)
+    await harness.say("in the channel", listed, member)
+    sent = await thread_message(harness, thread, member, "in the thread")
+    assert len(sent) == 1
+    assert [channel_id for channel_id, _ in harness.payloads] == [listed.id, thread.id]
+    key = conversation_key(thread)
+    assert key == f"{harness.guild.id}/{listed.id}/{thread.id}"
+    turns = await harness.on_worker(lambda runtime: [t.text for t in runtime.conversation(key).turns])
+    assert turns[0] == "in the thread" and "in the channel" not in turns
+
+
+# -- the conversation log across a restart -----------------------------------------
+@pytest.mark.asyncio
+async def test_a_restart_resumes_each_channels_conversation_from_the_log(chat_engine, tmp_path):
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+    db = str(tmp_path / "log.sqlite3")
+    first = await start_harness(chat_engine, settings_for(), lambda: LogPersistence(chat_engine, db))
+    guild_id, channel_id = first.guild.id, first.channel(0).id
+    first.listen_in(first.channel(0))
+    await first.say("my name is ada", first.channel(0), first.member(0))
+    await first.say("i like tea", first.channel(0), first.member(0))
+    key = conversation_key(first.channel(0))
+    await first.close()
+
+    with ConversationStore(f"sqlite:///{db}") as store:
+        (summary,) = store.list_conversations(adapter="discord", channel_key=key)
+        assert summary.message_count == 4
+
+    # A new process: new client, worker and runtime; the same guild and channel ids.
+    second = await start_harness(chat_engine, settings_for(channels=(channel_id,)),
+                                 lambda: LogPersistence(chat_engine, db))
+    try:
+        guild = backend.make_guild("Same guild", id_num=guild_id)
+        channel = backend.make_text_channel("same-channel", guild, id_num=channel_id)
+        backend.make_member(backend.get_state().user, guild)
+        ada = backend.make_member(backend.make_user("Ada", "0007"), guild)
+        sent = await second.say("what is my name?", channel, ada)
+        assert len(sent) == 1 and sent[0].channel.id == channel_id
+        conversation = await second.on_worker(lambda runtime: runtime.conversation(key))
+        assert conversation.id == summary.id
+        assert [t.text for t in conversation.turns if t.role == "user"] == [
+            "my name is ada", "i like tea", "what is my name?"]
+        # The reply was made from the resumed history: 4 logged turns and the new one.
+        assert second.bot.last_provenance[key]["history_turns_used"] == 5
+    finally:
+        await second.close()
+    with ConversationStore(f"sqlite:///{db}") as store:
+        assert store.get_conversation(summary.id).message_count == 6
+
+
+def test_a_reset_survives_a_restart(chat_engine, tmp_path):
+    db = str(tmp_path / "log.sqlite3")
+    from chatcore.engine import ReplyOptions
+
+    runtime = ChatRuntime(chat_engine, LogPersistence(chat_engine, db))
+    runtime.reply("1/2/-", "hello there", ReplyOptions(max_new_tokens=8))
+    old_id = runtime.conversation("1/2/-").id
+    new_id = runtime.reset("1/2/-").id
+    runtime.close()
+
+    restarted = ChatRuntime(chat_engine, LogPersistence(chat_engine, db))
+    try:
+        resumed = restarted.conversation("1/2/-")
+        assert resumed.id == new_id != old_id
+        assert resumed.turns == []
+    finally:
+        restarted.close()
+
+
+# -- slash commands -------------------------------------------------------------------
+class FakeResponse:
+    """The part of discord.InteractionResponse the handlers use."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bool, Any]] = []
+        self.deferred: tuple[bool, bool] | None = None
+
+    def is_done(self) -> bool:
+        return bool(self.sent) or self.deferred is not None
+
+    async def send_message(self, content: str, *, ephemeral: bool = False, allowed_mentions: Any = None) -> None:
+        assert not self.is_done(), "an interaction is answered once; then comes the follow-up"
+        self.sent.append((content, ephemeral, allowed_mentions))
+
+    async def defer(self, *, ephemeral: bool = False, thinking: bool = False) -> None:
+        assert not self.is_done()
+        self.deferred = (ephemeral, thinking)
+
+
+class FakeFollowup:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bool, Any]] = []
+
+    async def send(self, content: str, *, ephemeral: bool = False, allowed_mentions: Any = None) -> None:
+        self.sent.append((content, ephemeral, allowed_mentions))
+
+
+def interaction(user: Any, channel: Any) -> Any:
+    return SimpleNamespace(user=user, channel=channel, channel_id=channel.id, guild=getattr(channel, "guild", None),
+                           response=FakeResponse(), followup=FakeFollowup())
+
+
+def answers(fake: Any) -> list[str]:
+    for _, _, allowed in fake.response.sent + fake.followup.sent:
+        assert allowed is not None and allowed.everyone is False and allowed.roles is False and allowed.users is False
+    return [content for content, _, _ in fake.response.sent + fake.followup.sent]
+
+
+async def slash(harness: Harness, name: str, user: Any, channel: Any, **arguments: Any) -> Any:
+    fake = interaction(user, channel)
+    command = harness.bot.tree.get_command("chat").get_command(name)
+    await command.callback(fake, **arguments)
+    return fake
+
+
+async def make_manager(harness: Harness, member: discord.Member, *, permissions: int = 0x20,
+                       name: str = "Managers") -> discord.Member:
+    role = backend.make_role(name, harness.guild, permissions=permissions)
+    await dpytest.add_role(member, role)
+    return harness.guild.get_member(member.id)
+
+
+@pytest.mark.asyncio
+async def test_the_chat_group_has_the_five_commands_and_completes_names(harness: Harness):
+    group = harness.bot.tree.get_command("chat")
+    assert sorted(c.name for c in group.commands) == ["decoder", "reset", "settings", "steer", "why"]
+    complete = harness.bot.chat_commands.complete
+    assert [c.value for c in complete("decoders", "gr")] == ["greedy"]
+    assert {c.value for c in complete("decoders", "")} >= {"greedy", "top-k", "fixed-text"}
+    assert complete("decoders", "top-k top_k=") == []  # settings are free text
+
+
+@pytest.mark.asyncio
+async def test_reset_in_a_guild_needs_manage_server(harness: Harness):
+    channel, plain = harness.channel(0), harness.member(0)
+    harness.listen_in(channel)
+    await harness.say("remember this", channel, plain)
+    key = conversation_key(channel)
+    before = await harness.on_worker(lambda runtime: runtime.conversation(key).id)
+    assert not plain.guild_permissions.manage_guild
+
+    refused = await slash(harness, "reset", plain, channel)
+    assert "Manage Server" in answers(refused)[0] and refused.response.sent[0][1] is True  # ephemeral
+    assert await harness.on_worker(lambda runtime: runtime.conversation(key).id) == before
+
+    manager = await make_manager(harness, harness.member(1))
+    done = await slash(harness, "reset", manager, channel)
+    assert "new conversation" in answers(done)[0]
+    conversation = await harness.on_worker(lambda runtime: runtime.conversation(key))
+    assert conversation.id != before and conversation.turns == []
+
+
+@pytest.mark.asyncio
+async def test_a_configured_role_may_change_the_decoder(harness: Harness):
+    channel = harness.channel(0)
+    harness.bot.settings = dataclasses.replace(harness.bot.settings, admin_roles=("Moderators",))
+    moderator = await make_manager(harness, harness.member(0), permissions=0, name="Moderators")
+    assert not moderator.guild_permissions.manage_guild
+    fake = await slash(harness, "decoder", moderator, channel, spec="greedy")
+    assert answers(fake) == ["Decoder in this channel: `greedy`"]
+    others = await slash(harness, "decoder", harness.member(1), channel, spec="greedy")
+    assert "Manage Server" in answers(others)[0]
+
+
+@pytest.mark.asyncio
+async def test_everyone_may_reset_their_dm(harness: Harness):
+    member = harness.member(0)
+    dm = await member.create_dm()
+    await harness.say("a private chat", dm, member)
+    key = conversation_key(dm)
+    before = await harness.on_worker(lambda runtime: runtime.conversation(key).id)
+    fake = await slash(harness, "reset", member, dm)
+    assert "new conversation" in answers(fake)[0]
+    assert await harness.on_worker(lambda runtime: runtime.conversation(key).id) != before
+
+
+@pytest.mark.asyncio
+async def test_decoder_and_steer_change_only_this_channels_replies(harness: Harness):
+    first, second = harness.channel(0), harness.channel(1)
+    harness.listen_in(first, second)
+    manager = await make_manager(harness, harness.member(0))
+
+    bad = await slash(harness, "decoder", manager, first, spec="no-such-decoder")
+    assert "unknown decoder 'no-such-decoder'" in answers(bad)[0] and "greedy" in answers(bad)[0]
+    bad = await slash(harness, "decoder", manager, first, spec="top-k top_k=0")
+    assert "`top_k` must be a positive integer, got 0" in answers(bad)[0]
+    # Guild managers are not the bot's operator: no files or models on its machine.
+    bad = await slash(harness, "steer", manager, first, spec="bow-bias file=/etc/hostname")
+    assert "`file` names a file or model on the bot's machine" in answers(bad)[0]
+    bad = await slash(harness, "steer", manager, first, spec="bow-bias words=../secrets/list")
+    assert "`words` looks like a file path" in answers(bad)[0]
+    assert conversation_key(first) not in harness.bot.setups
+
+    fine = await slash(harness, "decoder", manager, second, spec="top-k temperature=.5")
+    assert answers(fine) == ["Decoder in this channel: `top-k temperature=.5`"]
+    await slash(harness, "decoder", manager, second, spec="top-k")
+    await slash(harness, "decoder", manager, first, spec="greedy no_repeat_ngram_size=2")
+    steered = await slash(harness, "steer", manager, first, spec="bow-bias topic=food strength=3")
+    assert answers(steered) == ["Steering in this channel: `bow-bias topic=food strength=3`"]
+
+    await harness.say("what should we eat?", first, manager)
+    await harness.say("what should we eat?", second, manager)
+    made_here = harness.bot.last_provenance[conversation_key(first)]
+    made_there = harness.bot.last_provenance[conversation_key(second)]
+    assert made_here["decoder"] == {"name": "greedy", "settings": {"no_repeat_ngram_size": 2, "repetition_penalty": 1.0}}
+    assert [s["name"] for s in made_here["steerers"]] == ["bow-bias"]
+    assert made_there["decoder"]["name"] == "top-k" and made_there["steerers"] == []
+
+    off = await slash(harness, "steer", manager, first, spec="off")
+    assert answers(off) == ["Steering in this channel: off"]
+    assert harness.bot.setup_for(conversation_key(first)).steerers == []
+
+
+@pytest.mark.asyncio
+async def test_settings_and_why_describe_the_channel(harness: Harness):
+    member = harness.member(0)
+    dm = await member.create_dm()
+    nothing = await slash(harness, "why", member, dm)
+    assert answers(nothing) == ["There is no reply in this channel's conversation yet."]
+    await harness.say("hello", dm, member)
+    why = await slash(harness, "why", member, dm)
+    (text,) = answers(why)
+    seed = harness.bot.last_provenance[conversation_key(dm)]["seed"]
+    assert "decoder: top-k " in text and "top_k=40" in text and f"seed: {seed}" in text
+    assert "1 turn(s) used" in text
+    assert why.response.sent[0][1] is True  # only the asker sees it
+    settings = await slash(harness, "settings", member, dm)
+    (text,) = answers(settings)
+    assert "decoder: top-k" in text and "queue: 0 waiting of 8" in text
+
+
+@pytest.mark.asyncio
+async def test_a_slow_command_is_deferred_and_answered_by_follow_up(harness: Harness, monkeypatch):
+    import threading
+
+    from chatcore.adapters.discord_bot import slash as slash_module
+
+    monkeypatch.setattr(slash_module, "DEFER_AFTER_S", 0.05)
+    member = harness.member(0)
+    dm = await member.create_dm()
+    release = threading.Event()
+    busy = harness.worker.submit(lambda runtime, control: release.wait(10))  # the worker is "generating"
+    await wait_until(lambda: harness.worker.running)
+    fake = interaction(member, dm)
+    command = asyncio.ensure_future(harness.bot.tree.get_command("chat").get_command("reset").callback(fake))
+    for _ in range(200):
+        if fake.response.deferred is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.response.deferred == (False, True) and not command.done()
+    release.set()
+    await command
+    await busy
+    assert fake.response.sent == [] and "new conversation" in answers(fake)[0]
+
+
+# -- limits: cooldown, queue, load ----------------------------------------------------
+def test_cooldown_warns_once_per_window():
+    now = [0.0]
+    cooldown = Cooldown(5, clock=lambda: now[0])
+    assert [cooldown.check(1), cooldown.check(1), cooldown.check(1), cooldown.check(2)] == ["ok", "warn", "quiet", "ok"]
+    now[0] = 5.0
+    assert cooldown.check(1) == "ok"
+    assert Cooldown(0).check(1) == "ok"
+
+
+@pytest.mark.asyncio
+async def test_a_user_faster_than_the_cooldown_is_told_once(chat_engine):
+    harness = await start_harness(chat_engine, settings_for(cooldown_s=60))
+    try:
+        member, other = harness.member(0), harness.member(1)
+        dm = await member.create_dm()
+        assert len(await harness.say("one", dm, member)) == 1
+        assert [m.content for m in await harness.say("two", dm, member)] == [
+            bot_module.COOLDOWN_REPLY.format(seconds=60)]
+        assert await harness.say("three", dm, member) == []
+        assert len(await harness.say("me too", await other.create_dm(), other)) == 1
+        assert harness.bot.stats.cooldown == 2 and harness.bot.stats.replies == 2
+    finally:
+        await harness.close()
+
+
+async def burst(harness: Harness, channels: list[Any]) -> tuple[list[discord.Message], float]:
+    """Every channel's message at the same moment; what the bot sent and how long it took."""
+    started = time.perf_counter()
+    await asyncio.gather(*(dpytest.message(f"hello from channel {index}", channel=channel,
+                                           member=harness.member(index))
+                           for index, channel in enumerate(channels)))
+    await dpytest.run_all_events()
+    return harness.drain(), time.perf_counter() - started
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("queue_size", [6, 20])
+async def test_twenty_channels_at_once_each_get_exactly_one_reply(chat_engine, queue_size):
+    harness = await start_harness(chat_engine, settings_for(queue_size=queue_size), text_channels=20, members=20)
+    try:
+        channels = harness.config.channels[:20]
+        harness.listen_in(*channels)
+        sent, elapsed = await burst(harness, channels)
+        per_channel = {channel.id: [m for m in sent if m.channel.id == channel.id] for channel in channels}
+        assert all(len(replies) == 1 for replies in per_channel.values()), {k: len(v) for k, v in per_channel.items()}
+        assert len(sent) == 20
+        stats = harness.bot.stats
+        busy = sum(m.content == bot_module.BUSY_REPLY for m in sent)
+        assert busy == stats.busy and stats.replies + stats.busy == 20 and stats.errors == 0
+        if queue_size == 20:
+            assert busy == 0
+        else:
+            assert busy > 0  # 20 arrive together: 1 running + 6 waiting is all there is room for
+        assert_pings_no_one(harness.payloads)
+        print(f"\nqueue_size={queue_size}: 20 channels, {stats.replies} model replies + {busy} busy replies "
+              f"in {elapsed:.2f} s = {20 / elapsed:.1f} replies/s ({stats.replies / elapsed:.1f} model replies/s)")
+    finally:
+        await harness.close()
+
+
+# -- the event loop stays responsive while the model thinks -------------------------
+@pytest.fixture(scope="module")
+def bundled_model():
+    from chatcore.models import load_model
+
+    return load_model("chatcore-tiny")
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_the_event_loop_stays_responsive_during_a_long_generation(bundled_model, host):
+    from chatcore.engine import Engine
+
+    engine = Engine(bundled_model, host=host)
+    harness = await start_harness(engine, settings_for(max_new_tokens=200, min_new_tokens=200))
+    try:
+        member = harness.member(0)
+        dm = await member.create_dm()
+        loop = asyncio.get_running_loop()
+        lags: list[float] = []
+        generating = True
+
+        async def ticker() -> None:
+            while generating:
+                expected = loop.time() + 0.010
+                await asyncio.sleep(0.010)
+                lags.append(loop.time() - expected)
+
+        ticks = asyncio.ensure_future(ticker())
+        started = time.perf_counter()
+        sent = await harness.say("tell me everything about your day", dm, member)
+        elapsed = time.perf_counter() - started
+        generating = False
+        await ticks
+        provenance = harness.bot.last_provenance[conversation_key(dm)]
+        assert provenance["timings"]["new_tokens"] == 200 and sent
+        assert len(lags) > 20
+        lags.sort()
+        print(f"\n200 tokens in {elapsed:.2f} s; loop lag over {len(lags)} ticks: max {lags[-1] * 1000:.1f} ms, "
+              f"p99 {lags[int(len(lags) * 0.99) - 1] * 1000:.1f} ms, median {lags[len(lags) // 2] * 1000:.1f} ms")
+        assert lags[-1] < 0.100
+    finally:
+        await harness.close()
+
+
+# -- shutting down ----------------------------------------------------------------------
+@dataclass
+class SlowTextSettings:
+    words: int = 50
+    delay_s: float = 0.02
+
+
+class SlowTextDecoder(Decoder):
+    """Yields a word's tokens every ``delay_s``: a reply that takes a known while."""
+
+    name = "slow-text"
+    Settings = SlowTextSettings
+
+    def decode(self, session: GenerationSession) -> Iterator[int]:
+        for index in range(self.settings.words):
+            time.sleep(self.settings.delay_s)
+            yield from encode_text(session.model.tokenizer, f" word{index}")
+
+
+class SlowTextPlugin:
+    @chatcore.hookimpl
+    def register_decoders(self, register: Any) -> None:
+        register(SlowTextDecoder)
+
+
+async def wait_until(condition: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("grace_s, interrupted", [(0.1, True), (5.0, False)])
+async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log(
+        loaded, host, tmp_path, grace_s, interrupted):
+    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.engine import Engine
+
+    host.register(SlowTextPlugin(), "slow-text-test")
+    engine = Engine(loaded, host=host)
+    db = str(tmp_path / "log.sqlite3")
+    harness = await start_harness(engine, settings_for(decoder="slow-text words=40 delay_s=0.02",
+                                                       shutdown_grace_s=grace_s),
+                                  lambda: LogPersistence(engine, db))
+    first, second = harness.member(0), harness.member(1)
+    first_dm, second_dm = await first.create_dm(), await second.create_dm()
+    in_flight = asyncio.ensure_future(dpytest.message("tell me a story", channel=first_dm, member=first))
+    await wait_until(lambda: harness.worker.running)
+    queued = asyncio.ensure_future(dpytest.message("me too", channel=second_dm, member=second))
+    await wait_until(lambda: harness.worker.waiting == 1)
+
+    harness.bot.ws = None  # dpytest's fake gateway has no socket to close
+    await harness.bot.shutdown()
+    asked, _ = await asyncio.gather(in_flight, queued)
+    sent = {m.channel.id: m.content for m in harness.drain()}
+    assert sent[second_dm.id] == bot_module.RESTARTING_REPLY
+    assert sent[first_dm.id].startswith("word0")
+    assert (sent[first_dm.id].count("word") < 40) is interrupted
+    assert harness.bot.stats.interrupted == int(interrupted)
+    # No new messages once closing (the connection is closed: hand one over directly).
+    sends = len(harness.payloads)
+    await harness.bot.on_message(asked)
+    assert len(harness.payloads) == sends
+    with pytest.raises(WorkerClosed):
+        harness.worker.submit(lambda runtime, control: None)
+
+    with ConversationStore(f"sqlite:///{db}") as store:
+        (summary,) = store.list_conversations(channel_key=conversation_key(first_dm))
+        messages = store.get_conversation(summary.id).messages
+    assert [m.role for m in messages] == ["user", "bot"]
+    assert messages[1].interrupted is interrupted and messages[1].text.strip() == sent[first_dm.id]
+
+
+# -- the worker on its own -------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_the_worker_runs_jobs_in_order_on_one_thread_and_refuses_when_full():
+    import threading
+
+    worker: InferenceWorker[list[str]] = InferenceWorker(lambda: [], queue_size=2)
+    worker.start()
+    await worker.ready()
+    release = threading.Event()
+    threads: set[str] = set()
+
+    def job(name: str) -> Any:
+        def run(resource: list[str], control: Any) -> str:
+            threads.add(threading.current_thread().name)
+            if name == "first":
+                release.wait(5)
+            resource.append(name)
+            return name
+        return run
+
+    first = worker.submit(job("first"))
+    await wait_until(lambda: worker.running)
+    waiting = [worker.submit(job("second")), worker.submit(job("third"))]
+    with pytest.raises(WorkerBusy):
+        worker.submit(job("fourth"))
+    urgent = worker.submit(job("control"), control=True)  # slash commands go ahead of waiting replies
+    failing = worker.submit(lambda resource, control: 1 / 0, control=True)
+    release.set()
+    assert await asyncio.gather(first, *waiting, urgent) == ["first", "second", "third", "control"]
+    with pytest.raises(ZeroDivisionError):
+        await failing
+    order = await worker.submit(lambda resource, control: list(resource))
+    assert order == ["first", "control", "second", "third"]
+    assert threads == {"chatcore-inference"}
+    await worker.stop(1)
+
+
+@pytest.mark.asyncio
+async def test_a_worker_whose_resource_fails_to_open_reports_it():
+    def broken() -> None:
+        raise ChatcoreError("cannot load model 'nope'")
+
+    worker: InferenceWorker[None] = InferenceWorker(broken, queue_size=1)
+    worker.start()
+    with pytest.raises(ChatcoreError, match="cannot load model 'nope'"):
+        await worker.ready()
+    with pytest.raises(WorkerClosed):
+        worker.submit(lambda resource, control: None)
+
+
+# -- text -------------------------------------------------------------------------
+def test_split_reply_cuts_at_breaks_within_the_limit():
+    assert split_reply("   \n ") == []
+    assert split_reply("short") == ["short"]
+    assert split_reply("x" * 2000) == ["x" * 2000]
+    words = " ".join(f"w{i:04d}" for i in range(1000))  # 5,999 characters
+    pieces = split_reply(words)
+    assert all(len(p) <= 2000 for p in pieces) and " ".join(pieces) == words
+    lines = "\n".join(["line " * 30] * 40)
+    assert all(p.endswith("line") for p in split_reply(lines))
+    assert "".join(split_reply("y" * 4500)) == "y" * 4500  # no break at all: cut anyway
+    emoji = "😀" * 1500  # 3,000 UTF-16 units: Discord counts each emoji twice
+    pieces = split_reply(emoji)
+    assert [len(p) for p in pieces] == [1000, 500]
+
+
+# -- settings and token ----------------------------------------------------------------
+def test_settings_come_from_toml_or_json_with_options_on_top(tmp_path):
+    toml = tmp_path / "bot.toml"
+    toml.write_text('[discord]\nchannels = [111, 222]\ndecoder = "greedy"\nadmin_roles = ["Mods", 333]\n'
+                    'cooldown_s = 1.5\n', encoding="utf-8")
+    settings = load_settings(toml, {"queue_size": 3, "channels": (), "model": None})
+    assert settings.channels == (111, 222) and settings.decoder == "greedy" and settings.queue_size == 3
+    assert settings.cooldown_s == 1.5 and settings.is_admin_role(333, "x") and settings.is_admin_role(1, "Mods")
+    assert load_settings(toml, {"channels": (444,)}).channels == (444,)
+
+    as_json = tmp_path / "bot.json"
+    as_json.write_text(json.dumps({"channels": ["123456789012345678"], "log": False}), encoding="utf-8")
+    settings = load_settings(as_json)
+    assert settings.channels == (123456789012345678,) and settings.log is False
+
+
+@pytest.mark.parametrize("content, message", [
+    ('queue_size = 0', "`queue_size` must be a positive integer, got 0"),
+    ('chanels = [1]', "unknown setting"),
+    ('channels = [-5]', "`channels` must list Discord ids"),
+    ('min_new_tokens = 99', "`min_new_tokens` must be an integer between 0 and max_new_tokens (64), got 99"),
+    ('token = "abc"', "holds a token"),
+    ('decoder = ', "is not valid TOML"),
+])
+def test_bad_settings_are_refused_with_the_key_named(tmp_path, content, message):
+    path = tmp_path / "bot.toml"
+    path.write_text(content + "\n", encoding="utf-8")
+    with pytest.raises(ChatcoreError) as error:
+        load_settings(path)
+    assert message in str(error.value)
+
+
+def test_the_token_comes_from_the_environment_or_a_file_and_never_shows(tmp_path, caplog):
+    secret = "MTA3.secret-token.value"
+    assert read_token(environ={"DISCORD_TOKEN": f" {secret}\n"}) == secret
+    path = tmp_path / "token"
+    path.write_text(secret + "\n", encoding="utf-8")
+    path.chmod(0o644)
+    assert read_token(path, environ={}) == secret
+    assert "can be read by other users" in caplog.text and secret not in caplog.text
+    with pytest.raises(ChatcoreError, match="set DISCORD_TOKEN or pass --token-file"):
+        read_token(environ={})
+    path.write_text("two words", encoding="utf-8")
+    with pytest.raises(ChatcoreError) as error:
+        read_token(path, environ={})
+    assert "does not hold a bot token" in str(error.value) and "two" not in str(error.value)
+    with pytest.raises(ValueError, match="`queue_size` must be a positive integer, got 0"):
+        DiscordSettings(queue_size=0)
+
+
+def test_the_discord_command_checks_everything_without_printing_the_token(tiny_model_dir, monkeypatch, caplog):
+    import logging
+
+    import click
+    from click.testing import CliRunner
+
+    for name in ("chatcore", "discord"):  # the command sets their levels: put them back afterwards
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+
+    from chatcore.adapters.discord_bot import register_commands
+
+    group = click.Group()
+    register_commands(group)
+    secret = "MTA3.another-secret.value"
+    runner = CliRunner()
+    result = runner.invoke(group, ["discord", "--check", "--no-log", "--model", str(tiny_model_dir),
+                                   "--channel", "123", "--decoder", "greedy"],
+                           env={"DISCORD_TOKEN": secret})
+    assert result.exit_code == 0, result.output
+    assert "decoder: greedy" in result.output and "channels 123" in result.output
+    assert "token: found in $DISCORD_TOKEN" in result.output
+    assert secret not in result.output and secret not in caplog.text
+
+    result = runner.invoke(group, ["discord", "--check", "--no-log", "--decoder", "greedy"], env={"DISCORD_TOKEN": ""})
+    assert result.exit_code != 0 and "no bot token" in str(result.exception or result.output)
+
+
+# -- serve: start, SIGTERM, stop --------------------------------------------------------
+@pytest.mark.asyncio
+async def test_sigterm_stops_the_bot_cleanly(tiny_model_dir, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from chatcore.adapters.discord_bot import run
+
+    secret = "MTA3.secret-token.value"
+    seen: dict[str, Any] = {}
+
+    async def connect(bot: ChatBot, token: str) -> None:
+        # Stands in for the gateway connection: no network in tests.
+        seen["token_ok"] = token == secret
+        seen["worker_ready"] = bot.worker.accepting
+        os.kill(os.getpid(), signal.SIGTERM)  # what systemd sends
+        while not bot.is_closed():
+            await asyncio.sleep(0.01)
+        seen["bot"] = bot
+
+    monkeypatch.setattr(ChatBot, "start", connect)
+    settings = settings_for(model=str(tiny_model_dir), log=True, db=str(tmp_path / "log.sqlite3"))
+    await asyncio.wait_for(run.serve(settings, secret), timeout=60)
+    assert seen["token_ok"] and seen["worker_ready"]
+    bot = seen["bot"]
+    assert bot.closing and not bot.worker.accepting
+    with pytest.raises(WorkerClosed):
+        bot.worker.submit(lambda runtime, control: None)
+
+
+@pytest.mark.asyncio
+async def test_a_refused_token_is_a_clear_error_without_the_token(tiny_model_dir, monkeypatch):
+    from chatcore.adapters.discord_bot import run
+
+    secret = "MTA3.refused-token.value"
+
+    async def refuse(bot: ChatBot, token: str) -> None:
+        raise discord.LoginFailure("Improper token has been passed.")
+
+    monkeypatch.setattr(ChatBot, "start", refuse)
+    with pytest.raises(ChatcoreError) as error:
+        await run.serve(settings_for(model=str(tiny_model_dir)), secret)
+    assert "Discord refused the bot token" in str(error.value) and secret not in str(error.value)

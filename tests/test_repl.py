@@ -1,0 +1,554 @@
+"""The terminal REPL: the slash-command dispatcher, completion, prompt-toolkit through pipe
+input, the `chat` command, and the real `chatcore chat` in a pseudo-terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import chatcore.plugin_manager as plugin_manager
+from chatcore.adapters.conversation_log import ConversationLogPlugin
+from chatcore.adapters.conversation_log.location import sqlite_url
+from chatcore.adapters.conversation_log.store import ConversationStore
+from chatcore.adapters.repl.app import ChatConfig, start_chat
+from chatcore.adapters.repl.completion import completions, toolbar_text
+from chatcore.adapters.repl.slash_commands import COMMANDS, handle_line
+from chatcore.adapters.repl.state import ChatState
+from chatcore.engine import ReplyOptions
+from chatcore.text import encode_text
+
+
+ADAPTERS = ("chatcore.adapters.conversation_log", "chatcore.adapters.repl")
+BUILTIN_TEST_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias")
+
+
+@pytest.fixture
+def store(tmp_path):
+    opened = ConversationStore(sqlite_url(tmp_path / "log.sqlite3"))
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def state(engine, store):
+    chat = ChatState(engine, ReplyOptions(decoder="greedy", max_new_tokens=4), store=store)
+    chat.log_plugin = ConversationLogPlugin(store, notify=chat.notify)
+    engine.host.register(chat.log_plugin, "conversation-log")
+    return chat
+
+
+def run(state, line):
+    """One line through the dispatcher; a reply is generated to the end, as the terminal would."""
+    outcome = handle_line(state, line)
+    if outcome.reply is not None:
+        outcome.reply.text()
+    return outcome
+
+
+def assert_one_line_error(outcome, needle):
+    assert outcome.error and outcome.output.startswith("error: ")
+    assert "\n" not in outcome.output and "Traceback" not in outcome.output
+    assert needle in outcome.output, outcome.output
+
+
+# -- the dispatcher ----------------------------------------------------------------------------
+def test_every_slash_command(state, store):
+    used = set()
+
+    def command(line):
+        used.add(line.split()[0])
+        return run(state, line)
+
+    help_text = command("/help").output
+    assert all(name in help_text for name in COMMANDS) and "Esc-Enter" in help_text
+
+    assert command("/decoder").output.startswith("decoder: greedy")
+    assert "top_k=5" in command("/decoder top-k top_k=5 temperature=0.5").output
+    assert (state.options.decoder, state.options.decoder_settings) == ("top-k", {"top_k": "5", "temperature": "0.5"})
+    assert_one_line_error(command("/decoder top-k top_k=0"), "`top_k` must be a positive integer, got 0")
+    assert_one_line_error(command("/decoder nope"), "unknown decoder 'nope'")
+    assert_one_line_error(command("/decoder top-k bogus=1"), "unknown setting")
+    assert state.options.decoder_settings == {"top_k": "5", "temperature": "0.5"}  # errors change nothing
+
+    assert "bow-bias" in command("/steer bow-bias words=pizza strength=3").output
+    assert "strength=5.0" in command("/steer bow-bias words=pizza strength=5").output
+    assert state.options.steerers == [("bow-bias", {"words": "pizza", "strength": "5"})]
+    assert "bow-bias" in command("/steer").output
+    assert_one_line_error(command("/steer bow-bias strength=abc"), "`strength` must be a number")
+    assert_one_line_error(command("/steer off nope"), "steerer 'nope' is not on")
+    assert "still on: none" in command("/steer off bow-bias").output and state.options.steerers == []
+    command("/steer bow-bias topic=food")
+    assert command("/steer off").output == "steering off" and state.options.steerers == []
+
+    assert_one_line_error(command("/why"), "no reply yet")
+    assert_one_line_error(command("/retry"), "nothing to retry")
+    assert command("/history").output == "(no turns yet)"
+
+    assert "seed: 5" in command("/seed 5").output
+    first = run(state, "hello there")
+    assert first.reply.provenance["seed"] == 5 and state.next_seed == 6
+    assert_one_line_error(command("/seed -1"), "`seed` must be a non-negative integer")
+    assert_one_line_error(command("/seed soon"), "`seed` must be a non-negative integer")
+    assert command("/seed random").output == "seed: random" and state.next_seed is None
+
+    why = command("/why").output
+    assert why.startswith("decoder top-k") and "seed 5" in why
+    history = command("/history").output.splitlines()
+    assert history[0] == "you> hello there" and history[1].startswith("bot> ")
+
+    retried = command("/retry")
+    retried.reply.text()
+    assert [t.role for t in state.current.turns] == ["user", "bot"]
+    logged = store.get_conversation(state.current.id).messages
+    assert [(m.role, m.superseded) for m in logged] == [("user", False), ("bot", True), ("bot", False)]
+
+    settings = command("/settings").output
+    for needle in ("model:", "decoder:        top-k ", "top_k=5", "temperature=0.5", "steerers:       none",
+                   "log:            on", state.current.id):
+        assert needle in settings
+
+    assert state.current.id[:12] in command("/conversations").output
+    assert_one_line_error(command("/conversations many"), "expected a number")
+    old_id = state.current.id
+    assert command("/new").output.startswith("new conversation") and state.current.turns == []
+    assert state.current.id != old_id
+    resumed = command(f"/resume {old_id[:8]}")
+    assert resumed.output.startswith(f"resumed {old_id[:12]} (2 turns): hello there")
+    assert state.current.id == old_id and [t.text for t in state.current.turns][0] == "hello there"
+    assert_one_line_error(command("/resume nope"), "no conversation 'nope'")
+    assert_one_line_error(command("/resume"), "usage: /resume ID")
+
+    assert "multi-line on" in command("/multi").output and state.multiline
+    assert "multi-line off" in command("/multi").output and not state.multiline
+
+    assert command("/quit").quit and run(state, "/exit").quit and run(state, "/q").quit
+    assert_one_line_error(run(state, "/nope"), "unknown command '/nope'")
+    assert used == set(COMMANDS)
+
+
+def test_why_shows_candidates_and_scores_of_a_logged_reply(state, store):
+    store.ensure_conversation("mmi1", adapter="repl")
+    store.add_message("mmi1", "user", "hi")
+    candidates = [{"token_ids": [1], "text": "hello!", "scores": {"forward": -1.5, "reverse": -2.25}, "chosen": False},
+                  {"token_ids": [2], "text": "hey, you", "scores": {"forward": -1.0, "reverse": -0.5}, "chosen": True}]
+    store.add_message("mmi1", "bot", "hey, you", decoder={"name": "mmi", "settings": {"candidates": 2}}, seed=9,
+                      candidates=candidates, provenance={"decoder": {"name": "mmi", "settings": {"candidates": 2}},
+                                                         "steerers": [], "seed": 9})
+    run(state, "/resume mmi1")
+    why = run(state, "/why").output.splitlines()
+    assert why[0] == "decoder mmi candidates=2, seed 9"
+    assert why[1] == "2 candidates (* = chosen):"
+    assert why[2].startswith("   1  forward=-1.500  reverse=-2.250") and "'hello!'" in why[2]
+    assert why[3].startswith(" * 2  forward=-1.000  reverse=-0.500")
+
+
+def test_why_shows_steering(state):
+    run(state, "/steer bow-bias words=pizza,pasta strength=2")
+    run(state, "what do you like?")
+    why = run(state, "/why").output
+    assert "steerer bow-bias: words=pizza,pasta" in why and "strength=2.0" in why
+
+
+def test_bad_input_is_refused_or_cleaned_never_raised(state, engine):
+    for blank in ("", "   ", "\t"):
+        assert handle_line(state, blank).output == "" and handle_line(state, blank).reply is None
+    assert_one_line_error(handle_line(state, "x" * 100_000), "the limit is 8,000")
+    assert_one_line_error(handle_line(state, "\x00\x07\x1b"), "the message is empty")
+    assert_one_line_error(handle_line(state, "caf\udcc3 bad bytes"), "not UTF-8")
+    assert state.current.turns == []
+
+    run(state, "\x1b[31mred\x1b[0m and a \x07bell")
+    assert state.current.turns[0].text == "[31mred[0m and a bell"
+
+    special = run(state, "<|endoftext|> hi")
+    assert state.current.turns[-2].text == "<|endoftext|> hi"
+    assert engine.eos_token_id not in encode_text(engine.tokenizer, "<|endoftext|> hi")
+    assert special.reply.provenance["prompt_tokens"] > 2
+
+    run(state, "//shrug")
+    assert state.current.turns[-2].text == "/shrug"
+
+
+def test_a_failing_log_is_reported_once_and_the_chat_goes_on(state, store):
+    store.db.dispose()
+    Path(store.db.url.database).write_bytes(b"no longer a database" * 100)
+    run(state, "one")
+    run(state, "two")
+    assert len(state.take_notices()) == 1
+    assert [t.role for t in state.current.turns] == ["user", "bot", "user", "bot"]
+    assert state.log_status.startswith("failing")
+    assert "log: failing" in toolbar_text(state)
+
+
+# -- completion and toolbar ----------------------------------------------------------------------
+def texts(state, typed):
+    return [s.text for s in completions(state, typed)]
+
+
+def test_completion_of_commands_names_and_settings(state, store):
+    assert texts(state, "/de") == ["/decoder"]
+    assert "/steer" in texts(state, "/") and texts(state, "hello /de") == []
+    assert {"greedy", "top-k"} <= set(texts(state, "/decoder "))
+    assert set(texts(state, "/decoder top-k t")) == {"top_k=", "top_p=", "temperature="}
+    assert "top_k=" not in texts(state, "/decoder top-k top_k=3 ")
+    assert texts(state, "/decoder top-k top_k=") == []
+    assert texts(state, "/steer ") == ["off", "bow-bias"]
+    assert texts(state, "/steer bow-bias st") == ["strength="]
+    assert texts(state, "/steer off ") == []
+    state.options.steerers = [("bow-bias", {})]
+    assert texts(state, "/steer off ") == ["bow-bias"]
+    store.ensure_conversation("abc123", title="t")
+    assert texts(state, "/resume ab") == ["abc123"]
+    assert completions(state, "/decoder to")[0].start == -2
+
+
+def test_toolbar_shows_model_decoder_steerers_and_log(state):
+    text = toolbar_text(state)
+    assert "decoder: greedy" in text and "steer: none" in text and "log: on" in text
+    run(state, "/steer bow-bias topic=food")
+    run(state, "/seed 3")
+    run(state, "/multi")
+    text = toolbar_text(state)
+    assert "steer: bow-bias" in text and "seed: 3" in text and "multi-line" in text
+
+
+# -- prompt-toolkit, driven through its pipe input -------------------------------------------------
+@pytest.fixture
+def repl_host():
+    host = plugin_manager.PluginHost()
+    host.load_modules(BUILTIN_TEST_PLUGINS + ADAPTERS)
+    assert host.problems == []
+    plugin_manager.set_plugin_host(host)
+    return host
+
+
+def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    url = sqlite_url(tmp_path / "chat.sqlite3")
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=4, seed=1, db_url=url,
+                        history_file=tmp_path / "history")
+    out = io.StringIO()
+    with create_pipe_input() as pipe:
+        pipe.send_text("hello there\r"
+                       "/decoder top-k top_k=5\r"
+                       "first line\x1b\rsecond line\r"  # Esc-Enter adds a line
+                       "typed, then dropped\x03"  # Ctrl-C at the prompt clears the line
+                       "/retry\r"
+                       "/multi\r"  # now Enter adds a line and Esc-Enter sends ...
+                       "line one\rline two\x1b\r"
+                       "/multi\r"  # ... though a one-line command still runs on Enter
+                       "\x04")  # Ctrl-D exits
+        state = start_chat(config, out=out, input=pipe, output=DummyOutput())
+    shown = out.getvalue()
+    assert shown.count("bot> ") == 4 and "top_k=5" in shown
+    assert "multi-line on" in shown and "multi-line off" in shown and not state.multiline
+    assert [t.text for t in state.current.turns if t.role == "user"] == [
+        "hello there", "first line second line", "line one line two"]
+    assert "dropped" not in shown
+    history = (tmp_path / "history").read_text()
+    assert "+hello there" in history and "+first line\n+second line" in history
+    with ConversationStore(url) as store:
+        record = store.get_conversation(state.current.id)
+    assert [(m.role, m.superseded) for m in record.messages] == [
+        ("user", False), ("bot", False), ("user", False), ("bot", True), ("bot", False), ("user", False),
+        ("bot", False)]
+    assert [m.seed for m in record.messages if m.role == "bot"] == [1, 2, 3, 4]
+    assert record.messages[-1].decoder["name"] == "top-k"
+    assert repl_host.pm.get_plugin("conversation-log:repl") is None  # unregistered at exit
+
+
+# -- the `chat` command (plain lines when stdin is not a terminal) --------------------------------
+@pytest.fixture
+def cli(repl_host):
+    from chatcore.cli import build_cli
+
+    runner, group = CliRunner(), build_cli()
+
+    def invoke(*args, input=None):
+        return runner.invoke(group, list(args), input=input, catch_exceptions=False)
+
+    return invoke
+
+
+def test_the_chat_command(cli, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    model = ("--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "3")
+    first = cli("chat", *model, input="hello\n/quit\n")
+    assert first.exit_code == 0, first.output
+    assert first.stdout.startswith("bot> ") and "loading" in first.stderr and "logged to" in first.stderr
+    default_log = tmp_path / "data" / "chatcore" / "conversations.sqlite3"
+    with ConversationStore(sqlite_url(default_log)) as store:
+        assert [m.text for m in store.get_conversation(store.latest_conversation_id()).messages][0] == "hello"
+
+    again = cli("chat", *model, "--continue", input="/history\n")
+    assert again.exit_code == 0 and again.stdout.startswith("you> hello\nbot> ")
+    assert "resumed" in again.stderr
+
+    unlogged = cli("chat", *model, "--no-log", "--db", str(tmp_path / "other.db"), input="hi\n")
+    assert unlogged.exit_code == 0 and "not logged (--no-log)" in unlogged.stderr
+    assert not (tmp_path / "other.db").exists()
+
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"not sqlite" * 100)
+    unavailable = cli("chat", *model, "--db", str(corrupt), input="hi\n/conversations\n")
+    assert unavailable.exit_code == 0 and "chatting without the conversation log" in unavailable.stderr
+    assert unavailable.stdout.startswith("bot> ") and "the conversation log is off (unavailable)" in unavailable.stdout
+
+    for args, needle in [(("--cid", "nope"), "no conversation 'nope'"),
+                         (("--no-log", "--continue"), "drop --no-log"),
+                         (("--decoder", "top-k top_k=-1"), "`top_k` must be a positive integer")]:
+        failed = cli("chat", "--model", str(tiny_model_dir), *args, input="")
+        assert failed.exit_code == 1 and failed.stderr.strip().splitlines()[-1].startswith("Error: ")
+        assert needle in failed.stderr
+
+
+def test_building_the_cli_imports_no_heavy_module():
+    code = ("import sys\n"
+            "from chatcore.plugin_manager import PluginHost, set_plugin_host\n"
+            "host = PluginHost(); host.load_modules(%r); set_plugin_host(host)\n"
+            "from chatcore.cli import build_cli\n"
+            "group = build_cli(); assert {'chat', 'logs'} <= set(group.commands)\n"
+            "heavy = [m for m in ('torch', 'transformers', 'sqlalchemy', 'prompt_toolkit') if m in sys.modules]\n"
+            "assert not heavy, heavy\n") % (ADAPTERS,)
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert completed.returncode == 0, completed.stderr
+
+
+# -- real processes --------------------------------------------------------------------------------
+# Registers the adapters even where the installed entry points predate them, then runs
+# the ordinary command line. Extra plugin modules come as the first argument.
+LAUNCHER = textwrap.dedent("""
+    import importlib, sys
+    from chatcore.plugin_manager import get_plugin_host
+    host = get_plugin_host()
+    for name in ("chatcore.adapters.conversation_log", "chatcore.adapters.repl", *sys.argv[1].split(",")):
+        if name and not host.pm.is_registered(module := importlib.import_module(name)):
+            host.register(module, name)
+    from chatcore.cli import main
+    sys.exit(main(sys.argv[2:]))
+""")
+
+SLOW_STEERER = textwrap.dedent("""
+    import time
+    from dataclasses import dataclass
+
+    import chatcore
+    from chatcore.steering import Steerer
+
+    @dataclass
+    class SlowSettings:
+        delay: float = 0.2
+
+    class SlowSteerer(Steerer):
+        name = "slow"
+        description = "waits before every step, so that a reply can be interrupted"
+        Settings = SlowSettings
+
+        def wrap(self, step):
+            def slowed(state):
+                time.sleep(self.settings.delay)
+                return step(state)
+            return slowed
+
+    @chatcore.hookimpl
+    def register_steerers(register):
+        register(SlowSteerer)
+""")
+
+
+def child_env(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), XDG_DATA_HOME=str(tmp_path / "data"), CHATCORE_PLUGINS="",
+               TERM="xterm", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.pop("CHATCORE_DEBUG", None)
+    env.pop("CHATCORE_DB", None)
+    return env
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?<=>]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
+
+
+class PseudoTerminal:
+    """A child process on a pty: send keys, wait for text (escape sequences removed).
+
+    It answers cursor-position requests as a terminal does; prompt-toolkit draws its
+    bottom toolbar only once it knows where the cursor is.
+    """
+
+    def __init__(self, argv, env, cwd):
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child
+            os.chdir(cwd)
+            os.execve(argv[0], argv, env)
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+        self.raw = b""
+        self.seen = 0
+        self.exit_code = None
+
+    def text(self):
+        return ANSI.sub("", self.raw.decode("utf-8", errors="replace")).replace("\r", "")
+
+    def expect(self, pattern, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            found = re.compile(pattern, re.S).search(self.text(), self.seen)
+            if found:
+                self.seen = found.end()
+                return found
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"timed out waiting for {pattern!r}; screen so far:\n{self.text()[-3000:]}")
+            ready, _, _ = select.select([self.fd], [], [], min(remaining, 0.5))
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:  # the child exited
+                    raise AssertionError(f"exited while waiting for {pattern!r}:\n{self.text()[-3000:]}") from None
+                self.raw += chunk
+                for _ in range(chunk.count(b"\x1b[6n")):
+                    self.send("\x1b[20;1R")
+
+    def send(self, keys):
+        os.write(self.fd, keys.encode())
+
+    def wait(self, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.raw += os.read(self.fd, 65536) if select.select([self.fd], [], [], 0.2)[0] else b""
+            except OSError:
+                pass
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.exit_code = os.waitstatus_to_exitcode(status)
+                return self.exit_code
+        raise AssertionError("the chat did not exit")
+
+    def close(self):
+        if self.exit_code is None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host):
+    (tmp_path / "chatcore_test_slow.py").write_text(SLOW_STEERER)
+    url = sqlite_url(tmp_path / "e2e.sqlite3")
+    argv = [sys.executable, "-c", LAUNCHER, "chatcore_test_slow", "chat", "--model", str(tiny_model_dir),
+            "--decoder", "greedy", "-n", "12", "--seed", "1", "--db", url]
+    term = PseudoTerminal(argv, child_env(tmp_path), cwd=tmp_path)
+    try:
+        term.expect(r"you>", timeout=120)
+
+        def line(text, answer):
+            term.send(text + "\r")
+            term.expect(answer)
+            term.expect(r"you>")
+
+        term.expect(r"tiny-model0 \| decoder: greedy \| steer: none \| seed: 1 \| log: on")  # the toolbar
+        line("hello there", r"bot> [^\n]*\n")
+        line("/decoder top-k top_k=20", r"decoder: top-k [^\n]*top_k=20")
+        term.expect(r"decoder: top-k top_k=20 \| steer: none \| seed: 2")
+        line("what do you like to eat?", r"bot> [^\n]*\n")
+        line("/steer bow-bias words=pizza,pasta strength=4", r"steering: bow-bias")
+        term.expect(r"steer: bow-bias \| seed: 3")
+        line("and for dinner?", r"bot> [^\n]*\n")
+        line("/steer off", r"steering off")
+        line("/retry", r"bot> [^\n]*\n")
+        line("/steer slow delay=0.5", r"steering: slow")
+        term.send("tell me a long story\r")
+        term.expect(r"bot> ")
+        time.sleep(1.6)  # a few slow steps into the reply
+        term.send("\x03")
+        term.expect(r"\[interrupted\]")
+        term.expect(r"you>")
+        term.send("/quit\r")
+        assert term.wait() == 0
+    finally:
+        term.close()
+
+    from chatcore.cli import build_cli
+
+    runner = CliRunner()
+    listed = json.loads(runner.invoke(build_cli(), ["logs", "list", "--json", "--db", url]).stdout)
+    assert len(listed) == 1
+    shown = runner.invoke(build_cli(), ["logs", "show", listed[0]["id"][:8], "--db", url])
+    assert shown.exit_code == 0, shown.output
+    lines = [line for line in shown.stdout.splitlines() if "> " in line]
+    users = [line.split("you> ", 1)[1] for line in lines if " you> " in line]
+    assert users == ["hello there", "what do you like to eat?", "and for dinner?", "tell me a long story"]
+    bots = [line for line in lines if " bot> " in line]
+    assert len(bots) == 5
+    assert "[greedy, " in bots[0] and "[top-k, " in bots[1]
+    assert "top-k + bow-bias" in bots[2] and "superseded by a retry" in bots[2]
+    assert "[top-k, " in bots[3] and "superseded" not in bots[3]
+    assert "top-k + slow" in bots[4] and "interrupted" in bots[4]
+    with ConversationStore(url) as store:
+        last = store.get_conversation(listed[0]["id"]).messages[-1]
+    assert last.interrupted and 1 <= last.token_count < 12
+
+
+def read_line(process, buffer, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while b"\n" not in buffer[0]:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"no line from the chat; so far {buffer[0]!r}"
+        if select.select([process.stdout], [], [], min(remaining, 0.5))[0]:
+            chunk = os.read(process.stdout.fileno(), 65536)
+            assert chunk, "the chat exited early"
+            buffer[0] += chunk
+    line, buffer[0] = buffer[0].split(b"\n", 1)
+    return line.decode()
+
+
+@pytest.mark.slow
+def test_a_killed_chat_keeps_every_completed_turn(tiny_model_dir, tmp_path):
+    url = sqlite_url(tmp_path / "killed.sqlite3")
+    argv = [sys.executable, "-c", LAUNCHER, "", "chat", "--model", str(tiny_model_dir), "--decoder", "greedy",
+            "-n", "4", "--db", url]
+    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               env=child_env(tmp_path), cwd=tmp_path)
+    buffer = [b""]
+    try:
+        process.stdin.write(b"caf\xc3 \xff\xfe not utf-8\n" + b"y" * 100_000 + b"\n")
+        process.stdin.flush()
+        assert "not UTF-8" in read_line(process, buffer)
+        assert "the limit is 8,000" in read_line(process, buffer)
+        turns = 3
+        for number in range(turns):
+            process.stdin.write(f"message number {number}\n".encode())
+            process.stdin.flush()
+            assert read_line(process, buffer).startswith("bot> ")
+        process.kill()  # SIGKILL: no clean-up code runs
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    with ConversationStore(url) as store:
+        messages = store.get_conversation(store.latest_conversation_id()).messages
+    assert [m.role for m in messages] == ["user", "bot"] * turns
+    assert [m.text for m in messages if m.role == "user"] == [f"message number {n}" for n in range(turns)]
+    assert all(m.token_count and not m.interrupted for m in messages if m.role == "bot")
