@@ -13,11 +13,16 @@ STAMP := $(VENV)/.chatcore-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+EXAMPLE := examples/chatcore-steering-vectors
+
+$(STAMP): pyproject.toml $(EXAMPLE)/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e '.[test]'
+	# The tutorial's example plugin, installed like a third-party package: its entry
+	# point is discovered and its own tests run below.
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e $(EXAMPLE)
 	touch $(STAMP)
 
 chat: $(STAMP)
@@ -25,9 +30,11 @@ chat: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(EXAMPLE)/tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" $(EXAMPLE)/tests
 
 bench: $(STAMP)
 	$(PY) bench/decode_speed.py

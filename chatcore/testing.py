@@ -1,0 +1,214 @@
+"""Helpers for testing chatcore plugins, with or without pytest.
+
+chatcore's pytest plugin (:mod:`chatcore.pytest_plugin`) wraps these as fixtures:
+
+    build_tiny_model(directory)          a tiny random GPT-2 with the bundled model's tokenizer
+    plugin_host(*plugins)                greedy and top-k plus only the plugins under test
+    make_engine(model, *plugins)         an Engine on that host
+    build_conversation(engine, *turns)   a conversation with scripted turns
+    compare_to_baseline(engine, ...)     eval metrics of a steerer vs no steering
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chatcore.errors import ChatcoreError, PluginError
+from chatcore.evaluation.prompts import EvalContext
+from chatcore.evaluation.runner import EvalReport, EvalRow
+from chatcore.models import DEFAULT_MODEL, resolve_model_path
+from chatcore.plugin_manager import PluginHost
+from chatcore.text import clean_message
+
+if TYPE_CHECKING:
+    from chatcore.conversation import Conversation
+    from chatcore.engine import Engine
+    from chatcore.models import LoadedModel
+
+BASE_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k")
+
+
+def build_tiny_model(directory: str | Path, layers: int = 2, width: int = 32, heads: int = 2, positions: int = 128,
+                     seed: int = 0, tokenizer: str = DEFAULT_MODEL) -> Path:
+    """Write a tiny GPT-2 model folder: random weights (seeded) and the real
+    byte-level BPE tokenizer of a bundled model (chatcore-tiny's, by default).
+
+    Its replies are gibberish, but every code path is the real one: the same tokenizer,
+    ``from_pretrained`` loading and forward pass as a full-size model, in a fraction of
+    a second.
+    """
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    directory = Path(directory)
+    real_tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
+    eos = real_tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(real_tokenizer), n_positions=positions, n_embd=width, n_layer=layers,
+                        n_head=heads, eos_token_id=eos, bos_token_id=eos, pad_token_id=eos)
+    GPT2LMHeadModel(config).save_pretrained(str(directory))
+    real_tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def plugin_host(*plugins: Any) -> PluginHost:
+    """A host with the greedy and top-k decoders and ``plugins``: module names,
+    modules, or other objects with hookimpls. Installed plugins are not loaded.
+
+    Raises PluginError if a plugin is refused (an import error, a misspelled hook).
+    """
+    host = PluginHost()
+    host.load_modules(BASE_PLUGINS)
+    for plugin in plugins:
+        if isinstance(plugin, str):
+            host.load_modules((plugin,))
+        else:
+            name = getattr(plugin, "__name__", None) or type(plugin).__name__
+            host.register(plugin, name)
+            host.check_pending()
+    if host.problems:
+        first = host.problems[0]
+        raise PluginError(first.plugin, f"refused at {first.stage}: {first.message}")
+    return host
+
+
+def make_engine(model: "str | LoadedModel", *plugins: Any) -> "Engine":
+    """An Engine on ``model`` whose registry holds greedy, top-k and ``plugins`` only."""
+    from chatcore.engine import Engine
+
+    return Engine(model, host=plugin_host(*plugins))
+
+
+def build_conversation(engine: "Engine", *turns: str) -> "Conversation":
+    """A conversation whose turns alternate so that the last one is the user's (the
+    same rule, and the same cleaning of each turn, as ``Engine.reply_to``)."""
+    conversation = engine.conversation()
+    for index, text in enumerate(turns):
+        if (len(turns) - index) % 2 == 1:
+            conversation.add_user(text)
+        else:
+            conversation.add_bot_text(clean_message(text))
+    return conversation
+
+
+@dataclass
+class Comparison:
+    """The same contexts and seeds, replied to without and with a steerer.
+
+    baseline, steered: metrics averaged over the seeds (see EvalRow).
+    reports:           the full report of every run (replies included), by seed.
+    """
+
+    baseline: EvalRow
+    steered: EvalRow
+    reports: dict[str, list[EvalReport]]
+
+    @property
+    def attribute_gain(self) -> float | None:
+        """Steered minus baseline share of replies with a vocabulary word."""
+        if self.steered.attribute_share is None or self.baseline.attribute_share is None:
+            return None
+        return self.steered.attribute_share - self.baseline.attribute_share
+
+    @property
+    def perplexity_ratio(self) -> float | None:
+        """Steered over baseline perplexity of the replies under the plain model (the fluency cost)."""
+        if not self.steered.perplexity or not self.baseline.perplexity:
+            return None
+        return self.steered.perplexity / self.baseline.perplexity
+
+
+def _contexts(contexts: Iterable[EvalContext | str | Sequence[str]]) -> list[EvalContext]:
+    result = []
+    for context in contexts:
+        if isinstance(context, EvalContext):
+            result.append(context)
+        elif isinstance(context, str):
+            result.append(EvalContext([context]))
+        else:
+            result.append(EvalContext(list(context)))
+    if not result:
+        raise ValueError("`contexts` must hold at least one context, got none")
+    return result
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def mean_row(label: str, rows: Sequence[EvalRow]) -> EvalRow:
+    """One row whose every metric is the mean over ``rows`` (counts are summed)."""
+    return EvalRow(
+        label=label,
+        count=sum(r.count for r in rows),
+        perplexity=_mean([r.perplexity for r in rows]),
+        distinct_1=statistics.fmean(r.distinct_1 for r in rows),
+        distinct_2=statistics.fmean(r.distinct_2 for r in rows),
+        distinct_3=statistics.fmean(r.distinct_3 for r in rows),
+        mean_length=statistics.fmean(r.mean_length for r in rows),
+        degenerate_share=statistics.fmean(r.degenerate_share for r in rows),
+        attribute_share=_mean([r.attribute_share for r in rows]),
+        tokens_per_s=_mean([r.tokens_per_s for r in rows]),
+    )
+
+
+def compare_to_baseline(
+    engine: "Engine",
+    steerer: str,
+    settings: dict[str, Any] | None = None,
+    contexts: Iterable[EvalContext | str | Sequence[str]] = ("hi, how are you?", "what do you do for fun?"),
+    seeds: Iterable[int] = (0,),
+    vocabulary: Iterable[str] | str | None = None,
+    decoder: str = "top-k",
+    decoder_settings: dict[str, Any] | None = None,
+    max_new_tokens: int = 24,
+) -> Comparison:
+    """Reply to ``contexts`` without and with ``steerer`` and measure both.
+
+    Each seed runs every context once (context i uses ``seed + i``, as in
+    ``chatcore eval``), so the baseline and the steered run sample with the same
+    random draws. ``vocabulary`` is a set of words or phrases, or the name of a
+    built-in word list ("food", "sports", ...) or a word file, for the attribute
+    share. Bad settings raise OptionError before anything is generated.
+    """
+    from chatcore.engine import ReplyOptions
+    from chatcore.evaluation.runner import evaluate
+
+    settings = dict(settings or {})
+    engine.make_steerer(steerer, settings)
+    context_list = _contexts(contexts)
+    seed_list = list(seeds)
+    if not seed_list:
+        raise ValueError("`seeds` must hold at least one seed, got none")
+    if isinstance(vocabulary, str):
+        from chatcore.plugins.eval_commands import load_vocabulary
+
+        words: set[str] | None = load_vocabulary(vocabulary)
+    else:
+        words = set(vocabulary) if vocabulary is not None else None
+    plain = ReplyOptions(decoder=decoder, decoder_settings=dict(decoder_settings or {}), max_new_tokens=max_new_tokens)
+    runs = {"baseline": plain, "steered": dataclasses.replace(plain, steerers=[(steerer, settings)])}
+    reports: dict[str, list[EvalReport]] = {}
+    for label, options in runs.items():
+        reports[label] = [
+            evaluate(engine, context_list, options, label=label, vocabulary=words, seed=seed, include_reference=False)
+            for seed in seed_list
+        ]
+    for label, label_reports in reports.items():
+        for report in label_reports:
+            failed = [s["error"] for s in report.samples if "error" in s]
+            if failed:
+                # evaluate() skips a context that raised; a comparison must not hide it.
+                raise ChatcoreError(f"the {label} run failed: {failed[0]}")
+    return Comparison(
+        baseline=mean_row("baseline", [r.rows[0] for r in reports["baseline"]]),
+        steered=mean_row(steerer, [r.rows[0] for r in reports["steered"]]),
+        reports=reports,
+    )
+

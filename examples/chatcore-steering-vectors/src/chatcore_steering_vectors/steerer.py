@@ -1,0 +1,126 @@
+"""The ``activation-addition`` steerer (Turner et al., 2023; Rimsky et al., 2024).
+
+A steering vector is the difference between the mean residual-stream activation of
+some positive prompts and that of some negative prompts, read at the output of block
+``layer``. While a reply is generated, ``strength`` times that vector is added to the
+output of the same block, which moves every later layer toward the positive prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from chatcore.errors import OptionError
+from chatcore.steering import Steerer
+from chatcore.step import Step, StepOutput, StepState
+from chatcore.text import encode_text
+
+from chatcore_steering_vectors.residual import Pool, add_to_output, find_blocks, mean_block_output
+
+if TYPE_CHECKING:
+    import torch
+
+    from chatcore.decoding import GenerationSession
+
+PROMPT_SEPARATOR = "|"
+
+
+def split_prompts(text: str) -> list[str]:
+    """``"I love food | pizza is great"`` -> ``["I love food", "pizza is great"]``."""
+    return [part.strip() for part in text.split(PROMPT_SEPARATOR) if part.strip()]
+
+
+@dataclass
+class ActivationAdditionSettings:
+    """positive / negative: prompts separated by ``|``; their counts may differ.
+    layer: the block whose output is steered (default: a third of the way up).
+    strength: how many times the vector is added (negative steers away).
+    positions: "all" steers the prompt and the reply; "new" only the positions the
+        reply is generated from (the prompt's final EOS, then each new token).
+    pool: how a prompt's activations become one vector: "mean" over its tokens, or
+        its "last" token (the EOS that ends it, where a reply would start).
+    """
+
+    positive: str = ""
+    negative: str = ""
+    layer: int | None = None
+    strength: float = 2.0
+    positions: Literal["all", "new"] = "all"
+    pool: Pool = "mean"
+
+    def __post_init__(self) -> None:
+        for name in ("positive", "negative"):
+            if not split_prompts(getattr(self, name)):
+                raise ValueError(
+                    f"`{name}` must give at least one prompt (separate several with |), got {getattr(self, name)!r}"
+                )
+        if self.layer is not None and (not isinstance(self.layer, int) or self.layer < 0):
+            raise ValueError(f"`layer` must be a non-negative integer, got {self.layer!r}")
+        if not math.isfinite(self.strength) or abs(self.strength) > 100:
+            raise ValueError(f"`strength` must be between -100 and 100, got {self.strength}")
+        if self.positions not in ("all", "new"):
+            raise ValueError(f"`positions` must be all or new, got {self.positions!r}")
+        if self.pool not in ("mean", "last"):
+            raise ValueError(f"`pool` must be mean or last, got {self.pool!r}")
+
+
+class ActivationAddition(Steerer):
+    name = "activation-addition"
+    description = "adds strength x (positive - negative prompt activations) to the residual stream at one layer"
+    Settings = ActivationAdditionSettings
+
+    def __init__(self, settings: ActivationAdditionSettings | None = None) -> None:
+        super().__init__(settings)
+        self.block: "torch.nn.Module | None" = None
+        self.addition: "torch.Tensor | None" = None  # (C,) strength * vector
+
+    def prepare(self, session: "GenerationSession") -> None:
+        model, tokenizer = session.model.model, session.model.tokenizer
+        blocks = find_blocks(model)
+        # A third of the way up: early enough that most of the network still acts on
+        # the change, late enough that the vector carries meaning rather than spelling.
+        layer = self.settings.layer if self.settings.layer is not None else len(blocks) // 3
+        if layer >= len(blocks):
+            raise OptionError(f"`layer` must be below the model's {len(blocks)} layers, got {layer}")
+        limit = session.model.max_positions
+
+        def encode(prompt: str) -> list[int]:
+            # Each prompt is formatted as a chat turn: its text, then EOS.
+            return (encode_text(tokenizer, prompt) + [session.eos_token_id])[-limit:]
+
+        block = blocks[layer]
+        positive = [encode(p) for p in split_prompts(self.settings.positive)]
+        negative = [encode(p) for p in split_prompts(self.settings.negative)]
+        vector = (mean_block_output(model, block, positive, self.settings.pool)
+                  - mean_block_output(model, block, negative, self.settings.pool))  # (C,)
+        self.block = block
+        self.addition = (self.settings.strength * vector).to(session.model.dtype)
+        session.details["activation-addition"] = {"layer": layer, "vector_norm": round(float(vector.norm()), 4)}
+
+    def wrap(self, step: Step) -> Step:
+        import torch
+
+        def steered(state: StepState) -> StepOutput:
+            assert self.block is not None and self.addition is not None, "prepare() was not called"
+            addition = self.addition
+            only_last = self.settings.positions == "new" and state.step == 0
+
+            def change(hidden: "torch.Tensor") -> "torch.Tensor":  # (B, T_in, C)
+                if not only_last:
+                    return hidden + addition
+                # The prompt keeps its own activations (and cache); only the position
+                # the first reply token comes from is steered.
+                return torch.cat([hidden[:, :-1], hidden[:, -1:] + addition], dim=1)
+
+            # The hook lives only while this step runs, so the model is never left
+            # steered for anyone else, even when the inner step raises.
+            handle = add_to_output(self.block, change)
+            try:
+                return step(state)
+            finally:
+                handle.remove()
+
+        return steered
+

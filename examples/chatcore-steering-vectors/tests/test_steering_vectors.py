@@ -1,0 +1,57 @@
+"""The activation-addition steerer, as its users see it."""
+
+import pytest
+
+from chatcore.errors import OptionError
+from chatcore.evaluation.prompts import openers
+from chatcore.testing import compare_to_baseline
+
+FOOD = {
+    "positive": "I love cooking dinner|let us talk about food|pizza and pasta are delicious"
+                "|I am hungry, what should I eat?",
+    "negative": "I love playing soccer|let us talk about movies|my job is boring"
+                "|I am tired, what should I do?",
+}
+
+
+def test_the_package_registers_the_steerer(chatcore_engine):
+    assert chatcore_engine.registry.steerers["activation-addition"].plugin == "chatcore_steering_vectors"
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"positive": ""}, "`positive` must give at least one prompt"),
+    ({"negative": " | "}, "`negative` must give at least one prompt"),
+    ({"strength": "1000"}, "`strength` must be between -100 and 100, got 1000.0"),
+    ({"layer": "-1"}, "`layer` must be a non-negative integer, got -1"),
+    ({"positions": "some"}, "`positions` must be one of all, new, got 'some'"),
+    ({"colour": "red"}, "unknown setting for steerer 'activation-addition': 'colour'"),
+])
+def test_bad_settings_are_refused_by_name(chatcore_engine, settings, message):
+    with pytest.raises(OptionError, match=message):
+        chatcore_engine.make_steerer("activation-addition", {**FOOD, **settings})
+
+
+def test_a_layer_the_model_lacks_is_refused_before_generating(chatcore_conversation):
+    conversation = chatcore_conversation("hi")
+    with pytest.raises(OptionError, match="`layer` must be below the model's 2 layers, got 2"):
+        conversation.reply(steerers=[("activation-addition", {**FOOD, "layer": 2})], max_new_tokens=3).text()
+
+
+def test_the_reply_records_the_layer_it_steered(chatcore_conversation):
+    conversation = chatcore_conversation("hi", "hello! how are you?", "hungry. what is for dinner?")
+    response = conversation.reply(decoder="greedy", steerers=[("activation-addition", FOOD)], max_new_tokens=4)
+    response.text()
+    details = response.provenance["details"]["activation-addition"]
+    assert details["layer"] == 0  # a third of the tiny model's two layers, rounded down
+    assert details["vector_norm"] > 0
+
+
+@pytest.mark.slow
+def test_steering_toward_food_makes_food_replies_more_common(chatcore_engine_factory, chatcore_bundled_model):
+    engine = chatcore_engine_factory(model=chatcore_bundled_model)
+    comparison = compare_to_baseline(
+        engine, "activation-addition", {**FOOD, "layer": 3, "strength": 2},
+        contexts=openers()[:12], seeds=[0], vocabulary="food", max_new_tokens=24,
+    )
+    assert comparison.steered.attribute_share >= comparison.baseline.attribute_share + 0.2
+    assert comparison.perplexity_ratio < 10

@@ -1,0 +1,31 @@
+"""``chatcore new-plugin NAME``: write the skeleton of a steering plugin package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+import chatcore
+
+
+@click.command("new-plugin")
+@click.argument("name")
+@click.option("--dir", "parent", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
+              help="Where to create the package folder (default: the current folder).")
+def new_plugin(name: str, parent: Path) -> None:
+    """Create chatcore-NAME/, a steering plugin package: pyproject.toml with the
+    chatcore entry point, a Steerer named NAME with its hookimpl, and a test that uses
+    chatcore's pytest fixtures. An existing folder is never overwritten."""
+    from chatcore.scaffold import PluginNames, render, write_plugin
+
+    folder = write_plugin(name, parent)
+    click.echo(f"created {folder}/")
+    for relative in render(PluginNames.from_name(name)):
+        click.echo(f"  {relative}")
+    click.echo(f"\nnext:\n  cd {folder}\n  pip install -e .\n  chatcore plugins\n  pytest")
+
+
+@chatcore.hookimpl(trylast=True)
+def register_commands(cli: click.Group) -> None:
+    cli.add_command(new_plugin)
