@@ -1,0 +1,133 @@
+"""PPLM's effect and cost in quality, on held-out chitchat contexts, same seeds.
+
+    python bench/pplm_quality.py [--topics food,weather,music] [--limit 100] [--stepsize 0.1]
+                                 [--sentiment] [--json report.json]
+
+For each topic: unsteered top-k vs ``pplm topic=...`` through chatcore.evaluation's
+``evaluate`` (reply perplexity under the plain model, distinct-2, degenerate share, and
+the share of replies containing a word of the topic). With --sentiment: unsteered vs
+``pplm discriminator=sentiment`` towards each class, judged by AFINN (a word-list scorer,
+not VADER, whose labels trained the head); needs the ``afinn`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="chatcore-tiny")
+    parser.add_argument("--topics", default="food,weather,music")
+    parser.add_argument("--limit", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--decoder", default="top-k", help='a decoder spec, e.g. "top-k top_k=20"')
+    parser.add_argument("--pplm", default="",
+                        help='extra pplm settings for the topics, e.g. "stepsize=0.1 gm_scale=0.9"')
+    parser.add_argument("--sentiment", action="store_true", help="also steer the shipped sentiment head")
+    parser.add_argument("--sentiment-pplm", default="", help="extra pplm settings for the sentiment runs")
+    parser.add_argument("--skip-topics", action="store_true")
+    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from chatcore.cli.specs import parse_spec
+    from chatcore.engine import Engine, ReplyOptions
+    from chatcore.evaluation.metrics import contains_any
+    from chatcore.evaluation.prompts import chitchat_heldout
+    from chatcore.evaluation.runner import evaluate
+    from chatcore.options import parse_key_values
+    from chatcore.plugin_manager import PluginHost
+    from chatcore.plugins.bow_bias import WORDLIST_DIR, read_word_file
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    host = PluginHost()
+    host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias",
+                       "chatcore.plugins.pplm"))
+    engine = Engine(args.model, host=host)
+    contexts = chitchat_heldout()[: args.limit]
+    decoder, decoder_settings = parse_spec(args.decoder)
+    base = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, max_new_tokens=args.max_new_tokens)
+    extra = parse_key_values(args.pplm.split())
+    results: dict[str, object] = {"contexts": len(contexts), "decoder": args.decoder}
+
+    def run(label: str, steerers: list, vocabulary: set[str] | None):
+        import dataclasses
+
+        report = evaluate(engine, contexts, dataclasses.replace(base, steerers=steerers), label=label,
+                          vocabulary=vocabulary, seed=args.seed, include_reference=False)
+        return report
+
+    plain = run("top-k", [], None)
+    plain_replies = [s["reply"] for s in plain.samples if "reply" in s]
+    plain_row = plain.rows[0]
+    last_seed = args.seed + len(contexts) - 1
+    print(f"{len(contexts)} held-out contexts, decoder {args.decoder}, seeds {args.seed}..{last_seed}")
+    header = f"{'configuration':38s} {'attr':>6s} {'ppl':>7s} {'dist-2':>7s} {'degen':>6s} {'tok/s':>6s}"
+    if not args.skip_topics:
+        print(header)
+        for topic in [t for t in args.topics.split(",") if t]:
+            vocabulary = set(read_word_file(WORDLIST_DIR / f"{topic}.txt"))
+            plain_share = sum(contains_any(r, vocabulary) for r in plain_replies) / max(1, len(plain_replies))
+            steered = run(f"pplm {topic}", [("pplm", {"topic": topic, **extra})], vocabulary).rows[0]
+            print(f"{'top-k (unsteered)':38s} {plain_share:6.1%} {plain_row.perplexity:7.1f} "
+                  f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%} {plain_row.tokens_per_s or 0:6.1f}")
+            print(f"{'pplm topic=' + topic + ' ' + args.pplm:38s} {steered.attribute_share:6.1%} "
+                  f"{steered.perplexity:7.1f} {steered.distinct_2:7.3f} {steered.degenerate_share:6.1%} "
+                  f"{steered.tokens_per_s or 0:6.1f}")
+            share_ratio = steered.attribute_share / plain_share if plain_share else float("inf")
+            ppl_ratio = steered.perplexity / plain_row.perplexity
+            share_verdict = "met" if share_ratio >= 3 else "not met"
+            print(f"  -> topic share {share_ratio:.2f}x unsteered (target >= 3: {share_verdict}), "
+                  f"perplexity {ppl_ratio:.2f}x (target <= 1.3: {'met' if ppl_ratio <= 1.3 else 'not met'})")
+            results[topic] = {"unsteered_share": plain_share, "pplm": dataclasses_dict(steered),
+                              "unsteered": dataclasses_dict(plain_row), "share_ratio": share_ratio,
+                              "perplexity_ratio": ppl_ratio}
+    if args.sentiment:
+        try:
+            from afinn import Afinn
+        except ImportError:
+            raise SystemExit("--sentiment needs the afinn package (pip install afinn)") from None
+        afinn = Afinn()
+        sentiment_extra = parse_key_values(args.sentiment_pplm.split())
+
+        def shares(replies: list[str]) -> tuple[float, float]:
+            scores = [afinn.score(r) for r in replies]
+            count = max(1, len(scores))
+            return sum(s > 0 for s in scores) / count, sum(s < 0 for s in scores) / count
+
+        plain_pos, plain_neg = shares(plain_replies)
+        print(f"\nsentiment judged by AFINN: {'configuration':40s} {'positive':>8s} {'negative':>8s} {'ppl':>7s} "
+              f"{'dist-2':>7s} {'degen':>6s}")
+        print(f"{'':27s}{'top-k (unsteered)':40s} {plain_pos:8.1%} {plain_neg:8.1%} {plain_row.perplexity:7.1f} "
+              f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%}")
+        for label in ("positive", "negative"):
+            report = run(f"pplm {label}", [("pplm", {"discriminator": "sentiment", "class_label": label,
+                                                    **sentiment_extra})], None)
+            replies = [s["reply"] for s in report.samples if "reply" in s]
+            positive, negative = shares(replies)
+            row = report.rows[0]
+            name = f"pplm sentiment {label} {args.sentiment_pplm}"
+            print(f"{'':27s}{name:40s} {positive:8.1%} {negative:8.1%} {row.perplexity:7.1f} "
+                  f"{row.distinct_2:7.3f} {row.degenerate_share:6.1%}")
+            results[f"sentiment-{label}"] = {"positive_share": positive, "negative_share": negative,
+                                             "row": dataclasses_dict(row)}
+        results["sentiment-unsteered"] = {"positive_share": plain_pos, "negative_share": plain_neg}
+    if args.json_path:
+        with open(args.json_path, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2)
+
+
+def dataclasses_dict(row: object) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(row)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,559 @@
+"""Training a CoCon block on a frozen base model (``chatcore train cocon``).
+
+Data: dialogue text (chitchat by default) as one token stream, turns ending in EOS, cut
+into windows of ``history_tokens + continuation_tokens``: a history (the prompt) and
+its continuation. Most windows start their continuation at a turn start, as a reply
+does. Only the block (and, for the adversarial loss, a small discriminator) learns.
+
+The losses (Chan et al., 2021, section 3), each with its weight:
+
+- self-reconstruction: the content is the continuation itself (or, in a share of the
+  batches, a short random span of it, so that a word or a phrase, the content people
+  give in chat, is in the training distribution too); the block must make LM-beta
+  predict the continuation. For the whole-continuation content a self-token mask
+  hides, from the position that predicts a token, the content position holding that
+  very token, so that the block cannot simply copy position by position.
+- null content: no content at all; plain language modelling through the block, so an
+  empty content leaves the model's replies as they were.
+- cycle reconstruction (from ``cycle_from_step``): generate a few tokens with the
+  content of sample i after the history of sample i+1 (soft tokens, so gradients
+  flow), then use that generation as the content to reconstruct sample i's own
+  continuation after its own history.
+- adversarial (from ``adv_from_step``): a discriminator tells the block's outputs
+  during that generation from LM-alpha's hidden states of real text; the block is
+  trained to fool it (the non-saturating form of the paper's minimax loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from chatcore.cocon.block import CoconBlock, CoconConfig
+from chatcore.cocon.model_split import SplitModel
+from chatcore.cocon.pipeline import CoconPipeline
+from chatcore.errors import ChatcoreError
+
+CHECKPOINT_FILE = "checkpoint.pt"
+BLOCK_DIR = "block"
+
+
+@dataclass
+class CoconTrainConfig:
+    out_dir: str
+    model: str = "chatcore-tiny"
+    corpus: str = "chitchat"
+    heldout: float = 0.05
+    split_layer: int | None = None  # default: n_layer // 3 (at least 1)
+    steps: int = 2000
+    batch_size: int = 16
+    history_tokens: int = 32
+    continuation_tokens: int = 24
+    content_max_tokens: int | None = None  # default: the whole continuation
+    short_content_share: float = 0.5  # share of batches whose content is a short span
+    short_content_max_tokens: int = 4
+    span_rarity: float = 1.0  # short spans start at token t with weight count(t) ** -span_rarity
+    turn_start_share: float = 0.75  # share of windows whose continuation starts a turn
+    no_history_share: float = 0.05  # share of batches trained with the start vector, no history
+    content_mask_prob: float = 0.1  # content hidden states replaced by the mask vector
+    self_token_mask: bool = True
+    self_weight: float = 1.0
+    null_weight: float = 1.0
+    cycle_weight: float = 1.0
+    adv_weight: float = 0.2
+    cycle_from_step: int = 500
+    adv_from_step: int = 500
+    cycle_tokens: int = 8
+    cycle_batch_size: int = 8
+    disc_every: int = 5
+    learning_rate: float = 5e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    dropout: float = 0.1
+    eval_every: int = 200
+    eval_windows: int = 128
+    seed: int = 1234
+    device: str | None = None
+    precision: str = "auto"  # auto | fp32 | bf16
+    save_dtype: str = "float16"
+    threads: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.content_max_tokens is None:
+            self.content_max_tokens = self.continuation_tokens
+        positive = ("steps", "batch_size", "history_tokens", "continuation_tokens", "content_max_tokens",
+                    "short_content_max_tokens", "cycle_tokens", "cycle_batch_size", "disc_every", "eval_every",
+                    "eval_windows")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if self.continuation_tokens < 2:
+            raise ValueError(f"`continuation_tokens` must be at least 2, got {self.continuation_tokens}")
+        if self.content_max_tokens > self.continuation_tokens:
+            raise ValueError(f"`content_max_tokens` ({self.content_max_tokens}) must not exceed "
+                             f"`continuation_tokens` ({self.continuation_tokens})")
+        self.short_content_max_tokens = min(self.short_content_max_tokens, self.content_max_tokens)
+        for name in ("short_content_share", "turn_start_share", "no_history_share", "content_mask_prob", "heldout"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"`{name}` must be between 0 and 1, got {value}")
+        for name in ("self_weight", "null_weight", "cycle_weight", "adv_weight", "weight_decay", "span_rarity"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative number, got {value}")
+        for name in ("cycle_from_step", "adv_from_step", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"`learning_rate` must be positive, got {self.learning_rate}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"`precision` must be one of auto, fp32, bf16, got {self.precision!r}")
+        if self.save_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"`save_dtype` must be one of float16, bfloat16, float32, got {self.save_dtype!r}")
+        if self.split_layer is not None and (not isinstance(self.split_layer, int) or self.split_layer < 1):
+            raise ValueError(f"`split_layer` must be a positive integer, got {self.split_layer!r}")
+
+
+@dataclass
+class CoconTrainResult:
+    steps: int
+    seconds: float
+    parameters: int
+    heldout: dict[str, float]
+    block_dir: str
+
+
+def default_split_layer(n_layer: int) -> int:
+    """About a third of the depth (the paper: after block 7 of GPT-2 medium's 24)."""
+    return max(1, min(n_layer - 1, n_layer // 3))
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+class WindowSampler:
+    """Random windows of a token stream: (B, history + continuation) token ids."""
+
+    def __init__(self, stream: torch.Tensor, eos: int, history: int, continuation: int,
+                 turn_start_share: float) -> None:
+        self.stream = stream
+        self.history = history
+        self.length = history + continuation
+        if stream.numel() < self.length + 1:
+            raise ChatcoreError(f"the corpus has {stream.numel()} tokens, too few for one window of {self.length}")
+        # Turn starts (the token after an EOS) that leave room for a whole window.
+        starts = (stream == eos).nonzero().flatten() + 1
+        self.turn_starts = starts[(starts >= history) & (starts + continuation <= stream.numel())]
+        self.turn_start_share = turn_start_share if self.turn_starts.numel() else 0.0
+
+    def sample(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        at_turn = torch.rand(batch, generator=generator) < self.turn_start_share
+        anywhere = torch.randint(self.history, self.stream.numel() - self.length + self.history + 1, (batch,),
+                                 generator=generator)
+        if self.turn_starts.numel():
+            picks = self.turn_starts[torch.randint(0, self.turn_starts.numel(), (batch,), generator=generator)]
+            split_points = torch.where(at_turn, picks, anywhere)
+        else:
+            split_points = anywhere
+        offsets = torch.arange(-self.history, self.length - self.history)
+        return self.stream[split_points[:, None] + offsets[None, :]]  # (B, history + continuation)
+
+
+# -- the discriminator -------------------------------------------------------------------
+
+
+class HiddenDiscriminator(nn.Module):
+    """Tells real hidden-state sequences (B, L, C) from the block's: convolutions of
+    widths 1-3 over positions, max-pooled, then one logit per sequence."""
+
+    def __init__(self, n_embd: int, channels: int = 128, widths: tuple[int, ...] = (1, 2, 3), dropout: float = 0.3):
+        super().__init__()
+        self.norm = nn.LayerNorm(n_embd)
+        self.convolutions = nn.ModuleList(nn.Conv1d(n_embd, channels, width) for width in widths)
+        self.dropout = nn.Dropout(dropout)
+        self.out = nn.Linear(channels * len(widths), 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.norm(hidden).transpose(1, 2)  # (B, C, L)
+        pooled = [F.leaky_relu(conv(x).amax(dim=-1), 0.01) for conv in self.convolutions]  # each (B, channels)
+        return self.out(self.dropout(torch.cat(pooled, dim=-1))).squeeze(-1)  # (B,)
+
+
+# -- losses ------------------------------------------------------------------------------
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def self_token_bias(queries: int, content_start: int, content_length: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """(1, Tq, S) bias hiding, from the query that predicts continuation token q, the content
+    position that holds token q (content = continuation[content_start : content_start + S])."""
+    q = torch.arange(queries, device=device)[:, None]
+    j = torch.arange(content_length, device=device)[None, :]
+    bias = torch.zeros(queries, content_length, dtype=dtype, device=device)
+    bias.masked_fill_(j + content_start == q, torch.finfo(dtype).min)
+    return bias.unsqueeze(0)
+
+
+@dataclass
+class BatchLosses:
+    losses: dict[str, torch.Tensor]
+    fake: torch.Tensor | None = None  # (B, L, C) the block's outputs while generating
+    real: torch.Tensor | None = None  # (B, L', C) LM-alpha's hidden states of real continuations
+
+
+class CoconLosses:
+    """The reconstruction losses on one batch of windows (the discriminator's part is
+    scored by the loop, which owns the discriminator)."""
+
+    def __init__(self, pipeline: CoconPipeline, config: CoconTrainConfig,
+                 token_counts: torch.Tensor | None = None) -> None:
+        """token_counts: (V,) how often each token occurs in the training text; short
+        content spans then favour rare tokens (see ``content_span``)."""
+        self.pipeline = pipeline
+        self.split = pipeline.split
+        self.block = pipeline.block
+        self.config = config
+        self.content_max_tokens = int(config.content_max_tokens or config.continuation_tokens)
+        self.token_weights = None
+        if token_counts is not None and config.span_rarity > 0:
+            self.token_weights = token_counts.double().clamp(min=1.0) ** -config.span_rarity  # (V,)
+
+    def content_span(self, continuation: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+        """(start (B,), length) of each row's content within its continuation (B, tis).
+
+        The whole continuation (the paper's content), or in ``short_content_share`` of the
+        batches a span of 1 to ``short_content_max_tokens`` tokens. A short span starts
+        at a rare token more often than at a frequent one: a content word ("guitar"),
+        the kind of content people give, rather than "the" or ",", which the model
+        predicts well without any content.
+        """
+        config = self.config
+        B, tis = continuation.shape
+        if float(torch.rand((), generator=generator)) >= config.short_content_share:
+            length = self.content_max_tokens
+            starts = torch.full((B,), int(torch.randint(0, tis - length + 1, (), generator=generator)))
+            return starts, length
+        length = int(torch.randint(1, config.short_content_max_tokens + 1, (), generator=generator))
+        candidates = continuation[:, : tis - length + 1].cpu()  # (B, tis - length + 1)
+        if self.token_weights is None:
+            weights = torch.ones(candidates.shape, dtype=torch.double)
+        else:
+            weights = self.token_weights[candidates]
+        return torch.multinomial(weights, 1, generator=generator).squeeze(1), length
+
+    def content_kv(self, content_hidden: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        hide = None
+        if self.block.training and self.config.content_mask_prob > 0:
+            probabilities = torch.full(content_hidden.shape[:2], self.config.content_mask_prob)
+            hide = torch.bernoulli(probabilities, generator=generator).bool().to(content_hidden.device)
+        return self.block.content_keys_values(content_hidden, hide)
+
+    def __call__(self, windows: torch.Tensor, generator: torch.Generator, with_cycle: bool,
+                 with_adv: bool) -> BatchLosses:
+        """windows: (B, history + continuation) token ids."""
+        config, split = self.config, self.split
+        hs = config.history_tokens
+        if float(torch.rand((), generator=generator)) < config.no_history_share:
+            # The start vector stands in for the history: the block reads [start, h_0 ..].
+            windows, hs = windows[:, hs:], 0
+            inputs = targets = windows
+        else:
+            inputs, targets = windows[:, :-1], windows[:, hs:]
+        continuation = windows[:, hs:]  # (B, tis)
+        starts, length = self.content_span(continuation, generator)
+        span = starts.to(continuation.device)[:, None] + torch.arange(length, device=continuation.device)  # (B, S)
+        with torch.no_grad():
+            alpha_hidden = split.hidden_at_split(inputs)  # (B, L, C)
+            content_hidden = split.hidden_at_split(continuation.gather(1, span))  # (B, S, C)
+        keys, values = self.content_kv(content_hidden, generator)
+        bias = None
+        if config.self_token_mask and length == self.content_max_tokens:
+            # Only the whole continuation is self-token masked: a short span (a word, a
+            # phrase, the content people give in chat) would have its one useful token hidden.
+            bias = self_token_bias(continuation.size(1), int(starts[0]), length, keys.dtype, keys.device)
+        result = BatchLosses({})
+        logits, _ = self.pipeline.full_forward(alpha_hidden, hs, keys, values, bias)
+        result.losses["self"] = lm_loss(logits, targets)
+        if config.null_weight > 0:
+            logits, _ = self.pipeline.full_forward(alpha_hidden, hs)
+            result.losses["null"] = lm_loss(logits, targets)
+        if (with_cycle or with_adv) and hs > 0:
+            self.cycle(windows, alpha_hidden, targets, with_cycle, with_adv, result)
+        return result
+
+    def generate_soft(self, history: torch.Tensor, content_keys: torch.Tensor, content_values: torch.Tensor,
+                      tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Continue ``history`` (B, hs) for ``tokens`` steps with the content, feeding back the
+        expected embedding under each step's distribution (differentiable), through the
+        same cached steps as in chat.
+
+        Returns (soft token embeddings (B, tokens, C), the block's outputs (B, tokens, C))."""
+        from chatcore.cocon.pipeline import ContentMemory
+
+        B, hs = history.shape
+        device = history.device
+        content = ContentMemory(content_keys, content_values,
+                                torch.zeros(1, 1, content_keys.size(2), dtype=content_keys.dtype, device=device),
+                                (content_keys.size(2),))
+        key_valid = torch.ones(B, hs + tokens, dtype=torch.long, device=device)
+        positions = torch.arange(hs, device=device).expand(B, hs)
+        output = self.pipeline.forward(key_valid[:, :hs], positions, hs, content, input_ids=history)
+        assert output.steered is not None
+        embeddings, steered = [], [output.steered[:, -1:]]
+        wte = self.split.transformer.wte.weight  # (V, C)
+        for t in range(tokens):
+            embedding = (torch.softmax(output.logits, dim=-1).to(wte.dtype) @ wte).unsqueeze(1)  # (B, 1, C)
+            embeddings.append(embedding)
+            if t == tokens - 1:
+                break
+            position = torch.full((B, 1), hs + t, device=device)
+            output = self.pipeline.forward(key_valid[:, : hs + t + 1], position, hs, content,
+                                           inputs_embeds=embedding, cache=output.cache)
+            steered.append(output.steered)
+        return torch.cat(embeddings, dim=1), torch.cat(steered, dim=1)
+
+    def cycle(self, windows: torch.Tensor, alpha_hidden: torch.Tensor, targets: torch.Tensor,
+              with_cycle: bool, with_adv: bool, result: BatchLosses) -> None:
+        """Sample i's content after sample i-1's history -> a soft generation y; then y as
+        the content must reconstruct sample i's continuation after its own history."""
+        config, split, block = self.config, self.split, self.block
+        hs = config.history_tokens
+        rows = min(config.cycle_batch_size, windows.size(0))
+        windows, alpha_hidden, targets = windows[:rows], alpha_hidden[:rows], targets[:rows]
+        with torch.no_grad():
+            content_hidden = split.hidden_at_split(windows[:, hs : hs + self.content_max_tokens])
+        keys, values = block.content_keys_values(content_hidden)
+        other_history = windows.roll(1, dims=0)[:, :hs]
+        embeddings, steered = self.generate_soft(other_history, keys, values, config.cycle_tokens)
+        if with_cycle:
+            length = embeddings.size(1)
+            positions = torch.arange(length, device=embeddings.device).expand(rows, -1)
+            mask = split.causal_mask(torch.ones(rows, length, device=embeddings.device), length)
+            generated_hidden = split.alpha(split.embed(positions, inputs_embeds=embeddings), mask)  # (rows, L, C)
+            cycle_keys, cycle_values = block.content_keys_values(generated_hidden)
+            logits, _ = self.pipeline.full_forward(alpha_hidden, hs, cycle_keys, cycle_values)
+            result.losses["cycle"] = lm_loss(logits, targets)
+        if with_adv:
+            result.fake = steered
+            result.real = alpha_hidden[:, hs:]
+
+
+# -- the loop ----------------------------------------------------------------------------
+
+
+def _lr_at(step: int, config: CoconTrainConfig) -> float:
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+    floor = config.learning_rate * config.min_lr_ratio
+    return floor + 0.5 * (config.learning_rate - floor) * (1 + math.cos(math.pi * progress))
+
+
+def heldout_losses(pipeline: CoconPipeline, windows: torch.Tensor, config: CoconTrainConfig,
+                   autocast: Any, token_counts: torch.Tensor | None = None) -> dict[str, float]:
+    """Per-token losses on fixed held-out windows: the plain model ("plain"), the block
+    with no content ("null"), the whole continuation as content, self-token masked, so
+    the number reflects use of the content rather than copying ("self"), and one token
+    of the continuation as the content, as a one-word content in chat ("word": the
+    continuation's rarest token by ``token_counts``, else a random one)."""
+    split, block = pipeline.split, pipeline.block
+    hs = config.history_tokens
+    content_max = int(config.content_max_tokens or config.continuation_tokens)
+    was_training = block.training
+    block.eval()
+    sums = {"plain": 0.0, "null": 0.0, "self": 0.0, "word": 0.0}
+    count = 0
+    picks = torch.Generator().manual_seed(config.seed + 2)
+    counts = token_counts.to(split.device) if token_counts is not None else None
+    with torch.no_grad(), autocast():
+        for first in range(0, windows.size(0), config.batch_size):
+            batch = windows[first : first + config.batch_size].to(split.device)
+            inputs, targets = batch[:, :-1], batch[:, hs:]
+            B, L = inputs.shape
+            alpha_hidden = split.hidden_at_split(inputs)  # (B, L, C)
+            plain = split.head(split.beta(alpha_hidden, split.causal_mask(torch.ones(B, L, device=split.device), L)))
+            continuation = batch[:, hs : hs + content_max]
+            keys, values = block.content_keys_values(split.hidden_at_split(continuation))
+            bias = self_token_bias(targets.size(1), 0, continuation.size(1), keys.dtype, keys.device)
+            if counts is None:
+                word_at = torch.randint(0, targets.size(1), (B, 1), generator=picks).to(split.device)
+            else:
+                word_at = counts[targets].argmin(dim=1, keepdim=True)  # (B, 1)
+            word_keys, word_values = block.content_keys_values(split.hidden_at_split(targets.gather(1, word_at)))
+            n = targets.numel()
+            sums["plain"] += lm_loss(plain[:, hs - 1 :], targets).item() * n
+            sums["null"] += lm_loss(pipeline.full_forward(alpha_hidden, hs)[0], targets).item() * n
+            sums["self"] += lm_loss(pipeline.full_forward(alpha_hidden, hs, keys, values, bias)[0], targets).item() * n
+            sums["word"] += lm_loss(pipeline.full_forward(alpha_hidden, hs, word_keys, word_values)[0], targets).item() * n
+            count += n
+    block.train(was_training)
+    return {name: value / max(1, count) for name, value in sums.items()}
+
+
+def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool = True) -> CoconTrainResult:
+    """Train a CoCon block for ``config.model``; writes OUT/checkpoint.pt and OUT/block/."""
+    from tqdm.auto import tqdm
+
+    from chatcore.cocon.store import model_fingerprint, save_block
+    from chatcore.models import load_model, pick_device
+    from chatcore.training.corpus import load_corpus, split_heldout
+    from chatcore.training.data import encode_dialogues
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = pick_device(config.device)
+    precision = config.precision
+    if precision == "auto":
+        precision = "bf16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "bf16":
+        autocast = lambda: torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)  # noqa: E731
+    else:
+        autocast = contextlib.nullcontext
+
+    out_dir = Path(config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = out_dir / CHECKPOINT_FILE
+    torch.manual_seed(config.seed)
+
+    loaded = load_model(config.model, device=device, dtype="float32")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    model.eval()
+    model.requires_grad_(False)
+    split_layer = config.split_layer or default_split_layer(model.config.n_layer)
+    split = SplitModel(model, split_layer)
+    block_config = CoconConfig(n_embd=split.n_embd, n_head=int(model.config.n_head), split_layer=split_layer,
+                               layer_norm_epsilon=float(model.config.layer_norm_epsilon), dropout=config.dropout)
+    block = CoconBlock(block_config).to(device)
+    block.train()
+    pipeline = CoconPipeline(split, block)
+    discriminator = HiddenDiscriminator(split.n_embd).to(device)
+    window_length = config.history_tokens + config.continuation_tokens
+    if window_length > loaded.max_positions:
+        raise ChatcoreError(f"windows of {window_length} tokens exceed the model's {loaded.max_positions} positions")
+
+    train_set, heldout_set = split_heldout(load_corpus(config.corpus), config.heldout)
+    if not train_set:
+        raise ChatcoreError("the training split is empty: lower the held-out fraction or add dialogues")
+    eos = loaded.eos_token_id
+    train_stream = encode_dialogues(train_set, tokenizer)
+    heldout_stream = encode_dialogues(heldout_set, tokenizer) if heldout_set else train_stream
+    sampler = WindowSampler(train_stream, eos, config.history_tokens, config.continuation_tokens,
+                            config.turn_start_share)
+    heldout_sampler = WindowSampler(heldout_stream, eos, config.history_tokens, config.continuation_tokens,
+                                    config.turn_start_share)
+    heldout_windows = heldout_sampler.sample(config.eval_windows, torch.Generator().manual_seed(config.seed + 1))
+
+    decay = [p for p in block.parameters() if p.dim() >= 2]
+    no_decay = [p for p in block.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.learning_rate, betas=(0.9, 0.98))
+    disc_optimizer = torch.optim.AdamW(discriminator.parameters(), lr=config.learning_rate, betas=(0.5, 0.98))
+    generator = torch.Generator().manual_seed(config.seed)
+    step, elapsed = 0, 0.0
+    history: list[dict[str, float]] = []
+    if resume:
+        if not checkpoint_path.exists():
+            raise ChatcoreError(f"--resume: no checkpoint at {checkpoint_path}")
+        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        if state["block_config"] != block_config.to_dict():
+            raise ChatcoreError(f"--resume: the checkpoint's block ({state['block_config']}) does not match this run")
+        block.load_state_dict(state["block"])
+        discriminator.load_state_dict(state["discriminator"])
+        optimizer.load_state_dict(state["optimizer"])
+        disc_optimizer.load_state_dict(state["disc_optimizer"])
+        step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+
+    base_model = {"name": config.model, "fingerprint": model_fingerprint(model, tokenizer)}
+    token_counts = torch.bincount(train_stream, minlength=int(model.get_input_embeddings().weight.shape[0]))
+    losses_fn = CoconLosses(pipeline, config, token_counts)
+
+    def save(heldout: dict[str, float]) -> None:
+        torch.save({"block": block.state_dict(), "discriminator": discriminator.state_dict(),
+                    "optimizer": optimizer.state_dict(), "disc_optimizer": disc_optimizer.state_dict(),
+                    "step": step, "elapsed": elapsed, "history": history, "generator": generator.get_state(),
+                    "torch_rng": torch.get_rng_state(), "block_config": block_config.to_dict(),
+                    "config": asdict(config)}, checkpoint_path)
+        training = {"corpus": config.corpus, "steps": step, "seconds": round(elapsed, 1),
+                    "heldout_loss": {k: round(v, 4) for k, v in heldout.items()},
+                    "settings": {k: v for k, v in asdict(config).items() if k not in ("out_dir", "extra", "device")}}
+        save_block(block, out_dir / BLOCK_DIR, base_model, training, dtype=config.save_dtype)
+
+    bar = tqdm(total=config.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+    started = time.perf_counter() - elapsed
+    heldout: dict[str, float] = history[-1] if history else {}
+    running: dict[str, float] = {}
+    while step < config.steps:
+        with_cycle = config.cycle_weight > 0 and step >= config.cycle_from_step
+        with_adv = config.adv_weight > 0 and step >= config.adv_from_step
+        for group in optimizer.param_groups + disc_optimizer.param_groups:
+            group["lr"] = _lr_at(step, config)
+        windows = sampler.sample(config.batch_size, generator).to(device)
+        with autocast():
+            batch = losses_fn(windows, generator, with_cycle, with_adv)
+            losses, fake = batch.losses, batch.fake
+            if fake is not None:
+                # Non-saturating generator loss: the block's outputs should look real.
+                losses["adv"] = F.binary_cross_entropy_with_logits(
+                    discriminator(fake).float(), torch.ones(fake.size(0), device=device))
+        weights = {"self": config.self_weight, "null": config.null_weight, "cycle": config.cycle_weight,
+                   "adv": config.adv_weight}
+        total = sum(weights[name] * value for name, value in losses.items())
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(block.parameters(), config.grad_clip)
+        optimizer.step()
+        discriminator.zero_grad(set_to_none=True)  # the generator loss above left gradients there
+
+        if fake is not None and step % config.disc_every == 0:
+            with autocast():
+                assert batch.real is not None
+                real_logits = discriminator(batch.real.detach()).float()
+                fake_logits = discriminator(fake.detach()).float()
+                disc_loss = (F.binary_cross_entropy_with_logits(real_logits, torch.ones_like(real_logits))
+                             + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits)))
+            disc_optimizer.zero_grad(set_to_none=True)
+            disc_loss.backward()
+            disc_optimizer.step()
+            losses["disc"] = disc_loss
+
+        step += 1
+        for name, value in losses.items():
+            current = float(value.detach())
+            running[name] = 0.9 * running.get(name, current) + 0.1 * current
+        bar.set_postfix({name: f"{value:.3f}" for name, value in running.items()})
+        bar.update(1)
+        if step % config.eval_every == 0 or step == config.steps:
+            elapsed = time.perf_counter() - started
+            heldout = heldout_losses(pipeline, heldout_windows, config, autocast, token_counts)
+            history.append({"step": step, **heldout})
+            bar.write(f"step {step}/{config.steps}  held-out loss: plain {heldout['plain']:.4f}  "
+                      f"no content {heldout['null']:.4f}  self-reconstruction {heldout['self']:.4f}  "
+                      f"one-token content {heldout['word']:.4f}")
+            save(heldout)
+    bar.close()
+    elapsed = time.perf_counter() - started
+    result = CoconTrainResult(steps=step, seconds=elapsed, parameters=sum(p.numel() for p in block.parameters()),
+                              heldout={k: v for k, v in heldout.items() if k != "step"},
+                              block_dir=str(out_dir / BLOCK_DIR))
+    (out_dir / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
+    return result

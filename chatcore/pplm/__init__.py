@@ -1,0 +1,14 @@
+"""PPLM: steering a frozen model by gradient steps on its past keys and values.
+
+Plug and Play Language Models (Dathathri et al., ICLR 2020), for chat as in Madotto et
+al. (2020), rebuilt on transformers' caches so that each new token costs a fixed number
+of one-token forward (and backward) passes, whatever the history's length.
+
+- :mod:`chatcore.pplm.attribute`  what to steer towards: a bag of words or a
+  discriminator head (the attribute model contract, saving and loading heads);
+- :mod:`chatcore.pplm.perturb`    the perturbation of the past, one decoding step at a time;
+- :mod:`chatcore.pplm.kv`         key/value caches as plain tensors and back;
+- :mod:`chatcore.pplm.train_discriminator`  training a head on a frozen model.
+
+The steerer itself is the ``pplm`` plugin (``chatcore.plugins.pplm``); see docs/pplm.md.
+"""

@@ -1,0 +1,69 @@
+"""The numbers that shape a PPLM perturbation (validated; no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PerturbConfig:
+    """PPLM's knobs (Dathathri et al., 2020), named as in the paper's code.
+
+    stepsize:        size of each normalised gradient step on the past (0 = no steering).
+    num_iterations:  gradient steps per token.
+    window_length:   perturb only the most recent this-many positions of the past (0 = all).
+    decay:           within the window, scale updates from 1/window (oldest) up to 1 (newest).
+    gamma:           gradient normalisation exponent: step = stepsize * g / |g| ** gamma.
+    kl_scale:        weight of KL(perturbed || unperturbed) next-token distributions.
+    gm_scale:        fusion: log p = gm * log p_perturbed + (1 - gm) * log p_unperturbed.
+    grad_length:     optimise only the first this-many reply tokens (the steered past
+                     still shapes later ones).
+    horizon_length:  discriminator only: soft future tokens fed through the model so the
+                     head sees where the text is going.
+    steer_every:     optimise only every k-th token (latency knob; 1 = every token).
+    carry:           keep each token's perturbation in a perturbed past that the next
+                     token starts from (the paper's behaviour); false: perturb the plain
+                     past afresh at every token (steering stays local to each token).
+    """
+
+    stepsize: float = 0.02
+    num_iterations: int = 3
+    window_length: int = 0
+    decay: bool = False
+    gamma: float = 1.5
+    kl_scale: float = 0.01
+    gm_scale: float = 0.9
+    grad_length: int = 10000
+    horizon_length: int = 1
+    steer_every: int = 1
+    carry: bool = True
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int, high: int) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"`{name}` must be an integer between {low} and {high}, got {value!r}")
+
+        def number(name: str, low: float, high: float) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+                raise ValueError(f"`{name}` must be a number between {low} and {high}, got {value!r}")
+
+        number("stepsize", 0.0, 10.0)
+        integer("num_iterations", 0, 100)
+        integer("window_length", 0, 1_000_000)
+        if not isinstance(self.decay, bool):
+            raise ValueError(f"`decay` must be true or false, got {self.decay!r}")
+        number("gamma", 0.0, 10.0)
+        number("kl_scale", 0.0, 1000.0)
+        number("gm_scale", 0.0, 1.0)
+        integer("grad_length", 0, 1_000_000)
+        integer("horizon_length", 0, 16)
+        integer("steer_every", 1, 1_000_000)
+        if not isinstance(self.carry, bool):
+            raise ValueError(f"`carry` must be true or false, got {self.carry!r}")
+
+    def optimises(self, step: int) -> bool:
+        """Whether the perturbation is optimised at decoding step ``step`` (0 = first reply token)."""
+        return (self.num_iterations > 0 and self.stepsize > 0 and step < self.grad_length
+                and step % self.steer_every == 0)

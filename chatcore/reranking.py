@@ -1,0 +1,182 @@
+"""Scoring candidate replies for reranking: forward and reverse (MMI) log-probabilities.
+
+The reverse model is a causal LM trained on dialogues with their turns in reverse
+order (``chatcore train model --reverse``), so after ``reply EOS`` it predicts the turn
+that came before the reply. Its log-probability of the source given a candidate,
+log P(source | candidate), is the MMI score of the DialoGPT paper: it rewards replies
+that are specific to what was said and penalises replies that fit anything.
+
+Everything here is batched: one forward pass scores every candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from chatcore.errors import ModelLoadError
+from chatcore.models import DEFAULT_REVERSE_MODEL, LoadedModel, load_model
+from chatcore.text import encode_text
+
+
+@dataclass
+class ContinuationScore:
+    """Log-probability of a target given a prefix: the sum over target tokens and their count."""
+
+    total: float
+    tokens: int
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.tokens if self.tokens else 0.0
+
+
+def score_continuations(
+    loaded: LoadedModel, rows: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> list[ContinuationScore]:
+    """log P(target | prefix) for each ``(prefix_ids, target_ids)`` row, in one forward pass.
+
+    Rows are right-padded: under a causal mask the padding after a row's last token
+    cannot change that row's scores, and positions stay 0, 1, 2, ... as in training.
+    A prefix must have at least one token; an empty target scores 0 over 0 tokens.
+    """
+    import torch
+
+    if not rows:
+        return []
+    for prefix, target in rows:
+        if not prefix:
+            raise ValueError("each scored row needs a non-empty prefix")
+    # The last target token is predicted, never fed in.
+    inputs = [list(prefix) + list(target[:-1]) for prefix, target in rows]
+    width = max(len(ids) for ids in inputs)
+    if width > loaded.max_positions:
+        raise ValueError(f"a scored row has {width} tokens; model {loaded.name!r} takes {loaded.max_positions}")
+    batch = len(rows)
+    pad = loaded.eos_token_id
+    input_ids = torch.full((batch, width), pad, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    targets = torch.full((batch, width), -1, dtype=torch.long)  # -1: not scored
+    for row, ((prefix, target), ids) in enumerate(zip(rows, inputs)):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention[row, : len(ids)] = 1
+        if target:
+            # The logits at position i predict token i + 1: targets start at the prefix's last position.
+            start = len(prefix) - 1
+            targets[row, start : start + len(target)] = torch.tensor(list(target), dtype=torch.long)
+    # Only positions that predict a target need the output layer: the prompt's do not.
+    first = min(len(prefix) - 1 for prefix, _ in rows)
+    keep = width - first
+    targets = targets[:, first:]
+    device = loaded.device
+    input_ids, attention, targets = input_ids.to(device), attention.to(device), targets.to(device)
+    with torch.inference_mode():
+        output = loaded.model(input_ids=input_ids, attention_mask=attention, use_cache=False, logits_to_keep=keep)
+        log_probs = torch.log_softmax(output.logits[:, -keep:].float(), dim=-1)  # (B, keep, V)
+        scored = targets >= 0  # (B, keep)
+        picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, keep)
+        totals = torch.where(scored, picked, torch.zeros_like(picked)).sum(-1)  # (B,)
+        counts = scored.sum(-1)
+    return [ContinuationScore(float(t), int(c)) for t, c in zip(totals.tolist(), counts.tolist())]
+
+
+def forward_scores(loaded: LoadedModel, prompt_ids: Sequence[int], candidates: Sequence[Sequence[int]]) -> list[ContinuationScore]:
+    """log P(candidate EOS | prompt) under the plain forward model (no steering, no sampling filters)."""
+    eos = loaded.eos_token_id
+    return score_continuations(loaded, [(prompt_ids, list(c) + [eos]) for c in candidates])
+
+
+def reverse_rows(
+    candidates: Sequence[Sequence[int]], source_turns: Sequence[Sequence[int]], eos: int, max_positions: int
+) -> list[tuple[list[int], list[int]]]:
+    """Reverse-model rows ``(EOS candidate EOS, source)`` for every candidate.
+
+    ``source_turns`` are the turns the reply answers, newest first (the order the
+    reverse model was trained on), and the source is each followed by EOS. The
+    leading EOS marks the start of a turn, as it does everywhere in the training
+    stream (GPT-2 also uses EOS as its start token). Every candidate scores the same
+    source tokens, cut from the oldest end if the longest candidate leaves no room.
+    """
+    source: list[int] = []
+    for turn in source_turns:
+        source.extend(turn)
+        source.append(eos)
+    longest = max((len(c) for c in candidates), default=0)
+    room = max_positions + 1 - (longest + 2)  # the last source token is never fed in
+    if room < 1:
+        raise ValueError(f"a candidate of {longest} tokens leaves no room for the source in {max_positions} positions")
+    source = source[:room]
+    return [([eos, *candidate, eos], source) for candidate in candidates]
+
+
+def reverse_scores(
+    reverse: LoadedModel, candidates: Sequence[Sequence[int]], source_turns: Sequence[Sequence[int]]
+) -> list[ContinuationScore]:
+    """log P(source | candidate) under the reverse model, all candidates in one batch.
+
+    Token ids must already be in the reverse model's vocabulary (see :func:`same_tokenizer`).
+    """
+    rows = reverse_rows(candidates, source_turns, reverse.eos_token_id, reverse.max_positions)
+    return score_continuations(reverse, rows)
+
+
+# -- the reverse model and its tokenizer ------------------------------------------------
+
+_reverse_cache: dict[tuple[str, str], LoadedModel] = {}
+_reverse_lock = threading.Lock()
+
+
+def load_reverse_model(name: str = DEFAULT_REVERSE_MODEL, device: str = "cpu") -> LoadedModel:
+    """Load a reverse model once per (name, device) and keep it for later replies."""
+    key = (name, device)
+    with _reverse_lock:
+        if key not in _reverse_cache:
+            try:
+                _reverse_cache[key] = load_model(name, device=device)
+            except ModelLoadError as error:
+                raise ModelLoadError(f"the MMI reverse model could not be loaded: {error}") from error
+        return _reverse_cache[key]
+
+
+def _tokenizer_signature(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        # Padding and truncation are runtime settings, not part of how text becomes ids.
+        spec.pop("padding", None)
+        spec.pop("truncation", None)
+        return json.dumps(spec, sort_keys=True)
+    return json.dumps(sorted(tokenizer.get_vocab().items()))
+
+
+def same_tokenizer(first: Any, second: Any) -> bool:
+    """Whether two tokenizers turn text into the same ids (by content, not by name)."""
+    if first is second:
+        return True
+    if first.eos_token_id != second.eos_token_id:
+        return False
+    return _tokenizer_signature(first) == _tokenizer_signature(second)
+
+
+def retokenize(source: Any, target: Any, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Token ids under ``source``'s tokenizer re-encoded by text for ``target``'s."""
+    return [encode_text(target, source.decode(list(ids))) if ids else [] for ids in sequences]
+
+
+def split_turns(prompt_ids: Sequence[int], eos: int) -> list[list[int]]:
+    """The turns of a DialoGPT prompt (each followed by EOS), oldest first."""
+    turns: list[list[int]] = []
+    current: list[int] = []
+    for token in prompt_ids:
+        if token == eos:
+            turns.append(current)
+            current = []
+        else:
+            current.append(int(token))
+    if current:  # a prompt that does not end with EOS: its tail is still a turn
+        turns.append(current)
+    return turns
+

@@ -1,0 +1,224 @@
+"""The ``cocon`` steerer: content-conditioned replies through a trained CoCon block.
+
+The steerer replaces the model's forward pass: each step runs LM-alpha, the CoCon
+block (attending over the content's hidden states) and LM-beta, each with its own
+cache (see chatcore.cocon). Because it *is* the model step, it must come first in the
+steerer order (innermost): every steerer after it wraps its step as it would wrap
+the model's, so logit steerers (bow-bias) and decoders compose with it unchanged.
+``prepare`` refuses any other position with a clear error.
+
+Also adds ``chatcore train cocon`` to the ``train`` command group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import click
+
+import chatcore
+from chatcore.errors import ChatcoreError, OptionError
+from chatcore.steering import Steerer
+from chatcore.step import Step, StepOutput, StepState
+from chatcore.text import encode_text
+
+if TYPE_CHECKING:
+    from chatcore.cocon.pipeline import CoconPipeline, ContentMemory
+    from chatcore.decoding import GenerationSession
+
+TAU_LIMIT = 50.0
+
+
+class SteererOrderError(ChatcoreError):
+    """``cocon`` was not given first among the steerers."""
+
+
+@dataclass
+class CoconSettings:
+    """The ``cocon`` steerer's settings.
+
+    content:       one or more content texts (comma list). Empty: the block without
+                   content, which stays close to the plain model.
+    tau:           the content bias: one value for every content, or one per content.
+    block:         a bundled block name or a block folder; default: the bundled block
+                   trained for the loaded model.
+    leading_space: encode each content as it reads inside a sentence (" pizza"), the
+                   form a reply would contain it in.
+    """
+
+    content: tuple[str, ...] = ()
+    tau: tuple[float, ...] = (0.0,)
+    block: str | None = None
+    leading_space: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.content, str):
+            self.content = (self.content,)
+        if isinstance(self.tau, (int, float)):
+            self.tau = (float(self.tau),)
+        self.content = tuple(text.strip() for text in self.content if text.strip())
+        if not self.tau:
+            raise ValueError("`tau` must give at least one value, got none")
+        for value in self.tau:
+            if not math.isfinite(value) or abs(value) > TAU_LIMIT:
+                raise ValueError(f"`tau` values must be between -{TAU_LIMIT:g} and {TAU_LIMIT:g}, got {value}")
+        if len(self.tau) != 1 and len(self.tau) != len(self.content):
+            raise ValueError(f"`tau` must give one value or one per content ({len(self.content)}), "
+                             f"got {len(self.tau)}")
+        if self.block is not None and not self.block.strip():
+            raise ValueError(f"`block` must name a block, got {self.block!r}")
+
+    def taus(self) -> list[float]:
+        return list(self.tau) * len(self.content) if len(self.tau) == 1 else list(self.tau)
+
+
+class CoconSteerer(Steerer):
+    name = "cocon"
+    description = ("steers replies towards content texts with a trained CoCon block (`content`, `tau`); "
+                   "replaces the model step, so it must come first among the steerers")
+    Settings = CoconSettings
+
+    def __init__(self, settings: CoconSettings | None = None) -> None:
+        super().__init__(settings)
+        self.pipeline: "CoconPipeline | None" = None
+        self.content: "ContentMemory | None" = None
+
+    def prepare(self, session: "GenerationSession") -> None:
+        import torch
+
+        from chatcore.cocon.model_split import SplitModel
+        from chatcore.cocon.pipeline import CoconPipeline
+        from chatcore.cocon.store import check_compatible, load_block, model_fingerprint, resolve_block
+
+        steerers = list(session.steerers)
+        if not steerers or steerers[0] is not self:
+            order = ", ".join(s.name for s in steerers) or "none"
+            raise SteererOrderError(
+                f"steerer 'cocon' must come first in the steerer order, since it replaces the model's forward "
+                f"pass and the others wrap it (got: {order})"
+            )
+        loaded = session.model
+        fingerprint = model_fingerprint(loaded.model, loaded.tokenizer)
+        folder = resolve_block(self.settings.block, fingerprint, loaded.name)
+        block, info = load_block(folder, device=loaded.device, dtype=loaded.dtype)
+        check_compatible(info, fingerprint, self.settings.block or folder.name, loaded.name)
+        self.pipeline = CoconPipeline(SplitModel(loaded.model, block.config.split_layer), block)
+        texts = [(" " + text) if self.settings.leading_space else text for text in self.settings.content]
+        contents = [encode_text(loaded.tokenizer, text) for text in texts]
+        with torch.inference_mode():
+            self.content = self.pipeline.encode_content(contents, self.settings.taus())
+        session.details["cocon"] = {"block": str(folder), "split_layer": block.config.split_layer,
+                                    "content_tokens": [len(ids) for ids in contents]}
+
+    def wrap(self, step: Step) -> Step:
+        # ``step`` is the model's own step (prepare() made sure cocon is innermost); the
+        # CoCon pipeline runs the same model, split in two, in its place.
+        from chatcore.cocon.pipeline import CoconCache
+
+        pipeline, content = self.pipeline, self.content
+        if pipeline is None:
+            raise ChatcoreError("steerer 'cocon': prepare() was not called before wrap()")
+
+        def cocon_step(state: StepState) -> StepOutput:
+            if state.cache is not None and not isinstance(state.cache, CoconCache):
+                raise SteererOrderError("steerer 'cocon' received a cache it did not make: it must come first "
+                                        "in the steerer order")
+            output = pipeline.forward(
+                key_valid=state.attention_mask,
+                position_ids=state.position_ids,
+                prompt_length=state.prompt_length,
+                content=content,
+                input_ids=state.input_ids,
+                cache=state.cache,
+                output_hidden_states=state.output_hidden_states,
+            )
+            return StepOutput(logits=output.logits, cache=output.cache, hidden_states=output.hidden_states)
+
+        return cocon_step
+
+
+@chatcore.hookimpl(trylast=True)
+def register_steerers(register: Callable[[type], None]) -> None:
+    register(CoconSteerer)
+
+
+# -- chatcore train cocon ---------------------------------------------------------------------
+
+
+@click.command("cocon")
+@click.option("-m", "--model", default="chatcore-tiny", show_default=True,
+              help="The frozen base model (bundled name, folder or hub id; GPT-2 architecture).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Run folder: checkpoint.pt, and block/ (the block to load with block=OUT/block).")
+@click.option("--corpus", default="chitchat", show_default=True, help='"chitchat" or a JSONL file of dialogues.')
+@click.option("--heldout", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
+@click.option("--split-layer", type=click.IntRange(1, 1000), default=None,
+              help="LM-alpha is blocks [0, split). Default: a third of the depth.")
+@click.option("--steps", type=click.IntRange(1, 10**9), default=2000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 65536), default=16, show_default=True)
+@click.option("--history-tokens", type=click.IntRange(1, 8192), default=32, show_default=True)
+@click.option("--continuation-tokens", type=click.IntRange(2, 8192), default=24, show_default=True)
+@click.option("--content-max-tokens", type=click.IntRange(1, 8192), default=None,
+              help="Longest content (default: the whole continuation).")
+@click.option("--self-weight", type=click.FloatRange(0), default=1.0, show_default=True,
+              help="Weight of the self-reconstruction loss.")
+@click.option("--null-weight", type=click.FloatRange(0), default=1.0, show_default=True,
+              help="Weight of the null-content (plain LM) loss.")
+@click.option("--cycle-weight", type=click.FloatRange(0), default=1.0, show_default=True,
+              help="Weight of the cycle-reconstruction loss.")
+@click.option("--adv-weight", type=click.FloatRange(0), default=0.2, show_default=True,
+              help="Weight of the adversarial loss.")
+@click.option("--cycle-from-step", type=click.IntRange(0), default=500, show_default=True)
+@click.option("--adv-from-step", type=click.IntRange(0), default=500, show_default=True)
+@click.option("--cycle-tokens", type=click.IntRange(1, 512), default=8, show_default=True,
+              help="Tokens generated for the cycle and adversarial losses.")
+@click.option("--lr", "learning_rate", type=click.FloatRange(1e-8, 1.0), default=5e-4, show_default=True)
+@click.option("--warmup-steps", type=click.IntRange(0), default=100, show_default=True)
+@click.option("--eval-every", type=click.IntRange(1), default=200, show_default=True,
+              help="Steps between held-out evaluations (each also writes the checkpoint and the block).")
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--device", default=None, help="cpu, cuda ... (default: cuda when present).")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="auto: bf16 autocast on CUDA, fp32 elsewhere.")
+@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, split_layer: int | None, steps: int,
+                  batch_size: int, history_tokens: int, continuation_tokens: int, content_max_tokens: int | None,
+                  self_weight: float, null_weight: float, cycle_weight: float, adv_weight: float,
+                  cycle_from_step: int, adv_from_step: int, cycle_tokens: int, learning_rate: float,
+                  warmup_steps: int, eval_every: int, seed: int, device: str | None, precision: str, resume: bool,
+                  quiet: bool) -> None:
+    """Train a CoCon block for a frozen base model on dialogue text.
+
+    Losses: self-reconstruction and null content from the start; cycle reconstruction
+    and adversarial from --cycle-from-step / --adv-from-step. Load the result with
+    --steer "cocon content=WORD block=OUT/block".
+    """
+    from chatcore.cocon.training import CoconTrainConfig, train_cocon
+
+    try:
+        config = CoconTrainConfig(
+            out_dir=out_dir, model=model, corpus=corpus, heldout=heldout, split_layer=split_layer, steps=steps,
+            batch_size=batch_size, history_tokens=history_tokens, continuation_tokens=continuation_tokens,
+            content_max_tokens=content_max_tokens, self_weight=self_weight,
+            null_weight=null_weight, cycle_weight=cycle_weight, adv_weight=adv_weight,
+            cycle_from_step=cycle_from_step, adv_from_step=adv_from_step, cycle_tokens=cycle_tokens,
+            learning_rate=learning_rate, warmup_steps=warmup_steps, eval_every=eval_every, seed=seed,
+            device=device, precision=precision)
+    except ValueError as error:
+        raise OptionError(str(error)) from None
+    result = train_cocon(config, resume=resume, progress=not quiet)
+    losses = ", ".join(f"{name} {value:.4f}" for name, value in result.heldout.items())
+    click.echo(f"{result.steps} steps in {result.seconds:.0f} s; held-out loss: {losses}; "
+               f"{result.parameters:,} block parameters; block in {result.block_dir}")
+
+
+@chatcore.hookimpl(trylast=True)
+def register_commands(cli: Any) -> None:
+    # The `train` group belongs to chatcore.plugins.train_commands; it is a module-level
+    # object, so adding to it does not depend on the order plugins register in.
+    from chatcore.plugins.train_commands import train as train_group
+
+    train_group.add_command(cocon_command)

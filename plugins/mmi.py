@@ -1,0 +1,227 @@
+"""The ``mmi`` decoder: sample N candidate replies in one batch, rerank them by the reverse model.
+
+Maximum mutual information reranking as in the DialoGPT paper: the reply that makes
+what the user said most predictable, log P(source | reply) under a reverse model,
+wins over the bland replies that fit any context. Candidates come from the top-k
+sampler (steerers apply as in any other decoder) in one batched decoding pass; the
+reverse model scores all of them in one batched forward pass.
+
+Each candidate's forward score, log P(reply EOS | prompt), is summed during that same
+pass from the scores the model and its steerers give (before temperature and top-k),
+so it costs no second forward pass; with no steerer it is the plain model's
+log-probability. A candidate cut off at ``max_new_tokens`` has no EOS term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable, Literal
+
+import chatcore
+from chatcore.decoding import Candidate, Decoder, GenerationSession
+from chatcore.models import DEFAULT_REVERSE_MODEL
+from chatcore.plugins.top_k import TopKDecoder, TopKSettings
+from chatcore.steering import Steerer
+from chatcore.step import Step, StepOutput, StepState
+
+if TYPE_CHECKING:
+    import torch
+
+    from chatcore.reranking import ContinuationScore
+
+
+@dataclass
+class MMISettings(TopKSettings):
+    """Candidate sampling (the top-k settings, with 3-gram blocking on), the reverse model,
+    and the selection rule.
+
+    candidates:            how many replies to sample (one batch).
+    reverse_model:         bundled name, local folder or hub id of the reverse model.
+    source_turns:          how many of the latest turns form the source (1: the user's turn).
+    weight:                score = reverse + weight * forward (0: pure MMI, as in DialoGPT).
+    length_normalize:      use the forward log-probability per token instead of its sum.
+    selection:             argmax of the scores, or a draw from softmax(scores / selection_temperature).
+    """
+
+    # The reverse model rewards repeating the source's words, so much that a candidate
+    # stuck in a loop ("teleportation or teleportation or ...") tends to win; blocking
+    # repeated 3-grams while sampling keeps such candidates out of the pool.
+    no_repeat_ngram_size: int = 3
+    candidates: int = 8
+    reverse_model: str = DEFAULT_REVERSE_MODEL
+    source_turns: int = 1
+    weight: float = 0.0
+    length_normalize: bool = True
+    selection: Literal["argmax", "sample"] = "argmax"
+    selection_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.candidates, int) or self.candidates < 1:
+            raise ValueError(f"`candidates` must be a positive integer, got {self.candidates!r}")
+        if not isinstance(self.reverse_model, str) or not self.reverse_model.strip():
+            raise ValueError(f"`reverse_model` must name a model, got {self.reverse_model!r}")
+        if not isinstance(self.source_turns, int) or self.source_turns < 1:
+            raise ValueError(f"`source_turns` must be a positive integer, got {self.source_turns!r}")
+        if not math.isfinite(self.weight) or self.weight < 0:
+            raise ValueError(f"`weight` must be a non-negative number, got {self.weight}")
+        if self.selection not in ("argmax", "sample"):
+            raise ValueError(f"`selection` must be one of argmax, sample, got {self.selection!r}")
+        if not self.selection_temperature > 0:
+            raise ValueError(f"`selection_temperature` must be a positive number, got {self.selection_temperature}")
+
+
+def combined_scores(forward: Sequence[float], reverse: Sequence[float], weight: float) -> list[float]:
+    """The reranking score of each candidate: reverse + weight * forward."""
+    return [r + weight * f if weight else r for f, r in zip(forward, reverse)]
+
+
+def choose(
+    scores: Sequence[float],
+    eligible: Sequence[bool],
+    selection: str = "argmax",
+    temperature: float = 1.0,
+    generator: "torch.Generator | None" = None,
+) -> int:
+    """Index of the winning candidate among the eligible ones (all of them if none is).
+
+    ``argmax`` takes the best score (the first on ties); ``sample`` draws from
+    softmax(scores / temperature) over the eligible candidates.
+    """
+    if not scores:
+        raise ValueError("there are no candidates to choose from")
+    pool = [i for i, ok in enumerate(eligible) if ok] or list(range(len(scores)))
+    if selection == "argmax":
+        return max(pool, key=lambda i: (scores[i], -i))
+    import torch
+
+    logits = torch.tensor([scores[i] for i in pool], dtype=torch.float64) / temperature
+    probabilities = torch.softmax(logits, dim=0).float()
+    if generator is not None:
+        probabilities = probabilities.to(generator.device)  # draw on the generator's device
+    draw = torch.multinomial(probabilities, 1, generator=generator)
+    return pool[int(draw)]
+
+
+class MMIDecoder(Decoder):
+    name = "mmi"
+    description = "samples N replies in one batch and keeps the one the reverse model finds most specific"
+    Settings = MMISettings
+
+    def sampler(self) -> TopKDecoder:
+        """The top-k decoder that samples the candidates, with this decoder's sampling settings."""
+        sampling = {f.name: getattr(self.settings, f.name) for f in fields(TopKSettings)}
+        return TopKDecoder(TopKSettings(**sampling))
+
+    def decode(self, session: GenerationSession) -> Iterator[int]:
+        from chatcore import reranking
+
+        settings = self.settings
+        forward_model = session.model
+        # Load (or fail) before spending time on candidates.
+        reverse_model = reranking.load_reverse_model(settings.reverse_model, device=forward_model.device)
+        timings: dict[str, float] = {}
+
+        started = time.perf_counter()
+        token_ids, forward = self.sample_candidates(session)
+        timings["candidates_s"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        history = reranking.split_turns(session.prompt_ids, session.eos_token_id)
+        source = list(reversed(history[-settings.source_turns :]))  # newest first, as the reverse model reads
+        retokenized = not reranking.same_tokenizer(forward_model.tokenizer, reverse_model.tokenizer)
+        if retokenized:
+            token_ids_for_reverse = reranking.retokenize(forward_model.tokenizer, reverse_model.tokenizer, token_ids)
+            source = reranking.retokenize(forward_model.tokenizer, reverse_model.tokenizer, source)
+        else:
+            token_ids_for_reverse = token_ids
+        reverse = reranking.reverse_scores(reverse_model, token_ids_for_reverse, source)
+        timings["reverse_s"] = time.perf_counter() - started
+
+        forward_values = [s.mean if settings.length_normalize else s.total for s in forward]
+        scores = combined_scores(forward_values, [s.total for s in reverse], settings.weight)
+        # An empty reply never wins while there is anything else to say.
+        eligible = [bool(ids) for ids in token_ids]
+        winner = choose(scores, eligible, settings.selection, settings.selection_temperature, session.generator)
+
+        tokenizer = forward_model.tokenizer
+        for index, ids in enumerate(token_ids):
+            session.candidates.append(Candidate(
+                token_ids=list(ids),
+                text=tokenizer.decode(ids),
+                scores={
+                    "forward": forward[index].total,
+                    "forward_mean": forward[index].mean,
+                    "reverse": reverse[index].total,
+                    "reverse_mean": reverse[index].mean,
+                    "score": scores[index],
+                },
+                chosen=index == winner,
+            ))
+        session.details["mmi"] = {
+            "reverse_model": reverse_model.name,
+            "source_turns": len(source),
+            "retokenized": retokenized,
+            "forward_score": "log P(reply EOS | prompt) under the model and its steerers, before sampling filters",
+            "reverse_score": "log P(source | reply) under the reverse model",
+            "timings": {key: round(value, 4) for key, value in timings.items()},
+        }
+        yield from token_ids[winner]
+
+    def sample_candidates(self, session: GenerationSession) -> "tuple[list[list[int]], list[ContinuationScore]]":
+        """``candidates`` replies from one batched decoding pass, each cut at its own EOS,
+        with their forward log-probabilities taken from the same pass."""
+        import torch
+
+        from chatcore.reranking import ContinuationScore
+
+        sampler = self.sampler()
+        eos = session.eos_token_id
+        rows = self.settings.candidates
+        recorder = StepLogProbabilities()
+        # The recorder wraps outermost, so it sees the scores every steerer has made.
+        candidate_session = dataclasses.replace(session, steerers=[*session.steerers, recorder])
+        steps: list[torch.Tensor] = []
+        totals = torch.zeros(rows, dtype=torch.float64)
+        counts = torch.zeros(rows, dtype=torch.long)
+        finished = torch.zeros(rows, dtype=torch.bool)
+        for tokens in candidate_session.run(sampler.processors(), sampler.select, rows=rows):
+            tokens = tokens.cpu()
+            picked = recorder.log_probs.cpu().gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
+            totals += torch.where(finished, torch.zeros_like(picked), picked).double()
+            counts += (~finished).long()
+            finished |= tokens == eos
+            steps.append(tokens)
+        generated = torch.stack(steps, dim=1).tolist()  # (B, T)
+        replies = [row[: row.index(eos)] if eos in row else row for row in generated]
+        forward = [ContinuationScore(float(t), int(c)) for t, c in zip(totals.tolist(), counts.tolist())]
+        return replies, forward
+
+
+class StepLogProbabilities(Steerer):
+    """Not a user-facing steerer: keeps the log-probabilities of each step's final scores."""
+
+    name = "mmi-forward-score"
+
+    def __init__(self) -> None:
+        super().__init__(settings=None)
+        self.log_probs: "torch.Tensor | None" = None
+
+    def wrap(self, step: Step) -> Step:
+        import torch
+
+        def recording(state: StepState) -> StepOutput:
+            output = step(state)
+            self.log_probs = torch.log_softmax(output.logits, dim=-1)  # (B, V)
+            return output
+
+        return recording
+
+
+@chatcore.hookimpl(trylast=True)
+def register_decoders(register: Callable[[type], None]) -> None:
+    register(MMIDecoder)

@@ -1,0 +1,160 @@
+"""The ``pplm`` steerer: Plug and Play Language Models on the past keys and values.
+
+A bag of words (``topic=``, ``words=``, ``file=``) or a discriminator head
+(``discriminator=`` + ``class_label=``) sets the goal; gradient steps on the cache move
+the model towards it, one token at a time (see chatcore.pplm.perturb and docs/pplm.md).
+Also registers ``chatcore train discriminator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import click
+
+import chatcore
+from chatcore.errors import OptionError
+from chatcore.plugins.bow_bias import WORDLIST_DIR, builtin_topics, read_word_file
+from chatcore.pplm.config import PerturbConfig
+from chatcore.steering import Steerer
+from chatcore.step import Step
+
+if TYPE_CHECKING:
+    from chatcore.decoding import GenerationSession
+    from chatcore.pplm.perturb import Perturbation
+
+
+@dataclass
+class PPLMSettings(PerturbConfig):
+    """The attribute (words, a topic, a word file, or a discriminator head and its class)
+    and the perturbation's knobs (see chatcore.pplm.config.PerturbConfig)."""
+
+    topic: str | None = None
+    words: tuple[str, ...] = ()
+    file: str | None = None
+    discriminator: str | None = None
+    class_label: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.topic is not None and self.topic not in builtin_topics():
+            raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {self.topic!r}")
+        if self.file is not None:
+            read_word_file(self.file)  # fail now, not mid-reply
+        has_words = bool(self.topic or self.file or any(w.strip() for w in self.words))
+        if self.discriminator is not None:
+            from chatcore.pplm.attribute import read_head_config, resolve_head
+
+            if has_words:
+                raise ValueError("give either words (`topic`, `words`, `file`) or a `discriminator`, not both")
+            if self.class_label is None:
+                raise ValueError("`class_label` is needed with a `discriminator`")
+            read_head_config(resolve_head(self.discriminator)).class_index(self.class_label)
+        elif self.class_label is not None:
+            raise ValueError("`class_label` is only used with a `discriminator`")
+        elif not has_words:
+            raise ValueError("pplm needs an attribute: `topic=NAME`, `words=a,b,c`, `file=PATH`, "
+                             "or `discriminator=NAME|PATH class_label=LABEL`")
+
+    def all_words(self) -> list[str]:
+        words = [w.strip() for w in self.words if w.strip()]
+        if self.topic:
+            words += read_word_file(WORDLIST_DIR / f"{self.topic}.txt")
+        if self.file:
+            words += read_word_file(self.file)
+        return words
+
+    def perturb_config(self) -> PerturbConfig:
+        fields = PerturbConfig.__dataclass_fields__
+        return PerturbConfig(**{name: getattr(self, name) for name in fields})
+
+
+class PPLMSteerer(Steerer):
+    name = "pplm"
+    description = "gradient steps on the key/value cache towards a bag of words or a discriminator class (PPLM)"
+    Settings = PPLMSettings
+
+    def __init__(self, settings: PPLMSettings | None = None) -> None:
+        super().__init__(settings)
+        self.perturbation: "Perturbation | None" = None
+
+    def prepare(self, session: "GenerationSession") -> None:
+        from chatcore.pplm.attribute import AttributeModel, BagOfWords, load_head
+        from chatcore.pplm.perturb import Perturbation
+
+        loaded = session.model
+        settings: PPLMSettings = self.settings
+        attribute: AttributeModel
+        if settings.discriminator is not None:
+            assert settings.class_label is not None
+            attribute = load_head(settings.discriminator, loaded.model, loaded.tokenizer, loaded.name,
+                                  settings.class_label, device=loaded.device)
+        else:
+            vocab_size = loaded.model.get_output_embeddings().weight.size(0)
+            attribute = BagOfWords.from_words(settings.all_words(), loaded.tokenizer, vocab_size, loaded.device)
+        self.perturbation = Perturbation(settings.perturb_config(), attribute, loaded.model, loaded.eos_token_id)
+        session.details["pplm"] = self.perturbation.summary
+
+    def wrap(self, step: Step) -> Step:
+        if self.perturbation is None:
+            raise OptionError("steerer 'pplm' was used before prepare(session)")
+        return self.perturbation.wrap(step)
+
+
+@click.command("discriminator")
+@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="The frozen base model.")
+@click.option("--data", default=None,
+              help='Labelled texts: "label<TAB>text" lines, or JSONL {"label": ..., "text": ...}.')
+@click.option("--builtin", type=click.Choice(["sentiment"]), default=None,
+              help="Built-in labels instead of --data: chitchat utterances labelled by VADER "
+                   "(needs the vaderSentiment package).")
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
+              help="Head file to write (.safetensors).")
+@click.option("--layer", type=int, default=-1, show_default=True,
+              help="Hidden-state layer the head reads (-1: the last, after the final norm).")
+@click.option("--per-class", type=click.IntRange(10, 10**7), default=3000, show_default=True,
+              help="At most this many examples per class (classes are balanced).")
+@click.option("--epochs", type=click.IntRange(1, 100_000), default=300, show_default=True)
+@click.option("--lr", "learning_rate", type=click.FloatRange(1e-6, 10.0), default=0.01, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None)
+def train_discriminator_command(model: str, data: str | None, builtin: str | None, out_path: str, layer: int,
+                                per_class: int, epochs: int, learning_rate: float, seed: int,
+                                device: str | None) -> None:
+    """Train a PPLM discriminator head on a frozen model.
+
+    The head is a linear classifier on the mean hidden state of "EOS + text" at LAYER;
+    it is saved with the model's hidden size, layer count and tokenizer fingerprint, and
+    `pplm discriminator=FILE class_label=LABEL` refuses it on any other model.
+    """
+    from chatcore.models import load_model
+    from chatcore.pplm.train_discriminator import (
+        TrainSettings, read_labelled_file, sentiment_examples, train_discriminator,
+    )
+
+    if (data is None) == (builtin is None):
+        raise OptionError("give exactly one of --data FILE and --builtin sentiment")
+    examples = read_labelled_file(data) if data is not None else sentiment_examples()
+    loaded = load_model(model, device=device)
+    settings = TrainSettings(layer=layer, per_class=per_class, epochs=epochs, learning_rate=learning_rate, seed=seed)
+    result = train_discriminator(loaded, examples, out_path, settings,
+                                 source=data if data is not None else f"builtin:{builtin}",
+                                 progress=lambda message: click.echo(message, err=True))
+    click.echo(result.summary())
+
+
+@chatcore.hookimpl(trylast=True)
+def register_steerers(register: Callable[[type], None]) -> None:
+    register(PPLMSteerer)
+
+
+@chatcore.hookimpl(trylast=True)
+def register_commands(cli: click.Group) -> None:
+    # `discriminator` joins the `train` group of the train_commands plugin; the group is
+    # added here as well, so the command exists whichever plugin's hook runs first.
+    from chatcore.plugins.train_commands import train
+
+    train.add_command(train_discriminator_command)
+    if "train" not in cli.commands:
+        cli.add_command(train)

@@ -1,0 +1,362 @@
+"""CoCon: the block's masks, the cached pipeline, the steerer, block refusal, training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chatcore.cocon.block import CoconBlock, CoconConfig
+from chatcore.cocon.model_split import SplitModel, UnsupportedModelError
+from chatcore.cocon.pipeline import CoconPipeline
+from chatcore.cocon.store import (BlockMismatchError, check_compatible, load_block, model_fingerprint, read_info,
+                                  save_block)
+from chatcore.decoding import GenerationSession
+from chatcore.engine import Engine, ReplyOptions
+from chatcore.errors import OptionError
+from chatcore.plugins.bow_bias import word_variants
+from chatcore.text import encode_text
+
+COCON_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias",
+                 "chatcore.plugins.cocon")
+
+
+def random_block(n_embd: int, n_head: int, split_layer: int, seed: int = 0) -> CoconBlock:
+    """An untrained block with weights large enough that it changes what it touches."""
+    torch.manual_seed(seed)
+    return CoconBlock(CoconConfig(n_embd, n_head, split_layer, dropout=0.0, init_std=0.3)).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_block_dir(loaded, tmp_path_factory):
+    """A (random) block saved for the tiny fixture model, as `chatcore train cocon` saves one."""
+    config = loaded.model.config
+    block = random_block(config.n_embd, config.n_head, 1)
+    directory = tmp_path_factory.mktemp("cocon-block")
+    save_block(block, directory, {"name": "tiny", "fingerprint": model_fingerprint(loaded.model, loaded.tokenizer)},
+               dtype="float32")
+    return directory
+
+
+@pytest.fixture
+def cocon_host():
+    from chatcore.plugin_manager import PluginHost
+
+    host = PluginHost()
+    host.load_modules(COCON_PLUGINS)
+    assert host.problems == []
+    return host
+
+
+@pytest.fixture
+def cocon_engine(loaded, cocon_host):
+    return Engine(loaded, host=cocon_host)
+
+
+# -- the block -----------------------------------------------------------------------------
+
+
+def test_block_shapes_and_content_is_visible_to_every_position():
+    block = random_block(32, 4, 1)
+    B, T, S = 2, 6, 3
+    hidden = torch.randn(B, T, 32)
+    content = torch.randn(B, S, 32)
+    keys, values = block.content_keys_values(content)
+    assert keys.shape == values.shape == (B, 4, S, 8)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    out, all_keys, all_values = block(hidden, valid, keys, values, S)
+    assert out.shape == (B, T, 32)
+    assert all_keys.shape == all_values.shape == (B, 4, S + T, 8)
+    # Changing the content changes the output at every position, the first included.
+    other_keys, other_values = block.content_keys_values(torch.randn(B, S, 32))
+    changed, _, _ = block(hidden, valid, other_keys, other_values, S)
+    assert ((changed - out).abs().amax(dim=-1) > 1e-4).all()
+
+
+def test_block_hides_the_future_and_padding():
+    block = random_block(32, 4, 1)
+    hidden = torch.randn(1, 6, 32)
+    keys, values = block.content_keys_values(torch.randn(1, 2, 32))
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    out, _, _ = block(hidden, valid, keys, values, 2)
+    future = hidden.clone()
+    future[:, 4] += 5.0
+    changed, _, _ = block(future, valid, keys, values, 2)
+    assert torch.allclose(changed[:, :4], out[:, :4], atol=1e-6)  # earlier positions unchanged
+    assert not torch.allclose(changed[:, 4:], out[:, 4:], atol=1e-4)
+    # A padding position is never attended to: changing it changes no real position.
+    padded_valid = valid.clone()
+    padded_valid[:, 0] = False
+    first, _, _ = block(hidden, padded_valid, keys, values, 2)
+    moved = hidden.clone()
+    moved[:, 0] += 5.0
+    second, _, _ = block(moved, padded_valid, keys, values, 2)
+    assert torch.allclose(first[:, 1:], second[:, 1:], atol=1e-6)
+
+
+@torch.no_grad()
+def test_tau_moves_attention_and_is_per_content():
+    block = random_block(32, 4, 1)
+    hidden = torch.randn(1, 5, 32)
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    first_keys, first_values = block.content_keys_values(torch.randn(1, 2, 32))
+    second_keys, second_values = block.content_keys_values(torch.randn(1, 3, 32))
+    keys, values = torch.cat([first_keys, second_keys], 2), torch.cat([first_values, second_values], 2)
+    no_content, _, _ = block(hidden, valid)
+    # A very negative tau on every content position is the block without content.
+    hidden_away = torch.full((1, 1, 5), -1e4)
+    away, _, _ = block(hidden, valid, keys, values, 5, hidden_away)
+    assert torch.allclose(away, no_content, atol=1e-5)
+    # One tau per content: switching off the first content leaves the second alone.
+    per_content = torch.tensor([-1e4, -1e4, 0.0, 0.0, 0.0]).view(1, 1, 5)
+    only_second, _, _ = block(hidden, valid, keys, values, 5, per_content)
+    second_alone, _, _ = block(hidden, valid, second_keys, second_values, 3)
+    assert torch.allclose(only_second, second_alone, atol=1e-5)
+    # A larger tau moves the output further from the no-content output.
+    distances = []
+    for tau in (-2.0, 0.0, 2.0, 5.0):
+        out, _, _ = block(hidden, valid, keys, values, 5, torch.full((1, 1, 5), tau))
+        distances.append(float((out - no_content).norm().detach()))
+    assert distances == sorted(distances)
+
+
+# -- the split model and the cached pipeline --------------------------------------------------
+
+
+def test_split_model_reproduces_the_model(loaded):
+    split = SplitModel(loaded.model, 1)
+    ids = torch.tensor([encode_text(loaded.tokenizer, "hello there, how are you?")])
+    L = ids.size(1)
+    mask = split.causal_mask(torch.ones(1, L), L)
+    with torch.no_grad():
+        hidden = split.alpha(split.embed(torch.arange(L)[None], input_ids=ids), mask)
+        mine = split.head(split.beta(hidden, mask))
+        theirs = loaded.model(ids).logits
+    assert torch.allclose(mine, theirs, atol=1e-5)
+    with pytest.raises(UnsupportedModelError, match="split layer"):
+        SplitModel(loaded.model, loaded.model.config.n_layer)
+
+
+def test_cached_steps_equal_a_full_recompute(loaded):
+    split = SplitModel(loaded.model, 1)
+    pipeline = CoconPipeline(split, random_block(split.n_embd, loaded.model.config.n_head, 1))
+    tokenizer = loaded.tokenizer
+    content = pipeline.encode_content([encode_text(tokenizer, " pizza"), encode_text(tokenizer, " is great")],
+                                      [2.0, -1.0])
+    history = len(encode_text(tokenizer, "what should we eat tonight?")) + 1
+    rows = [encode_text(tokenizer, "what should we eat tonight?") + [loaded.eos_token_id]
+            + encode_text(tokenizer, "maybe something warm and"),
+            encode_text(tokenizer, "what should we cook on friday?")[: history - 1] + [loaded.eos_token_id]
+            + encode_text(tokenizer, "i was thinking about soup")]
+    length = min(len(r) for r in rows)
+    sequences = torch.tensor([r[:length] for r in rows])  # (2, L)
+    B = sequences.size(0)
+    with torch.no_grad():
+        output = pipeline.forward(torch.ones(B, history), torch.arange(history).expand(B, -1), history, content,
+                                  input_ids=sequences[:, :history])
+        cached = [output.logits]
+        for position in range(history, length - 1):
+            output = pipeline.forward(torch.ones(B, position + 1), torch.full((B, 1), position), history, content,
+                                      input_ids=sequences[:, position : position + 1], cache=output.cache)
+            cached.append(output.logits)
+        alpha_hidden = split.hidden_at_split(sequences[:, :-1])
+        full, _ = pipeline.full_forward(alpha_hidden, history, content.keys.expand(B, -1, -1, -1),
+                                        content.values.expand(B, -1, -1, -1), content.bias)
+    assert output.cache.length == length - 1
+    assert torch.allclose(torch.stack(cached, dim=1), full, atol=1e-4)
+
+
+def test_a_left_padded_row_decodes_as_it_would_alone(loaded, tiny_block_dir):
+    block, _ = load_block(tiny_block_dir)
+    split = SplitModel(loaded.model, block.config.split_layer)
+    pipeline = CoconPipeline(split, block)
+    content = pipeline.encode_content([encode_text(loaded.tokenizer, " music")], [1.0])
+    short, long = [5, 9, 13, 0], [7, 3, 11, 8, 2, 6, 0]
+    with torch.no_grad():
+        alone = pipeline.forward(torch.ones(1, 4), torch.arange(4)[None], 4, content, input_ids=torch.tensor([short]))
+        padded = torch.tensor([[0, 0, 0] + short, long])
+        valid = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+        positions = (valid.cumsum(-1) - 1).clamp(min=0)
+        both = pipeline.forward(valid, positions, 7, content, input_ids=padded)
+    assert torch.allclose(both.logits[0], alone.logits[0], atol=1e-4)
+
+
+# -- the steerer -----------------------------------------------------------------------------
+
+
+def test_cocon_settings_are_validated(cocon_engine):
+    with pytest.raises(OptionError, match="tau"):
+        cocon_engine.make_steerer("cocon", {"content": "a,b,c", "tau": "1,2"})
+    with pytest.raises(OptionError, match="tau"):
+        cocon_engine.make_steerer("cocon", {"content": "pizza", "tau": "100"})
+    steerer = cocon_engine.make_steerer("cocon", {"content": "pizza, is perfect", "tau": "2"})
+    assert steerer.settings.content == ("pizza", "is perfect")
+    assert steerer.settings.taus() == [2.0, 2.0]
+
+
+def test_cocon_replies_under_every_decoder_and_composes_after(cocon_engine, tiny_block_dir):
+    settings = {"content": "pizza", "tau": "2", "block": str(tiny_block_dir)}
+    for decoder in ("greedy", "top-k"):
+        response = cocon_engine.conversation().send(
+            "what should we eat?", ReplyOptions(decoder=decoder, steerers=[("cocon", settings)], seed=1,
+                                                min_new_tokens=6, max_new_tokens=6))
+        response.text()
+        assert len(response.token_ids) == 6
+        assert response.provenance["details"]["cocon"]["content_tokens"] == [
+            len(encode_text(cocon_engine.tokenizer, " pizza"))]
+    # A logit steerer after cocon wraps the cocon step: its bias decides the first token.
+    steered = cocon_engine.conversation().send(
+        "what should we eat?", ReplyOptions(decoder="greedy", min_new_tokens=4, max_new_tokens=4, steerers=[
+            ("cocon", settings), ("bow-bias", {"words": "pizza", "strength": "100"})]))
+    steered.text()
+    first_tokens = {encode_text(cocon_engine.tokenizer, form)[0] for form in word_variants("pizza")}
+    assert steered.token_ids[0] in first_tokens
+
+
+def test_cocon_must_come_first(cocon_engine, tiny_block_dir):
+    from chatcore.plugins.cocon import SteererOrderError
+
+    options = ReplyOptions(steerers=[("bow-bias", {"words": "pizza"}),
+                                     ("cocon", {"content": "pizza", "block": str(tiny_block_dir)})])
+    with pytest.raises(SteererOrderError, match="must come first"):
+        cocon_engine.conversation().send("hi", options).text()
+
+
+def test_cocon_decodes_several_rows_in_one_batch(cocon_engine, loaded, tiny_block_dir):
+    steerer = cocon_engine.make_steerer("cocon", {"content": "music", "block": str(tiny_block_dir)})
+    prompt = encode_text(loaded.tokenizer, "do you like songs?") + [loaded.eos_token_id]
+    prompts = [prompt, prompt[2:], prompt]
+
+    def greedy(scores, generator):
+        return scores.argmax(-1)
+
+    def decode(prompt_list):
+        session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=5,
+                                    generator=torch.Generator().manual_seed(0), seed=0, min_new_tokens=5)
+        steerer.prepare(session)
+        return torch.stack(list(session.run([], greedy, prompts=prompt_list)), dim=1)  # (B, 5)
+
+    batch = decode(prompts)
+    assert batch.shape == (3, 5)
+    assert torch.equal(batch[0], batch[2])
+    assert torch.equal(batch[1], decode([prompts[1]])[0])
+
+
+def test_a_block_for_one_model_is_refused_on_another(loaded, tiny_block_dir, cocon_engine):
+    from chatcore.models import load_model
+
+    bundled = load_model("chatcore-tiny")
+    info = read_info(tiny_block_dir)
+    with pytest.raises(BlockMismatchError, match="trained for model 'tiny', not for 'chatcore-tiny'"):
+        check_compatible(info, model_fingerprint(bundled.model, bundled.tokenizer), "tiny-block", "chatcore-tiny")
+    # Through the steerer: the bundled model refuses the tiny model's block, with the fix in the message.
+    engine = Engine(bundled, host=cocon_engine.host)
+    options = ReplyOptions(steerers=[("cocon", {"content": "pizza", "block": str(tiny_block_dir)})])
+    with pytest.raises(BlockMismatchError, match="chatcore train cocon"):
+        engine.conversation().send("hi", options).text()
+    # The same shape but another tokenizer is refused too.
+    fingerprint = dict(info["base_model"]["fingerprint"], tokenizer_sha256="0" * 64)
+    with pytest.raises(BlockMismatchError, match="different tokenizer"):
+        check_compatible(info, fingerprint, "tiny-block", "other")
+    # And with no block given, a model without a bundled block gets told how to make one.
+    options = ReplyOptions(steerers=[("cocon", {"content": "pizza"})])
+    with pytest.raises(BlockMismatchError, match="no bundled CoCon block fits"):
+        cocon_engine.conversation().send("hi", options).text()
+
+
+# -- the bundled block ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundled_pipeline():
+    from chatcore.cocon.store import bundled_blocks, check_compatible, resolve_block
+    from chatcore.models import load_model
+
+    if not bundled_blocks():
+        pytest.skip("no bundled CoCon block")
+    bundled = load_model("chatcore-tiny")
+    fingerprint = model_fingerprint(bundled.model, bundled.tokenizer)
+    folder = resolve_block(None, fingerprint, "chatcore-tiny")
+    block, info = load_block(folder)
+    check_compatible(info, fingerprint, folder.name, "chatcore-tiny")
+    return bundled, CoconPipeline(SplitModel(bundled.model, block.config.split_layer), block)
+
+
+def test_empty_content_stays_close_to_the_plain_model(bundled_pipeline):
+    """Null-content training: with no content the block barely moves the next-token distribution."""
+    bundled, pipeline = bundled_pipeline
+    tokenizer, eos = bundled.tokenizer, bundled.eos_token_id
+    contexts = ["hi, how are you?", "what do you do for fun?", "i just got back from a trip to the mountains",
+                "do you have any pets?", "what kind of music do you like?", "i am so tired today"]
+    kls, agree, total = [], 0, 0
+    with torch.no_grad():
+        for text in contexts:
+            ids = torch.tensor([encode_text(tokenizer, text) + [eos] + encode_text(tokenizer, "i think that it")])
+            L = ids.size(1)
+            history = L - 4
+            plain = torch.log_softmax(bundled.model(ids).logits[0, history - 1 :].float(), -1)
+            logits, _ = pipeline.full_forward(pipeline.split.hidden_at_split(ids), history)
+            cocon = torch.log_softmax(logits[0], -1)
+            kls.append(float((plain.exp() * (plain - cocon)).sum(-1).mean()))
+            agree += int((plain.argmax(-1) == cocon.argmax(-1)).sum())
+            total += plain.size(0)
+    mean_kl = sum(kls) / len(kls)
+    assert mean_kl < 0.15, f"mean KL(plain || cocon without content) = {mean_kl:.3f}"
+    assert agree / total >= 0.75, f"top-1 agreement {agree}/{total}"
+
+
+def test_content_raises_the_content_word_with_the_bundled_block(bundled_pipeline):
+    bundled, pipeline = bundled_pipeline
+    tokenizer, eos = bundled.tokenizer, bundled.eos_token_id
+    word = encode_text(tokenizer, " music")
+    ids = torch.tensor([encode_text(tokenizer, "what did you do this weekend?") + [eos]])
+    L = ids.size(1)
+    with torch.no_grad():
+        alpha_hidden = pipeline.split.hidden_at_split(ids)
+        plain, _ = pipeline.full_forward(alpha_hidden, L)
+        probabilities = []
+        for tau in (-2.0, 0.0, 2.0):
+            content = pipeline.encode_content([word], [tau])
+            logits, _ = pipeline.full_forward(alpha_hidden, L, content.keys, content.values, content.bias)
+            probabilities.append(float(torch.softmax(logits[0, -1], -1)[word[0]]))
+    base = float(torch.softmax(plain[0, -1], -1)[word[0]])
+    assert probabilities == sorted(probabilities)
+    assert probabilities[1] > 2 * base
+
+
+# -- training ---------------------------------------------------------------------------------
+
+
+def test_training_writes_a_loadable_block_and_resumes(loaded, tiny_model_dir, tmp_path):
+    from chatcore.cocon.training import CoconTrainConfig, train_cocon
+
+    corpus = tmp_path / "dialogues.jsonl"
+    lines = [{"turns": ["hi there, how are you doing today?", "i am fine thanks, and you? what are you up to",
+                        "not much, just cooking some pasta for dinner tonight", "sounds great, enjoy your meal"]}]
+    corpus.write_text("\n".join(json.dumps(line) for line in lines * 6) + "\n")
+    config = dict(out_dir=str(tmp_path / "run"), model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0,
+                  batch_size=4, history_tokens=8, continuation_tokens=6, cycle_tokens=3, cycle_batch_size=2,
+                  cycle_from_step=1, adv_from_step=1, disc_every=1, eval_every=2, eval_windows=4, warmup_steps=1,
+                  no_history_share=0.5, device="cpu")
+    result = train_cocon(CoconTrainConfig(steps=2, **config), progress=False)
+    assert result.steps == 2 and set(result.heldout) == {"plain", "null", "self", "word"}
+    block, info = load_block(result.block_dir)
+    assert info["base_model"]["fingerprint"] == model_fingerprint(loaded.model, loaded.tokenizer)
+    assert info["block"]["split_layer"] == 1 and info["training"]["steps"] == 2
+    resumed = train_cocon(CoconTrainConfig(steps=3, **config), resume=True, progress=False)
+    assert resumed.steps == 3
+
+
+def test_train_cocon_command_is_registered():
+    from click.testing import CliRunner
+
+    from chatcore.plugins import cocon
+    from chatcore.plugins.train_commands import train
+
+    cocon.register_commands(None)
+    assert "cocon" in train.commands
+    result = CliRunner().invoke(train, ["cocon", "--help"])
+    assert result.exit_code == 0
+    for option in ("--cycle-from-step", "--adv-from-step", "--resume", "--device", "--null-weight"):
+        assert option in result.output
