@@ -57,7 +57,9 @@ def test_wheel_imports_every_builtin_and_has_no_bare_packages(tmp_path: Path) ->
                 continue
             assert prefix + relative in names, f"{prefix + relative} is missing from the wheel"
     for data in ("chatcore/training/blocklist.txt", "chatcore/evaluation/openers.txt",
-                 "chatcore/bundled/chatcore-tiny/config.json", "chatcore/plugins/wordlists/food.txt"):
+                 "chatcore/bundled/chatcore-tiny/config.json", "chatcore/plugins/wordlists/food.txt",
+                 "chatcore/bundled/cocon-chatcore-tiny/cocon_block.safetensors",
+                 "chatcore/pplm/heads/sentiment.safetensors"):
         assert data in names, f"{data} is missing from the wheel"
     assert any(name.startswith("chatcore/bundled/") for name in names)
     target = tmp_path / "site"
