@@ -39,9 +39,11 @@ def score_continuations(
 ) -> list[ContinuationScore]:
     """log P(target | prefix) for each ``(prefix_ids, target_ids)`` row, in one forward pass.
 
-    Rows are right-padded: under a causal mask the padding after a row's last token
-    cannot change that row's scores, and positions stay 0, 1, 2, ... as in training.
-    A prefix must have at least one token; an empty target scores 0 over 0 tokens.
+    Rows are left-padded (attention mask, positions counted from each row's first real
+    token), so every row ends in the same column and the targets sit in the last
+    columns: the output layer and the softmax run only there. For the reverse model
+    every row has the same source as its target, so that is a few columns, not the
+    whole batch. A prefix must have at least one token; an empty target scores 0.
     """
     import torch
 
@@ -55,26 +57,23 @@ def score_continuations(
     width = max(len(ids) for ids in inputs)
     if width > loaded.max_positions:
         raise ValueError(f"a scored row has {width} tokens; model {loaded.name!r} takes {loaded.max_positions}")
+    keep = max(1, max(len(target) for _, target in rows))  # the columns that predict a target token
     batch = len(rows)
-    pad = loaded.eos_token_id
-    input_ids = torch.full((batch, width), pad, dtype=torch.long)
+    input_ids = torch.full((batch, width), loaded.eos_token_id, dtype=torch.long)
     attention = torch.zeros((batch, width), dtype=torch.long)
-    targets = torch.full((batch, width), -1, dtype=torch.long)  # -1: not scored
-    for row, ((prefix, target), ids) in enumerate(zip(rows, inputs)):
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention[row, : len(ids)] = 1
+    targets = torch.full((batch, keep), -1, dtype=torch.long)  # -1: not scored
+    for row, ((_, target), ids) in enumerate(zip(rows, inputs)):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention[row, width - len(ids) :] = 1
         if target:
-            # The logits at position i predict token i + 1: targets start at the prefix's last position.
-            start = len(prefix) - 1
-            targets[row, start : start + len(target)] = torch.tensor(list(target), dtype=torch.long)
-    # Only positions that predict a target need the output layer: the prompt's do not.
-    first = min(len(prefix) - 1 for prefix, _ in rows)
-    keep = width - first
-    targets = targets[:, first:]
+            # The logits in the last len(target) columns predict the target tokens.
+            targets[row, keep - len(target) :] = torch.tensor(list(target), dtype=torch.long)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
     device = loaded.device
-    input_ids, attention, targets = input_ids.to(device), attention.to(device), targets.to(device)
+    input_ids, attention, positions, targets = (t.to(device) for t in (input_ids, attention, positions, targets))
     with torch.inference_mode():
-        output = loaded.model(input_ids=input_ids, attention_mask=attention, use_cache=False, logits_to_keep=keep)
+        output = loaded.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                              use_cache=False, logits_to_keep=keep)
         log_probs = torch.log_softmax(output.logits[:, -keep:].float(), dim=-1)  # (B, keep, V)
         scored = targets >= 0  # (B, keep)
         picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, keep)

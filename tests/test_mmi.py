@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -280,6 +281,21 @@ def test_a_reverse_model_that_cannot_load_is_a_clear_error(loaded, mmi_host, tmp
     options = ReplyOptions(decoder="mmi", decoder_settings={"reverse_model": missing}, seed=0, max_new_tokens=4)
     with pytest.raises(ModelLoadError, match="reverse model"):
         engine.reply_to(["hi"], options).text()
+
+
+def test_candidate_draws_follow_the_top_k_distribution():
+    """The batched sampler draws only among each row's k best, with softmax probabilities."""
+    decoder = MMIDecoder.from_options({"top_k": 2, "temperature": 1.0})
+    scores = torch.full((2, 50), -3.0)
+    scores[0, 7], scores[0, 11] = math.log(3.0), 0.0  # p = 0.75 / 0.25 among the two best
+    scores[1, 40], scores[1, 3] = 5.0, 5.0
+    for processor in decoder.sampler().processors():
+        scores = processor(torch.zeros((2, 1), dtype=torch.long), scores)
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([decoder.select(scores, generator) for _ in range(4000)])  # (4000, 2)
+    assert set(draws[:, 0].tolist()) == {7, 11} and set(draws[:, 1].tolist()) == {3, 40}
+    assert (draws[:, 0] == 7).float().mean().item() == pytest.approx(0.75, abs=0.03)
+    assert (draws[:, 1] == 40).float().mean().item() == pytest.approx(0.5, abs=0.03)
 
 
 def test_the_decoder_samples_with_its_top_k_settings():

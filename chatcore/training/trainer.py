@@ -188,7 +188,10 @@ def finish_distributed() -> None:
     if _OWNED_GROUP:
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        # NCCL wants an explicit teardown. A gloo group is left to process exit: its
+        # destroy_process_group() was seen to hang in a rank whose peer had already
+        # torn down and exited, after the final barrier both had passed.
+        if dist.is_initialized() and dist.get_backend() != "gloo":
             dist.destroy_process_group()
         _OWNED_GROUP = False
 
