@@ -45,6 +45,7 @@ def main() -> None:
     conversation = engine.conversation()
     lines = ["i went hiking with my friends last weekend and it was a lot of fun",
              "that sounds great, where did you go? i love the mountains in the fall"]
+    conversation.add_user(lines[0])
     while len(conversation.prompt(n).token_ids) < args.history:
         conversation.add_user(lines[len(conversation.turns) % 2])
     history_tokens = len(conversation.prompt(n).token_ids)

@@ -67,7 +67,7 @@ def main() -> None:
         tokenizer = reverse.tokenizer
         scores = []
         for context, reply in pairs:
-            candidate = encode_text(tokenizer, reply)[: reverse.max_positions // 2]
+            candidate = encode_text(tokenizer, reply)
             source = [encode_text(tokenizer, context[-1])]
             scores.append(reranking.reverse_scores(reverse, [candidate], source)[0].total)
         return statistics.mean(scores)

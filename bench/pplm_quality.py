@@ -28,6 +28,7 @@ def main() -> None:
                         help='extra pplm settings for the topics, e.g. "stepsize=0.1 gm_scale=0.9"')
     parser.add_argument("--sentiment", action="store_true", help="also steer the shipped sentiment head")
     parser.add_argument("--sentiment-pplm", default="", help="extra pplm settings for the sentiment runs")
+    parser.add_argument("--sentiment-labels", default="positive,negative", help="classes to steer towards")
     parser.add_argument("--skip-topics", action="store_true")
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--threads", type=int, default=None)
@@ -106,7 +107,7 @@ def main() -> None:
               f"{'dist-2':>7s} {'degen':>6s}")
         print(f"{'':27s}{'top-k (unsteered)':40s} {plain_pos:8.1%} {plain_neg:8.1%} {plain_row.perplexity:7.1f} "
               f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%}")
-        for label in ("positive", "negative"):
+        for label in [label for label in args.sentiment_labels.split(",") if label]:
             report = run(f"pplm {label}", [("pplm", {"discriminator": "sentiment", "class_label": label,
                                                     **sentiment_extra})], None)
             replies = [s["reply"] for s in report.samples if "reply" in s]

@@ -96,17 +96,20 @@ def reverse_rows(
     ``source_turns`` are the turns the reply answers, newest first (the order the
     reverse model was trained on), and the source is each followed by EOS. The
     leading EOS marks the start of a turn, as it does everywhere in the training
-    stream (GPT-2 also uses EOS as its start token). Every candidate scores the same
-    source tokens, cut from the oldest end if the longest candidate leaves no room.
+    stream (GPT-2 also uses EOS as its start token).
+
+    Everything must fit the reverse model's positions: a candidate longer than half
+    of them keeps its last tokens (those next to the source), and then every
+    candidate scores the same source tokens, cut from the oldest end if needed.
     """
     source: list[int] = []
     for turn in source_turns:
         source.extend(turn)
         source.append(eos)
+    limit = max(1, max_positions // 2 - 2)
+    candidates = [list(c[-limit:]) if len(c) > limit else list(c) for c in candidates]
     longest = max((len(c) for c in candidates), default=0)
     room = max_positions + 1 - (longest + 2)  # the last source token is never fed in
-    if room < 1:
-        raise ValueError(f"a candidate of {longest} tokens leaves no room for the source in {max_positions} positions")
     source = source[:room]
     return [([eos, *candidate, eos], source) for candidate in candidates]
 

@@ -198,13 +198,13 @@ class MMIDecoder(Decoder):
         recorder = StepLogProbabilities()
         # The recorder wraps outermost, so it sees the scores every steerer has made.
         candidate_session = dataclasses.replace(session, steerers=[*session.steerers, recorder])
+        device = session.model.device
         steps: list[torch.Tensor] = []
-        totals = torch.zeros(rows, dtype=torch.float64)
-        counts = torch.zeros(rows, dtype=torch.long)
-        finished = torch.zeros(rows, dtype=torch.bool)
+        totals = torch.zeros(rows, dtype=torch.float64, device=device)
+        counts = torch.zeros(rows, dtype=torch.long, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
         for tokens in candidate_session.run(sampler.processors(), self.select, rows=rows):
-            tokens = tokens.cpu()
-            picked = recorder.log_probs.cpu().gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
+            picked = recorder.log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
             totals += torch.where(finished, torch.zeros_like(picked), picked).double()
             counts += (~finished).long()
             finished |= tokens == eos

@@ -307,22 +307,27 @@ def test_empty_content_stays_close_to_the_plain_model(bundled_pipeline):
 
 
 def test_content_raises_the_content_word_with_the_bundled_block(bundled_pipeline):
+    """A one-word content makes that word more likely mid-reply, more so as tau grows."""
     bundled, pipeline = bundled_pipeline
     tokenizer, eos = bundled.tokenizer, bundled.eos_token_id
-    word = encode_text(tokenizer, " music")
-    ids = torch.tensor([encode_text(tokenizer, "what did you do this weekend?") + [eos]])
-    L = ids.size(1)
-    with torch.no_grad():
-        alpha_hidden = pipeline.split.hidden_at_split(ids)
-        plain, _ = pipeline.full_forward(alpha_hidden, L)
-        probabilities = []
-        for tau in (-2.0, 0.0, 2.0):
-            content = pipeline.encode_content([word], [tau])
-            logits, _ = pipeline.full_forward(alpha_hidden, L, content.keys, content.values, content.bias)
-            probabilities.append(float(torch.softmax(logits[0, -1], -1)[word[0]]))
-    base = float(torch.softmax(plain[0, -1], -1)[word[0]])
-    assert probabilities == sorted(probabilities)
-    assert probabilities[1] > 2 * base
+    ratios = []
+    for word in (" music", " dog", " pizza"):
+        token = encode_text(tokenizer, word)[0]
+        for context in ("what did you do this weekend?", "hi, how are you?"):
+            reply_start = encode_text(tokenizer, context) + [eos]
+            ids = torch.tensor([reply_start + encode_text(tokenizer, "i really like")])
+            with torch.no_grad():
+                alpha_hidden = pipeline.split.hidden_at_split(ids)
+                null = float(torch.softmax(pipeline.full_forward(alpha_hidden, len(reply_start))[0][0, -1], -1)[token])
+                probabilities = []
+                for tau in (-2.0, 0.0, 2.0):
+                    content = pipeline.encode_content([[token]], [tau])
+                    logits, _ = pipeline.full_forward(alpha_hidden, len(reply_start), content.keys, content.values,
+                                                      content.bias)
+                    probabilities.append(float(torch.softmax(logits[0, -1], -1)[token]))
+            assert probabilities == sorted(probabilities), (word, context, probabilities)
+            ratios.append(probabilities[1] / null)
+    assert sum(ratios) / len(ratios) > 1.5, ratios
 
 
 # -- training ---------------------------------------------------------------------------------

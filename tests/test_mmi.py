@@ -157,8 +157,10 @@ def test_reverse_rows_put_the_source_newest_first_after_the_candidate():
     eos = 0
     rows = reranking.reverse_rows([[5, 6], []], [[7, 8, 9], [3]], eos, max_positions=64)
     assert rows == [([0, 5, 6, 0], [7, 8, 9, 0, 3, 0]), ([0, 0], [7, 8, 9, 0, 3, 0])]
-    cut = reranking.reverse_rows([[5] * 6], [[7] * 10], eos, max_positions=12)
-    assert len(cut[0][0]) + len(cut[0][1]) - 1 == 12  # the source is cut to fit the model
+    cut = reranking.reverse_rows([[5] * 4], [[7] * 10], eos, max_positions=12)
+    assert cut[0][1] == [7] * 7 and len(cut[0][0]) + len(cut[0][1]) - 1 == 12  # the source is cut to fit
+    long = reranking.reverse_rows([list(range(1, 30))], [[7, 8]], eos, max_positions=12)
+    assert long[0] == ([0, 26, 27, 28, 29, 0], [7, 8, 0])  # a long reply keeps its end, in half the positions
 
 
 def test_split_turns_recovers_the_prompt_turns():
