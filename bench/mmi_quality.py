@@ -62,15 +62,20 @@ def main() -> None:
         mmi_label: ReplyOptions(decoder="mmi", decoder_settings=mmi_settings, max_new_tokens=args.max_new_tokens),
     }
 
-    def mean_reverse_score(pairs: list[tuple[list[str], str]]) -> float:
-        """Mean log P(last context turn | reply), each reply scored from its text."""
+    def reverse_score_list(pairs: list[tuple[list[str], str]]) -> list[float]:
+        """log P(last context turn | reply) of each pair, each reply scored from its text."""
         tokenizer = reverse.tokenizer
         scores = []
         for context, reply in pairs:
             candidate = encode_text(tokenizer, reply)
             source = [encode_text(tokenizer, context[-1])]
             scores.append(reranking.reverse_scores(reverse, [candidate], source)[0].total)
-        return statistics.mean(scores)
+        return scores
+
+    def mean_reverse_score(pairs: list[tuple[list[str], str]]) -> float:
+        return statistics.mean(reverse_score_list(pairs))
+
+    per_context: dict[str, dict[int, float]] = {}
 
     print(f"{len(contexts)} contexts from {args.prompts}, model {args.model}, reverse {args.reverse_model}, "
           f"max_new_tokens {args.max_new_tokens}, seeds {args.seed}..{args.seed + len(contexts) - 1}")
@@ -81,14 +86,22 @@ def main() -> None:
         report = evaluate(engine, contexts, options, label=label, seed=args.seed, include_reference=not rows)
         print(f"  {label}: {time.perf_counter() - started:.0f} s")
         reports[label] = report
-        replied = [s for s in report.samples if "reply" in s]
-        report.rows[0].extra["reverse"] = mean_reverse_score([(s["context"], s["reply"]) for s in replied])
+        replied = [(i, s) for i, s in enumerate(report.samples) if "reply" in s]
+        scores = reverse_score_list([(s["context"], s["reply"]) for _, s in replied])
+        per_context[label] = {i: score for (i, _), score in zip(replied, scores)}
+        report.rows[0].extra["reverse"] = statistics.mean(scores)
         if len(report.rows) > 1:  # the human replies, once
             human = [(c.turns, c.reference) for c in contexts if c.reference]
             report.rows[1].extra["reverse"] = mean_reverse_score(human)
         rows.extend(report.rows)
     print(EvalReport(rows, [], {}).table())
     print("reverse: mean log P(source | reply) under the reverse model (higher: the reply is more specific to the context)")
+    shared = sorted(set(per_context["top-k"]) & set(per_context[mmi_label]))
+    if len(shared) > 1:
+        gains = [per_context[mmi_label][i] - per_context["top-k"][i] for i in shared]
+        error = statistics.stdev(gains) / len(gains) ** 0.5
+        print(f"{mmi_label} vs top-k, same contexts and seeds: reverse score {statistics.mean(gains):+.2f} nats per "
+              f"context (standard error {error:.2f}), higher in {sum(g > 0 for g in gains)} of {len(gains)} contexts")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2, ensure_ascii=False))
 

@@ -9,8 +9,9 @@ total is one measurement and the median over rounds is reported. The loop of N
 replies is how the DialoGPT scripts rerank; the target is mmi <= 3x a single reply.
 
 Two settings, one run: replies that end at EOS as in a chat (the batch runs until
-its longest candidate ends, so the sampled lengths matter), and every reply exactly
---fixed-tokens long (the cost of batching alone).
+the decoder's quorum of candidates has ended, half of them by default, or with
+--quorum 1 until the longest ends, so the sampled lengths matter), and every reply
+exactly --fixed-tokens long (the cost of batching alone).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help=f"how many of the {len(PROMPTS)} built-in prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--fixed-tokens", type=int, default=32, help="reply length of the equal-length comparison")
+    parser.add_argument("--quorum", type=float, default=None,
+                        help="mmi's quorum setting (default: the decoder's own)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     args = parser.parse_args()
@@ -61,6 +64,8 @@ def main() -> None:
     n = args.candidates
     sampling = {"top_k": 40, "temperature": 0.8}
     mmi_settings = {**sampling, "candidates": n, "reverse_model": args.reverse_model}
+    if args.quorum is not None:
+        mmi_settings["quorum"] = args.quorum
     prompts = PROMPTS[: args.prompts]
     print(f"model {args.model} + reverse {args.reverse_model} on {engine.loaded.device}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, {len(prompts)} prompts x {args.repeats} rounds, "
@@ -132,7 +137,7 @@ def main() -> None:
         print(f"  mmi vs the loop of {n}: {medians[loop_name] / medians['mmi']:.2f}x faster")
         parts = ", ".join(f"{part} {statistics.mean(values) * 1000:.1f} ms" for part, values in mmi_parts.items())
         print(f"  mmi breakdown (mean per reply): {parts}")
-        print(f"  decoding steps: mmi batch {statistics.mean(candidate_steps):.1f} (until its longest candidate ends), "
+        print(f"  decoding steps: mmi batch {statistics.mean(candidate_steps):.1f} (until its quorum of candidates ended), "
               f"single top-k reply {statistics.mean(single_tokens):.1f}")
         return medians["mmi"] / single
 

@@ -11,8 +11,10 @@ Everything here is batched: one forward pass scores every candidate.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,15 +145,32 @@ def load_reverse_model(name: str = DEFAULT_REVERSE_MODEL, device: str = "cpu") -
         return _reverse_cache[key]
 
 
+# Signatures by tokenizer object: serialising a tokenizer costs far more than a reply's
+# reverse pass, and the MMI decoder compares the same two tokenizers on every reply.
+_signatures: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
 def _tokenizer_signature(tokenizer: Any) -> str:
+    """A sha256 of how ``tokenizer`` turns text into ids (computed once per object)."""
+    try:
+        return _signatures[tokenizer]
+    except (KeyError, TypeError):
+        pass
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         spec = json.loads(backend.to_str())
         # Padding and truncation are runtime settings, not part of how text becomes ids.
         spec.pop("padding", None)
         spec.pop("truncation", None)
-        return json.dumps(spec, sort_keys=True)
-    return json.dumps(sorted(tokenizer.get_vocab().items()))
+        text = json.dumps(spec, sort_keys=True)
+    else:
+        text = json.dumps(sorted(tokenizer.get_vocab().items()))
+    signature = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    try:
+        _signatures[tokenizer] = signature
+    except TypeError:  # an object that takes no weak references: not cached
+        pass
+    return signature
 
 
 def same_tokenizer(first: Any, second: Any) -> bool:

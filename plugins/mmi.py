@@ -45,6 +45,10 @@ class MMISettings(TopKSettings):
     weight:                score = reverse + weight * forward (0: pure MMI, as in DialoGPT).
     length_normalize:      use the forward log-probability per token instead of its sum.
     selection:             argmax of the scores, or a draw from softmax(scores / selection_temperature).
+    quorum:                stop sampling once this share of the candidates has ended at EOS; the
+                           others are cut off there and win only if no candidate ended (1: wait
+                           for every candidate, as the batch would otherwise run until its
+                           longest reply ends).
     """
 
     # The reverse model rewards repeating the source's words, so much that a candidate
@@ -58,6 +62,7 @@ class MMISettings(TopKSettings):
     length_normalize: bool = True
     selection: Literal["argmax", "sample"] = "argmax"
     selection_temperature: float = 1.0
+    quorum: float = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +78,12 @@ class MMISettings(TopKSettings):
             raise ValueError(f"`selection` must be one of argmax, sample, got {self.selection!r}")
         if not self.selection_temperature > 0:
             raise ValueError(f"`selection_temperature` must be a positive number, got {self.selection_temperature}")
+        if isinstance(self.quorum, bool) or not isinstance(self.quorum, (int, float)) or not 0 < self.quorum <= 1:
+            raise ValueError(f"`quorum` must be a number in (0, 1], got {self.quorum!r}")
+
+    def quorum_rows(self) -> int:
+        """How many candidates must have ended before sampling stops."""
+        return max(1, min(self.candidates, math.ceil(self.quorum * self.candidates - 1e-9)))
 
 
 def combined_scores(forward: Sequence[float], reverse: Sequence[float], weight: float) -> list[float]:
@@ -127,7 +138,7 @@ class MMIDecoder(Decoder):
         timings: dict[str, float] = {}
 
         started = time.perf_counter()
-        token_ids, forward = self.sample_candidates(session)
+        token_ids, forward, ended = self.sample_candidates(session)
         timings["candidates_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -144,8 +155,11 @@ class MMIDecoder(Decoder):
 
         forward_values = [s.mean if settings.length_normalize else s.total for s in forward]
         scores = combined_scores(forward_values, [s.total for s in reverse], settings.weight)
-        # An empty reply never wins while there is anything else to say.
-        eligible = [bool(ids) for ids in token_ids]
+        # An empty reply never wins while there is anything else to say, nor a cut-off
+        # one while some candidate ended.
+        eligible = [bool(ids) and done for ids, done in zip(token_ids, ended)]
+        if not any(eligible):
+            eligible = [bool(ids) for ids in token_ids]
         winner = choose(scores, eligible, settings.selection, settings.selection_temperature, session.generator)
 
         tokenizer = forward_model.tokenizer
@@ -159,12 +173,15 @@ class MMIDecoder(Decoder):
                     "reverse": reverse[index].total,
                     "reverse_mean": reverse[index].mean,
                     "score": scores[index],
+                    "ended": float(ended[index]),
                 },
                 chosen=index == winner,
             ))
         session.details["mmi"] = {
             "reverse_model": reverse_model.name,
             "source_turns": len(source),
+            "ended": sum(ended),
+            "quorum": settings.quorum_rows(),
             "retokenized": retokenized,
             "forward_score": "log P(reply EOS | prompt) under the model and its steerers, before sampling filters",
             "reverse_score": "log P(source | reply) under the reverse model",
@@ -185,9 +202,13 @@ class MMIDecoder(Decoder):
         draw = torch.multinomial(torch.softmax(best, dim=-1), num_samples=1, generator=generator)  # (B, 1)
         return indices.gather(1, draw).squeeze(1)
 
-    def sample_candidates(self, session: GenerationSession) -> "tuple[list[list[int]], list[ContinuationScore]]":
+    def sample_candidates(
+        self, session: GenerationSession,
+    ) -> "tuple[list[list[int]], list[ContinuationScore], list[bool]]":
         """``candidates`` replies from one batched decoding pass, each cut at its own EOS,
-        with their forward log-probabilities taken from the same pass."""
+        with their forward log-probabilities taken from the same pass, and whether each
+        ended (at EOS) before the pass stopped: when ``quorum_rows()`` of them had ended,
+        or at ``max_new_tokens``."""
         import torch
 
         from chatcore.reranking import ContinuationScore
@@ -203,16 +224,20 @@ class MMIDecoder(Decoder):
         totals = torch.zeros(rows, dtype=torch.float64, device=device)
         counts = torch.zeros(rows, dtype=torch.long, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        quorum = self.settings.quorum_rows()
         for tokens in candidate_session.run(sampler.processors(), self.select, rows=rows):
             picked = recorder.log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
             totals += torch.where(finished, torch.zeros_like(picked), picked).double()
             counts += (~finished).long()
             finished |= tokens == eos
             steps.append(tokens)
+            # An empty reply (EOS first, when min_new_tokens allows it) does not count.
+            if int((finished & (counts > 1)).sum()) >= quorum:
+                break  # closing the generator ends the batch here
         generated = torch.stack(steps, dim=1).tolist()  # (B, T)
         replies = [row[: row.index(eos)] if eos in row else row for row in generated]
         forward = [ContinuationScore(float(t), int(c)) for t, c in zip(totals.tolist(), counts.tolist())]
-        return replies, forward
+        return replies, forward, finished.tolist()
 
 
 class StepLogProbabilities(Steerer):

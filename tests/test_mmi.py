@@ -184,17 +184,45 @@ def test_reverse_model_is_loaded_once_per_name_and_device(bundled_reverse):
 def test_candidates_come_from_one_batch_where_each_row_stops_at_its_own_eos(loaded, tiny_model_dir, mmi_host):
     mmi_host.register(EndRowsPlugin(), "end-rows-plugin")
     engine = Engine(loaded, host=mmi_host)
-    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 5, "reverse_model": str(tiny_model_dir)},
+    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 5, "reverse_model": str(tiny_model_dir),
+                                                            "quorum": 1},
                            steerers=[("end-rows", {})], seed=3, max_new_tokens=20, min_new_tokens=0)
     response = engine.reply_to(["hello there, how are you?"], options)
     response.text()
     candidates = response.provenance["candidates"]
     assert [len(c["token_ids"]) for c in candidates] == [0, 1, 2, 3, 4]
+    assert all(c["scores"]["ended"] == 1.0 for c in candidates)
     assert all(loaded.eos_token_id not in c["token_ids"] for c in candidates)
     chosen = [c for c in candidates if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["token_ids"], "an empty candidate must not win"
     assert response.token_ids == chosen[0]["token_ids"]
     assert max(c["scores"]["score"] for c in candidates[1:]) == chosen[0]["scores"]["score"]
+
+
+@pytest.mark.parametrize(("quorum", "lengths", "ended_rows"), [
+    # Row r ends at step r; row 0's empty reply does not count towards the quorum.
+    (0.5, [0, 1, 2, 3, 4, 5, 5, 5], 5),  # 4 of 8 ended at step 4: rows 5-7 are cut there
+    (0.25, [0, 1, 2, 3, 3, 3, 3, 3], 3),
+    (1.0, [0, 1, 2, 3, 4, 5, 6, 7], 8),  # wait for every row
+])
+def test_sampling_stops_once_the_quorum_of_candidates_has_ended(quorum, lengths, ended_rows, loaded,
+                                                                tiny_model_dir, mmi_host):
+    mmi_host.register(EndRowsPlugin(), "end-rows-plugin")
+    engine = Engine(loaded, host=mmi_host)
+    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 8, "reverse_model": str(tiny_model_dir),
+                                                            "quorum": quorum},
+                           steerers=[("end-rows", {})], seed=3, max_new_tokens=20, min_new_tokens=0)
+    response = engine.reply_to(["hello there, how are you?"], options)
+    response.text()
+    candidates = response.provenance["candidates"]
+    steerer = response.provenance["details"]
+    assert [len(c["token_ids"]) for c in candidates] == lengths
+    ended = [c["scores"]["ended"] == 1.0 for c in candidates]
+    assert ended == [row < ended_rows for row in range(8)]
+    assert steerer["mmi"]["ended"] == ended_rows
+    # Only a candidate that ended can win: the cut-off ones are unfinished sentences.
+    chosen = [c for c in candidates if c["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["scores"]["ended"] == 1.0 and chosen[0]["token_ids"]
 
 
 def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_reverse, mmi_host):
@@ -215,8 +243,8 @@ def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_
     chosen = [c for c in candidates if c["chosen"]]
     assert len(chosen) == 1
     assert chosen[0]["token_ids"] == response.token_ids and chosen[0]["text"] == text
-    eligible = [c for c in candidates if c["token_ids"]]
-    assert chosen[0]["scores"]["reverse"] == max(c["scores"]["reverse"] for c in eligible)
+    eligible = [c for c in candidates if c["token_ids"] and c["scores"]["ended"]]
+    assert eligible and chosen[0]["scores"]["reverse"] == max(c["scores"]["reverse"] for c in eligible)
     # The recorded scores are what the scoring functions give for these candidates.
     turns = reranking.split_turns(_prompt_ids(conversation, 24), bundled.eos_token_id)
     source = list(reversed(turns[-2:]))
@@ -224,7 +252,7 @@ def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_
     for candidate, score in zip(candidates, reranking.reverse_scores(bundled_reverse, ids, source)):
         assert candidate["scores"]["reverse"] == pytest.approx(score.total, abs=1e-4)
     # Forward scores come from the sampling pass; with no steerer they are the plain model's.
-    ended = [c for c in candidates if len(c["token_ids"]) < 24]
+    ended = [c for c in candidates if c["scores"]["ended"]]
     assert ended
     prompt = _prompt_ids(conversation, 24)
     for candidate in ended:
@@ -266,6 +294,9 @@ def test_candidates_are_retokenized_for_a_reverse_model_with_another_tokenizer(l
         ({"selection": "best"}, "selection"),
         ({"selection_temperature": 0}, "selection_temperature"),
         ({"weight": -1}, "weight"),
+        ({"quorum": 0}, "quorum"),
+        ({"quorum": 1.5}, "quorum"),
+        ({"quorum": True}, "quorum"),
         ({"reverse_model": " "}, "reverse_model"),
         ({"top_k": 0}, "top_k"),
         ({"beams": 4}, "beams"),

@@ -54,3 +54,47 @@ def contains_any(text: str, vocabulary: set[str]) -> bool:
         elif entry_tokens and " " + " ".join(entry_tokens) + " " in joined:
             return True
     return False
+
+
+# Words a content phrase may carry that say nothing of its content ("is perfect" is about
+# "perfect"). Used by ``mentions``.
+_FUNCTION_WORDS = frozenset(
+    "a an the is are was were be been am i you he she it we they my your his her its our their this that "
+    "these those to of in on at for with and or but so very really too not no do does did have has had "
+    "will would can could".split()
+)
+# Endings that make a close variant of a word: plurals, verb forms, -ly/-al/-ian/-ness ...
+_SUFFIXES = ("", "s", "es", "e", "ed", "d", "ing", "er", "ers", "y", "ly", "al", "ally", "ian", "ians", "ist",
+             "ists", "ic", "ful", "ness", "ies", "ily", "iness", "ier", "iest")
+
+
+def content_keywords(content: str) -> list[str]:
+    """The words of ``content`` that carry it: all but function words (all of them if
+    the content has nothing else)."""
+    tokens = [t for t in words(content) if any(ch.isalnum() for ch in t)]
+    kept = [t for t in tokens if t not in _FUNCTION_WORDS]
+    return kept or tokens
+
+
+def is_variant(word: str, keyword: str) -> bool:
+    """Whether ``word`` is ``keyword`` or a close variant of it: the keyword (or the keyword
+    without a final e / y) followed by one of a few inflectional or derivational endings.
+    ``music`` matches musical, musician; ``horrible`` horribly; ``happy`` happiness; ``cat``
+    does not match catch."""
+    if word == keyword:
+        return True
+    stems = {keyword}
+    if len(keyword) > 3 and keyword[-1] in "ey":
+        stems.add(keyword[:-1])
+    for stem in stems:
+        if word.startswith(stem) and word[len(stem):] in _SUFFIXES:
+            return True
+    return False
+
+
+def mentions(text: str, content: str) -> bool:
+    """Whether ``text`` carries ``content``: every keyword of the content (see
+    ``content_keywords``) occurs in it, as itself or a close variant (``is_variant``)."""
+    tokens = set(words(text))
+    keywords = content_keywords(content)
+    return bool(keywords) and all(any(is_variant(token, keyword) for token in tokens) for keyword in keywords)
