@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.testing import CliRunner
 import pytest
 
 import chatcore
@@ -105,7 +106,7 @@ def test_hook_register_commands(host) -> None:
 
     host.register(Plugin(), "hello")
     host.call_each("register_commands", cli=group)
-    result = click.testing.CliRunner().invoke(group, ["hello"])
+    result = CliRunner().invoke(group, ["hello"])
     assert result.exit_code == 0 and "hello from a plugin" in result.output
 
 
