@@ -41,7 +41,9 @@ class CoconSettings:
 
     content:       one or more content texts (comma list). Empty: the block without
                    content, which stays close to the plain model.
-    tau:           the content bias: one value for every content, or one per content.
+    tau:           the content bias: one value for every content, or one per content;
+                   none given: the block's own default (``default_tau`` in its
+                   cocon_config.json, 0 if it has none).
     block:         a bundled block name or a block folder; default: the bundled block
                    trained for the loaded model.
     leading_space: encode each content as it reads inside a sentence (" pizza"), the
@@ -49,7 +51,7 @@ class CoconSettings:
     """
 
     content: tuple[str, ...] = ()
-    tau: tuple[float, ...] = (0.0,)
+    tau: tuple[float, ...] = ()
     block: str | None = None
     leading_space: bool = True
 
@@ -59,19 +61,33 @@ class CoconSettings:
         if isinstance(self.tau, (int, float)):
             self.tau = (float(self.tau),)
         self.content = tuple(text.strip() for text in self.content if text.strip())
-        if not self.tau:
-            raise ValueError("`tau` must give at least one value, got none")
         for value in self.tau:
             if not math.isfinite(value) or abs(value) > TAU_LIMIT:
                 raise ValueError(f"`tau` values must be between -{TAU_LIMIT:g} and {TAU_LIMIT:g}, got {value}")
-        if len(self.tau) != 1 and len(self.tau) != len(self.content):
+        if len(self.tau) > 1 and len(self.tau) != len(self.content):
             raise ValueError(f"`tau` must give one value or one per content ({len(self.content)}), "
                              f"got {len(self.tau)}")
         if self.block is not None and not self.block.strip():
             raise ValueError(f"`block` must name a block, got {self.block!r}")
 
-    def taus(self) -> list[float]:
-        return list(self.tau) * len(self.content) if len(self.tau) == 1 else list(self.tau)
+    def taus(self, default: float = 0.0) -> list[float]:
+        """One tau per content; ``default`` (the block's) when none was given."""
+        values = self.tau or (default,)
+        return list(values) * len(self.content) if len(values) == 1 else list(values)
+
+
+def block_default_tau(info: dict[str, Any]) -> float:
+    """The tau a block's config recommends (``default_tau``; 0, the paper's, if none).
+
+    How much bias a block needs to carry a content depends on how well it was trained,
+    so the value belongs to the block: its trainer measures it and writes it down.
+    """
+    value = info.get("default_tau", 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or abs(value) > TAU_LIMIT:
+        raise ChatcoreError(f"the CoCon block's default_tau must be a number between -{TAU_LIMIT:g} and "
+                            f"{TAU_LIMIT:g}, got {value!r}")
+    return float(value)
 
 
 class CoconSteerer(Steerer):
@@ -107,10 +123,11 @@ class CoconSteerer(Steerer):
         self.pipeline = CoconPipeline(SplitModel(loaded.model, block.config.split_layer), block)
         texts = [(" " + text) if self.settings.leading_space else text for text in self.settings.content]
         contents = [encode_text(loaded.tokenizer, text) for text in texts]
+        taus = self.settings.taus(block_default_tau(info))
         with torch.inference_mode():
-            self.content = self.pipeline.encode_content(contents, self.settings.taus())
+            self.content = self.pipeline.encode_content(contents, taus)
         session.details["cocon"] = {"block": str(folder), "split_layer": block.config.split_layer,
-                                    "content_tokens": [len(ids) for ids in contents]}
+                                    "content_tokens": [len(ids) for ids in contents], "tau": taus}
 
     def wrap(self, step: Step) -> Step:
         # ``step`` is the model's own step (prepare() made sure cocon is innermost); the

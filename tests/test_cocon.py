@@ -193,6 +193,38 @@ def test_cocon_settings_are_validated(cocon_engine):
     steerer = cocon_engine.make_steerer("cocon", {"content": "pizza, is perfect", "tau": "2"})
     assert steerer.settings.content == ("pizza", "is perfect")
     assert steerer.settings.taus() == [2.0, 2.0]
+    assert cocon_engine.make_steerer("cocon", {"content": "a,b"}).settings.taus(1.5) == [1.5, 1.5]
+
+
+def test_tau_defaults_to_the_blocks_own(cocon_engine, tiny_block_dir, tmp_path):
+    import shutil
+
+    def taus(block: str, settings: dict) -> list[float]:
+        response = cocon_engine.conversation().send("hi there", ReplyOptions(
+            decoder="greedy", steerers=[("cocon", {"content": "pizza,dog", "block": block, **settings})],
+            max_new_tokens=2))
+        response.text()
+        return response.provenance["details"]["cocon"]["tau"]
+
+    assert taus(str(tiny_block_dir), {}) == [0.0, 0.0]  # a block without a default_tau: the paper's 0
+    for value, name in ((2.5, "with-default"), ("high", "bad-default")):
+        folder = tmp_path / name
+        shutil.copytree(tiny_block_dir, folder)
+        info = json.loads((folder / "cocon_config.json").read_text())
+        (folder / "cocon_config.json").write_text(json.dumps({**info, "default_tau": value}))
+        if value == "high":
+            with pytest.raises(Exception, match="default_tau"):
+                taus(str(folder), {})
+        else:
+            assert taus(str(folder), {}) == [2.5, 2.5]
+            assert taus(str(folder), {"tau": "1,-1"}) == [1.0, -1.0]  # given values win
+
+
+def test_the_bundled_block_names_its_default_tau():
+    from chatcore.cocon.store import resolve_block
+
+    folder = resolve_block("cocon-chatcore-tiny", {}, "chatcore-tiny")
+    assert read_info(folder)["default_tau"] == 3.0
 
 
 def test_cocon_replies_under_every_decoder_and_composes_after(cocon_engine, tiny_block_dir):
