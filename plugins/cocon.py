@@ -179,6 +179,16 @@ def register_steerers(register: Callable[[type], None]) -> None:
 @click.option("--continuation-tokens", type=click.IntRange(2, 8192), default=24, show_default=True)
 @click.option("--content-max-tokens", type=click.IntRange(1, 8192), default=None,
               help="Longest content (default: the whole continuation).")
+@click.option("--short-content-share", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="Share of batches whose content is a short span (a word, a phrase) of the continuation.")
+@click.option("--short-content-max-tokens", type=click.IntRange(1, 8192), default=4, show_default=True,
+              help="Longest short content span.")
+@click.option("--span-weight", type=click.FloatRange(0), default=1.0, show_default=True,
+              help="Weight, relative to the other positions, of the self loss at the positions a short "
+                   "content holds.")
+@click.option("--init-block", default=None,
+              help="Start from this block's weights (a block folder or bundled name for the same model): "
+                   "fine-tune it.")
 @click.option("--self-weight", type=click.FloatRange(0), default=1.0, show_default=True,
               help="Weight of the self-reconstruction loss.")
 @click.option("--null-weight", type=click.FloatRange(0), default=1.0, show_default=True,
@@ -203,7 +213,8 @@ def register_steerers(register: Callable[[type], None]) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, split_layer: int | None, steps: int,
                   batch_size: int, history_tokens: int, continuation_tokens: int, content_max_tokens: int | None,
-                  self_weight: float, null_weight: float, cycle_weight: float, adv_weight: float,
+                  short_content_share: float, short_content_max_tokens: int, span_weight: float,
+                  init_block: str | None, self_weight: float, null_weight: float, cycle_weight: float, adv_weight: float,
                   cycle_from_step: int, adv_from_step: int, cycle_tokens: int, learning_rate: float,
                   warmup_steps: int, eval_every: int, seed: int, device: str | None, precision: str, resume: bool,
                   quiet: bool) -> None:
@@ -219,7 +230,9 @@ def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, split_l
         config = CoconTrainConfig(
             out_dir=out_dir, model=model, corpus=corpus, heldout=heldout, split_layer=split_layer, steps=steps,
             batch_size=batch_size, history_tokens=history_tokens, continuation_tokens=continuation_tokens,
-            content_max_tokens=content_max_tokens, self_weight=self_weight,
+            content_max_tokens=content_max_tokens, short_content_share=short_content_share,
+            short_content_max_tokens=short_content_max_tokens, span_weight=span_weight, init_block=init_block,
+            self_weight=self_weight,
             null_weight=null_weight, cycle_weight=cycle_weight, adv_weight=adv_weight,
             cycle_from_step=cycle_from_step, adv_from_step=adv_from_step, cycle_tokens=cycle_tokens,
             learning_rate=learning_rate, warmup_steps=warmup_steps, eval_every=eval_every, seed=seed,

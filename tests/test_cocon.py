@@ -385,6 +385,42 @@ def test_training_writes_a_loadable_block_and_resumes(loaded, tiny_model_dir, tm
     assert resumed.steps == 3
 
 
+def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_block_dir, tmp_path):
+    from chatcore.cocon.training import CoconTrainConfig, train_cocon
+
+    corpus = tmp_path / "dialogues.jsonl"
+    lines = [{"turns": ["do you like to cook pasta at home?", "yes, i cook pasta every sunday with my kids",
+                        "that sounds lovely, what sauce do you make", "mostly tomato and basil from the garden"]}]
+    corpus.write_text("\n".join(json.dumps(line) for line in lines * 6) + "\n")
+    config = dict(model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, batch_size=4, history_tokens=8,
+                  continuation_tokens=6, cycle_weight=0.0, adv_weight=0.0, eval_every=1, eval_windows=4,
+                  warmup_steps=0, short_content_share=1.0, span_weight=4.0, learning_rate=1e-8, dropout=0.0,
+                  device="cpu")
+    start, _ = load_block(tiny_block_dir)
+    tuned = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "tuned"), init_block=str(tiny_block_dir), steps=1,
+                                         **config), progress=False)
+    fresh = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "fresh"), steps=1, **config), progress=False)
+    tuned_block, _ = load_block(tuned.block_dir)
+    fresh_block, _ = load_block(fresh.block_dir)
+    weight = "mlp_in.weight"
+    assert torch.allclose(tuned_block.state_dict()[weight].float(), start.state_dict()[weight].float(), atol=1e-3)
+    assert not torch.allclose(fresh_block.state_dict()[weight].float(), start.state_dict()[weight].float(),
+                              atol=1e-3)
+
+
+def test_the_span_weight_weighs_the_content_positions():
+    from chatcore.cocon.training import lm_loss, weighted_lm_loss
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    assert torch.allclose(weighted_lm_loss(logits, targets, torch.ones(2, 5)), lm_loss(logits, targets))
+    weights = torch.ones(2, 5)
+    weights[0, 2] = 4.0
+    each = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1), reduction="none")
+    expected = (each.sum() + 3 * each[2]) / 13
+    assert torch.allclose(weighted_lm_loss(logits, targets, weights), expected)
+
+
 def test_train_cocon_command_is_registered():
     from click.testing import CliRunner
 

@@ -62,6 +62,8 @@ class CoconTrainConfig:
     short_content_share: float = 0.5  # share of batches whose content is a short span
     short_content_max_tokens: int = 4
     span_rarity: float = 1.0  # short spans start at token t with weight count(t) ** -span_rarity
+    span_weight: float = 1.0  # self loss weight, relative to the rest, at the positions a short content holds
+    init_block: str | None = None  # start from this block's weights (a folder or bundled name): fine-tuning
     turn_start_share: float = 0.75  # share of windows whose continuation starts a turn
     no_history_share: float = 0.05  # share of batches trained with the start vector, no history
     content_mask_prob: float = 0.1  # content hidden states replaced by the mask vector
@@ -110,7 +112,8 @@ class CoconTrainConfig:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"`{name}` must be between 0 and 1, got {value}")
-        for name in ("self_weight", "null_weight", "cycle_weight", "adv_weight", "weight_decay", "span_rarity"):
+        for name in ("self_weight", "null_weight", "cycle_weight", "adv_weight", "weight_decay", "span_rarity",
+                     "span_weight"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"`{name}` must be a non-negative number, got {value}")
@@ -198,6 +201,13 @@ class HiddenDiscriminator(nn.Module):
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+def weighted_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged with per-position ``weights`` (B, T)."""
+    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="none")
+    weights = weights.reshape(-1).to(losses.dtype)
+    return (losses * weights).sum() / weights.sum()
 
 
 def self_token_bias(queries: int, content_start: int, content_length: int, dtype: torch.dtype,
@@ -290,7 +300,14 @@ class CoconLosses:
             bias = self_token_bias(continuation.size(1), int(starts[0]), length, keys.dtype, keys.device)
         result = BatchLosses({})
         logits, _ = self.pipeline.full_forward(alpha_hidden, hs, keys, values, bias)
-        result.losses["self"] = lm_loss(logits, targets)
+        if bias is None and config.span_weight != 1.0:
+            # A short content: weigh the positions that predict its own tokens, where
+            # following the content pays, against the rest (targets = the continuation).
+            weights = torch.ones(targets.shape, device=targets.device)
+            weights.scatter_(1, span, config.span_weight)
+            result.losses["self"] = weighted_lm_loss(logits, targets, weights)
+        else:
+            result.losses["self"] = lm_loss(logits, targets)
         if config.null_weight > 0:
             logits, _ = self.pipeline.full_forward(alpha_hidden, hs)
             result.losses["null"] = lm_loss(logits, targets)
@@ -407,6 +424,23 @@ def heldout_losses(pipeline: CoconPipeline, windows: torch.Tensor, config: Cocon
     return {name: value / max(1, count) for name, value in sums.items()}
 
 
+def _init_from_block(block: CoconBlock, name: str, model: Any, tokenizer: Any, model_name: str) -> None:
+    """Copy the weights of block ``name`` (trained for this very model) into ``block``."""
+    from chatcore.cocon.store import check_compatible, load_block, model_fingerprint, resolve_block
+
+    fingerprint = model_fingerprint(model, tokenizer)
+    folder = resolve_block(name, fingerprint, model_name)
+    source, info = load_block(folder)
+    check_compatible(info, fingerprint, name, model_name)
+    shape = ("n_embd", "n_head", "split_layer", "n_inner")
+    theirs = {key: getattr(source.config, key) for key in shape}
+    ours = {key: getattr(block.config, key) for key in shape}
+    if theirs != ours:
+        raise ChatcoreError(f"--init-block {name!r} has another shape ({theirs}) than this run's block ({ours}); "
+                            f"give the same --split-layer")
+    block.load_state_dict({key: value.float() for key, value in source.state_dict().items()})
+
+
 def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool = True) -> CoconTrainResult:
     """Train a CoCon block for ``config.model``; writes OUT/checkpoint.pt and OUT/block/."""
     from tqdm.auto import tqdm
@@ -441,6 +475,8 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     block_config = CoconConfig(n_embd=split.n_embd, n_head=int(model.config.n_head), split_layer=split_layer,
                                layer_norm_epsilon=float(model.config.layer_norm_epsilon), dropout=config.dropout)
     block = CoconBlock(block_config).to(device)
+    if config.init_block is not None and not resume:
+        _init_from_block(block, config.init_block, model, tokenizer, config.model)
     block.train()
     pipeline = CoconPipeline(split, block)
     discriminator = HiddenDiscriminator(split.n_embd).to(device)
