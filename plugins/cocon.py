@@ -123,6 +123,11 @@ class CoconSteerer(Steerer):
         self.pipeline = CoconPipeline(SplitModel(loaded.model, block.config.split_layer), block)
         texts = [(" " + text) if self.settings.leading_space else text for text in self.settings.content]
         contents = [encode_text(loaded.tokenizer, text) for text in texts]
+        for text, ids in zip(self.settings.content, contents):
+            # Each content is encoded from position 0, so it must fit the model's positions.
+            if len(ids) > loaded.max_positions:
+                raise OptionError(f"`content` {text[:40]!r}... is {len(ids)} tokens long; model {loaded.name!r} "
+                                  f"takes at most {loaded.max_positions}: give a shorter content")
         taus = self.settings.taus(block_default_tau(info))
         with torch.inference_mode():
             self.content = self.pipeline.encode_content(contents, taus)

@@ -34,6 +34,11 @@ if TYPE_CHECKING:
     from chatcore.reranking import ContinuationScore
 
 
+# One batch holds every candidate: beyond this a reply would take minutes and
+# gigabytes (each row keeps its own cache and scores over the whole vocabulary).
+MAX_CANDIDATES = 512
+
+
 @dataclass
 class MMISettings(TopKSettings):
     """Candidate sampling (the top-k settings, with 3-gram blocking on), the reverse model,
@@ -66,8 +71,9 @@ class MMISettings(TopKSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.candidates, int) or self.candidates < 1:
-            raise ValueError(f"`candidates` must be a positive integer, got {self.candidates!r}")
+        if not isinstance(self.candidates, int) or isinstance(self.candidates, bool) \
+                or not 1 <= self.candidates <= MAX_CANDIDATES:
+            raise ValueError(f"`candidates` must be an integer from 1 to {MAX_CANDIDATES}, got {self.candidates!r}")
         if not isinstance(self.reverse_model, str) or not self.reverse_model.strip():
             raise ValueError(f"`reverse_model` must name a model, got {self.reverse_model!r}")
         if not isinstance(self.source_turns, int) or self.source_turns < 1:

@@ -196,6 +196,14 @@ def test_cocon_settings_are_validated(cocon_engine):
     assert cocon_engine.make_steerer("cocon", {"content": "a,b"}).settings.taus(1.5) == [1.5, 1.5]
 
 
+def test_a_content_longer_than_the_models_positions_is_a_clear_error(cocon_engine, tiny_block_dir, loaded):
+    content = "pizza " * (loaded.max_positions + 10)
+    options = ReplyOptions(decoder="greedy", max_new_tokens=2,
+                           steerers=[("cocon", {"content": (content,), "block": str(tiny_block_dir)})])
+    with pytest.raises(Exception, match=r"`content` .* tokens long; .* takes at most"):
+        cocon_engine.conversation().send("hi", options).text()
+
+
 def test_tau_defaults_to_the_blocks_own(cocon_engine, tiny_block_dir, tmp_path):
     import shutil
 

@@ -290,6 +290,7 @@ def test_candidates_are_retokenized_for_a_reverse_model_with_another_tokenizer(l
     [
         ({"candidates": 0}, "candidates"),
         ({"candidates": -3}, "candidates"),
+        ({"candidates": 100_000}, "candidates"),
         ({"source_turns": 0}, "source_turns"),
         ({"selection": "best"}, "selection"),
         ({"selection_temperature": 0}, "selection_temperature"),
