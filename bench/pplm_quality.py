@@ -1,6 +1,6 @@
 """PPLM's effect and cost in quality, on held-out chitchat contexts, same seeds.
 
-    python bench/pplm_quality.py [--topics food,weather,music] [--limit 100] [--stepsize 0.1]
+    python bench/pplm_quality.py [--topics food,weather,music] [--limit 100] [--pplm "stepsize=0.5"]
                                  [--sentiment] [--json report.json]
 
 For each topic: unsteered top-k vs ``pplm topic=...`` through chatcore.evaluation's

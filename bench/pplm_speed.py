@@ -1,7 +1,7 @@
 """PPLM's cost per token against plain top-k decoding, in one run on one model.
 
     python bench/pplm_speed.py [--model chatcore-tiny] [--history 200] [--lengths 20,60]
-                               [--iterations 3] [--repeats 3] [--threads N]
+                               [--iterations 3] [--repeats 3] [--threads N] [--pplm "carry=false"]
 
 For each reply length, both configurations decode exactly that many tokens (EOS banned
 until then) after a conversation history of about --history tokens; the median of
@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="20,60", help="reply lengths, comma-separated")
     parser.add_argument("--iterations", type=int, default=3, help="pplm num_iterations")
     parser.add_argument("--topic", default="food")
+    parser.add_argument("--pplm", default="", help='extra pplm settings, e.g. "carry=false window_length=5"')
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -33,6 +34,7 @@ def main() -> None:
     import transformers
 
     from chatcore.engine import Engine, ReplyOptions
+    from chatcore.options import parse_key_values
     from chatcore.plugin_manager import PluginHost
 
     if args.threads:
@@ -77,7 +79,9 @@ def main() -> None:
         conversation.turns.pop()  # the same prompt for every run
         return elapsed
 
-    pplm = [("pplm", {"topic": args.topic, "num_iterations": args.iterations})]
+    settings = {"topic": args.topic, "num_iterations": args.iterations, **parse_key_values(args.pplm.split())}
+    pplm = [("pplm", settings)]
+    print("pplm settings: " + " ".join(f"{key}={value}" for key, value in settings.items()))
     target = args.iterations + 2
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     for history in (args.history, 20):

@@ -9,7 +9,7 @@ Also registers ``chatcore train discriminator``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
@@ -93,8 +93,21 @@ class PPLMSteerer(Steerer):
         else:
             vocab_size = loaded.model.get_output_embeddings().weight.size(0)
             attribute = BagOfWords.from_words(settings.all_words(), loaded.tokenizer, vocab_size, loaded.device)
-        self.perturbation = Perturbation(settings.perturb_config(), attribute, loaded.model, loaded.eos_token_id)
+        self.perturbation = Perturbation(settings.perturb_config(), attribute, loaded.model, loaded.eos_token_id,
+                                         runner=self._runner(session), max_new_tokens=session.max_new_tokens)
         session.details["pplm"] = self.perturbation.summary
+
+    def _runner(self, session: "GenerationSession") -> Any:
+        """The lean GPT-2 forward for the perturbed passes, if it computes what the inner step
+        does: a GPT-2 model, and no other steerer between PPLM and the model (steerers
+        listed before this one are inside it, and their edits must take part)."""
+        from chatcore.pplm import gpt2
+
+        steerers = list(session.steerers)
+        innermost = bool(steerers) and steerers[0] is self
+        if not innermost or not gpt2.supports(session.model.model):
+            return None
+        return gpt2.GPT2Runner(session.model.model)
 
     def wrap(self, step: Step) -> Step:
         if self.perturbation is None:

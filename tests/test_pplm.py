@@ -152,7 +152,7 @@ def test_window_covers_the_most_recent_positions():
 
 def test_window_on_a_real_step_perturbs_only_recent_positions(loaded):
     prompt = prompt_for(loaded, "hi there, what did you have for dinner yesterday?")
-    steerer = pplm(stepsize=0.5, window_length=3)
+    steerer = pplm(stepsize=0.5, window_length=3, carry=True)
     first_step(loaded, steerer, prompt)
     length = len(prompt) - 1  # the past of the prompt's last token
     plain_past = past_of(model_step(loaded.model)(_prompt_state(prompt)).cache)
@@ -236,7 +236,7 @@ def test_gradients_reach_the_deltas_and_the_bow_loss_decreases(loaded):
 
 def test_grad_length_really_stops_optimising(loaded):
     recorder = Recorder()
-    steerer = pplm(stepsize=0.1, num_iterations=3, grad_length=2)
+    steerer = pplm(stepsize=0.1, num_iterations=3, grad_length=2, carry=True)
     prompt = prompt_for(loaded, "hello!")
     decode(loaded, prompt, [recorder, steerer], tokens=5)
     per_step = [sum(1 for call in recorder.calls if call["step"] == step) for step in range(5)]
@@ -256,7 +256,7 @@ def test_without_carry_each_token_perturbs_the_plain_past(loaded):
 
 def test_steer_every_optimises_every_kth_token(loaded):
     recorder = Recorder()
-    steerer = pplm(stepsize=0.1, num_iterations=2, steer_every=3)
+    steerer = pplm(stepsize=0.1, num_iterations=2, steer_every=3, carry=True)
     decode(loaded, prompt_for(loaded, "hello!"), [recorder, steerer], tokens=6)
     per_step = [sum(1 for call in recorder.calls if call["step"] == step) for step in range(6)]
     assert per_step == [4, 2, 2, 4, 2, 2]
@@ -279,7 +279,7 @@ def test_each_iteration_gets_a_fresh_cache(loaded):
 
 def test_history_is_never_rewritten(loaded):
     """The cache the steered step hands back is the plain model's cache of the same tokens."""
-    steerer = pplm(stepsize=0.5, num_iterations=2)
+    steerer = pplm(stepsize=0.5, num_iterations=2, carry=True)
     prompt = prompt_for(loaded, "what do you cook on sundays?")
     session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=4,
                                 generator=torch.Generator().manual_seed(0), seed=0)
