@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--decoder", default="top-k", help='a decoder spec, e.g. "top-k top_k=20"')
     parser.add_argument("--pplm", default="",
                         help='extra pplm settings for the topics, e.g. "stepsize=0.1 gm_scale=0.9"')
+    parser.add_argument("--rank", default=None,
+                        help='also run the rank decoder with each topic\'s words, alone and with pplm: its extra '
+                             'settings, e.g. "candidates=8" ("" for its defaults)')
     parser.add_argument("--sentiment", action="store_true", help="also steer the shipped sentiment head")
     parser.add_argument("--sentiment-pplm", default="", help="extra pplm settings for the sentiment runs")
     parser.add_argument("--sentiment-labels", default="positive,negative", help="classes to steer towards")
@@ -49,7 +52,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     host = PluginHost()
     host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias",
-                       "chatcore.plugins.pplm"))
+                       "chatcore.plugins.mmi", "chatcore.plugins.rank", "chatcore.plugins.pplm"))
     engine = Engine(args.model, host=host)
     contexts = chitchat_heldout()[: args.limit]
     decoder, decoder_settings = parse_spec(args.decoder)
@@ -57,10 +60,10 @@ def main() -> None:
     extra = parse_key_values(args.pplm.split())
     results: dict[str, object] = {"contexts": len(contexts), "decoder": args.decoder}
 
-    def run(label: str, steerers: list, vocabulary: set[str] | None):
+    def run(label: str, steerers: list, vocabulary: set[str] | None, options: ReplyOptions | None = None):
         import dataclasses
 
-        report = evaluate(engine, contexts, dataclasses.replace(base, steerers=steerers), label=label,
+        report = evaluate(engine, contexts, dataclasses.replace(options or base, steerers=steerers), label=label,
                           vocabulary=vocabulary, seed=args.seed, include_reference=False)
         return report
 
@@ -89,6 +92,21 @@ def main() -> None:
             results[topic] = {"unsteered_share": plain_share, "pplm": dataclasses_dict(steered),
                               "unsteered": dataclasses_dict(plain_row), "share_ratio": share_ratio,
                               "perplexity_ratio": ppl_ratio}
+            if args.rank is not None:
+                import dataclasses
+
+                ranked = dataclasses.replace(base, decoder="rank", decoder_settings={
+                    **decoder_settings, "topic": topic, **parse_key_values(args.rank.split())})
+                for label, steerers in ((f"rank topic={topic} {args.rank}", []),
+                                        (f"rank + pplm topic={topic} {args.pplm}",
+                                         [("pplm", {"topic": topic, **extra})])):
+                    row = run(label, steerers, vocabulary, ranked).rows[0]
+                    ratio = row.attribute_share / plain_share if plain_share else float("inf")
+                    print(f"{label:38s} {row.attribute_share:6.1%} {row.perplexity:7.1f} {row.distinct_2:7.3f} "
+                          f"{row.degenerate_share:6.1%} {row.tokens_per_s or 0:6.1f}")
+                    print(f"  -> topic share {ratio:.2f}x unsteered, perplexity "
+                          f"{row.perplexity / plain_row.perplexity:.2f}x, {row.mean_length:.1f} words")
+                    results[topic][label] = dataclasses_dict(row)  # type: ignore[index]
     if args.sentiment:
         try:
             from afinn import Afinn

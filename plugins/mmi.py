@@ -40,33 +40,22 @@ MAX_CANDIDATES = 512
 
 
 @dataclass
-class MMISettings(TopKSettings):
-    """Candidate sampling (the top-k settings, with 3-gram blocking on), the reverse model,
-    and the selection rule.
+class CandidateSettings(TopKSettings):
+    """Sampling several candidates in one batch (the top-k settings, with 3-gram blocking on).
 
     candidates:            how many replies to sample (one batch).
-    reverse_model:         bundled name, local folder or hub id of the reverse model.
-    source_turns:          how many of the latest turns form the source (1: the user's turn).
-    weight:                score = reverse + weight * forward (0: pure MMI, as in DialoGPT).
-    length_normalize:      use the forward log-probability per token instead of its sum.
-    selection:             argmax of the scores, or a draw from softmax(scores / selection_temperature).
     quorum:                stop sampling once this share of the candidates has ended at EOS; the
                            others are cut off there and win only if no candidate ended (1: wait
                            for every candidate, as the batch would otherwise run until its
                            longest reply ends).
     """
 
-    # The reverse model rewards repeating the source's words, so much that a candidate
-    # stuck in a loop ("teleportation or teleportation or ...") tends to win; blocking
-    # repeated 3-grams while sampling keeps such candidates out of the pool.
+    # Rerankers reward what a loop repeats (the reverse model the source's words, a word
+    # list its words), so much that a candidate stuck in a loop ("teleportation or
+    # teleportation or ...") tends to win; blocking repeated 3-grams while sampling keeps
+    # such candidates out of the pool.
     no_repeat_ngram_size: int = 3
     candidates: int = 8
-    reverse_model: str = DEFAULT_REVERSE_MODEL
-    source_turns: int = 1
-    weight: float = 0.0
-    length_normalize: bool = True
-    selection: Literal["argmax", "sample"] = "argmax"
-    selection_temperature: float = 1.0
     quorum: float = 0.5
 
     def __post_init__(self) -> None:
@@ -74,6 +63,34 @@ class MMISettings(TopKSettings):
         if not isinstance(self.candidates, int) or isinstance(self.candidates, bool) \
                 or not 1 <= self.candidates <= MAX_CANDIDATES:
             raise ValueError(f"`candidates` must be an integer from 1 to {MAX_CANDIDATES}, got {self.candidates!r}")
+        if isinstance(self.quorum, bool) or not isinstance(self.quorum, (int, float)) or not 0 < self.quorum <= 1:
+            raise ValueError(f"`quorum` must be a number in (0, 1], got {self.quorum!r}")
+
+    def quorum_rows(self) -> int:
+        """How many candidates must have ended before sampling stops."""
+        return max(1, min(self.candidates, math.ceil(self.quorum * self.candidates - 1e-9)))
+
+
+@dataclass
+class MMISettings(CandidateSettings):
+    """Candidate sampling (see CandidateSettings), the reverse model, and the selection rule.
+
+    reverse_model:         bundled name, local folder or hub id of the reverse model.
+    source_turns:          how many of the latest turns form the source (1: the user's turn).
+    weight:                score = reverse + weight * forward (0: pure MMI, as in DialoGPT).
+    length_normalize:      use the forward log-probability per token instead of its sum.
+    selection:             argmax of the scores, or a draw from softmax(scores / selection_temperature).
+    """
+
+    reverse_model: str = DEFAULT_REVERSE_MODEL
+    source_turns: int = 1
+    weight: float = 0.0
+    length_normalize: bool = True
+    selection: Literal["argmax", "sample"] = "argmax"
+    selection_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.reverse_model, str) or not self.reverse_model.strip():
             raise ValueError(f"`reverse_model` must name a model, got {self.reverse_model!r}")
         if not isinstance(self.source_turns, int) or self.source_turns < 1:
@@ -84,12 +101,6 @@ class MMISettings(TopKSettings):
             raise ValueError(f"`selection` must be one of argmax, sample, got {self.selection!r}")
         if not self.selection_temperature > 0:
             raise ValueError(f"`selection_temperature` must be a positive number, got {self.selection_temperature}")
-        if isinstance(self.quorum, bool) or not isinstance(self.quorum, (int, float)) or not 0 < self.quorum <= 1:
-            raise ValueError(f"`quorum` must be a number in (0, 1], got {self.quorum!r}")
-
-    def quorum_rows(self) -> int:
-        """How many candidates must have ended before sampling stops."""
-        return max(1, min(self.candidates, math.ceil(self.quorum * self.candidates - 1e-9)))
 
 
 def combined_scores(forward: Sequence[float], reverse: Sequence[float], weight: float) -> list[float]:
@@ -124,15 +135,76 @@ def choose(
     return pool[int(draw)]
 
 
-class MMIDecoder(Decoder):
-    name = "mmi"
-    description = "samples N replies in one batch and keeps the one the reverse model finds most specific"
-    Settings = MMISettings
+class CandidateDecoder(Decoder):
+    """Base for decoders that sample ``candidates`` replies in one batch and choose one.
+
+    Subclasses implement ``decode``: ``sample_candidates(session)`` gives the replies,
+    their forward scores and whether each ended; ``session.candidates`` is where the
+    choice and its scores are recorded for provenance.
+    """
+
+    Settings = CandidateSettings
 
     def sampler(self) -> TopKDecoder:
         """The top-k decoder that samples the candidates, with this decoder's sampling settings."""
         sampling = {f.name: getattr(self.settings, f.name) for f in fields(TopKSettings)}
         return TopKDecoder(TopKSettings(**sampling))
+
+    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
+        """Draw each row's next token from softmax(scores), as the top-k decoder does, but
+        only over the row's ``top_k`` best scores. After the top-k processor every other
+        score is -inf, so the distribution is the same; the draw needs ``top_k`` random
+        numbers per row instead of one per vocabulary entry, which on a CPU is a sizeable
+        share of a batched step (8 rows x 8192 tokens)."""
+        import torch
+
+        k = min(self.settings.top_k, scores.size(-1))
+        best, indices = torch.topk(scores, k, dim=-1)  # (B, k)
+        draw = torch.multinomial(torch.softmax(best, dim=-1), num_samples=1, generator=generator)  # (B, 1)
+        return indices.gather(1, draw).squeeze(1)
+
+    def sample_candidates(
+        self, session: GenerationSession,
+    ) -> "tuple[list[list[int]], list[ContinuationScore], list[bool]]":
+        """``candidates`` replies from one batched decoding pass, each cut at its own EOS,
+        with their forward log-probabilities taken from the same pass, and whether each
+        ended (at EOS) before the pass stopped: when ``quorum_rows()`` of them had ended,
+        or at ``max_new_tokens``."""
+        import torch
+
+        from chatcore.reranking import ContinuationScore
+
+        sampler = self.sampler()
+        eos = session.eos_token_id
+        rows = self.settings.candidates
+        recorder = StepLogProbabilities()
+        # The recorder wraps outermost, so it sees the scores every steerer has made.
+        candidate_session = dataclasses.replace(session, steerers=[*session.steerers, recorder])
+        device = session.model.device
+        steps: list[torch.Tensor] = []
+        totals = torch.zeros(rows, dtype=torch.float64, device=device)
+        counts = torch.zeros(rows, dtype=torch.long, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        quorum = self.settings.quorum_rows()
+        for tokens in candidate_session.run(sampler.processors(), self.select, rows=rows):
+            picked = recorder.log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
+            totals += torch.where(finished, torch.zeros_like(picked), picked).double()
+            counts += (~finished).long()
+            finished |= tokens == eos
+            steps.append(tokens)
+            # An empty reply (EOS first, when min_new_tokens allows it) does not count.
+            if int((finished & (counts > 1)).sum()) >= quorum:
+                break  # closing the generator ends the batch here
+        generated = torch.stack(steps, dim=1).tolist()  # (B, T)
+        replies = [row[: row.index(eos)] if eos in row else row for row in generated]
+        forward = [ContinuationScore(float(t), int(c)) for t, c in zip(totals.tolist(), counts.tolist())]
+        return replies, forward, finished.tolist()
+
+
+class MMIDecoder(CandidateDecoder):
+    name = "mmi"
+    description = "samples N replies in one batch and keeps the one the reverse model finds most specific"
+    Settings = MMISettings
 
     def decode(self, session: GenerationSession) -> Iterator[int]:
         from chatcore import reranking
@@ -194,56 +266,6 @@ class MMIDecoder(Decoder):
             "timings": {key: round(value, 4) for key, value in timings.items()},
         }
         yield from token_ids[winner]
-
-    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
-        """Draw each row's next token from softmax(scores), as the top-k decoder does, but
-        only over the row's ``top_k`` best scores. After the top-k processor every other
-        score is -inf, so the distribution is the same; the draw needs ``top_k`` random
-        numbers per row instead of one per vocabulary entry, which on a CPU is a sizeable
-        share of a batched step (8 rows x 8192 tokens)."""
-        import torch
-
-        k = min(self.settings.top_k, scores.size(-1))
-        best, indices = torch.topk(scores, k, dim=-1)  # (B, k)
-        draw = torch.multinomial(torch.softmax(best, dim=-1), num_samples=1, generator=generator)  # (B, 1)
-        return indices.gather(1, draw).squeeze(1)
-
-    def sample_candidates(
-        self, session: GenerationSession,
-    ) -> "tuple[list[list[int]], list[ContinuationScore], list[bool]]":
-        """``candidates`` replies from one batched decoding pass, each cut at its own EOS,
-        with their forward log-probabilities taken from the same pass, and whether each
-        ended (at EOS) before the pass stopped: when ``quorum_rows()`` of them had ended,
-        or at ``max_new_tokens``."""
-        import torch
-
-        from chatcore.reranking import ContinuationScore
-
-        sampler = self.sampler()
-        eos = session.eos_token_id
-        rows = self.settings.candidates
-        recorder = StepLogProbabilities()
-        # The recorder wraps outermost, so it sees the scores every steerer has made.
-        candidate_session = dataclasses.replace(session, steerers=[*session.steerers, recorder])
-        device = session.model.device
-        steps: list[torch.Tensor] = []
-        totals = torch.zeros(rows, dtype=torch.float64, device=device)
-        counts = torch.zeros(rows, dtype=torch.long, device=device)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        quorum = self.settings.quorum_rows()
-        for tokens in candidate_session.run(sampler.processors(), self.select, rows=rows):
-            picked = recorder.log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
-            totals += torch.where(finished, torch.zeros_like(picked), picked).double()
-            counts += (~finished).long()
-            finished |= tokens == eos
-            steps.append(tokens)
-            # An empty reply (EOS first, when min_new_tokens allows it) does not count.
-            if int((finished & (counts > 1)).sum()) >= quorum:
-                break  # closing the generator ends the batch here
-        generated = torch.stack(steps, dim=1).tolist()  # (B, T)
-        replies = [row[: row.index(eos)] if eos in row else row for row in generated]
-        forward = [ContinuationScore(float(t), int(c)) for t, c in zip(totals.tolist(), counts.tolist())]
-        return replies, forward, finished.tolist()
 
 
 class StepLogProbabilities(Steerer):

@@ -1,0 +1,102 @@
+"""The ``rank`` decoder: sample N candidates in one batch, keep a fluent one that is on topic.
+
+PPLM's ranking step (Dathathri et al., 2020, the "R" of their BCR setting): several
+replies are sampled, with or without steerers, and the one the attribute favours wins.
+Here the attribute is a bag of words (``topic=``, ``words=``, ``file=``, as for
+``bow-bias`` and ``pplm``). The choice, among candidates that ended and are not
+degenerate (a repeated n-gram or trigram, as ``chatcore eval`` counts them):
+
+1. those that contain a word (or phrase) of the bag, if any;
+2. of those, the most fluent: the highest forward log-probability per token (the
+   model's and its steerers' scores, summed during the sampling pass).
+
+Candidates come from the same batched, quorum-stopped pass as ``mmi``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Callable
+
+import chatcore
+from chatcore.decoding import Candidate, GenerationSession
+from chatcore.plugins.bow_bias import WORDLIST_DIR, builtin_topics, read_word_file
+from chatcore.plugins.mmi import CandidateDecoder, CandidateSettings
+
+
+@dataclass
+class RankSettings(CandidateSettings):
+    """Candidate sampling (see chatcore.plugins.mmi.CandidateSettings) and the bag of words.
+
+    topic:  a built-in word list (food, sports, ...).
+    words:  words or phrases (comma list).
+    file:   a word file, one word or phrase per line.
+    """
+
+    topic: str | None = None
+    words: tuple[str, ...] = ()
+    file: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.topic is not None and self.topic not in builtin_topics():
+            raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {self.topic!r}")
+        if self.file is not None:
+            read_word_file(self.file)  # fail now, not mid-reply
+        if not self.all_words():
+            raise ValueError("rank needs words to rank by: `topic=NAME`, `words=a,b,c` or `file=PATH`")
+
+    def all_words(self) -> list[str]:
+        words = [w.strip() for w in self.words if w.strip()]
+        if self.topic:
+            words += read_word_file(WORDLIST_DIR / f"{self.topic}.txt")
+        if self.file:
+            words += read_word_file(self.file)
+        return words
+
+
+def choose_on_topic(fluency: list[float], on_topic: list[bool], usable: list[bool]) -> int:
+    """Index of the winner: the most fluent usable candidate on topic, else the most
+    fluent usable one, else the most fluent of all (the first on ties)."""
+    if not fluency:
+        raise ValueError("there are no candidates to choose from")
+    indices = range(len(fluency))
+    pool = ([i for i in indices if usable[i] and on_topic[i]] or [i for i in indices if usable[i]]
+            or list(indices))
+    return max(pool, key=lambda i: (fluency[i], -i))
+
+
+class RankDecoder(CandidateDecoder):
+    name = "rank"
+    description = "samples N replies in one batch and keeps the most fluent one that contains a word of a list"
+    Settings = RankSettings
+
+    def decode(self, session: GenerationSession) -> Iterator[int]:
+        from chatcore.evaluation.metrics import contains_any, is_degenerate
+
+        vocabulary = set(self.settings.all_words())
+        token_ids, forward, ended = self.sample_candidates(session)
+        tokenizer = session.model.tokenizer
+        texts = [tokenizer.decode(ids) for ids in token_ids]
+        on_topic = [contains_any(text, vocabulary) for text in texts]
+        usable = [bool(ids) and done and not is_degenerate(text) for ids, done, text in zip(token_ids, ended, texts)]
+        fluency = [score.mean for score in forward]
+        winner = choose_on_topic(fluency, on_topic, usable)
+        for index, ids in enumerate(token_ids):
+            session.candidates.append(Candidate(
+                token_ids=list(ids),
+                text=texts[index],
+                scores={"forward": forward[index].total, "forward_mean": forward[index].mean,
+                        "on_topic": float(on_topic[index]), "usable": float(usable[index]),
+                        "ended": float(ended[index])},
+                chosen=index == winner,
+            ))
+        session.details["rank"] = {"on_topic": sum(on_topic), "usable": sum(usable), "ended": sum(ended),
+                                   "quorum": self.settings.quorum_rows()}
+        yield from token_ids[winner]
+
+
+@chatcore.hookimpl(trylast=True)
+def register_decoders(register: Callable[[type], None]) -> None:
+    register(RankDecoder)
