@@ -42,6 +42,25 @@ def read_word_file(path: str | Path) -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
+def check_word_sources(topic: str | None, file: str | None) -> None:
+    """Raise ValueError for an unknown built-in ``topic`` or an unreadable word ``file``
+    (settings call this, so a bad list fails when the plugin is set up, not mid-reply)."""
+    if topic is not None and topic not in builtin_topics():
+        raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {topic!r}")
+    if file is not None:
+        read_word_file(file)
+
+
+def collect_words(words: tuple[str, ...], topic: str | None, file: str | None) -> list[str]:
+    """The inline ``words``, then the built-in ``topic``'s list, then the ``file``'s."""
+    collected = [w.strip() for w in words if w.strip()]
+    if topic:
+        collected += read_word_file(WORDLIST_DIR / f"{topic}.txt")
+    if file:
+        collected += read_word_file(file)
+    return collected
+
+
 def word_variants(word: str) -> set[str]:
     forms = {word, word.lower(), word[:1].upper() + word[1:]}
     return {prefix + form for form in forms for prefix in ("", " ")}
@@ -57,18 +76,10 @@ class BowBiasSettings:
     def __post_init__(self) -> None:
         if not -100.0 <= self.strength <= 100.0:
             raise ValueError(f"`strength` must be between -100 and 100, got {self.strength}")
-        if self.topic is not None and self.topic not in builtin_topics():
-            raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {self.topic!r}")
-        if self.file is not None:
-            read_word_file(self.file)  # fail now, not mid-reply
+        check_word_sources(self.topic, self.file)
 
     def all_words(self) -> list[str]:
-        words = [w.strip() for w in self.words if w.strip()]
-        if self.topic:
-            words += read_word_file(WORDLIST_DIR / f"{self.topic}.txt")
-        if self.file:
-            words += read_word_file(self.file)
-        return words
+        return collect_words(self.words, self.topic, self.file)
 
 
 class BowBiasSteerer(Steerer):

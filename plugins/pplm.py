@@ -15,7 +15,7 @@ import click
 
 import chatcore
 from chatcore.errors import OptionError
-from chatcore.plugins.bow_bias import WORDLIST_DIR, builtin_topics, read_word_file
+from chatcore.plugins.bow_bias import check_word_sources, collect_words
 from chatcore.pplm.config import PerturbConfig
 from chatcore.steering import Steerer
 from chatcore.step import Step
@@ -38,10 +38,7 @@ class PPLMSettings(PerturbConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.topic is not None and self.topic not in builtin_topics():
-            raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {self.topic!r}")
-        if self.file is not None:
-            read_word_file(self.file)  # fail now, not mid-reply
+        check_word_sources(self.topic, self.file)
         has_words = bool(self.topic or self.file or any(w.strip() for w in self.words))
         if self.discriminator is not None:
             from chatcore.pplm.attribute import read_head_config, resolve_head
@@ -58,12 +55,7 @@ class PPLMSettings(PerturbConfig):
                              "or `discriminator=NAME|PATH class_label=LABEL`")
 
     def all_words(self) -> list[str]:
-        words = [w.strip() for w in self.words if w.strip()]
-        if self.topic:
-            words += read_word_file(WORDLIST_DIR / f"{self.topic}.txt")
-        if self.file:
-            words += read_word_file(self.file)
-        return words
+        return collect_words(self.words, self.topic, self.file)
 
     def perturb_config(self) -> PerturbConfig:
         fields = PerturbConfig.__dataclass_fields__

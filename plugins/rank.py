@@ -21,7 +21,7 @@ from typing import Callable
 
 import chatcore
 from chatcore.decoding import Candidate, GenerationSession
-from chatcore.plugins.bow_bias import WORDLIST_DIR, builtin_topics, read_word_file
+from chatcore.plugins.bow_bias import check_word_sources, collect_words
 from chatcore.plugins.mmi import CandidateDecoder, CandidateSettings
 
 
@@ -40,20 +40,12 @@ class RankSettings(CandidateSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.topic is not None and self.topic not in builtin_topics():
-            raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {self.topic!r}")
-        if self.file is not None:
-            read_word_file(self.file)  # fail now, not mid-reply
+        check_word_sources(self.topic, self.file)
         if not self.all_words():
             raise ValueError("rank needs words to rank by: `topic=NAME`, `words=a,b,c` or `file=PATH`")
 
     def all_words(self) -> list[str]:
-        words = [w.strip() for w in self.words if w.strip()]
-        if self.topic:
-            words += read_word_file(WORDLIST_DIR / f"{self.topic}.txt")
-        if self.file:
-            words += read_word_file(self.file)
-        return words
+        return collect_words(self.words, self.topic, self.file)
 
 
 def choose_on_topic(fluency: list[float], on_topic: list[bool], usable: list[bool]) -> int:
