@@ -7,7 +7,6 @@ that come from a corpus also carry the human reply, for reference numbers.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,22 +44,13 @@ def chitchat_heldout(max_turns: int = 6) -> list[EvalContext]:
 def load_prompt_file(path: str | Path) -> list[EvalContext]:
     """A ``.jsonl`` file ({"turns": [...], "reference": "..."} per line) or a text
     file with one opener per line."""
+    from chatcore.training.corpus import data_lines, json_line
+
     path = Path(path)
-    if not path.is_file():
-        raise CorpusError(f"prompt file not found: {path}")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise CorpusError(f"{path}: not UTF-8 text") from None
     contexts = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip() or line.startswith("#"):
-            continue
+    for number, line in data_lines(path, "prompt file"):
         if path.suffix == ".jsonl":
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise CorpusError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            record = json_line(path, number, line)
             if isinstance(record, list):
                 record = {"turns": record}
             turns = record.get("turns") if isinstance(record, dict) else None

@@ -16,7 +16,6 @@ negative, each with the two turns before it.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections import Counter
@@ -85,22 +84,13 @@ class TrainResult:
 
 def read_labelled_file(path: str | Path) -> list[LabelledText]:
     """``label<TAB>text`` lines, or (``.jsonl``) one ``{"label": ..., "text": ...}`` per line."""
+    from chatcore.training.corpus import data_lines, json_line
+
     path = Path(path)
-    if not path.is_file():
-        raise CorpusError(f"labelled file not found: {path}")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise CorpusError(f"{path}: not UTF-8 text") from None
     examples = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip() or line.startswith("#"):
-            continue
+    for number, line in data_lines(path, "labelled file"):
         if path.suffix == ".jsonl":
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise CorpusError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            record = json_line(path, number, line)
             label = record.get("label") if isinstance(record, dict) else None
             text = record.get("text") if isinstance(record, dict) else None
             context = record.get("context", []) if isinstance(record, dict) else []

@@ -16,6 +16,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from chatcore.errors import CorpusError
 
@@ -56,6 +57,28 @@ def load_chitchat() -> list[Dialogue]:
         if len(turns) >= 2:
             dialogues.append(Dialogue(id=f"chitchat:{key}", turns=tuple(turns)))
     return dialogues
+
+
+def data_lines(path: str | Path, what: str) -> list[tuple[int, str]]:
+    """The (line number, line) pairs of a UTF-8 data file, blank lines and lines starting
+    with ``#`` left out; a missing or non-UTF-8 file is a CorpusError naming ``what``."""
+    path = Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{what} not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise CorpusError(f"{path}: not UTF-8 text") from None
+    return [(number, line) for number, line in enumerate(lines, start=1)
+            if line.strip() and not line.startswith("#")]
+
+
+def json_line(path: str | Path, number: int, line: str) -> Any:
+    """One JSONL record; invalid JSON is a CorpusError pointing at the line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise CorpusError(f"{path}:{number}: not valid JSON ({error.msg})") from None
 
 
 def load_jsonl(path: str | Path) -> list[Dialogue]:
