@@ -219,14 +219,19 @@ def test_zero_stepsize_reproduces_unsteered_output_exactly(pplm_engine):
         assert steered.token_ids == plain.token_ids
 
 
-def test_gradients_reach_the_deltas_and_the_bow_loss_decreases(loaded):
-    steerer = pplm(stepsize=0.05, num_iterations=4)
-    prompt = prompt_for(loaded, "what should we eat tonight?")
-    session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=4,
-                                min_new_tokens=4, generator=torch.Generator().manual_seed(0), seed=0)
+def traced_greedy_run(loaded, steerer, text: str, tokens: int) -> list[dict]:
+    """Greedy-decode ``tokens`` tokens after ``text`` with ``steerer`` alone; its perturbation's trace."""
+    session = GenerationSession(model=loaded, prompt_ids=prompt_for(loaded, text), steerers=[steerer],
+                                max_new_tokens=tokens, min_new_tokens=tokens,
+                                generator=torch.Generator().manual_seed(0), seed=0)
     steerer.prepare(session)
     steerer.perturbation.trace = trace = []
     list(session.run([], lambda scores, g: scores.argmax(-1)))
+    return trace
+
+
+def test_gradients_reach_the_deltas_and_the_bow_loss_decreases(loaded):
+    trace = traced_greedy_run(loaded, pplm(stepsize=0.05, num_iterations=4), "what should we eat tonight?", 4)
     assert len(trace) == 4
     for record in trace:
         assert all(norm[0] > 0 for norm in record["grad_norm"])  # gradients reach the deltas
@@ -451,12 +456,7 @@ def test_a_trained_discriminator_steers_towards_its_class(loaded, tmp_path):
 
     steerer = PPLMSteerer.from_options({"discriminator": str(result.path), "class_label": "weather",
                                         "stepsize": 0.5, "num_iterations": 4})
-    prompt = prompt_for(loaded, "what do you think?")
-    session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=3,
-                                min_new_tokens=3, generator=torch.Generator().manual_seed(0), seed=0)
-    steerer.prepare(session)
-    steerer.perturbation.trace = trace = []
-    list(session.run([], lambda scores, g: scores.argmax(-1)))
+    trace = traced_greedy_run(loaded, steerer, "what do you think?", 3)
     assert len(trace) == 3
     for record in trace:
         losses = [values[0] for values in record["attribute"]]
