@@ -14,6 +14,8 @@ import argparse
 import statistics
 import time
 
+from benchlib import long_conversation
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,12 +44,7 @@ def main() -> None:
     device = engine.loaded.device
     n = args.tokens
 
-    conversation = engine.conversation()
-    lines = ["i went hiking with my friends last weekend and it was a lot of fun",
-             "that sounds great, where did you go? i love the mountains in the fall"]
-    conversation.add_user(lines[0])
-    while len(conversation.prompt(n).token_ids) < args.history:
-        conversation.add_user(lines[len(conversation.turns) % 2])
+    conversation = long_conversation(engine, args.history, n)
     history_tokens = len(conversation.prompt(n).token_ids)
 
     cocon_settings = {"content": args.content}

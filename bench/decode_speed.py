@@ -14,6 +14,8 @@ import argparse
 import statistics
 import time
 
+from benchlib import long_conversation
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,28 +96,19 @@ def main() -> None:
               f"ratio {ours_tps / hf_tps:.2f}x")
 
     # Time to first token with a ~400-token history.
-    long_conversation = engine.conversation()
-    lines = ["i went hiking with my friends last weekend and it was a lot of fun",
-             "that sounds great, where did you go? i love the mountains in the fall"]
-    previous = -1
-    while True:
-        long_conversation.add_user(lines[len(long_conversation.turns) % 2])
-        length = len(long_conversation.prompt(n).token_ids)
-        if length >= 400 or length <= previous:  # reached 400 tokens, or the model's context
-            break
-        previous = length
-    history_tokens = len(long_conversation.prompt(n).token_ids)
-    long_ids = torch.tensor([long_conversation.prompt(n).token_ids], device=device)
+    chat = long_conversation(engine, 400, n)
+    history_tokens = len(chat.prompt(n).token_ids)
+    long_ids = torch.tensor([chat.prompt(n).token_ids], device=device)
 
     def first_token_ours() -> float:
         sync()
         start = time.perf_counter()
-        response = long_conversation.reply(ReplyOptions(decoder="greedy", max_new_tokens=1, seed=0))
+        response = chat.reply(ReplyOptions(decoder="greedy", max_new_tokens=1, seed=0))
         next(iter(response), None)
         response.text()
         sync()
         elapsed = time.perf_counter() - start
-        long_conversation.turns.pop()
+        chat.turns.pop()
         return elapsed
 
     def first_token_theirs() -> float:

@@ -16,6 +16,8 @@ import argparse
 import statistics
 import time
 
+from benchlib import long_conversation
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,22 +49,6 @@ def main() -> None:
     print(f"model {args.model} ({parameters:,} parameters) on {device}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
 
-    lines = ["i went hiking with my friends last weekend and it was a lot of fun",
-             "that sounds great, where did you go? i love the mountains in the fall"]
-
-    def conversation_of(history_tokens: int, reply_tokens: int):
-        conversation = engine.conversation()
-        conversation.add_user(lines[0])
-        while len(conversation.prompt(reply_tokens).token_ids) < history_tokens:
-            before = len(conversation.prompt(reply_tokens).token_ids)
-            if len(conversation.turns) % 2:
-                conversation.add_bot_text(lines[1])
-            else:
-                conversation.add_user(lines[0])
-            if len(conversation.prompt(reply_tokens).token_ids) <= before:
-                break  # the model's context is full
-        return conversation
-
     def sync() -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -86,7 +72,7 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     for history in (args.history, 20):
         for n in lengths:
-            conversation = conversation_of(history, n)
+            conversation = long_conversation(engine, history, n)
             prompt_tokens = len(conversation.prompt(n).token_ids)
             timed(conversation, [], n), timed(conversation, pplm, n)  # warm-up
             plain_times, pplm_times = [], []
