@@ -1,7 +1,7 @@
 """PPLM's effect and cost in quality, on held-out chitchat contexts, same seeds.
 
     python bench/pplm_quality.py [--topics food,weather,music] [--limit 100] [--pplm "stepsize=0.5"]
-                                 [--sentiment] [--json report.json]
+                                 [--rank ""] [--rank-only] [--sentiment] [--json report.json]
 
 For each topic: unsteered top-k vs ``pplm topic=...`` through chatcore.evaluation's
 ``evaluate`` (reply perplexity under the plain model, distinct-2, degenerate share, and
@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--rank", default=None,
                         help='also run the rank decoder with each topic\'s words, alone and with pplm: its extra '
                              'settings, e.g. "candidates=8" ("" for its defaults)')
+    parser.add_argument("--rank-only", action="store_true", help="with --rank: leave out pplm without ranking")
     parser.add_argument("--sentiment", action="store_true", help="also steer the shipped sentiment head")
     parser.add_argument("--sentiment-pplm", default="", help="extra pplm settings for the sentiment runs")
     parser.add_argument("--sentiment-labels", default="positive,negative", help="classes to steer towards")
@@ -78,20 +79,23 @@ def main() -> None:
         for topic in [t for t in args.topics.split(",") if t]:
             vocabulary = set(read_word_file(WORDLIST_DIR / f"{topic}.txt"))
             plain_share = sum(contains_any(r, vocabulary) for r in plain_replies) / max(1, len(plain_replies))
-            steered = run(f"pplm {topic}", [("pplm", {"topic": topic, **extra})], vocabulary).rows[0]
             print(f"{'top-k (unsteered)':38s} {plain_share:6.1%} {plain_row.perplexity:7.1f} "
                   f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%} {plain_row.tokens_per_s or 0:6.1f}")
-            print(f"{'pplm topic=' + topic + ' ' + args.pplm:38s} {steered.attribute_share:6.1%} "
-                  f"{steered.perplexity:7.1f} {steered.distinct_2:7.3f} {steered.degenerate_share:6.1%} "
-                  f"{steered.tokens_per_s or 0:6.1f}")
-            share_ratio = steered.attribute_share / plain_share if plain_share else float("inf")
-            ppl_ratio = steered.perplexity / plain_row.perplexity
-            share_verdict = "met" if share_ratio >= 3 else "not met"
-            print(f"  -> topic share {share_ratio:.2f}x unsteered (target >= 3: {share_verdict}), "
-                  f"perplexity {ppl_ratio:.2f}x (target <= 1.3: {'met' if ppl_ratio <= 1.3 else 'not met'})")
-            results[topic] = {"unsteered_share": plain_share, "pplm": dataclasses_dict(steered),
-                              "unsteered": dataclasses_dict(plain_row), "share_ratio": share_ratio,
-                              "perplexity_ratio": ppl_ratio}
+            results[topic] = {"unsteered_share": plain_share, "unsteered": dataclasses_dict(plain_row)}
+            if not (args.rank_only and args.rank is not None):
+                steered = run(f"pplm {topic}", [("pplm", {"topic": topic, **extra})], vocabulary).rows[0]
+                print(f"{'pplm topic=' + topic + ' ' + args.pplm:38s} {steered.attribute_share:6.1%} "
+                      f"{steered.perplexity:7.1f} {steered.distinct_2:7.3f} {steered.degenerate_share:6.1%} "
+                      f"{steered.tokens_per_s or 0:6.1f}")
+                share_ratio = steered.attribute_share / plain_share if plain_share else float("inf")
+                ppl_ratio = steered.perplexity / plain_row.perplexity
+                # rounded: 15 % / 5 % is 2.9999... in floating point
+                share_verdict = "met" if round(share_ratio, 9) >= 3 else "not met"
+                ppl_verdict = "met" if round(ppl_ratio, 9) <= 1.3 else "not met"
+                print(f"  -> topic share {share_ratio:.2f}x unsteered (target >= 3: {share_verdict}), "
+                      f"perplexity {ppl_ratio:.2f}x (target <= 1.3: {ppl_verdict})")
+                results[topic].update({"pplm": dataclasses_dict(steered), "share_ratio": share_ratio,  # type: ignore[attr-defined]
+                                       "perplexity_ratio": ppl_ratio})
             if args.rank is not None:
                 import dataclasses
 

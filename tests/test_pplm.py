@@ -19,6 +19,7 @@ from chatcore.pplm.attribute import (
     BagOfWords, DiscriminatorMismatchError, HeadConfig, load_head, model_shape, read_head_config, resolve_head,
     save_head, tokenizer_fingerprint,
 )
+from chatcore.pplm.config import PerturbConfig
 from chatcore.pplm.kv import past_of
 from chatcore.pplm.perturb import apply_deltas, fuse, kl_divergence, window_weights
 from chatcore.pplm.train_discriminator import (
@@ -123,10 +124,18 @@ def first_step(loaded, steerer, prompt, rows=1, prompt_length=None):
     ({"discriminator": "sentiment"}, "`class_label` is needed"),
     ({"discriminator": "no-such-head", "class_label": "x"}, "no head file"),
     ({"topic": "food", "steer_every": 0}, "`steer_every`"),
+    ({"topic": "food", "layer_share": 0}, "`layer_share` must be above 0"),
+    ({"topic": "food", "layer_share": 1.5}, "`layer_share` must be a number between 0"),
 ])
 def test_settings_are_validated(settings, message):
     with pytest.raises(OptionError, match=message):
         PPLMSteerer.from_options(settings)
+
+
+@pytest.mark.parametrize(("share", "layers", "first"), [(1.0, 6, 0), (0.5, 6, 3), (0.5, 24, 12), (0.01, 6, 5),
+                                                        (0.5, 1, 0), (0.75, 2, 0)])
+def test_layer_share_picks_the_top_layers(share, layers, first):
+    assert PerturbConfig(layer_share=share).first_perturbed_layer(layers) == first
 
 
 def test_settings_parse_from_strings():
@@ -150,17 +159,21 @@ def test_window_covers_the_most_recent_positions():
     assert window_weights(3, decay=False).tolist() == [1.0, 1.0, 1.0]
 
 
-def test_window_on_a_real_step_perturbs_only_recent_positions(loaded):
+@pytest.mark.parametrize("layer_share", [1.0, 0.5])
+def test_window_on_a_real_step_perturbs_only_recent_positions(loaded, layer_share):
     prompt = prompt_for(loaded, "hi there, what did you have for dinner yesterday?")
-    steerer = pplm(stepsize=0.5, window_length=3, carry=True)
+    steerer = pplm(stepsize=0.5, window_length=3, carry=True, layer_share=layer_share)
     first_step(loaded, steerer, prompt)
     length = len(prompt) - 1  # the past of the prompt's last token
     plain_past = past_of(model_step(loaded.model)(_prompt_state(prompt)).cache)
     perturbed = steerer.perturbation.perturbed_past
-    for (plain_keys, plain_values), (keys, values) in zip(plain_past, perturbed):
+    first = len(plain_past) - round(layer_share * len(plain_past))
+    for index, ((plain_keys, plain_values), (keys, values)) in enumerate(zip(plain_past, perturbed)):
         assert torch.allclose(keys[:, :, : length - 3], plain_keys[:, :, : length - 3], atol=1e-6)
         assert torch.allclose(values[:, :, : length - 3], plain_values[:, :, : length - 3], atol=1e-6)
-        assert not torch.allclose(keys[:, :, length - 3 : length], plain_keys[:, :, length - 3 : length])
+        recent = slice(length - 3, length)
+        moved = not torch.allclose(keys[:, :, recent], plain_keys[:, :, recent])
+        assert moved == (index >= first), (index, first)  # only the top layers' past is perturbed
 
 
 def _prompt_state(prompt):

@@ -79,6 +79,39 @@ def test_runner_matches_the_model_forward(loaded, padded, with_deltas):
         assert torch.allclose(values, layer.values[:, :, -1:], atol=1e-5)
 
 
+def test_runner_from_a_layer_reuses_what_lies_below(loaded):
+    """Deltas on the top layer only: a pass from that layer, reusing the first pass's start,
+    computes what the model's forward does from the past with those deltas."""
+    model = loaded.model
+    ids, mask, positions = padded_batch(loaded, ["hi, what did you have for dinner?", "do you like rain?"])
+    top = model.config.n_layer - 1
+    runner = GPT2Runner(model)
+    with torch.no_grad():
+        past = past_of(model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+                             use_cache=True).past_key_values)
+        plain = runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(), from_layer=top)
+        full = random_low_rank(past, window=4, rank=2)
+        deltas = LowRankDeltas(full.key_a[top:], full.key_b[top:], full.value_a[top:], full.value_b[top:])
+        dense = list(deltas.dense().unbind(0))
+        reference = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
+                          past_key_values=fresh_cache(apply_deltas(past, dense, top), model.config), use_cache=True,
+                          output_hidden_states=True)
+        mine = runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(), deltas=deltas,
+                              hidden_states=True, start=plain.start, from_layer=top)
+    assert plain.start is not None and plain.start.layer == top and len(plain.start.new) == top
+    assert mine.start is plain.start
+    assert torch.allclose(mine.logits, reference.logits[:, -1].float(), atol=1e-5)
+    assert not torch.allclose(mine.logits, plain.logits, atol=1e-3)  # the deltas took part
+    assert mine.hidden_states is not None and len(mine.hidden_states) == len(reference.hidden_states)
+    for ours, theirs in zip(mine.hidden_states, reference.hidden_states):
+        assert torch.allclose(ours, theirs[:, -1:], atol=1e-5)
+    for (keys, values), layer in zip(mine.new, reference.past_key_values.layers):
+        assert torch.allclose(keys, layer.keys[:, :, -1:], atol=1e-5)
+        assert torch.allclose(values, layer.values[:, :, -1:], atol=1e-5)
+    with pytest.raises(ValueError, match="from_layer"):
+        runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], from_layer=model.config.n_layer)
+
+
 def test_probe_gradients_are_the_dense_delta_gradients(loaded):
     """The deltas' gradients from the probes (outer products) equal autograd's on dense deltas."""
     model = loaded.model
@@ -181,6 +214,8 @@ def steered_run(loaded, settings: dict, inner: bool, rows: int = 1, tokens: int 
 @pytest.mark.parametrize("settings", [
     {"stepsize": 0.3, "carry": True},
     {"stepsize": 0.3, "carry": False},
+    {"stepsize": 0.3, "carry": True, "layer_share": 1.0},
+    {"stepsize": 0.3, "carry": False, "layer_share": 1.0},
     {"stepsize": 0.3, "window_length": 3, "decay": True, "carry": True},
     {"stepsize": 0.2, "grad_length": 2, "num_iterations": 2, "carry": True},
     {"stepsize": 0.4, "gm_scale": 0.6, "steer_every": 2, "carry": False},

@@ -121,7 +121,21 @@ class RunOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
     queries: torch.Tensor | None = None
     window_probs: torch.Tensor | None = None
-    start: tuple[torch.Tensor, torch.Tensor] | None = None
+    start: "Start | None" = None
+
+
+@dataclass
+class Start:
+    """What no delta changes in a pass of given tokens: everything below ``layer`` (the
+    lowest perturbed one). x: (B, C) that layer's input; qkv: (B, 3C) its projections;
+    new: the fed token's keys and values of the layers below; states: the hidden states
+    of the embeddings and the layers below (as in ``RunOutput.hidden_states``, (B, C))."""
+
+    layer: int
+    x: torch.Tensor
+    qkv: torch.Tensor
+    new: "Past"
+    states: list[torch.Tensor]
 
 
 @dataclass
@@ -253,33 +267,30 @@ class GPT2Runner:
                 inputs_embeds: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                 deltas: LowRankDeltas | None = None,
                 probes: tuple[torch.Tensor, torch.Tensor] | None = None,
-                hidden_states: bool = False, start: tuple[torch.Tensor, torch.Tensor] | None = None) -> RunOutput:
+                hidden_states: bool = False, start: "Start | None" = None, from_layer: int = 0) -> RunOutput:
         """Run one new position per row after ``past``.
 
         past:          per layer (keys, values), each (B, H, L, D); not modified, not copied.
         position_ids:  (B, 1) the new position's index.
         input_ids:     (B, 1) the fed tokens, or ``inputs_embeds`` (B, 1, C).
         key_mask:      (B, L + 1) bool, False for keys to ignore (left padding), or None.
+        from_layer:    the lowest layer that ``deltas`` and ``probes`` reach: they hold the
+                       layers from this one up (layers - from_layer of them).
         deltas:        added to the keys and values of the most recent W positions of ``past``.
-        probes:        zeros (layers, B, H, 1, W) added to the attention scores over that
-                       window and (layers, B, H, 1, D) added to the attention output: their
+        probes:        zeros (layers', B, H, 1, W) added to the attention scores over that
+                       window and (layers', B, H, 1, D) added to the attention output: their
                        gradients are the score and output gradients, from which the
                        deltas' gradients follow (see :class:`LowRankDeltas`).
-        start:         ``RunOutput.start`` of an earlier pass of the same tokens: the input
-                       and the first layer's projections, which no delta can change.
+        start:         ``RunOutput.start`` of an earlier pass of the same tokens with the same
+                       ``from_layer``: everything below that layer (and its projections),
+                       which no delta can change.
         """
         if start is None:
-            if inputs_embeds is None:
-                assert input_ids is not None
-                inputs_embeds = F.embedding(input_ids, self.wte)
-            x = (inputs_embeds + F.embedding(position_ids, self.wpe).to(inputs_embeds.dtype)).flatten(0, 1)  # (B, C)
-            first = self.layers[0]
-            h = F.layer_norm(x, (self.hidden,), first.ln_1[0], first.ln_1[1], self.eps)
-            qkv = torch.addmm(first.qkv[1], h, first.qkv[0])  # (B, 3C), queries scaled
-            start = (x, qkv)
-        x, qkv = start
+            start = self._start(past, position_ids, input_ids, inputs_embeds, key_mask, from_layer)
+        assert start.layer == from_layer, (start.layer, from_layer)
+        x, qkv = start.x, start.qkv
         batch = x.size(0)
-        states: list[torch.Tensor] = [x] if hidden_states else []
+        states: list[torch.Tensor] = list(start.states) if hidden_states else []
         mask = None if key_mask is None else key_mask.view(batch, 1, 1, -1)
         factors: list[tuple[torch.Tensor, ...]] | None = None
         if deltas is not None:
@@ -291,30 +302,23 @@ class GPT2Runner:
             score_probes, output_probes = probes[0].unbind(0), probes[1].unbind(0)
         queries: list[torch.Tensor] = []
         window_probs: list[torch.Tensor] = []
-        new: "Past" = []
-        shape = (batch, 3, self.heads, 1, self.head_dim)
-        for index, layer in enumerate(self.layers):
-            if index:
-                h = F.layer_norm(x, (self.hidden,), layer.ln_1[0], layer.ln_1[1], self.eps)
-                qkv = torch.addmm(layer.qkv[1], h, layer.qkv[0])
-            q, k, v = qkv.view(shape).unbind(1)  # each (B, H, 1, D)
-            keys, values = past[index]
-            length = keys.size(2)
+        new: "Past" = list(start.new)
+        for index in range(from_layer, len(self.layers)):
+            offset = index - from_layer
             key_a = key_b_t = value_a = value_b = None
             if factors is not None:
-                key_a, key_b_t, value_a, value_b = factors[index]
-            score_probe = None if score_probes is None else score_probes[index]
-            out, probs = _SingleQueryAttention.apply(q, k, v, score_probe, keys, values, key_a, key_b_t, value_a,
-                                                     value_b, mask)
-            if output_probes is not None:
+                key_a, key_b_t, value_a, value_b = factors[offset]
+            score_probe = None if score_probes is None else score_probes[offset]
+            output_probe = None if output_probes is None else output_probes[offset]
+            if index > from_layer:
+                qkv = self._projections(index, x)
+            x, k, v, probs, q = self._block(index, x, qkv, past[index], mask, (key_a, key_b_t, value_a, value_b),
+                                            score_probe, output_probe)
+            if output_probe is not None:
                 assert score_probe is not None
-                out = out + output_probes[index]
+                length = past[index][0].size(2)
                 queries.append(q.detach())
                 window_probs.append(probs[..., length - score_probe.size(-1) : length])
-            x = x + torch.addmm(layer.attn_out[1], out.reshape(batch, -1), layer.attn_out[0])
-            h = F.layer_norm(x, (self.hidden,), layer.ln_2[0], layer.ln_2[1], self.eps)
-            h = self.activation(torch.addmm(layer.fc[1], h, layer.fc[0]))
-            x = x + torch.addmm(layer.proj[1], h, layer.proj[0])
             new.append((k, v))
             if hidden_states and index < len(self.layers) - 1:
                 states.append(x)
@@ -326,4 +330,46 @@ class GPT2Runner:
                          hidden_states=tuple(h.unsqueeze(1) for h in states) if hidden_states else None,
                          queries=torch.stack(queries).squeeze(3) if queries else None,
                          window_probs=torch.stack(window_probs).squeeze(3) if window_probs else None,
-                         start=(start[0].detach(), start[1].detach()))
+                         start=start)
+
+    def _start(self, past: "Past", position_ids: torch.Tensor, input_ids: torch.Tensor | None,
+               inputs_embeds: torch.Tensor | None, key_mask: torch.Tensor | None, layer: int) -> Start:
+        """The input, and the layers below ``layer`` (which no delta reaches)."""
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"from_layer must be in [0, {len(self.layers)}), got {layer}")
+        if inputs_embeds is None:
+            assert input_ids is not None
+            inputs_embeds = F.embedding(input_ids, self.wte)
+        x = (inputs_embeds + F.embedding(position_ids, self.wpe).to(inputs_embeds.dtype)).flatten(0, 1)  # (B, C)
+        mask = None if key_mask is None else key_mask.view(x.size(0), 1, 1, -1)
+        states, new = [x], []
+        qkv = self._projections(0, x)
+        for index in range(layer):
+            x, k, v, _, _ = self._block(index, x, qkv, past[index], mask, (None, None, None, None), None, None)
+            new.append((k, v))
+            states.append(x)
+            qkv = self._projections(index + 1, x)
+        return Start(layer=layer, x=x, qkv=qkv, new=new, states=states)
+
+    def _projections(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3C) the layer's query (scaled), key and value projections of its input."""
+        layer = self.layers[index]
+        h = F.layer_norm(x, (self.hidden,), layer.ln_1[0], layer.ln_1[1], self.eps)
+        return torch.addmm(layer.qkv[1], h, layer.qkv[0])
+
+    def _block(self, index: int, x: torch.Tensor, qkv: torch.Tensor, layer_past: tuple[torch.Tensor, torch.Tensor],
+               mask: torch.Tensor | None, factors: tuple[torch.Tensor | None, ...], score_probe: torch.Tensor | None,
+               output_probe: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """One transformer block from its input ``x`` and projections ``qkv``: the block's output,
+        the fed token's key and value, the attention probabilities and the (scaled) query."""
+        layer = self.layers[index]
+        batch = x.size(0)
+        q, k, v = qkv.view(batch, 3, self.heads, 1, self.head_dim).unbind(1)  # each (B, H, 1, D)
+        keys, values = layer_past
+        out, probs = _SingleQueryAttention.apply(q, k, v, score_probe, keys, values, *factors, mask)
+        if output_probe is not None:
+            out = out + output_probe
+        x = x + torch.addmm(layer.attn_out[1], out.reshape(batch, -1), layer.attn_out[0])
+        h = F.layer_norm(x, (self.hidden,), layer.ln_2[0], layer.ln_2[1], self.eps)
+        h = self.activation(torch.addmm(layer.fc[1], h, layer.fc[0]))
+        return x + torch.addmm(layer.proj[1], h, layer.proj[0]), k, v, probs, q

@@ -90,26 +90,28 @@ class GrowingPast:
         layers = self.buffer[:, :, :, :end].unbind(0)
         return [(layers[i], layers[i + 1]) for i in range(0, len(layers), 2)]
 
-    def add_recent(self, deltas: "torch.Tensor", rows: "torch.Tensor | None" = None) -> None:
-        """Add (2 * layers, B, H, W, D) deltas to the most recent W positions, in place
-        (with ``rows``: deltas (2 * layers, b, H, W, D) of those rows only)."""
+    def add_recent(self, deltas: "torch.Tensor", rows: "torch.Tensor | None" = None, first_layer: int = 0) -> None:
+        """Add (2 * layers', B, H, W, D) deltas of the layers from ``first_layer`` up to the
+        most recent W positions, in place (with ``rows``: deltas (2 * layers', b, H, W, D) of
+        those rows only)."""
         window = deltas.size(3)
         recent = slice(self.length - window, self.length)
+        layers = slice(2 * first_layer, 2 * first_layer + deltas.size(0))
         if rows is None:
-            self.buffer[:, :, :, recent] += deltas.to(self.buffer.dtype)
+            self.buffer[layers, :, :, recent] += deltas.to(self.buffer.dtype)
         else:
-            self.buffer[:, rows, :, recent] += deltas.to(self.buffer.dtype)
+            self.buffer[layers, rows, :, recent] += deltas.to(self.buffer.dtype)
 
     def add_recent_products(self, key_a: "torch.Tensor", key_b: "torch.Tensor", value_a: "torch.Tensor",
-                            value_b: "torch.Tensor") -> None:
-        """Add deltas given as products, ``key_a @ key_b`` per layer ((layers, B, H, W, r) @
-        (layers, B, H, r, D)) and the same for values, to the most recent W positions,
-        in place, without building the deltas."""
+                            value_b: "torch.Tensor", first_layer: int = 0) -> None:
+        """Add deltas given as products, ``key_a @ key_b`` per layer from ``first_layer`` up
+        ((layers', B, H, W, r) @ (layers', B, H, r, D)) and the same for values, to the most
+        recent W positions, in place, without building the deltas."""
         window = key_a.size(3)
         recent = slice(self.length - window, self.length)
         for index in range(key_a.size(0)):
             for offset, (a, b) in enumerate(((key_a, key_b), (value_a, value_b))):
-                target = self.buffer[2 * index + offset, :, :, recent].flatten(0, 1)  # (B * H, W, D), a view
+                target = self.buffer[2 * (first_layer + index) + offset, :, :, recent].flatten(0, 1)  # a view
                 target.baddbmm_(a[index].flatten(0, 1).to(target.dtype), b[index].flatten(0, 1).to(target.dtype))
 
     def append(self, new: Past) -> None:

@@ -6,7 +6,7 @@ For every new token the wrapped step does (B rows at once; x = the token fed now
    (advanced by x) is what the step returns, so the conversation's history is never
    rewritten, and its next-token distribution p is the reference for the KL term and
    the fusion;
-2. the **perturbation**: key/value deltas per layer (zeros to start) over the most recent
+2. the **perturbation**: key/value deltas per perturbed layer (zeros to start) over the most recent
    ``window_length`` positions of the *perturbed past*; ``num_iterations`` times: run x
    from past + deltas, take loss = attribute loss + kl_scale * KL(p~ || p) per row,
    differentiate w.r.t. the deltas only, and step ``delta -= stepsize * w * g / n ** gamma``,
@@ -37,7 +37,10 @@ forwards (num_iterations + 1 on the lean path without a carried perturbation) an
 num_iterations one-token backwards; after ``grad_length`` tokens (or between
 ``steer_every`` steps) it costs the plain and the perturbed forward only (the plain pass
 alone without ``carry``). Until the first perturbation the perturbed past *is* the plain
-one and no second past is kept.
+one and no second past is kept. With ``layer_share`` below 1 only the top layers' past
+is perturbed: on the lean path every pass after the first starts at the lowest perturbed
+layer (the layers below see no delta, so their output is the first pass's), and the
+backward passes stop there.
 
 The first reply token is steered too: at the prompt step the plain pass runs on the whole
 prompt as usual, and the perturbation treats the prompt's last token as x and the rest
@@ -57,7 +60,7 @@ import torch
 
 from chatcore.pplm.attribute import AttributeInputs, AttributeModel
 from chatcore.pplm.config import PerturbConfig
-from chatcore.pplm.gpt2 import LowRankDeltas, RunOutput
+from chatcore.pplm.gpt2 import LowRankDeltas, RunOutput, Start
 from chatcore.pplm.kv import GrowingPast, Past, fresh_cache, normal, past_length, past_of, select_rows
 from chatcore.step import Step, StepOutput, StepState
 
@@ -75,13 +78,13 @@ def window_weights(window: int, decay: bool, device: Any = "cpu") -> torch.Tenso
     return torch.arange(1, window + 1, device=device, dtype=torch.float32) / window
 
 
-def apply_deltas(past: Past, deltas: list[torch.Tensor] | None) -> Past:
-    """``past`` with ``deltas`` (keys and values of each layer in turn, each (B, H, W, D))
-    added to its most recent W positions."""
+def apply_deltas(past: Past, deltas: list[torch.Tensor] | None, first_layer: int = 0) -> Past:
+    """``past`` with ``deltas`` (keys and values of each layer in turn from ``first_layer``
+    up, each (B, H, W, D)) added to its most recent W positions."""
     if deltas is None:
         return past
-    out: Past = []
-    for index, (keys, values) in enumerate(past):
+    out: Past = list(past[:first_layer])
+    for index, (keys, values) in enumerate(past[first_layer:]):
         out.append((_add_recent(keys, deltas[2 * index]), _add_recent(values, deltas[2 * index + 1])))
     return out
 
@@ -148,6 +151,7 @@ class _Setup:
     state: StepState
     base: Past
     window: int
+    first_layer: int  # the lowest perturbed layer (the deltas hold the layers from it up)
     weights: torch.Tensor | None  # (W,) decay weights, or None
     targets: Any
     reference: torch.Tensor | None  # (b, V) plain log-probabilities (None: the first pass is the plain one)
@@ -188,6 +192,10 @@ class Perturbation:
         self.hidden_sum: torch.Tensor | None = None  # (B, C) plain hidden states of the reply so far
         self.hidden_count = 0
         self.grad_norm_max: torch.Tensor | None = None  # (B, layers) largest gradient norm so far
+
+    def first_layer(self, layers: int) -> int:
+        """The lowest layer whose past is perturbed, in a model of ``layers`` layers."""
+        return self.config.first_perturbed_layer(layers)
 
     @property
     def perturbed_past(self) -> Past | None:
@@ -249,7 +257,7 @@ class Perturbation:
         base = self._perturbed_base(past_len) if self._perturbed is not None else past_of(plain.cache, past_len)
 
         def forward(sub_state: StepState, sub_base: Past, deltas: list[torch.Tensor] | None, hidden: bool) -> Pass:
-            cache = fresh_cache(apply_deltas(sub_base, deltas), self.model_config)
+            cache = fresh_cache(apply_deltas(sub_base, deltas, self.first_layer(len(sub_base))), self.model_config)
             output = self._call(inner, sub_state.replace(cache=cache, output_hidden_states=hidden))
             return Pass(logits=output.logits, hidden_states=output.hidden_states, cache=output.cache)
 
@@ -277,7 +285,8 @@ class Perturbation:
         wants_hidden = state.output_hidden_states or self.attribute.needs_hidden
         prompt_step = state.input_ids.size(1) > 1
 
-        starts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per fed-token tensor: what no delta changes
+        starts: dict[int, Start] = {}  # per fed-token tensor: what no delta changes
+        first_layer = self.first_layer(len(runner.layers))
 
         def forward(sub_state: StepState, sub_base: Past, deltas: LowRankDeltas | None,
                     probes: tuple[torch.Tensor, torch.Tensor] | None, hidden: bool) -> RunOutput:
@@ -285,7 +294,7 @@ class Perturbation:
             key = id(sub_state.input_ids)
             output = runner.forward(sub_base, sub_state.position_ids, input_ids=sub_state.input_ids,
                                     key_mask=key_mask_of(sub_state.attention_mask), deltas=deltas, probes=probes,
-                                    hidden_states=hidden, start=starts.get(key))
+                                    hidden_states=hidden, start=starts.get(key), from_layer=first_layer)
             assert output.start is not None
             starts[key] = output.start
             return output
@@ -337,9 +346,10 @@ class Perturbation:
                     capacity = past_len + 1 + max(self.max_new_tokens - state.step, 1)
                     self._perturbed = GrowingPast(base, capacity)
                 if deltas is not None and rows is None:
-                    self._perturbed.add_recent_products(deltas.key_a, deltas.key_b, deltas.value_a, deltas.value_b)
+                    self._perturbed.add_recent_products(deltas.key_a, deltas.key_b, deltas.value_a, deltas.value_b,
+                                                        first_layer)
                 elif deltas is not None:
-                    self._perturbed.add_recent(deltas.dense(), rows)
+                    self._perturbed.add_recent(deltas.dense(), rows, first_layer)
                 self._perturbed.append(perturbed.new)
         return self._finish(state, plain.replace(logits=self._fuse(plain.logits, perturbed.logits)))
 
@@ -396,6 +406,7 @@ class Perturbation:
             self.trace.append(record)
         return _Setup(
             rows=rows, state=sub_state, base=sub_base, window=window,
+            first_layer=self.first_layer(len(base)),
             weights=window_weights(window, True, fed.input_ids.device) if config.decay else None,
             targets=self.attribute.step_targets(sub_state.sequences, fed.prompt_length),
             reference=reference, hidden_context=context(rows) if self.attribute.needs_hidden else None,
@@ -423,7 +434,7 @@ class Perturbation:
             return None
         keys = setup.base[0][0]
         # One leaf for all layers' key and value deltas: one gradient tensor, one update.
-        delta = torch.zeros((2 * len(setup.base), keys.size(0), keys.size(1), setup.window, keys.size(3)),
+        delta = torch.zeros((2 * (len(setup.base) - setup.first_layer), keys.size(0), keys.size(1), setup.window, keys.size(3)),
                             dtype=torch.float32, device=keys.device, requires_grad=True)
         weights = None if setup.weights is None else setup.weights.view(1, 1, 1, -1, 1)
         for _ in range(self.config.num_iterations):
@@ -472,7 +483,7 @@ class Perturbation:
         if setup is None:
             return None, None, None
         keys = setup.base[0][0]
-        layers, batch, heads, head_dim = len(setup.base), keys.size(0), keys.size(1), keys.size(3)
+        layers, batch, heads, head_dim = len(setup.base) - setup.first_layer, keys.size(0), keys.size(1), keys.size(3)
         needs_hidden = self.attribute.needs_hidden
         deltas: LowRankDeltas | None = None
         first: RunOutput | None = None
