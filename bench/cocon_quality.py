@@ -1,7 +1,7 @@
 """CoCon's effect and cost in quality, on held-out chitchat contexts, same seeds.
 
     python bench/cocon_quality.py [--contents "music,pizza,dog,beach,is perfect,is horrible"]
-                                  [--taus=-2,0,2,5] [--limit 100] [--json report.json]
+                                  [--taus=-2,0,2,5] [--limit 100] [--rank ""] [--json report.json]
 
 Unsteered top-k, then top-k steered by ``cocon content=C tau=T`` for every content C
 and tau T, through chatcore.evaluation's ``evaluate`` (reply perplexity under the plain
@@ -10,7 +10,8 @@ carry the content: every keyword of it (function words such as "is" left out) as
 itself or a close variant (music: musical, musicians; horrible: horribly; see
 chatcore.evaluation.metrics.mentions). Targets: at the block's default tau, a share of
 at least 3x unsteered and a perplexity of at most 1.5x unsteered; the share should
-grow with tau.
+grow with tau. With --rank: also the ``rank`` decoder on the content's keywords (8
+sampled candidates, the most fluent one that carries a keyword), alone and over cocon.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--decoder", default="top-k", help='a decoder spec, e.g. "top-k top_k=20"')
+    parser.add_argument("--rank", default=None,
+                        help='also run the rank decoder with the content\'s words (chatcore.evaluation.metrics.'
+                             'content_keywords), alone and with cocon at the block\'s default tau: its extra '
+                             'settings, e.g. "candidates=8" ("" for its defaults)')
     parser.add_argument("--json", dest="json_path", default=None)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -40,7 +45,8 @@ def main() -> None:
 
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import Engine, ReplyOptions
-    from chatcore.evaluation.metrics import mentions
+    from chatcore.evaluation.metrics import content_keywords, mentions
+    from chatcore.options import parse_key_values
     from chatcore.evaluation.prompts import chitchat_heldout
     from chatcore.evaluation.runner import evaluate
     from chatcore.plugin_manager import PluginHost
@@ -49,7 +55,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     host = PluginHost()
-    host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.cocon"))
+    host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.mmi",
+                       "chatcore.plugins.rank", "chatcore.plugins.cocon"))
     engine = Engine(args.model, host=host)
     contexts = chitchat_heldout()[: args.limit]
     decoder, decoder_settings = parse_spec(args.decoder)
@@ -57,8 +64,8 @@ def main() -> None:
     contents = [c.strip() for c in args.contents.split(",") if c.strip()]
     taus = [float(t) for t in args.taus.split(",") if t.strip()]
 
-    def run(label: str, steerers: list) -> tuple[object, list[str]]:
-        report = evaluate(engine, contexts, dataclasses.replace(base, steerers=steerers), label=label,
+    def run(label: str, steerers: list, options: ReplyOptions = base) -> tuple[object, list[str]]:
+        report = evaluate(engine, contexts, dataclasses.replace(options, steerers=steerers), label=label,
                           seed=args.seed, include_reference=False)
         errors = [s["error"] for s in report.samples if "error" in s]
         if errors:
@@ -106,6 +113,23 @@ def main() -> None:
                   flush=True)
             rows[f"{tau:g}"] = {"share": steered, "share_ratio": share_ratio, "perplexity_ratio": ppl_ratio,
                                 "row": dataclasses.asdict(row), "samples": replies[:5]}
+        if args.rank is not None:
+            ranked = dataclasses.replace(base, decoder="rank", decoder_settings={
+                **decoder_settings, "words": tuple(content_keywords(content)),
+                **parse_key_values(args.rank.split())})
+            block_settings: dict[str, object] = {"content": (content,)}
+            if args.block:
+                block_settings["block"] = args.block
+            for label, steerers in ((f"rank {args.rank}".strip(), []), ("rank + cocon", [("cocon", block_settings)])):
+                row, replies = run(f"{label} {content}", steerers, ranked)
+                steered = share(replies, content)
+                share_ratio = steered / base_share if base_share else float("inf")
+                ppl_ratio = row.perplexity / plain.perplexity
+                print(f"{content:14s} {label:>5s} {steered:7.1%} {share_ratio:7.1f}x {row.perplexity:6.1f} "
+                      f"{ppl_ratio:7.2f}x {row.distinct_2:7.3f} {row.degenerate_share:6.1%} {row.mean_length:6.1f}",
+                      flush=True)
+                rows[label] = {"share": steered, "share_ratio": share_ratio, "perplexity_ratio": ppl_ratio,
+                               "row": dataclasses.asdict(row), "samples": replies[:5]}
         shares = [rows[f"{tau:g}"]["share"] for tau in sorted(taus)]
         monotonic = all(a <= b for a, b in zip(shares, shares[1:]))
         print(f"{'':14s} share over tau {sorted(taus)}: {'non-decreasing' if monotonic else 'NOT monotonic'}")

@@ -424,8 +424,9 @@ def heldout_losses(pipeline: CoconPipeline, windows: torch.Tensor, config: Cocon
     return {name: value / max(1, count) for name, value in sums.items()}
 
 
-def _init_from_block(block: CoconBlock, name: str, model: Any, tokenizer: Any, model_name: str) -> None:
-    """Copy the weights of block ``name`` (trained for this very model) into ``block``."""
+def _init_from_block(block: CoconBlock, name: str, model: Any, tokenizer: Any, model_name: str) -> dict[str, Any]:
+    """Copy the weights of block ``name`` (trained for this very model) into ``block``;
+    returns that block's training record (its config's ``training``)."""
     from chatcore.cocon.store import check_compatible, load_block, model_fingerprint, resolve_block
 
     fingerprint = model_fingerprint(model, tokenizer)
@@ -439,6 +440,7 @@ def _init_from_block(block: CoconBlock, name: str, model: Any, tokenizer: Any, m
         raise ChatcoreError(f"--init-block {name!r} has another shape ({theirs}) than this run's block ({ours}); "
                             f"give the same --split-layer")
     block.load_state_dict({key: value.float() for key, value in source.state_dict().items()})
+    return dict(info.get("training") or {})
 
 
 def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool = True) -> CoconTrainResult:
@@ -475,8 +477,9 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     block_config = CoconConfig(n_embd=split.n_embd, n_head=int(model.config.n_head), split_layer=split_layer,
                                layer_norm_epsilon=float(model.config.layer_norm_epsilon), dropout=config.dropout)
     block = CoconBlock(block_config).to(device)
+    init_training: dict[str, Any] | None = None  # the fine-tuned block's own record, kept with the new one
     if config.init_block is not None and not resume:
-        _init_from_block(block, config.init_block, model, tokenizer, config.model)
+        init_training = _init_from_block(block, config.init_block, model, tokenizer, config.model)
     block.train()
     pipeline = CoconPipeline(split, block)
     discriminator = HiddenDiscriminator(split.n_embd).to(device)
@@ -516,6 +519,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         optimizer.load_state_dict(state["optimizer"])
         disc_optimizer.load_state_dict(state["disc_optimizer"])
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        init_training = state.get("init_training")
         generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
 
@@ -528,10 +532,12 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
                     "optimizer": optimizer.state_dict(), "disc_optimizer": disc_optimizer.state_dict(),
                     "step": step, "elapsed": elapsed, "history": history, "generator": generator.get_state(),
                     "torch_rng": torch.get_rng_state(), "block_config": block_config.to_dict(),
-                    "config": asdict(config)}, checkpoint_path)
+                    "config": asdict(config), "init_training": init_training}, checkpoint_path)
         training = {"corpus": config.corpus, "steps": step, "seconds": round(elapsed, 1),
                     "heldout_loss": {k: round(v, 4) for k, v in heldout.items()},
                     "settings": {k: v for k, v in asdict(config).items() if k not in ("out_dir", "extra", "device")}}
+        if init_training is not None:
+            training["init_block_training"] = init_training
         save_block(block, out_dir / BLOCK_DIR, base_model, training, dtype=config.save_dtype)
 
     bar = tqdm(total=config.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
