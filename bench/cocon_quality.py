@@ -92,6 +92,19 @@ def main() -> None:
           f"distinct-2 {null.distinct_2:.3f}, degenerate {null.degenerate_share:.1%}, "
           f"length {null.mean_length:.1f} words, {null.tokens_per_s or 0:.1f} tok/s")
     results["no_content"] = dataclasses.asdict(null)
+    def measure(label: str, column: str, content: str, base_share: float, steerers: list,
+                options: ReplyOptions = base) -> dict[str, object]:
+        """Run one configuration, print its row, and return it for the JSON report."""
+        row, replies = run(label, steerers, options)
+        steered = share(replies, content)
+        share_ratio = steered / base_share if base_share else float("inf")
+        ppl_ratio = row.perplexity / plain.perplexity
+        print(f"{content:14s} {column:>5s} {steered:7.1%} {share_ratio:7.1f}x {row.perplexity:6.1f} "
+              f"{ppl_ratio:7.2f}x {row.distinct_2:7.3f} {row.degenerate_share:6.1%} {row.mean_length:6.1f}",
+              flush=True)
+        return {"share": steered, "share_ratio": share_ratio, "perplexity_ratio": ppl_ratio,
+                "row": dataclasses.asdict(row), "samples": replies[:5]}
+
     header = (f"{'content':14s} {'tau':>5s} {'share':>7s} {'x unst.':>8s} {'ppl':>6s} {'x unst.':>8s} "
               f"{'dist-2':>7s} {'degen':>6s} {'words':>6s}")
     print(header)
@@ -99,20 +112,13 @@ def main() -> None:
         base_share = share(plain_replies, content)
         print(f"{content:14s} {'-':>5s} {base_share:7.1%} {'':8s} {plain.perplexity:6.1f} {'':8s} "
               f"{plain.distinct_2:7.3f} {plain.degenerate_share:6.1%} {plain.mean_length:6.1f}   (unsteered)")
-        rows = {}
+        rows: dict[str, dict[str, object]] = {}
         for tau in taus:
             settings: dict[str, object] = {"content": (content,), "tau": (tau,)}
             if args.block:
                 settings["block"] = args.block
-            row, replies = run(f"cocon {content} tau={tau:g}", [("cocon", settings)])
-            steered = share(replies, content)
-            share_ratio = steered / base_share if base_share else float("inf")
-            ppl_ratio = row.perplexity / plain.perplexity
-            print(f"{content:14s} {tau:5g} {steered:7.1%} {share_ratio:7.1f}x {row.perplexity:6.1f} "
-                  f"{ppl_ratio:7.2f}x {row.distinct_2:7.3f} {row.degenerate_share:6.1%} {row.mean_length:6.1f}",
-                  flush=True)
-            rows[f"{tau:g}"] = {"share": steered, "share_ratio": share_ratio, "perplexity_ratio": ppl_ratio,
-                                "row": dataclasses.asdict(row), "samples": replies[:5]}
+            rows[f"{tau:g}"] = measure(f"cocon {content} tau={tau:g}", f"{tau:g}", content, base_share,
+                                       [("cocon", settings)])
         if args.rank is not None:
             ranked = dataclasses.replace(base, decoder="rank", decoder_settings={
                 **decoder_settings, "words": tuple(content_keywords(content)),
@@ -121,15 +127,7 @@ def main() -> None:
             if args.block:
                 block_settings["block"] = args.block
             for label, steerers in ((f"rank {args.rank}".strip(), []), ("rank + cocon", [("cocon", block_settings)])):
-                row, replies = run(f"{label} {content}", steerers, ranked)
-                steered = share(replies, content)
-                share_ratio = steered / base_share if base_share else float("inf")
-                ppl_ratio = row.perplexity / plain.perplexity
-                print(f"{content:14s} {label:>5s} {steered:7.1%} {share_ratio:7.1f}x {row.perplexity:6.1f} "
-                      f"{ppl_ratio:7.2f}x {row.distinct_2:7.3f} {row.degenerate_share:6.1%} {row.mean_length:6.1f}",
-                      flush=True)
-                rows[label] = {"share": steered, "share_ratio": share_ratio, "perplexity_ratio": ppl_ratio,
-                               "row": dataclasses.asdict(row), "samples": replies[:5]}
+                rows[label] = measure(f"{label} {content}", label, content, base_share, steerers, ranked)
         shares = [rows[f"{tau:g}"]["share"] for tau in sorted(taus)]
         monotonic = all(a <= b for a, b in zip(shares, shares[1:]))
         print(f"{'':14s} share over tau {sorted(taus)}: {'non-decreasing' if monotonic else 'NOT monotonic'}")
