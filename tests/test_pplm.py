@@ -516,3 +516,15 @@ def test_train_discriminator_command(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(group, ["train", "discriminator", "--out", str(out)])
     assert result.exit_code != 0 and "exactly one of --data" in str(result.exception)
 
+
+
+def test_the_settings_table_shows_every_knob_with_its_default():
+    """docs/pplm.md's settings table lists each PerturbConfig field with the default the code has."""
+    import dataclasses
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "pplm.md").read_text(encoding="utf-8")
+    for field in dataclasses.fields(PerturbConfig):
+        default = field.default
+        shown = str(default).lower() if isinstance(default, bool) else str(default)
+        assert f"| `{field.name}` | {shown} |" in docs, f"docs/pplm.md: no row `{field.name}` with default {shown}"
