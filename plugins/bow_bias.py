@@ -32,14 +32,13 @@ def builtin_topics() -> list[str]:
 
 def read_word_file(path: str | Path) -> list[str]:
     """One word or phrase per line; blank lines and lines starting with # are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise OptionError(f"`file`: no such word file {str(path)!r}")
+    from chatcore.errors import CorpusError
+    from chatcore.training.corpus import data_lines
+
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise OptionError(f"`file`: {str(path)!r} is not UTF-8 text") from None
-    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        return [line.strip() for _, line in data_lines(path, "word file")]
+    except CorpusError as error:
+        raise OptionError(f"`file`: {error}") from None
 
 
 def check_word_sources(topic: str | None, file: str | None) -> None:

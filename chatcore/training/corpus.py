@@ -61,16 +61,17 @@ def load_chitchat() -> list[Dialogue]:
 
 def data_lines(path: str | Path, what: str) -> list[tuple[int, str]]:
     """The (line number, line) pairs of a UTF-8 data file, blank lines and lines starting
-    with ``#`` left out; a missing or non-UTF-8 file is a CorpusError naming ``what``."""
+    with ``#`` (after any indentation) left out; a missing or non-UTF-8 file is a
+    CorpusError naming ``what``."""
     path = Path(path)
     if not path.is_file():
-        raise CorpusError(f"{what} not found: {path}")
+        raise CorpusError(f"no such {what} {str(path)!r}")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
-        raise CorpusError(f"{path}: not UTF-8 text") from None
+        raise CorpusError(f"{what} {str(path)!r} is not UTF-8 text") from None
     return [(number, line) for number, line in enumerate(lines, start=1)
-            if line.strip() and not line.startswith("#")]
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def json_line(path: str | Path, number: int, line: str) -> Any:
