@@ -81,7 +81,9 @@ def main() -> None:
             plain_share = sum(contains_any(r, vocabulary) for r in plain_replies) / max(1, len(plain_replies))
             print(f"{'top-k (unsteered)':38s} {plain_share:6.1%} {plain_row.perplexity:7.1f} "
                   f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%} {plain_row.tokens_per_s or 0:6.1f}")
-            results[topic] = {"unsteered_share": plain_share, "unsteered": dataclasses_dict(plain_row)}
+            topic_results: dict[str, object] = {"unsteered_share": plain_share,
+                                                "unsteered": dataclasses_dict(plain_row)}
+            results[topic] = topic_results
             if not (args.rank_only and args.rank is not None):
                 steered = run(f"pplm {topic}", [("pplm", {"topic": topic, **extra})], vocabulary).rows[0]
                 print(f"{'pplm topic=' + topic + ' ' + args.pplm:38s} {steered.attribute_share:6.1%} "
@@ -94,8 +96,8 @@ def main() -> None:
                 ppl_verdict = "met" if round(ppl_ratio, 9) <= 1.3 else "not met"
                 print(f"  -> topic share {share_ratio:.2f}x unsteered (target >= 3: {share_verdict}), "
                       f"perplexity {ppl_ratio:.2f}x (target <= 1.3: {ppl_verdict})")
-                results[topic].update({"pplm": dataclasses_dict(steered), "share_ratio": share_ratio,  # type: ignore[attr-defined]
-                                       "perplexity_ratio": ppl_ratio})
+                topic_results.update({"pplm": dataclasses_dict(steered), "share_ratio": share_ratio,
+                                      "perplexity_ratio": ppl_ratio})
             if args.rank is not None:
                 import dataclasses
 
@@ -110,7 +112,7 @@ def main() -> None:
                           f"{row.degenerate_share:6.1%} {row.tokens_per_s or 0:6.1f}")
                     print(f"  -> topic share {ratio:.2f}x unsteered, perplexity "
                           f"{row.perplexity / plain_row.perplexity:.2f}x, {row.mean_length:.1f} words")
-                    results[topic][label] = dataclasses_dict(row)  # type: ignore[index]
+                    topic_results[label] = dataclasses_dict(row)
     if args.sentiment:
         try:
             from afinn import Afinn

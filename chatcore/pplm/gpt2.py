@@ -112,9 +112,11 @@ class RunOutput:
     values), each (B, H, 1, D); hidden_states: as transformers gives them (embeddings,
     each block's output, the last one after the final norm), each (B, 1, C), if asked.
 
-    With probes: queries (layers, B, H, D), the scaled queries, and window_probs
-    (layers, B, H, W), the attention probabilities over the window (both detached):
-    with the probes' gradients they make the gradients w.r.t. the deltas."""
+    With probes: queries (layers', B, H, D), the scaled queries, and window_probs
+    (layers', B, H, W), the attention probabilities over the window, of the perturbed
+    layers (both detached): with the probes' gradients they make the gradients w.r.t.
+    the deltas. start: what the pass computed below ``from_layer``, for later passes of
+    the same tokens."""
 
     logits: torch.Tensor
     new: "Past"

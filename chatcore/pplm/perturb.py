@@ -427,14 +427,15 @@ class Perturbation:
 
     def _optimise(self, forward: Forward, fed: StepState, base: Past, plain: StepOutput,
                   context: Callable[[torch.Tensor | None], dict[str, Any]]) -> torch.Tensor | None:
-        """The final dense deltas of every row, (2 * layers, B, H, W, D) with zeros for
-        finished rows, or None if all have finished."""
+        """The final dense deltas of every row, (2 * perturbed layers, B, H, W, D) with zeros
+        for finished rows, or None if all have finished."""
         setup = self._rows_and_window(fed, base, plain, context)
         if setup is None:
             return None
         keys = setup.base[0][0]
-        # One leaf for all layers' key and value deltas: one gradient tensor, one update.
-        delta = torch.zeros((2 * (len(setup.base) - setup.first_layer), keys.size(0), keys.size(1), setup.window, keys.size(3)),
+        # One leaf for all perturbed layers' key and value deltas: one gradient tensor, one update.
+        layers = len(setup.base) - setup.first_layer
+        delta = torch.zeros((2 * layers, keys.size(0), keys.size(1), setup.window, keys.size(3)),
                             dtype=torch.float32, device=keys.device, requires_grad=True)
         weights = None if setup.weights is None else setup.weights.view(1, 1, 1, -1, 1)
         for _ in range(self.config.num_iterations):
