@@ -477,7 +477,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     block_config = CoconConfig(n_embd=split.n_embd, n_head=int(model.config.n_head), split_layer=split_layer,
                                layer_norm_epsilon=float(model.config.layer_norm_epsilon), dropout=config.dropout)
     block = CoconBlock(block_config).to(device)
-    init_training: dict[str, Any] | None = None  # the fine-tuned block's own record, kept with the new one
+    init_training: dict[str, Any] | None = None  # the starting block's own record, kept with the new one
     if config.init_block is not None and not resume:
         init_training = _init_from_block(block, config.init_block, model, tokenizer, config.model)
     block.train()
