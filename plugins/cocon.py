@@ -180,7 +180,11 @@ def register_steerers(register: Callable[[type], None]) -> None:
               help="LM-alpha is blocks [0, split). Default: a third of the depth.")
 @click.option("--steps", type=click.IntRange(1, 10**9), default=2000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(1, 65536), default=16, show_default=True)
-@click.option("--history-tokens", type=click.IntRange(1, 8192), default=32, show_default=True)
+@click.option("--history-tokens", type=click.IntRange(1, 8192), default=32, show_default=True,
+              help="The longest history (prompt) before a continuation.")
+@click.option("--min-history-tokens", type=click.IntRange(1, 8192), default=None,
+              help="Draw each batch's history length log-uniformly from [this, --history-tokens] "
+                   "(default: every history --history-tokens long).")
 @click.option("--continuation-tokens", type=click.IntRange(2, 8192), default=24, show_default=True)
 @click.option("--content-max-tokens", type=click.IntRange(1, 8192), default=None,
               help="Longest content (default: the whole continuation).")
@@ -191,6 +195,9 @@ def register_steerers(register: Callable[[type], None]) -> None:
 @click.option("--span-weight", type=click.FloatRange(0), default=1.0, show_default=True,
               help="Weight, relative to the other positions, of the self loss at the positions a short "
                    "content holds.")
+@click.option("--plain-target", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of the target taken from the plain model's next-token distribution instead of the "
+                   "text, where no content token is due (the null loss; outside a short content's span).")
 @click.option("--init-block", default=None,
               help="Start from this block's weights (a block folder or bundled name for the same model): "
                    "fine-tune it.")
@@ -217,9 +224,10 @@ def register_steerers(register: Callable[[type], None]) -> None:
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, split_layer: int | None, steps: int,
-                  batch_size: int, history_tokens: int, continuation_tokens: int, content_max_tokens: int | None,
-                  short_content_share: float, short_content_max_tokens: int, span_weight: float,
-                  init_block: str | None, self_weight: float, null_weight: float, cycle_weight: float, adv_weight: float,
+                  batch_size: int, history_tokens: int, min_history_tokens: int | None, continuation_tokens: int,
+                  content_max_tokens: int | None, short_content_share: float, short_content_max_tokens: int,
+                  span_weight: float, plain_target: float, init_block: str | None, self_weight: float,
+                  null_weight: float, cycle_weight: float, adv_weight: float,
                   cycle_from_step: int, adv_from_step: int, cycle_tokens: int, learning_rate: float,
                   warmup_steps: int, eval_every: int, seed: int, device: str | None, precision: str, resume: bool,
                   quiet: bool) -> None:
@@ -234,9 +242,11 @@ def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, split_l
     try:
         config = CoconTrainConfig(
             out_dir=out_dir, model=model, corpus=corpus, heldout=heldout, split_layer=split_layer, steps=steps,
-            batch_size=batch_size, history_tokens=history_tokens, continuation_tokens=continuation_tokens,
+            batch_size=batch_size, history_tokens=history_tokens, min_history_tokens=min_history_tokens,
+            continuation_tokens=continuation_tokens,
             content_max_tokens=content_max_tokens, short_content_share=short_content_share,
-            short_content_max_tokens=short_content_max_tokens, span_weight=span_weight, init_block=init_block,
+            short_content_max_tokens=short_content_max_tokens, span_weight=span_weight, plain_target=plain_target,
+            init_block=init_block,
             self_weight=self_weight,
             null_weight=null_weight, cycle_weight=cycle_weight, adv_weight=adv_weight,
             cycle_from_step=cycle_from_step, adv_from_step=adv_from_step, cycle_tokens=cycle_tokens,

@@ -350,6 +350,32 @@ def test_empty_content_stays_close_to_the_plain_model(bundled_pipeline):
     assert agree / total >= 0.75, f"top-1 agreement {agree}/{total}"
 
 
+def test_empty_content_stays_close_after_a_long_history(bundled_pipeline):
+    """Chat prompts run to hundreds of tokens: the block must stay close to the plain
+    model there too (a block trained on short histories alone drifts far from it)."""
+    from chatcore.conversation import build_prompt
+    from chatcore.evaluation.prompts import chitchat_heldout
+
+    bundled, pipeline = bundled_pipeline
+    tokenizer, eos = bundled.tokenizer, bundled.eos_token_id
+    pairs = []
+    for context in chitchat_heldout()[:100]:
+        prompt = build_prompt([encode_text(tokenizer, turn) for turn in context.turns], eos, 800).token_ids
+        pairs.append((len(prompt), prompt, encode_text(tokenizer, context.reference or "") + [eos]))
+    longest = sorted(pairs, key=lambda pair: pair[0])[-8:]
+    assert longest[0][0] >= 120, [length for length, _, _ in longest]
+    kls = []
+    with torch.no_grad():
+        for length, prompt, reply in longest:
+            ids = torch.tensor([prompt + reply])
+            plain = torch.log_softmax(bundled.model(ids).logits[0, length - 1 : -1].float(), -1)
+            logits, _ = pipeline.full_forward(pipeline.split.hidden_at_split(ids), length)
+            cocon = torch.log_softmax(logits[0, :-1], -1)
+            kls.append(float((plain.exp() * (plain - cocon)).sum(-1).mean()))
+    mean_kl = sum(kls) / len(kls)
+    assert mean_kl < 0.1, f"mean KL(plain || cocon without content) after {longest[0][0]}+ tokens = {mean_kl:.3f}"
+
+
 def test_content_raises_the_content_word_with_the_bundled_block(bundled_pipeline):
     """A one-word content makes that word more likely mid-reply, more so as tau grows."""
     bundled, pipeline = bundled_pipeline
@@ -387,9 +413,10 @@ def test_training_writes_a_loadable_block_and_resumes(loaded, tiny_model_dir, tm
     config = dict(out_dir=str(tmp_path / "run"), model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0,
                   batch_size=4, history_tokens=8, continuation_tokens=6, cycle_tokens=3, cycle_batch_size=2,
                   cycle_from_step=1, adv_from_step=1, disc_every=1, eval_every=2, eval_windows=4, warmup_steps=1,
-                  no_history_share=0.5, device="cpu")
+                  no_history_share=0.5, min_history_tokens=3, plain_target=0.5, device="cpu")
     result = train_cocon(CoconTrainConfig(steps=2, **config), progress=False)
-    assert result.steps == 2 and set(result.heldout) == {"plain", "null", "self", "word"}
+    assert result.steps == 2 and set(result.heldout) == {"plain", "null", "self", "word", "null_kl"}
+    assert result.heldout["null_kl"] >= 0.0
     block, info = load_block(result.block_dir)
     assert info["base_model"]["fingerprint"] == model_fingerprint(loaded.model, loaded.tokenizer)
     assert info["block"]["split_layer"] == 1 and info["training"]["steps"] == 2
@@ -436,6 +463,45 @@ def test_the_span_weight_weighs_the_content_positions():
     assert torch.allclose(weighted_lm_loss(logits, targets, weights), expected)
 
 
+def test_the_plain_target_mixes_the_text_with_the_plain_models_distribution():
+    from chatcore.cocon.training import mixed_lm_loss, weighted_lm_loss
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 5, 11, requires_grad=True), torch.randint(0, 11, (2, 5))
+    weights = torch.ones(2, 5)
+    weights[1, 3] = 4.0
+    teacher = torch.softmax(torch.randn(2, 5, 11), -1)
+    text_only = mixed_lm_loss(logits, targets, weights, teacher, torch.zeros(2, 5))
+    assert torch.allclose(text_only, weighted_lm_loss(logits, targets, weights))
+    one_hot = torch.nn.functional.one_hot(targets, 11).float()
+    assert torch.allclose(mixed_lm_loss(logits, targets, weights, one_hot, torch.ones(2, 5)), text_only)
+    half = mixed_lm_loss(logits, targets, weights, teacher, torch.full((2, 5), 0.5))
+    assert torch.allclose(half, 0.5 * text_only + 0.5 * mixed_lm_loss(logits, targets, weights, teacher,
+                                                                      torch.ones(2, 5)))
+    # With the teacher's own distribution as the target, the loss is at its minimum: no gradient.
+    own = torch.softmax(logits.detach(), -1)
+    mixed_lm_loss(logits, targets, weights, own, torch.ones(2, 5)).backward()
+    assert logits.grad is not None and logits.grad.abs().max() < 1e-6
+
+
+def test_history_lengths_are_drawn_between_the_bounds(loaded, tiny_block_dir):
+    from chatcore.cocon.training import CoconLosses, CoconTrainConfig
+
+    block, _ = load_block(tiny_block_dir)
+    pipeline = CoconPipeline(SplitModel(loaded.model, block.config.split_layer), block.float())
+    generator = torch.Generator().manual_seed(0)
+    fixed = CoconLosses(pipeline, CoconTrainConfig(out_dir="unused", history_tokens=40))
+    assert {fixed.history_length(generator) for _ in range(20)} == {40}
+    drawn = CoconLosses(pipeline, CoconTrainConfig(out_dir="unused", history_tokens=256, min_history_tokens=16))
+    lengths = sorted(drawn.history_length(generator) for _ in range(2000))
+    assert lengths[0] == 16 and lengths[-1] == 256
+    assert 48 <= lengths[1000] <= 80  # log-uniform: the median is near sqrt(16 * 256) = 64
+    with pytest.raises(ValueError, match="min_history_tokens"):
+        CoconTrainConfig(out_dir="unused", history_tokens=32, min_history_tokens=64)
+    with pytest.raises(ValueError, match="plain_target"):
+        CoconTrainConfig(out_dir="unused", plain_target=1.5)
+
+
 def test_train_cocon_command_is_registered():
     from click.testing import CliRunner
 
@@ -446,5 +512,6 @@ def test_train_cocon_command_is_registered():
     assert "cocon" in train.commands
     result = CliRunner().invoke(train, ["cocon", "--help"])
     assert result.exit_code == 0
-    for option in ("--cycle-from-step", "--adv-from-step", "--resume", "--device", "--null-weight"):
+    for option in ("--cycle-from-step", "--adv-from-step", "--resume", "--device", "--null-weight",
+                   "--min-history-tokens", "--plain-target"):
         assert option in result.output

@@ -2,8 +2,11 @@
 
 Data: dialogue text (chitchat by default) as one token stream, turns ending in EOS, cut
 into windows of ``history_tokens + continuation_tokens``: a history (the prompt) and
-its continuation. Most windows start their continuation at a turn start, as a reply
-does. Only the block (and, for the adversarial loss, a small discriminator) learns.
+its continuation. With ``min_history_tokens`` each batch keeps only the last h tokens of
+the history, h drawn log-uniformly from [min_history_tokens, history_tokens], so the
+block sees histories as long as chat prompts get, mostly short ones as in chat. Most
+windows start their continuation at a turn start, as a reply does. Only the block (and,
+for the adversarial loss, a small discriminator) learns.
 
 The losses (Chan et al., 2021, section 3), each with its weight:
 
@@ -15,6 +18,13 @@ The losses (Chan et al., 2021, section 3), each with its weight:
   very token, so that the block cannot simply copy position by position.
 - null content: no content at all; plain language modelling through the block, so an
   empty content leaves the model's replies as they were.
+- plain target (``plain_target``, not in the paper): at the positions where no content
+  token is to be predicted (every position of the null loss, those outside a short
+  content's span), that share of the target is the plain model's next-token
+  distribution instead of the text's token. The text alone teaches the block to be
+  another language model of the corpus, one whose replies the plain model finds
+  less likely; the plain model's distribution teaches it to leave those positions as
+  the plain model would write them and to change only what the content asks for.
 - cycle reconstruction (from ``cycle_from_step``): generate a few tokens with the
   content of sample i after the history of sample i+1 (soft tokens, so gradients
   flow), then use that generation as the content to reconstruct sample i's own
@@ -56,13 +66,15 @@ class CoconTrainConfig:
     split_layer: int | None = None  # default: n_layer // 3 (at least 1)
     steps: int = 2000
     batch_size: int = 16
-    history_tokens: int = 32
+    history_tokens: int = 32  # the longest history
+    min_history_tokens: int | None = None  # default: history_tokens (every history as long)
     continuation_tokens: int = 24
     content_max_tokens: int | None = None  # default: the whole continuation
     short_content_share: float = 0.5  # share of batches whose content is a short span
     short_content_max_tokens: int = 4
     span_rarity: float = 1.0  # short spans start at token t with weight count(t) ** -span_rarity
     span_weight: float = 1.0  # self loss weight, relative to the rest, at the positions a short content holds
+    plain_target: float = 0.0  # share of the target taken from the plain model where no content token is due
     init_block: str | None = None  # start from this block's weights (a folder or bundled name): fine-tuning
     turn_start_share: float = 0.75  # share of windows whose continuation starts a turn
     no_history_share: float = 0.05  # share of batches trained with the start vector, no history
@@ -95,7 +107,10 @@ class CoconTrainConfig:
     def __post_init__(self) -> None:
         if self.content_max_tokens is None:
             self.content_max_tokens = self.continuation_tokens
-        positive = ("steps", "batch_size", "history_tokens", "continuation_tokens", "content_max_tokens",
+        if self.min_history_tokens is None:
+            self.min_history_tokens = self.history_tokens
+        positive = ("steps", "batch_size", "history_tokens", "min_history_tokens", "continuation_tokens",
+                    "content_max_tokens",
                     "short_content_max_tokens", "cycle_tokens", "cycle_batch_size", "disc_every", "eval_every",
                     "eval_windows")
         for name in positive:
@@ -104,11 +119,15 @@ class CoconTrainConfig:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         if self.continuation_tokens < 2:
             raise ValueError(f"`continuation_tokens` must be at least 2, got {self.continuation_tokens}")
+        if self.min_history_tokens > self.history_tokens:
+            raise ValueError(f"`min_history_tokens` ({self.min_history_tokens}) must not exceed "
+                             f"`history_tokens` ({self.history_tokens})")
         if self.content_max_tokens > self.continuation_tokens:
             raise ValueError(f"`content_max_tokens` ({self.content_max_tokens}) must not exceed "
                              f"`continuation_tokens` ({self.continuation_tokens})")
         self.short_content_max_tokens = min(self.short_content_max_tokens, self.content_max_tokens)
-        for name in ("short_content_share", "turn_start_share", "no_history_share", "content_mask_prob", "heldout"):
+        for name in ("short_content_share", "turn_start_share", "no_history_share", "content_mask_prob", "heldout",
+                     "plain_target"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"`{name}` must be between 0 and 1, got {value}")
@@ -210,6 +229,24 @@ def weighted_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch
     return (losses * weights).sum() / weights.sum()
 
 
+def mixed_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, teacher: torch.Tensor,
+                  teacher_share: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against a per-position mix of the text's token and a teacher's
+    distribution, averaged with per-position ``weights``.
+
+    logits: (B, T, V); targets, weights, teacher_share: (B, T); teacher: (B, T, V)
+    probabilities. At a position with share s the target is (1 - s) * one-hot(token)
+    + s * teacher; s = 0 everywhere is ``weighted_lm_loss``.
+    """
+    log_probs = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+    text = -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    soft = -(teacher.float() * log_probs).sum(dim=-1)  # (B, T)
+    share = teacher_share.to(text.dtype)
+    losses = (1.0 - share) * text + share * soft
+    weights = weights.to(losses.dtype)
+    return (losses * weights).sum() / weights.sum()
+
+
 def self_token_bias(queries: int, content_start: int, content_length: int, dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
     """(1, Tq, S) bias hiding, from the query that predicts continuation token q, the content
@@ -245,6 +282,15 @@ class CoconLosses:
         if token_counts is not None and config.span_rarity > 0:
             self.token_weights = token_counts.double().clamp(min=1.0) ** -config.span_rarity  # (V,)
 
+    def history_length(self, generator: torch.Generator) -> int:
+        """This batch's history length: ``history_tokens``, or with ``min_history_tokens`` a
+        length drawn log-uniformly between the two (chat prompts are mostly short)."""
+        low, high = int(self.config.min_history_tokens or self.config.history_tokens), self.config.history_tokens
+        if low >= high:
+            return high
+        u = float(torch.rand((), generator=generator))
+        return min(high, int(math.exp(math.log(low) + u * (math.log(high + 1) - math.log(low)))))
+
     def content_span(self, continuation: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, int]:
         """(start (B,), length) of each row's content within its continuation (B, tis).
 
@@ -279,7 +325,8 @@ class CoconLosses:
                  with_adv: bool) -> BatchLosses:
         """windows: (B, history + continuation) token ids."""
         config, split = self.config, self.split
-        hs = config.history_tokens
+        hs = self.history_length(generator)
+        windows = windows[:, config.history_tokens - hs :]
         if float(torch.rand((), generator=generator)) < config.no_history_share:
             # The start vector stands in for the history: the block reads [start, h_0 ..].
             windows, hs = windows[:, hs:], 0
@@ -299,21 +346,42 @@ class CoconLosses:
             # phrase, the content people give in chat) would have its one useful token hidden.
             bias = self_token_bias(continuation.size(1), int(starts[0]), length, keys.dtype, keys.device)
         result = BatchLosses({})
+        teacher = self.plain_distribution(alpha_hidden, hs) if config.plain_target > 0 and hs > 0 else None
         logits, _ = self.pipeline.full_forward(alpha_hidden, hs, keys, values, bias)
-        if bias is None and config.span_weight != 1.0:
+        weights = torch.ones(targets.shape, device=targets.device)
+        teacher_share = torch.full(targets.shape, config.plain_target, device=targets.device)
+        if bias is None:
             # A short content: weigh the positions that predict its own tokens, where
-            # following the content pays, against the rest (targets = the continuation).
-            weights = torch.ones(targets.shape, device=targets.device)
+            # following the content pays, against the rest (targets = the continuation);
+            # there the target is the text alone.
             weights.scatter_(1, span, config.span_weight)
+            teacher_share.scatter_(1, span, 0.0)
+        else:
+            teacher_share.zero_()  # the whole continuation is the content: every token is due
+        if teacher is None:
             result.losses["self"] = weighted_lm_loss(logits, targets, weights)
         else:
-            result.losses["self"] = lm_loss(logits, targets)
+            result.losses["self"] = mixed_lm_loss(logits, targets, weights, teacher, teacher_share)
         if config.null_weight > 0:
             logits, _ = self.pipeline.full_forward(alpha_hidden, hs)
-            result.losses["null"] = lm_loss(logits, targets)
+            if teacher is None:
+                result.losses["null"] = lm_loss(logits, targets)
+            else:
+                share = torch.full(targets.shape, config.plain_target, device=targets.device)
+                result.losses["null"] = mixed_lm_loss(logits, targets, torch.ones_like(share), teacher, share)
         if (with_cycle or with_adv) and hs > 0:
-            self.cycle(windows, alpha_hidden, targets, with_cycle, with_adv, result)
+            self.cycle(windows, hs, alpha_hidden, targets, with_cycle, with_adv, result)
         return result
+
+    def plain_distribution(self, alpha_hidden: torch.Tensor, history_length: int) -> torch.Tensor:
+        """The plain model's next-token probabilities (B, Tq, V) at the positions the block
+        rewrites (from the last history position on), from LM-alpha's hidden states (B, L, C)."""
+        split = self.split
+        B, L, _ = alpha_hidden.shape
+        with torch.no_grad():
+            mask = split.causal_mask(torch.ones(B, L, device=alpha_hidden.device), L)
+            logits = split.head(split.beta(alpha_hidden, mask)[:, history_length - 1 :])
+            return torch.softmax(logits.float(), dim=-1)
 
     def generate_soft(self, history: torch.Tensor, content_keys: torch.Tensor, content_values: torch.Tensor,
                       tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,12 +414,11 @@ class CoconLosses:
             steered.append(output.steered)
         return torch.cat(embeddings, dim=1), torch.cat(steered, dim=1)
 
-    def cycle(self, windows: torch.Tensor, alpha_hidden: torch.Tensor, targets: torch.Tensor,
+    def cycle(self, windows: torch.Tensor, hs: int, alpha_hidden: torch.Tensor, targets: torch.Tensor,
               with_cycle: bool, with_adv: bool, result: BatchLosses) -> None:
         """Sample i's content after sample i-1's history -> a soft generation y; then y as
-        the content must reconstruct sample i's continuation after its own history."""
+        the content must reconstruct sample i's continuation after its own history (hs tokens)."""
         config, split, block = self.config, self.split, self.block
-        hs = config.history_tokens
         rows = min(config.cycle_batch_size, windows.size(0))
         windows, alpha_hidden, targets = windows[:rows], alpha_hidden[:rows], targets[:rows]
         with torch.no_grad():
@@ -395,7 +462,7 @@ def heldout_losses(pipeline: CoconPipeline, windows: torch.Tensor, config: Cocon
     content_max = int(config.content_max_tokens or config.continuation_tokens)
     was_training = block.training
     block.eval()
-    sums = {"plain": 0.0, "null": 0.0, "self": 0.0, "word": 0.0}
+    sums = {"plain": 0.0, "null": 0.0, "self": 0.0, "word": 0.0, "null_kl": 0.0}
     count = 0
     picks = torch.Generator().manual_seed(config.seed + 2)
     counts = token_counts.to(split.device) if token_counts is not None else None
@@ -416,9 +483,15 @@ def heldout_losses(pipeline: CoconPipeline, windows: torch.Tensor, config: Cocon
             word_keys, word_values = block.content_keys_values(split.hidden_at_split(targets.gather(1, word_at)))
             n = targets.numel()
             sums["plain"] += lm_loss(plain[:, hs - 1 :], targets).item() * n
-            sums["null"] += lm_loss(pipeline.full_forward(alpha_hidden, hs)[0], targets).item() * n
-            sums["self"] += lm_loss(pipeline.full_forward(alpha_hidden, hs, keys, values, bias)[0], targets).item() * n
-            sums["word"] += lm_loss(pipeline.full_forward(alpha_hidden, hs, word_keys, word_values)[0], targets).item() * n
+            null = pipeline.full_forward(alpha_hidden, hs)[0]
+            sums["null"] += lm_loss(null, targets).item() * n
+            plain_log = F.log_softmax(plain[:, hs - 1 :].float(), dim=-1)
+            kl = (plain_log.exp() * (plain_log - F.log_softmax(null.float(), dim=-1))).sum(dim=-1)  # (B, Tq)
+            sums["null_kl"] += kl.sum().item()
+            self_logits = pipeline.full_forward(alpha_hidden, hs, keys, values, bias)[0]
+            sums["self"] += lm_loss(self_logits, targets).item() * n
+            word_logits = pipeline.full_forward(alpha_hidden, hs, word_keys, word_values)[0]
+            sums["word"] += lm_loss(word_logits, targets).item() * n
             count += n
     block.train(was_training)
     return {name: value / max(1, count) for name, value in sums.items()}
@@ -590,7 +663,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
             history.append({"step": step, **heldout})
             bar.write(f"step {step}/{config.steps}  held-out loss: plain {heldout['plain']:.4f}  "
                       f"no content {heldout['null']:.4f}  self-reconstruction {heldout['self']:.4f}  "
-                      f"one-token content {heldout['word']:.4f}")
+                      f"one-token content {heldout['word']:.4f}  KL(plain || no content) {heldout['null_kl']:.4f}")
             save(heldout)
     bar.close()
     elapsed = time.perf_counter() - started
