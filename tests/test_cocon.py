@@ -234,7 +234,7 @@ def test_the_bundled_block_names_its_default_tau():
 
     folder = resolve_block("cocon-chatcore-tiny", {}, "chatcore-tiny")
     value = read_info(folder)["default_tau"]
-    assert isinstance(value, float) and 0 < value <= 50
+    assert isinstance(value, (int, float)) and -50 <= value <= 50
     docs = (Path(__file__).resolve().parents[1] / "docs" / "cocon.md").read_text(encoding="utf-8")
     assert f"({value:g} for the bundled block)" in docs  # the settings table states the shipped value
 
@@ -358,22 +358,31 @@ def test_empty_content_stays_close_after_a_long_history(bundled_pipeline):
 
     bundled, pipeline = bundled_pipeline
     tokenizer, eos = bundled.tokenizer, bundled.eos_token_id
-    pairs = []
-    for context in chitchat_heldout()[:100]:
-        prompt = build_prompt([encode_text(tokenizer, turn) for turn in context.turns], eos, 800).token_ids
-        pairs.append((len(prompt), prompt, encode_text(tokenizer, context.reference or "") + [eos]))
-    longest = sorted(pairs, key=lambda pair: pair[0])[-8:]
-    assert longest[0][0] >= 120, [length for length, _, _ in longest]
-    kls = []
-    with torch.no_grad():
-        for length, prompt, reply in longest:
-            ids = torch.tensor([prompt + reply])
-            plain = torch.log_softmax(bundled.model(ids).logits[0, length - 1 : -1].float(), -1)
-            logits, _ = pipeline.full_forward(pipeline.split.hidden_at_split(ids), length)
-            cocon = torch.log_softmax(logits[0, :-1], -1)
-            kls.append(float((plain.exp() * (plain - cocon)).sum(-1).mean()))
-    mean_kl = sum(kls) / len(kls)
-    assert mean_kl < 0.1, f"mean KL(plain || cocon without content) after {longest[0][0]}+ tokens = {mean_kl:.3f}"
+
+    def longest(contexts: list, count: int) -> list[tuple[int, list[int], list[int]]]:
+        rows = []
+        for context in contexts:
+            reply = (encode_text(tokenizer, context.reference or "") + [eos])[:48]
+            budget = bundled.max_positions - len(reply)
+            prompt = build_prompt([encode_text(tokenizer, turn) for turn in context.turns], eos, budget).token_ids
+            rows.append((len(prompt), prompt, reply))
+        return sorted(rows, key=lambda row: row[0])[-count:]
+
+    # The longest of the benchmark's 6-turn prompts, and prompts of long conversations
+    # that fill most of the model's positions (there the block shipped before drifted to KL 1.3).
+    for rows, shortest, limit in ((longest(chitchat_heldout()[:100], 8), 200, 0.1),
+                                  (longest(chitchat_heldout(40), 8), 420, 0.2)):
+        assert rows[0][0] >= shortest, [length for length, _, _ in rows]
+        kls = []
+        with torch.no_grad():
+            for length, prompt, reply in rows:
+                ids = torch.tensor([prompt + reply])
+                plain = torch.log_softmax(bundled.model(ids).logits[0, length - 1 : -1].float(), -1)
+                logits, _ = pipeline.full_forward(pipeline.split.hidden_at_split(ids), length)
+                cocon = torch.log_softmax(logits[0, :-1], -1)
+                kls.append(float((plain.exp() * (plain - cocon)).sum(-1).mean()))
+        mean_kl = sum(kls) / len(kls)
+        assert mean_kl < limit, f"mean KL(plain || cocon without content) after {rows[0][0]}+ tokens = {mean_kl:.3f}"
 
 
 def test_content_raises_the_content_word_with_the_bundled_block(bundled_pipeline):
