@@ -84,14 +84,16 @@ def main() -> None:
           f"{plain.tokens_per_s or 0:.1f} tok/s")
     results: dict[str, object] = {"contexts": len(contexts), "decoder": args.decoder, "model": args.model,
                                   "unsteered": dataclasses.asdict(plain), "contents": {}}
-    null_settings: dict[str, object] = {"content": ()}
-    if args.block:
-        null_settings["block"] = args.block
-    null, _ = run("cocon without content", [("cocon", null_settings)])
+    def cocon(*contents: str, **settings: object) -> list:
+        """The steerers for ``cocon`` with these contents (and the --block, if given)."""
+        return [("cocon", {"content": contents, **settings, **({"block": args.block} if args.block else {})})]
+
+    null, _ = run("cocon without content", cocon())
     print(f"cocon without content: perplexity {null.perplexity:.1f} ({null.perplexity / plain.perplexity:.2f}x), "
           f"distinct-2 {null.distinct_2:.3f}, degenerate {null.degenerate_share:.1%}, "
           f"length {null.mean_length:.1f} words, {null.tokens_per_s or 0:.1f} tok/s")
     results["no_content"] = dataclasses.asdict(null)
+
     def measure(label: str, column: str, content: str, base_share: float, steerers: list,
                 options: ReplyOptions = base) -> dict[str, object]:
         """Run one configuration, print its row, and return it for the JSON report."""
@@ -114,19 +116,13 @@ def main() -> None:
               f"{plain.distinct_2:7.3f} {plain.degenerate_share:6.1%} {plain.mean_length:6.1f}   (unsteered)")
         rows: dict[str, dict[str, object]] = {}
         for tau in taus:
-            settings: dict[str, object] = {"content": (content,), "tau": (tau,)}
-            if args.block:
-                settings["block"] = args.block
             rows[f"{tau:g}"] = measure(f"cocon {content} tau={tau:g}", f"{tau:g}", content, base_share,
-                                       [("cocon", settings)])
+                                       cocon(content, tau=(tau,)))
         if args.rank is not None:
             ranked = dataclasses.replace(base, decoder="rank", decoder_settings={
                 **decoder_settings, "words": tuple(content_keywords(content)),
                 **parse_key_values(args.rank.split())})
-            block_settings: dict[str, object] = {"content": (content,)}
-            if args.block:
-                block_settings["block"] = args.block
-            for label, steerers in ((f"rank {args.rank}".strip(), []), ("rank + cocon", [("cocon", block_settings)])):
+            for label, steerers in ((f"rank {args.rank}".strip(), []), ("rank + cocon", cocon(content))):
                 rows[label] = measure(f"{label} {content}", label, content, base_share, steerers, ranked)
         shares = [rows[f"{tau:g}"]["share"] for tau in sorted(taus)]
         monotonic = all(a <= b for a, b in zip(shares, shares[1:]))

@@ -230,21 +230,30 @@ def weighted_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch
 
 
 def mixed_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, teacher: torch.Tensor,
-                  teacher_share: torch.Tensor) -> torch.Tensor:
+                  teacher_share: torch.Tensor | float) -> torch.Tensor:
     """Cross-entropy against a per-position mix of the text's token and a teacher's
     distribution, averaged with per-position ``weights``.
 
-    logits: (B, T, V); targets, weights, teacher_share: (B, T); teacher: (B, T, V)
-    probabilities. At a position with share s the target is (1 - s) * one-hot(token)
-    + s * teacher; s = 0 everywhere is ``weighted_lm_loss``.
+    logits: (B, T, V); targets, weights: (B, T); teacher: (B, T, V) probabilities;
+    teacher_share: (B, T), or one share for every position. At a position with share s
+    the target is (1 - s) * one-hot(token) + s * teacher; s = 0 everywhere is
+    ``weighted_lm_loss``.
     """
     log_probs = F.log_softmax(logits.float(), dim=-1)  # (B, T, V)
     text = -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
     soft = -(teacher.float() * log_probs).sum(dim=-1)  # (B, T)
-    share = teacher_share.to(text.dtype)
+    share = torch.as_tensor(teacher_share, dtype=text.dtype, device=text.device)
     losses = (1.0 - share) * text + share * soft
     weights = weights.to(losses.dtype)
     return (losses * weights).sum() / weights.sum()
+
+
+def plain_logits(split: SplitModel, alpha_hidden: torch.Tensor, history_length: int) -> torch.Tensor:
+    """The plain model's next-token scores (B, Tq, V), float32, at the positions the block
+    rewrites (from the last history position on), from LM-alpha's hidden states (B, L, C)."""
+    B, L, _ = alpha_hidden.shape
+    mask = split.causal_mask(torch.ones(B, L, device=alpha_hidden.device), L)
+    return split.head(split.beta(alpha_hidden, mask)[:, history_length - 1 :]).float()
 
 
 def self_token_bias(queries: int, content_start: int, content_length: int, dtype: torch.dtype,
@@ -285,7 +294,7 @@ class CoconLosses:
     def history_length(self, generator: torch.Generator) -> int:
         """This batch's history length: ``history_tokens``, or with ``min_history_tokens`` a
         length drawn log-uniformly between the two (chat prompts are mostly short)."""
-        low, high = int(self.config.min_history_tokens or self.config.history_tokens), self.config.history_tokens
+        low, high = int(self.config.min_history_tokens), self.config.history_tokens  # type: ignore[arg-type]
         if low >= high:
             return high
         u = float(torch.rand((), generator=generator))
@@ -346,42 +355,33 @@ class CoconLosses:
             # phrase, the content people give in chat) would have its one useful token hidden.
             bias = self_token_bias(continuation.size(1), int(starts[0]), length, keys.dtype, keys.device)
         result = BatchLosses({})
-        teacher = self.plain_distribution(alpha_hidden, hs) if config.plain_target > 0 and hs > 0 else None
+        teacher = None
+        if config.plain_target > 0 and hs > 0:
+            with torch.no_grad():
+                teacher = torch.softmax(plain_logits(split, alpha_hidden, hs), dim=-1)  # (B, Tq, V)
         logits, _ = self.pipeline.full_forward(alpha_hidden, hs, keys, values, bias)
         weights = torch.ones(targets.shape, device=targets.device)
-        teacher_share = torch.full(targets.shape, config.plain_target, device=targets.device)
         if bias is None:
             # A short content: weigh the positions that predict its own tokens, where
-            # following the content pays, against the rest (targets = the continuation);
-            # there the target is the text alone.
+            # following the content pays, against the rest (targets = the continuation).
             weights.scatter_(1, span, config.span_weight)
-            teacher_share.scatter_(1, span, 0.0)
-        else:
-            teacher_share.zero_()  # the whole continuation is the content: every token is due
-        if teacher is None:
+        if teacher is None or bias is not None:
+            # (the whole continuation as the content: every token is due, the text is the target)
             result.losses["self"] = weighted_lm_loss(logits, targets, weights)
         else:
-            result.losses["self"] = mixed_lm_loss(logits, targets, weights, teacher, teacher_share)
+            # The plain target only where no content token is due: off the span.
+            share = torch.full(targets.shape, config.plain_target, device=targets.device).scatter_(1, span, 0.0)
+            result.losses["self"] = mixed_lm_loss(logits, targets, weights, teacher, share)
         if config.null_weight > 0:
             logits, _ = self.pipeline.full_forward(alpha_hidden, hs)
             if teacher is None:
                 result.losses["null"] = lm_loss(logits, targets)
             else:
-                share = torch.full(targets.shape, config.plain_target, device=targets.device)
-                result.losses["null"] = mixed_lm_loss(logits, targets, torch.ones_like(share), teacher, share)
+                result.losses["null"] = mixed_lm_loss(logits, targets, torch.ones_like(weights), teacher,
+                                                      config.plain_target)
         if (with_cycle or with_adv) and hs > 0:
             self.cycle(windows, hs, alpha_hidden, targets, with_cycle, with_adv, result)
         return result
-
-    def plain_distribution(self, alpha_hidden: torch.Tensor, history_length: int) -> torch.Tensor:
-        """The plain model's next-token probabilities (B, Tq, V) at the positions the block
-        rewrites (from the last history position on), from LM-alpha's hidden states (B, L, C)."""
-        split = self.split
-        B, L, _ = alpha_hidden.shape
-        with torch.no_grad():
-            mask = split.causal_mask(torch.ones(B, L, device=alpha_hidden.device), L)
-            logits = split.head(split.beta(alpha_hidden, mask)[:, history_length - 1 :])
-            return torch.softmax(logits.float(), dim=-1)
 
     def generate_soft(self, history: torch.Tensor, content_keys: torch.Tensor, content_values: torch.Tensor,
                       tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,9 +470,9 @@ def heldout_losses(pipeline: CoconPipeline, windows: torch.Tensor, config: Cocon
         for first in range(0, windows.size(0), config.batch_size):
             batch = windows[first : first + config.batch_size].to(split.device)
             inputs, targets = batch[:, :-1], batch[:, hs:]
-            B, L = inputs.shape
+            B = inputs.size(0)
             alpha_hidden = split.hidden_at_split(inputs)  # (B, L, C)
-            plain = split.head(split.beta(alpha_hidden, split.causal_mask(torch.ones(B, L, device=split.device), L)))
+            plain = plain_logits(split, alpha_hidden, hs)  # (B, Tq, V)
             continuation = batch[:, hs : hs + content_max]
             keys, values = block.content_keys_values(split.hidden_at_split(continuation))
             bias = self_token_bias(targets.size(1), 0, continuation.size(1), keys.dtype, keys.device)
@@ -482,10 +482,10 @@ def heldout_losses(pipeline: CoconPipeline, windows: torch.Tensor, config: Cocon
                 word_at = counts[targets].argmin(dim=1, keepdim=True)  # (B, 1)
             word_keys, word_values = block.content_keys_values(split.hidden_at_split(targets.gather(1, word_at)))
             n = targets.numel()
-            sums["plain"] += lm_loss(plain[:, hs - 1 :], targets).item() * n
+            sums["plain"] += lm_loss(plain, targets).item() * n
             null = pipeline.full_forward(alpha_hidden, hs)[0]
             sums["null"] += lm_loss(null, targets).item() * n
-            plain_log = F.log_softmax(plain[:, hs - 1 :].float(), dim=-1)
+            plain_log = F.log_softmax(plain, dim=-1)
             kl = (plain_log.exp() * (plain_log - F.log_softmax(null.float(), dim=-1))).sum(dim=-1)  # (B, Tq)
             sums["null_kl"] += kl.sum().item()
             self_logits = pipeline.full_forward(alpha_hidden, hs, keys, values, bias)[0]

@@ -193,10 +193,6 @@ class Perturbation:
         self.hidden_count = 0
         self.grad_norm_max: torch.Tensor | None = None  # (B, layers) largest gradient norm so far
 
-    def first_layer(self, layers: int) -> int:
-        """The lowest layer whose past is perturbed, in a model of ``layers`` layers."""
-        return self.config.first_perturbed_layer(layers)
-
     @property
     def perturbed_past(self) -> Past | None:
         """The perturbed past (keys and values per layer), or None while it is the plain one."""
@@ -257,7 +253,8 @@ class Perturbation:
         base = self._perturbed_base(past_len) if self._perturbed is not None else past_of(plain.cache, past_len)
 
         def forward(sub_state: StepState, sub_base: Past, deltas: list[torch.Tensor] | None, hidden: bool) -> Pass:
-            cache = fresh_cache(apply_deltas(sub_base, deltas, self.first_layer(len(sub_base))), self.model_config)
+            first_layer = self.config.first_perturbed_layer(len(sub_base))
+            cache = fresh_cache(apply_deltas(sub_base, deltas, first_layer), self.model_config)
             output = self._call(inner, sub_state.replace(cache=cache, output_hidden_states=hidden))
             return Pass(logits=output.logits, hidden_states=output.hidden_states, cache=output.cache)
 
@@ -286,7 +283,7 @@ class Perturbation:
         prompt_step = state.input_ids.size(1) > 1
 
         starts: dict[int, Start] = {}  # per fed-token tensor: what no delta changes
-        first_layer = self.first_layer(len(runner.layers))
+        first_layer = self.config.first_perturbed_layer(len(runner.layers))
 
         def forward(sub_state: StepState, sub_base: Past, deltas: LowRankDeltas | None,
                     probes: tuple[torch.Tensor, torch.Tensor] | None, hidden: bool) -> RunOutput:
@@ -406,7 +403,7 @@ class Perturbation:
             self.trace.append(record)
         return _Setup(
             rows=rows, state=sub_state, base=sub_base, window=window,
-            first_layer=self.first_layer(len(base)),
+            first_layer=self.config.first_perturbed_layer(len(base)),
             weights=window_weights(window, True, fed.input_ids.device) if config.decay else None,
             targets=self.attribute.step_targets(sub_state.sequences, fed.prompt_length),
             reference=reference, hidden_context=context(rows) if self.attribute.needs_hidden else None,
