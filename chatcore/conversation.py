@@ -1,9 +1,10 @@
-"""Conversations: turns, DialoGPT-style prompts, and replies.
+"""Conversations: a system prompt, turns, and replies.
 
-A prompt is the history's turns, oldest first, each followed by the EOS token. When it
-does not fit the model's context (its positions minus the reply's token budget), the
-oldest whole turns are dropped; if the newest turn alone is too long, only its most
-recent tokens are kept. User text is never parsed for special tokens.
+The engine's prompt format (chatcore.prompting) turns the system prompt and the turns
+into the prompt's token ids. When they do not fit the model's context (its positions
+minus the reply's token budget), the oldest whole turns are dropped, never the system
+prompt; if the newest turn alone is too long, only its most recent tokens are kept.
+User text is never parsed for special tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 from chatcore.errors import ChatcoreError
-from chatcore.text import clean_message, encode_text
+from chatcore.prompting import Message, PromptPlan, clean_system_prompt, prompt_budget
+from chatcore.text import clean_message
 
 if TYPE_CHECKING:
     from chatcore.engine import Engine, ReplyOptions
@@ -33,16 +35,11 @@ class Turn:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class PromptPlan:
-    token_ids: list[int]
-    turns_used: int
-    turns_dropped: int
-    truncated_tokens: int  # tokens cut from the front of the oldest kept turn
-
-
 def build_prompt(turn_ids: Sequence[Sequence[int]], eos: int, budget: int) -> PromptPlan:
-    """Join turns (oldest first) with EOS after each, dropping oldest whole turns to fit."""
+    """Join token-id turns (oldest first) with EOS after each, dropping oldest whole turns to fit.
+
+    The dialogpt format on ids, for training and scoring code that holds ids already.
+    """
     if budget < 2:
         raise ChatcoreError(f"the context budget is {budget} tokens: too small for any prompt")
     kept: list[Sequence[int]] = []
@@ -66,14 +63,28 @@ def build_prompt(turn_ids: Sequence[Sequence[int]], eos: int, budget: int) -> Pr
 
 
 class Conversation:
-    """The turns of one conversation and the engine that answers them."""
+    """The turns of one conversation, its system prompt, and the engine that answers them.
 
-    def __init__(self, engine: "Engine", id: str | None = None, turns: Sequence[Turn] = (), **meta: Any) -> None:
+    ``system``: the system prompt (persona), or None. ``prompt_format``: a format name
+    for this conversation, or None for the engine's.
+    """
+
+    def __init__(self, engine: "Engine", id: str | None = None, turns: Sequence[Turn] = (),
+                 system: str | None = None, prompt_format: str | None = None, **meta: Any) -> None:
         self.engine = engine
         self.id = id or uuid.uuid4().hex
         self.turns: list[Turn] = list(turns)
         self.meta: dict[str, Any] = dict(meta)
-        self._token_cache: dict[str, list[int]] = {}
+        self.system = system
+        self.prompt_format = prompt_format
+
+    @property
+    def system(self) -> str | None:
+        return self._system
+
+    @system.setter
+    def system(self, text: str | None) -> None:
+        self._system = clean_system_prompt(text)
 
     def add_user(self, text: Any) -> Turn:
         """Append a user turn (validated and normalised) and fire ``on_user_message``."""
@@ -87,18 +98,21 @@ class Conversation:
         self.turns.append(turn)
         return turn
 
-    def _turn_ids(self, turn: Turn) -> list[int]:
-        if turn.text not in self._token_cache:
-            self._token_cache[turn.text] = encode_text(self.engine.tokenizer, turn.text)
-        return self._token_cache[turn.text]
+    def messages(self) -> list[Message]:
+        """The system prompt (if any) and the turns, as a prompt format takes them."""
+        # Empty replies (possible from a tiny model) stay: they are turns of the dialogue.
+        messages = [Message("system", self.system)] if self.system else []
+        messages += [Message("user" if t.role == "user" else "assistant", t.text)
+                     for t in self.turns if t.text or t.role == "bot"]
+        return messages
 
     def prompt(self, max_new_tokens: int) -> PromptPlan:
-        # Empty replies (possible from a tiny model) add nothing but their EOS.
-        turns = [t for t in self.turns if t.text or t.role == "bot"]
-        if not turns:
+        """The prompt's token ids, leaving room for a reply of ``max_new_tokens`` (see ``prompt_budget``)."""
+        messages = self.messages()
+        if not any(m.role != "system" for m in messages):
             raise ChatcoreError("the conversation has no turns to reply to")
-        budget = self.engine.loaded.max_positions - max_new_tokens
-        return build_prompt([self._turn_ids(t) for t in turns], self.engine.eos_token_id, budget)
+        budget = prompt_budget(self.engine.loaded.max_positions, max_new_tokens)
+        return self.engine.format_for(self).fit(messages, budget)
 
     def reply(self, options: "ReplyOptions | None" = None, **overrides: Any) -> "Response":
         """A lazy reply to the conversation so far (the last turn should be the user's)."""

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from chatcore.models import LoadedModel
+    from chatcore.prompting import Message
 
 Select = Callable[["torch.Tensor", "torch.Generator"], "torch.Tensor"]
 
@@ -44,10 +45,14 @@ class Candidate:
 class GenerationSession:
     """Everything the decoding of one response needs.
 
-    prompt_ids:      the formatted prompt (history turns each followed by EOS).
+    prompt_ids:      the formatted prompt (chatcore.prompting renders it).
     steerers:        in composition order (see chatcore.steering).
     generator:       the seeded random generator every sampling draw uses.
-    min_new_tokens:  EOS is banned during the first this-many steps.
+    min_new_tokens:  stop tokens are banned during the first this-many steps.
+    stop_token_ids:  a row ends at any of these (default: EOS alone).
+    banned_token_ids: never generated (the special tokens that are not stop tokens).
+    messages:        the messages the prompt was rendered from (system first if any),
+                     for decoders and steerers that read the conversation as text.
     candidates:      filled by decoders that sample several replies.
     details:         free-form notes for provenance (decoders and steerers may add).
     """
@@ -59,13 +64,22 @@ class GenerationSession:
     generator: "torch.Generator"
     seed: int
     min_new_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    banned_token_ids: frozenset[int] = frozenset()
+    messages: list["Message"] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     first_token_time: float | None = None
 
     @property
     def eos_token_id(self) -> int:
+        """The model's EOS: a stop token, and the filler of rows that have ended."""
         return self.model.eos_token_id
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every token that ends a reply (EOS when no format said otherwise)."""
+        return self.stop_token_ids | {self.eos_token_id}
 
     def build_step(self) -> Step:
         return compose(model_step(self.model.model), self.steerers)
@@ -80,13 +94,15 @@ class GenerationSession:
         """Decode ``rows`` sequences in one batch, yielding each step's (B,) new tokens.
 
         All rows start from ``prompt_ids`` unless ``prompts`` gives one prompt per row
-        (left-padded). A row that emitted EOS keeps receiving EOS and is ignored; the
-        loop ends when every row has finished or after ``max_new_tokens`` steps.
+        (left-padded). A row that emitted a stop token keeps receiving EOS and is ignored;
+        the loop ends when every row has finished or after ``max_new_tokens`` steps.
         """
         import torch
 
         device = self.model.device
         eos = self.eos_token_id
+        stops = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)
+        banned = torch.tensor(sorted(self.banned_token_ids), dtype=torch.long, device=device)
         if prompts is None:
             prompts = [self.prompt_ids] * rows
         batch = len(prompts)
@@ -125,10 +141,12 @@ class GenerationSession:
                 cache = output.cache
                 scores = output.logits
                 history = sequences[:, :length]
-                if step_index < self.min_new_tokens:
-                    # Too early to stop: EOS is not an option (an empty reply helps no one).
+                early = step_index < self.min_new_tokens
+                if early or banned.numel():
                     scores = scores.clone()
-                    scores[:, eos] = float("-inf")
+                    scores[:, banned[banned < scores.shape[-1]]] = float("-inf")
+                    if early:  # too early to stop: an empty reply helps no one
+                        scores[:, stops[stops < scores.shape[-1]]] = float("-inf")
                 for processor in processors:
                     scores = processor(history, scores)
                 tokens = select(scores, self.generator)  # (B,)
@@ -139,7 +157,7 @@ class GenerationSession:
                 if self.first_token_time is None:
                     self.first_token_time = time.perf_counter()
                 yield tokens
-                finished |= tokens == eos
+                finished |= torch.isin(tokens, stops)
                 if bool(finished.all()):
                     break
                 input_ids = sequences[:, length - 1 : length]
@@ -150,7 +168,7 @@ class GenerationSession:
 class Decoder(Configurable):
     """Base class for decoders: a ``name``, a ``Settings`` dataclass, ``decode(session)``.
 
-    ``decode`` yields the reply's token ids (without the final EOS). A streaming
+    ``decode`` yields the reply's token ids (without the stop token that ended it). A streaming
     decoder yields them as they are chosen; a reranking one yields them at the end.
     """
 
@@ -180,10 +198,10 @@ class TokenDecoder(Decoder):
         raise NotImplementedError
 
     def decode(self, session: GenerationSession) -> Iterator[int]:
-        eos = session.eos_token_id
+        stops = session.stop_ids
         for tokens in session.run(self.processors(), self.select):
             token = int(tokens[0])
-            if token == eos:
+            if token in stops:
                 return
             yield token
 

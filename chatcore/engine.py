@@ -19,12 +19,14 @@ from chatcore.decoding import Decoder, GenerationSession
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
 from chatcore.plugin_manager import PluginHost, get_plugin_host
+from chatcore.prompting import AUTO, PromptFormat, choose_format
 from chatcore.registry import Registry
 from chatcore.response import Response
 from chatcore.steering import Steerer, failed_layer
 
 DEFAULT_DECODER = "top-k"
 DEFAULT_MAX_NEW_TOKENS = 64
+BUILTIN_FORMATS = "chatcore.plugins.prompt_formats"
 
 
 @dataclass
@@ -74,10 +76,20 @@ class Engine:
         device: str | None = None,
         dtype: str | None = None,
         host: PluginHost | None = None,
+        prompt_format: str = AUTO,
     ) -> None:
         self.host = host or get_plugin_host()
         self.registry = Registry.build(self.host)
+        if not self.registry.prompt_formats:
+            # Every engine needs a prompt format: a host assembled by hand (tests, embedding
+            # programs) gets the built-in ones, as the entry-point host always has them.
+            self.host.load_modules((BUILTIN_FORMATS,))
+            self.registry = Registry.build(self.host)
+        if prompt_format != AUTO:
+            self.registry.prompt_format(prompt_format)  # an unknown name fails before the model loads
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+        self._formats: dict[str, PromptFormat] = {}
+        self.prompt_format = self.make_prompt_format(prompt_format)
 
     # -- model -------------------------------------------------------------------
     @property
@@ -88,18 +100,34 @@ class Engine:
     def eos_token_id(self) -> int:
         return self.loaded.eos_token_id
 
+    # -- prompt formats --------------------------------------------------------------
+    def make_prompt_format(self, name: str = AUTO) -> PromptFormat:
+        """The model's prompt format by name (``auto``: its chat template, else dialogpt); built once per name."""
+        cls = choose_format(self.registry, self.tokenizer, name)
+        if cls.name not in self._formats:
+            generation_config = getattr(self.loaded.model, "generation_config", None)
+            self._formats[cls.name] = self._construct(
+                lambda: cls(self.tokenizer, generation_config, self.loaded.name), "prompt format", cls.name)
+        return self._formats[cls.name]
+
+    def format_for(self, conversation: Conversation) -> PromptFormat:
+        """The conversation's own format if it names one, else the engine's."""
+        if conversation.prompt_format is None:
+            return self.prompt_format
+        return self.make_prompt_format(conversation.prompt_format)
+
     # -- plugins -----------------------------------------------------------------
     def make_decoder(self, name: str, settings: Mapping[str, Any] | None = None) -> Decoder:
         cls = self.registry.decoder(name)
-        return self._construct(cls, settings, "decoder", name)
+        return self._construct(lambda: cls.from_options(settings or {}), "decoder", name)
 
     def make_steerer(self, name: str, settings: Mapping[str, Any] | None = None) -> Steerer:
         cls = self.registry.steerer(name)
-        return self._construct(cls, settings, "steerer", name)
+        return self._construct(lambda: cls.from_options(settings or {}), "steerer", name)
 
-    def _construct(self, cls: Any, settings: Mapping[str, Any] | None, kind: str, name: str) -> Any:
+    def _construct(self, build: Any, kind: str, name: str) -> Any:
         try:
-            return cls.from_options(settings or {})
+            return build()
         except ChatcoreError:
             raise
         except (ValueError, TypeError) as error:
@@ -110,16 +138,22 @@ class Engine:
             raise PluginError(plugin, f"{kind} {name!r} failed to start: {type(error).__name__}: {error}") from error
 
     def _plugin_of(self, kind: str, name: str) -> str:
-        table = self.registry.decoders if kind == "decoder" else self.registry.steerers
+        tables = {"decoder": self.registry.decoders, "steerer": self.registry.steerers,
+                  "prompt format": self.registry.prompt_formats}
+        table = tables[kind]
         return table[name].plugin if name in table else "?"
 
     # -- conversations ----------------------------------------------------------
-    def conversation(self, **meta: Any) -> Conversation:
-        return Conversation(self, **meta)
+    def conversation(self, system: str | None = None, prompt_format: str | None = None, **meta: Any) -> Conversation:
+        """A new conversation, with an optional system prompt and prompt format name."""
+        if prompt_format is not None:
+            self.make_prompt_format(prompt_format)
+        return Conversation(self, system=system, prompt_format=prompt_format, **meta)
 
-    def reply_to(self, turns: Sequence[str], options: ReplyOptions | None = None, **overrides: Any) -> Response:
+    def reply_to(self, turns: Sequence[str], options: ReplyOptions | None = None, system: str | None = None,
+                 **overrides: Any) -> Response:
         """One-shot: a reply to a scripted context (oldest turn first, the user's last)."""
-        conversation = self.conversation()
+        conversation = self.conversation(system=system)
         for index, text in enumerate(turns):
             if (len(turns) - index) % 2 == 1:
                 conversation.add_user(text)
@@ -136,13 +170,17 @@ class Engine:
         decoder = self.make_decoder(options.decoder, options.decoder_settings)
         steerers = [self.make_steerer(name, settings) for name, settings in options.steerers]
         seed = options.seed if options.seed is not None else random.randrange(2**31)
+        prompt_format = self.format_for(conversation)
         plan = conversation.prompt(options.max_new_tokens)
+        # A reply never runs past the context: a large budget is capped by the room the prompt leaves.
+        max_new_tokens = min(options.max_new_tokens, self.loaded.max_positions - len(plan.token_ids))
         provenance: dict[str, Any] = {
             "model": self.loaded.name,
+            "prompt_format": prompt_format.name,
             "decoder": decoder.describe(),
             "steerers": [s.describe() for s in steerers],
             "seed": seed,
-            "max_new_tokens": options.max_new_tokens,
+            "max_new_tokens": max_new_tokens,
             "prompt_tokens": len(plan.token_ids),
             "history_turns_used": plan.turns_used,
             "history_turns_dropped": plan.turns_dropped,
@@ -157,10 +195,13 @@ class Engine:
                 model=self.loaded,
                 prompt_ids=plan.token_ids,
                 steerers=steerers,
-                max_new_tokens=options.max_new_tokens,
-                min_new_tokens=options.min_new_tokens,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=min(options.min_new_tokens, max_new_tokens),
                 generator=generator,
                 seed=seed,
+                stop_token_ids=prompt_format.stop_token_ids,
+                banned_token_ids=prompt_format.banned_token_ids,
+                messages=plan.messages,
             )
             started = time.perf_counter()
             for steerer in steerers:

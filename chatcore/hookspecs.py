@@ -52,6 +52,23 @@ def register_steerers(register: Callable[[type], None]) -> None:
 
 
 @hookspec
+def register_prompt_formats(register: Callable[[type], None]) -> None:
+    """Register prompt formats by calling ``register(FormatClass)``.
+
+    Called once, when the registry is built. ``FormatClass`` subclasses
+    :class:`chatcore.prompting.PromptFormat`: a unique ``name``, a constructor
+    ``(tokenizer, generation_config, model_name)`` that raises ``ChatcoreError`` if the
+    model cannot use the format, ``render(messages) -> list[int]`` (the prompt's token
+    ids for a list of :class:`chatcore.prompting.Message`, system first if any, ending
+    where the reply starts; message text encoded with ``self.encode_text`` so that it is
+    never read as special tokens), optionally ``end_of_turn_ids()`` (tokens besides EOS
+    that end a reply) and ``supports(tokenizer)`` (whether ``auto`` may pick it).
+    Truncation, stop tokens and banned special tokens come from the base class. Name
+    clashes are resolved as for :func:`register_decoders`. The return value is ignored.
+    """
+
+
+@hookspec
 def register_commands(cli: click.Group) -> None:
     """Add commands or command groups to the ``chatcore`` command line.
 

@@ -1,4 +1,4 @@
-"""The names every plugin registered: decoders, steerers and eval prompt sets.
+"""The names every plugin registered: decoders, steerers, prompt formats and eval prompt sets.
 
 The CLI, the REPL and the Discord bot list and validate names here, in one place.
 """
@@ -25,10 +25,12 @@ class Registry:
     decoders: dict[str, Entry] = field(default_factory=dict)
     steerers: dict[str, Entry] = field(default_factory=dict)
     prompt_sets: dict[str, Entry] = field(default_factory=dict)
+    prompt_formats: dict[str, Entry] = field(default_factory=dict)
 
     @classmethod
     def build(cls, host: PluginHost) -> "Registry":
         from chatcore.decoding import Decoder
+        from chatcore.prompting import PromptFormat
         from chatcore.steering import Steerer
 
         registry = cls()
@@ -62,6 +64,7 @@ class Registry:
         collect("register_decoders", registry.decoders, Decoder)
         collect("register_steerers", registry.steerers, Steerer)
         collect("register_prompt_sets", registry.prompt_sets, None)
+        collect("register_prompt_formats", registry.prompt_formats, PromptFormat)
         return registry
 
     @staticmethod
@@ -76,6 +79,9 @@ class Registry:
 
     def steerer(self, name: str) -> Any:
         return self._lookup(self.steerers, "steerer", name)
+
+    def prompt_format(self, name: str) -> Any:
+        return self._lookup(self.prompt_formats, "prompt format", name)
 
     def prompt_set(self, name: str) -> Any:
         return self._lookup(self.prompt_sets, "prompt set", name)

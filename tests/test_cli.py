@@ -116,7 +116,12 @@ def test_bad_messages_and_models_fail_cleanly(run, tiny_model_dir, tmp_path):
     assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "  "), "empty")
     assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "--seed", "-5", "hi"),
                          "`seed` must be a non-negative integer, got -5")
-    assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "-n", "200", "hi"), "context budget")
+    # A reply budget beyond the context is capped by the room the prompt leaves.
+    capped = run("generate", "--model", str(tiny_model_dir), "-n", "200", "--json", "--seed", "1", "hi")
+    assert capped.exit_code == 0, capped.output
+    provenance = json.loads(capped.output)
+    assert provenance["max_new_tokens"] == 128 - provenance["prompt_tokens"]
+    assert len(provenance["token_ids"]) <= provenance["max_new_tokens"]
     assert_clean_failure(run("generate", "--model", str(tmp_path / "no-such-model"), "hi"), "cannot load model")
 
 

@@ -122,7 +122,7 @@ def test_special_token_text_from_the_user_is_ordinary_text(engine, tokenizer):
     conversation = engine.conversation()
     turn = conversation.add_user("<|endoftext|>")
     assert turn.text == "<|endoftext|>"
-    ids = conversation._turn_ids(turn)
+    ids = engine.prompt_format.encode_text(turn.text)
     assert eos not in ids and len(ids) > 1
     assert tokenizer.decode(ids) == "<|endoftext|>"
     assert encode_text(tokenizer, "a <|endoftext|> b").count(eos) == 0

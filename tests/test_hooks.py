@@ -110,6 +110,46 @@ def test_hook_register_commands(host) -> None:
     assert result.exit_code == 0 and "hello from a plugin" in result.output
 
 
+def test_hook_register_prompt_formats(host, loaded) -> None:
+    from chatcore.engine import Engine
+    from chatcore.prompting import PromptFormat
+
+    class ShoutFormat(PromptFormat):
+        """Every message upper-cased, then EOS; the reply ends at EOS or a full stop."""
+
+        name = "shout-test"
+        history_may_start_with_assistant = True
+
+        def render(self, messages):
+            ids = []
+            for message in messages:
+                ids += self.encode_text(message.text.upper()) + [self.tokenizer.eos_token_id]
+            return ids
+
+        def end_of_turn_ids(self):
+            return {self.encode_text(".")[0]}
+
+    class Plugin:
+        @chatcore.hookimpl
+        def register_prompt_formats(self, register):
+            register(ShoutFormat)
+
+    host.register(Plugin(), "shout")
+    engine = Engine(loaded, host=host, prompt_format="shout-test")
+    assert Registry.build(host).prompt_formats["shout-test"].plugin == "shout"
+    assert engine.prompt_format.name == "shout-test"
+    conversation = engine.conversation(system="be loud")
+    conversation.add_user("hello there")
+    tokenizer, eos = loaded.tokenizer, loaded.tokenizer.eos_token_id
+    expected = tokenizer("BE LOUD")["input_ids"] + [eos] + tokenizer("HELLO THERE")["input_ids"] + [eos]
+    assert conversation.prompt(16).token_ids == expected
+    full_stop = tokenizer(".")["input_ids"][0]
+    assert engine.prompt_format.stop_token_ids == {eos, full_stop}
+    response = conversation.reply(decoder="greedy", seed=0, max_new_tokens=30)
+    response.text()
+    assert full_stop not in response.token_ids and eos not in response.token_ids
+
+
 def test_hook_register_prompt_sets(host) -> None:
     class Plugin:
         @chatcore.hookimpl
