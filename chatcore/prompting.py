@@ -210,6 +210,49 @@ def clean_system_prompt(text: Any) -> str | None:
     return cleaned or None
 
 
+def read_system_file(path: str) -> str:
+    """A system prompt from a UTF-8 text file, or ChatcoreError saying what is wrong with the file."""
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.exists():
+        raise ChatcoreError(f"system prompt file {path!r} does not exist")
+    if not file.is_file():
+        raise ChatcoreError(f"system prompt file {path!r} is not a file")
+    data = file.read_bytes()
+    if len(data) > 4 * MAX_SYSTEM_CHARS:
+        raise ChatcoreError(f"system prompt file {path!r} is {len(data):,} bytes; the limit is {MAX_SYSTEM_CHARS:,} characters")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ChatcoreError(f"system prompt file {path!r} is not UTF-8 text (bad byte at position {error.start})") from None
+    cleaned = clean_system_prompt(text)
+    if cleaned is None:
+        raise ChatcoreError(f"system prompt file {path!r} is empty")
+    return cleaned
+
+
+def system_prompt_option(text: str | None, path: str | None) -> str | None:
+    """The system prompt from a command line's ``--system TEXT`` or ``--system-file PATH`` (not both)."""
+    if text is not None and path is not None:
+        raise ChatcoreError("give --system or --system-file, not both")
+    if path is not None:
+        return read_system_file(path)
+    return clean_system_prompt(text)
+
+
+def validate_format_name(name: str, registry: Any = None) -> None:
+    """Fail on a prompt format name no plugin registered (no model needed)."""
+    if name == AUTO:
+        return
+    if registry is None:
+        from chatcore.plugin_manager import get_plugin_host
+        from chatcore.registry import Registry
+
+        registry = Registry.build(get_plugin_host())
+    registry.prompt_format(name)
+
+
 def choose_format(registry: Any, tokenizer: Any, name: str = AUTO) -> type[PromptFormat]:
     """The format class for ``name``; ``auto``: the chat template if the tokenizer has one, else dialogpt."""
     if name != AUTO:

@@ -17,12 +17,18 @@ from chatcore.cli.specs import parse_spec
               help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".')
 @click.option("-s", "--steer", "steer_specs", multiple=True,
               help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.')
+@click.option("--system", "system_text", default=None, help="System prompt (persona) for the reply.")
+@click.option("--system-file", type=click.Path(), default=None, help="Read the system prompt from a UTF-8 text file.")
+@click.option("--format", "prompt_format", default="auto", show_default=True,
+              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True,
+              help="Reply budget in tokens (capped by the room the prompt leaves in the context).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the reply with its provenance as JSON.")
 def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs: tuple[str, ...],
+             system_text: str | None, system_file: str | None, prompt_format: str,
              seed: int | None, max_new_tokens: int, device: str | None, dtype: str, as_json: bool) -> None:
     """Reply once to TURNS (oldest first; the last is the user's message).
 
@@ -31,6 +37,7 @@ def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs:
     turns from standard input, one per line.
     """
     from chatcore.engine import Engine, ReplyOptions, validate_options
+    from chatcore.prompting import system_prompt_option, validate_format_name
 
     if turns == ("-",):
         turns = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
@@ -38,9 +45,12 @@ def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs:
     steerers = [parse_spec(spec) for spec in steer_specs]
     options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
                            seed=seed, max_new_tokens=max_new_tokens)
-    validate_options(options)  # bad names or settings fail before the model loads
-    engine = Engine(model, device=device, dtype=dtype)
-    response = engine.reply_to(list(turns), options)
+    # Everything that needs no model fails before the model loads.
+    validate_options(options)
+    validate_format_name(prompt_format)
+    system = system_prompt_option(system_text, system_file)
+    engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+    response = engine.reply_to(list(turns), options, system=system)
     if as_json:
         click.echo(json.dumps(response.to_dict(), indent=2, ensure_ascii=False))
         return
