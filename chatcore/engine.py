@@ -150,18 +150,22 @@ class Engine:
             self.make_prompt_format(prompt_format)
         return Conversation(self, system=system, prompt_format=prompt_format, **meta)
 
-    def reply_to(self, turns: Sequence[str], options: ReplyOptions | None = None, system: str | None = None,
-                 **overrides: Any) -> Response:
-        """One-shot: a reply to a scripted context (oldest turn first, the user's last)."""
+    def scripted(self, turns: Sequence[str], system: str | None = None) -> Conversation:
+        """A conversation holding a scripted context (oldest turn first; the user's turn last)."""
+        from chatcore.text import clean_message
+
         conversation = self.conversation(system=system)
         for index, text in enumerate(turns):
             if (len(turns) - index) % 2 == 1:
                 conversation.add_user(text)
             else:
-                from chatcore.text import clean_message
-
                 conversation.add_bot_text(clean_message(text))
-        return conversation.reply(options, **overrides)
+        return conversation
+
+    def reply_to(self, turns: Sequence[str], options: ReplyOptions | None = None, system: str | None = None,
+                 **overrides: Any) -> Response:
+        """One-shot: a reply to a scripted context (oldest turn first, the user's last)."""
+        return self.scripted(turns, system).reply(options, **overrides)
 
     def respond(self, conversation: Conversation, options: ReplyOptions | None = None, **overrides: Any) -> Response:
         import dataclasses

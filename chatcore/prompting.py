@@ -108,6 +108,12 @@ class PromptFormat:
         ids |= self.end_of_turn_ids()
         return frozenset(ids)
 
+    @property
+    def end_of_reply_id(self) -> int:
+        """The token a finished reply ends with in this format (to score a known reply)."""
+        own = self.end_of_turn_ids()
+        return min(own) if own else int(self.tokenizer.eos_token_id)
+
     @cached_property
     def banned_token_ids(self) -> frozenset[int]:
         """Special tokens that are not stop tokens: a reply never contains one."""
@@ -159,6 +165,14 @@ class PromptFormat:
                                   system + [Message(first.role, text)] + rest)
             keep -= max(1, len(ids) - budget)
         return PromptPlan(bare, len(turns) - start, start, len(tokens), system + [Message(first.role, "")] + rest)
+
+
+def scripted_messages(turns: Sequence[str], system: str | None = None) -> list[Message]:
+    """Messages of a scripted context: turns alternate so that the last one is the user's."""
+    messages = [Message("system", system)] if system else []
+    messages += [Message("user" if (len(turns) - index) % 2 == 1 else "assistant", text)
+                 for index, text in enumerate(turns)]
+    return messages
 
 
 def prompt_budget(max_positions: int, max_new_tokens: int) -> int:

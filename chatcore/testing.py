@@ -23,7 +23,6 @@ from chatcore.evaluation.prompts import EvalContext
 from chatcore.evaluation.runner import EvalReport, EvalRow
 from chatcore.models import DEFAULT_MODEL, resolve_model_path
 from chatcore.plugin_manager import PluginHost
-from chatcore.text import clean_message
 
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation
@@ -87,13 +86,7 @@ def make_engine(model: "str | LoadedModel", *plugins: Any) -> "Engine":
 def build_conversation(engine: "Engine", *turns: str) -> "Conversation":
     """A conversation whose turns alternate so that the last one is the user's (the
     same rule, and the same cleaning of each turn, as ``Engine.reply_to``)."""
-    conversation = engine.conversation()
-    for index, text in enumerate(turns):
-        if (len(turns) - index) % 2 == 1:
-            conversation.add_user(text)
-        else:
-            conversation.add_bot_text(clean_message(text))
-    return conversation
+    return engine.scripted(turns)
 
 
 @dataclass

@@ -63,25 +63,28 @@ class EvalReport:
 
 
 def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]]) -> float | None:
-    """exp(mean NLL per token) of each reply (and its EOS) given its context, under the
-    engine's plain model: no steering, no decoder."""
+    """exp(mean NLL per token) of each reply (and the token that ends it) given its context, in
+    the engine's prompt format, under the plain model: no steering, no decoder."""
     import torch
 
-    from chatcore.conversation import build_prompt
-    from chatcore.text import encode_text
+    from chatcore.prompting import prompt_budget, scripted_messages
+    from chatcore.text import clean_message
 
-    model, tokenizer, eos = engine.loaded.model, engine.tokenizer, engine.eos_token_id
+    model, prompt_format = engine.loaded.model, engine.prompt_format
     total_nll, total_tokens = 0.0, 0
     for context, reply in pairs:
-        reply_ids = encode_text(tokenizer, reply) + [eos]
-        budget = engine.loaded.max_positions - len(reply_ids)
-        if budget < 2:
+        reply_ids = prompt_format.encode_text(reply) + [prompt_format.end_of_reply_id]
+        if engine.loaded.max_positions - len(reply_ids) < 2:
             continue
-        plan = build_prompt([encode_text(tokenizer, t) for t in context], eos, budget)
-        ids = torch.tensor([plan.token_ids + reply_ids], device=engine.loaded.device)
+        messages = scripted_messages([clean_message(turn) for turn in context])
+        budget = prompt_budget(engine.loaded.max_positions, len(reply_ids))
+        prompt = prompt_format.fit(messages, budget).token_ids
+        if len(prompt) + len(reply_ids) > engine.loaded.max_positions:
+            continue
+        ids = torch.tensor([prompt + reply_ids], device=engine.loaded.device)
         with torch.inference_mode():
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(plan.token_ids) - 1 : -1].float()  # (R, V)
-        targets = ids[0, len(plan.token_ids) :]
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 : -1].float()  # (R, V)
+        targets = ids[0, len(prompt) :]
         total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         total_tokens += targets.numel()
     return math.exp(total_nll / total_tokens) if total_tokens else None
