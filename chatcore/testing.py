@@ -2,7 +2,8 @@
 
 chatcore's pytest plugin (:mod:`chatcore.pytest_plugin`) wraps these as fixtures:
 
-    build_tiny_model(directory)          a tiny random GPT-2 with the bundled model's tokenizer
+    build_tiny_model(directory)          a tiny random GPT-2 (or Llama, Qwen2, Gemma ...) with the
+                                         bundled model's tokenizer (and, optionally, a chat template)
     plugin_host(*plugins)                greedy and top-k plus only the plugins under test
     make_engine(model, *plugins)         an Engine on that host
     build_conversation(engine, *turns)   a conversation with scripted turns
@@ -32,25 +33,53 @@ if TYPE_CHECKING:
 BASE_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k")
 
 
+# A ChatML chat template (the format of SmolLM2, Qwen2 and others), for tiny chat models.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+ARCHITECTURES = ("gpt2", "llama", "qwen2", "mistral", "gemma", "phi3")
+
+
 def build_tiny_model(directory: str | Path, layers: int = 2, width: int = 32, heads: int = 2, positions: int = 128,
-                     seed: int = 0, tokenizer: str = DEFAULT_MODEL) -> Path:
-    """Write a tiny GPT-2 model folder: random weights (seeded) and the real
-    byte-level BPE tokenizer of a bundled model (chatcore-tiny's, by default).
+                     seed: int = 0, tokenizer: str = DEFAULT_MODEL, architecture: str = "gpt2",
+                     chat_template: str | None = None) -> Path:
+    """Write a tiny causal LM folder: random weights (seeded) and the real byte-level
+    BPE tokenizer of a bundled model (chatcore-tiny's, by default).
+
+    ``architecture`` is one of ``ARCHITECTURES`` (GPT-2 or a Llama-family model with
+    rotary positions, RMSNorm and, from 2 heads up, grouped-query attention).
+    ``chat_template``: a Jinja chat template (e.g. ``CHATML_TEMPLATE``) for the tokenizer;
+    its ``<|im_start|>`` / ``<|im_end|>`` markers are added as special tokens.
 
     Its replies are gibberish, but every code path is the real one: the same tokenizer,
     ``from_pretrained`` loading and forward pass as a full-size model, in a fraction of
     a second.
     """
     import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"`architecture` must be one of {', '.join(ARCHITECTURES)}, got {architecture!r}")
     directory = Path(directory)
     real_tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer))
+    if chat_template is not None:
+        real_tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        real_tokenizer.chat_template = chat_template
     eos = real_tokenizer.eos_token_id
+    ids = {"eos_token_id": eos, "bos_token_id": eos, "pad_token_id": eos}
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=len(real_tokenizer), n_positions=positions, n_embd=width, n_layer=layers,
-                        n_head=heads, eos_token_id=eos, bos_token_id=eos, pad_token_id=eos)
-    GPT2LMHeadModel(config).save_pretrained(str(directory))
+    if architecture == "gpt2":
+        config = GPT2Config(vocab_size=len(real_tokenizer), n_positions=positions, n_embd=width, n_layer=layers,
+                            n_head=heads, **ids)
+    else:
+        config = AutoConfig.for_model(
+            architecture, vocab_size=len(real_tokenizer), hidden_size=width, intermediate_size=2 * width,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+            head_dim=width // heads, max_position_embeddings=positions, tie_word_embeddings=True, **ids)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
     real_tokenizer.save_pretrained(str(directory))
     return directory
 
