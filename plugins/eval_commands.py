@@ -24,10 +24,14 @@ import chatcore
               help="Word list for the attribute column: a built-in topic (food, sports, ...) or a word file.")
 @click.option("--samples", type=click.IntRange(0, 100_000), default=5, show_default=True, help="Sample replies to print.")
 @click.option("--device", default=None)
+@click.option("--system", "system_text", default=None, help="System prompt (persona) for every reply.")
+@click.option("--system-file", type=click.Path(), default=None, help="Read the system prompt from a UTF-8 text file.")
+@click.option("--format", "prompt_format", default="auto", show_default=True,
+              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...")
 @click.option("--json", "json_path", default=None, help="Also write the full report (with every reply) to this file.")
 def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], prompts: str, limit: int, seed: int,
                  max_new_tokens: int, attribute: str | None, samples: int, device: str | None,
-                 json_path: str | None) -> None:
+                 system_text: str | None, system_file: str | None, prompt_format: str, json_path: str | None) -> None:
     """Measure a decoder and steerer configuration over a prompt set.
 
     Prints perplexity of the replies under the plain model, distinct-1/2/3, mean
@@ -37,18 +41,20 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
     from pathlib import Path
 
     from chatcore.cli.specs import parse_spec
-    from chatcore.engine import Engine, ReplyOptions
+    from chatcore.engine import Engine, ReplyOptions, validate_options
     from chatcore.evaluation.prompts import load_prompt_file
     from chatcore.evaluation.runner import evaluate
+    from chatcore.prompting import system_prompt_option, validate_format_name
 
     decoder, decoder_settings = parse_spec(decoder_spec)
     steerers = [parse_spec(spec) for spec in steer_specs]
     options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
                            max_new_tokens=max_new_tokens)
-    engine = Engine(model, device=device)
-    engine.make_decoder(decoder, decoder_settings)
-    for name, settings in steerers:
-        engine.make_steerer(name, settings)
+    # Everything that needs no model fails before the model loads.
+    validate_options(options)
+    validate_format_name(prompt_format)
+    system = system_prompt_option(system_text, system_file)
+    engine = Engine(model, device=device, prompt_format=prompt_format)
     if Path(prompts).is_file():
         contexts = load_prompt_file(prompts)
     else:
@@ -56,7 +62,7 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
     contexts = contexts[:limit]
     vocabulary = load_vocabulary(attribute) if attribute else None
     label = " + ".join([decoder] + [name for name, _ in steerers])
-    report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed)
+    report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed, system=system)
     click.echo(report.table())
     shown = [s for s in report.samples if "reply" in s][:samples]
     for sample in shown:

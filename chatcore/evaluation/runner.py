@@ -62,7 +62,7 @@ class EvalReport:
         return "\n".join(out)
 
 
-def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]]) -> float | None:
+def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]], system: str | None = None) -> float | None:
     """exp(mean NLL per token) of each reply (and the token that ends it) given its context, in
     the engine's prompt format, under the plain model: no steering, no decoder."""
     import torch
@@ -76,7 +76,7 @@ def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]]) -
         reply_ids = prompt_format.encode_text(reply) + [prompt_format.end_of_reply_id]
         if engine.loaded.max_positions - len(reply_ids) < 2:
             continue
-        messages = scripted_messages([clean_message(turn) for turn in context])
+        messages = scripted_messages([clean_message(turn) for turn in context], system)
         budget = prompt_budget(engine.loaded.max_positions, len(reply_ids))
         prompt = prompt_format.fit(messages, budget).token_ids
         if len(prompt) + len(reply_ids) > engine.loaded.max_positions:
@@ -115,6 +115,7 @@ def evaluate(
     vocabulary: set[str] | None = None,
     seed: int = 0,
     include_reference: bool = True,
+    system: str | None = None,
 ) -> EvalReport:
     """Reply to every context (seed ``seed + i`` for the i-th) and measure the replies."""
     import dataclasses
@@ -127,7 +128,7 @@ def evaluate(
         run_options = dataclasses.replace(options, seed=seed + index)
         started = time.perf_counter()
         try:
-            response = engine.reply_to(context.turns, run_options)
+            response = engine.reply_to(context.turns, run_options, system=system)
             text = response.text()
         except ChatcoreError as error:
             samples.append({"context": context.turns, "error": str(error)})
@@ -142,12 +143,13 @@ def evaluate(
         if "candidates" in response.provenance:
             sample["candidates"] = response.provenance["candidates"]
         samples.append(sample)
-    rows = [summarize(label, replies, reply_perplexity(engine, pairs), vocabulary,
+    rows = [summarize(label, replies, reply_perplexity(engine, pairs, system), vocabulary,
                       new_tokens / seconds if seconds else None)]
     references = [(c.turns, c.reference) for c in contexts if c.reference]
     if include_reference and references:
-        rows.append(summarize("human", [r for _, r in references], reply_perplexity(engine, references), vocabulary))
+        rows.append(summarize("human", [r for _, r in references], reply_perplexity(engine, references, system),
+                              vocabulary))
     settings = {"model": engine.loaded.name, "decoder": options.decoder, "decoder_settings": options.decoder_settings,
                 "steerers": options.steerers, "max_new_tokens": options.max_new_tokens, "seed": seed,
-                "contexts": len(contexts)}
+                "contexts": len(contexts), "system": system, "prompt_format": engine.prompt_format.name}
     return EvalReport(rows, samples, settings)
