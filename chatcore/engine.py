@@ -52,19 +52,34 @@ class ReplyOptions:
             raise OptionError(f"`seed` must be a non-negative integer, got {self.seed!r}")
 
 
+def build_plugin_object(host: PluginHost, registry: Registry, kind: str, name: str, build: Any) -> Any:
+    """``build()`` a decoder, steerer or prompt format, turning any failure into a one-line ChatcoreError.
+
+    Bad settings (ValueError, TypeError) are an OptionError; anything else is the
+    plugin's fault: reported with its name (``chatcore plugins`` lists it) and raised as
+    a PluginError, so that a broken plugin never takes the program down.
+    """
+    try:
+        return build()
+    except ChatcoreError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise OptionError(f"{kind} {name!r}: {error}") from error
+    except Exception as error:
+        plugin = registry.plugin_of(kind, name)
+        host.report(plugin, f"{kind} {name}", error)
+        raise PluginError(plugin, f"{kind} {name!r} failed to start: {type(error).__name__}: {error}") from error
+
+
 def validate_options(options: ReplyOptions, registry: Registry | None = None) -> None:
     """Check decoder and steerer names and settings without loading a model."""
-    registry = registry or Registry.build(get_plugin_host())
+    host = get_plugin_host()
+    registry = registry or Registry.build(host)
     for kind, name, settings in [("decoder", options.decoder, options.decoder_settings)] + [
         ("steerer", name, settings) for name, settings in options.steerers
     ]:
         cls = registry.decoder(name) if kind == "decoder" else registry.steerer(name)
-        try:
-            cls.from_options(settings or {})
-        except ChatcoreError:
-            raise
-        except (ValueError, TypeError) as error:
-            raise OptionError(f"{kind} {name!r}: {error}") from error
+        build_plugin_object(host, registry, kind, name, lambda: cls.from_options(settings or {}))
 
 
 class Engine:
@@ -126,22 +141,10 @@ class Engine:
         return self._construct(lambda: cls.from_options(settings or {}), "steerer", name)
 
     def _construct(self, build: Any, kind: str, name: str) -> Any:
-        try:
-            return build()
-        except ChatcoreError:
-            raise
-        except (ValueError, TypeError) as error:
-            raise OptionError(f"{kind} {name!r}: {error}") from error
-        except Exception as error:  # a broken plugin must not take the program down
-            plugin = self._plugin_of(kind, name)
-            self.host.report(plugin, f"{kind} {name}", error)
-            raise PluginError(plugin, f"{kind} {name!r} failed to start: {type(error).__name__}: {error}") from error
+        return build_plugin_object(self.host, self.registry, kind, name, build)
 
     def _plugin_of(self, kind: str, name: str) -> str:
-        tables = {"decoder": self.registry.decoders, "steerer": self.registry.steerers,
-                  "prompt format": self.registry.prompt_formats}
-        table = tables[kind]
-        return table[name].plugin if name in table else "?"
+        return self.registry.plugin_of(kind, name)
 
     # -- conversations ----------------------------------------------------------
     def conversation(self, system: str | None = None, prompt_format: str | None = None, **meta: Any) -> Conversation:

@@ -80,6 +80,11 @@ class Registry:
     def steerer(self, name: str) -> Any:
         return self._lookup(self.steerers, "steerer", name)
 
+    def plugin_of(self, kind: str, name: str) -> str:
+        """The plugin that registered ``name`` (kind: decoder, steerer, prompt format), or "?"."""
+        table = {"decoder": self.decoders, "steerer": self.steerers, "prompt format": self.prompt_formats}[kind]
+        return table[name].plugin if name in table else "?"
+
     def prompt_format(self, name: str) -> Any:
         return self._lookup(self.prompt_formats, "prompt format", name)
 

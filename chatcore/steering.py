@@ -67,5 +67,12 @@ def compose(step: Step, steerers: Sequence[Steerer]) -> Step:
     """
     step = _tag_failures(step, "model")
     for steerer in steerers:
-        step = _tag_failures(steerer.wrap(step), f"steerer:{steerer.name}")
+        layer = f"steerer:{steerer.name}"
+        try:
+            wrapped = steerer.wrap(step)
+        except Exception as error:  # a failure while wrapping is the steerer's too
+            if not hasattr(error, LAYER_ATTRIBUTE):
+                setattr(error, LAYER_ATTRIBUTE, layer)
+            raise
+        step = _tag_failures(wrapped, layer)
     return step

@@ -372,11 +372,37 @@ class ExplodingPrepare(Steerer):
         return step
 
 
+class ExplodingWrap(Steerer):
+    name = "exploding-wrap"
+    Settings = NoSettings
+
+    def wrap(self, step):
+        raise AttributeError("no such layer")
+
+
+@dataclass
+class ExplodingSettingsCheck:
+    level: int = 1
+
+    def __post_init__(self):
+        raise LookupError("a table this check needs is missing")
+
+
+class ExplodingSettings(Steerer):
+    name = "exploding-settings"
+    Settings = ExplodingSettingsCheck
+
+    def wrap(self, step):  # pragma: no cover - never built
+        return step
+
+
 class ExplodingPlugin:
     @chatcore.hookimpl
     def register_steerers(self, register):
         register(ExplodingSteerer)
         register(ExplodingPrepare)
+        register(ExplodingWrap)
+        register(ExplodingSettings)
 
 
 @pytest.fixture
@@ -426,6 +452,27 @@ def test_a_steerer_raising_in_prepare_is_a_plugin_error(exploding_engine):
     assert excinfo.value.plugin == "exploding-plugin"
     assert "prepare" in str(excinfo.value) and "KeyError" in str(excinfo.value)
     assert problems_of(exploding_engine.host) == [("exploding-plugin", "steerer exploding-prepare prepare")]
+
+
+def test_a_steerer_raising_in_wrap_is_blamed_on_the_steerer(exploding_engine):
+    response = exploding_engine.conversation().send(
+        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-wrap", {})]))
+    with pytest.raises(PluginError) as excinfo:
+        response.text()
+    assert excinfo.value.plugin == "exploding-plugin"
+    assert "steerer 'exploding-wrap'" in str(excinfo.value) and "no such layer" in str(excinfo.value)
+    assert problems_of(exploding_engine.host) == [("exploding-plugin", "steerer exploding-wrap")]
+
+
+def test_settings_that_crash_are_one_plugin_error_before_any_model_loads(exploding_engine):
+    from chatcore.engine import validate_options
+
+    options = ReplyOptions(steerers=[("exploding-settings", {"level": "2"})])
+    with pytest.raises(PluginError, match="steerer 'exploding-settings' failed to start: LookupError") as excinfo:
+        validate_options(options, exploding_engine.registry)
+    assert excinfo.value.plugin == "exploding-plugin"
+    with pytest.raises(PluginError, match="LookupError"):
+        exploding_engine.make_steerer("exploding-settings", {})
 
 
 # -- entry points -------------------------------------------------------------------------------------
