@@ -8,6 +8,7 @@ from typing import Any, Callable
 import click
 
 import chatcore
+from chatcore.errors import ChatcoreError
 
 
 @click.command("eval")
@@ -72,6 +73,8 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
         click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+    if errors and len(errors) == len(report.samples):
+        raise ChatcoreError(f"every context failed ({len(errors)}): nothing was measured")
 
 
 def load_vocabulary(attribute: str) -> set[str]:

@@ -173,3 +173,14 @@ def test_building_the_cli_imports_neither_torch_nor_transformers():
     env = dict(os.environ, CHATCORE_PLUGINS="")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert completed.returncode == 0, completed.stderr
+
+
+def test_eval_fails_when_every_context_failed(run, tiny_model_dir):
+    # A system prompt that fills the tiny model's 128 positions leaves no room for any context.
+    result = run("eval", "--model", str(tiny_model_dir), "--limit", "2", "--system", "word " * 300)
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    assert "every context failed (2): nothing was measured" in result.stderr
+    assert "the system prompt takes" in result.stderr
+    fine = run("eval", "--model", str(tiny_model_dir), "--limit", "2", "--system", "be kind", "-n", "4")
+    assert fine.exit_code == 0, fine.output
