@@ -67,6 +67,7 @@ def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]], s
     the engine's prompt format, under the plain model: no steering, no decoder."""
     import torch
 
+    from chatcore.errors import ChatcoreError
     from chatcore.prompting import prompt_budget, scripted_messages
     from chatcore.text import clean_message
 
@@ -78,7 +79,10 @@ def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]], s
             continue
         messages = scripted_messages([clean_message(turn) for turn in context], system)
         budget = prompt_budget(engine.loaded.max_positions, len(reply_ids))
-        prompt = prompt_format.fit(messages, budget).token_ids
+        try:
+            prompt = prompt_format.fit(messages, budget).token_ids
+        except ChatcoreError:  # no room for this context (the reply's own failure is counted elsewhere)
+            continue
         if len(prompt) + len(reply_ids) > engine.loaded.max_positions:
             continue
         ids = torch.tensor([prompt + reply_ids], device=engine.loaded.device)
