@@ -60,5 +60,7 @@ def test_top_k_is_reproducible_and_bow_bias_steers(chat_engine):
     plain = chat_engine.reply_to(["hi there"], seed=5, max_new_tokens=10, decoder="greedy").text()
     steered = chat_engine.reply_to(["hi there"], seed=5, max_new_tokens=10, decoder="greedy",
                                    steerers=[("bow-bias", {"words": "pizza", "strength": 50})])
-    assert "pizza" not in plain.lower()
-    assert "pizza" in steered.text().lower()
+    # Random weights: the bias wins at every step, so every token starts (or is) the word.
+    assert steered.text() != plain
+    pieces = [chat_engine.tokenizer.decode([token]).strip().lower() for token in steered.token_ids]
+    assert all(piece and "pizza".startswith(piece) for piece in pieces), pieces
