@@ -248,6 +248,15 @@ class Anatomy:
             hidden = self.embedding_dropout(hidden)
         return hidden
 
+    def soft_embed(self, probabilities: "torch.Tensor") -> "torch.Tensor":
+        """The expected token embedding (..., C) under a distribution over tokens (..., V),
+        scaled as the token embedding scales a token's (Gemma: by sqrt(width)); feed it to
+        :meth:`embed` as ``inputs_embeds``. Differentiable: soft tokens for training."""
+        weight = self.token_embedding.weight  # (V, C)
+        scale = getattr(self.token_embedding, "embed_scale", None)
+        embedded = probabilities.to(weight.dtype) @ weight
+        return embedded * scale.to(weight.dtype) if scale is not None else embedded
+
     def block_inputs(self, hidden: "torch.Tensor", position_ids: "torch.Tensor",
                      attention_mask: "torch.Tensor | None" = None, cache: Any = None) -> BlockInputs:
         """Masks and rotary embeddings for one pass over T new positions.

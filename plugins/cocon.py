@@ -171,7 +171,7 @@ def register_steerers(register: Callable[[type], None]) -> None:
 
 @click.command("cocon")
 @click.option("-m", "--model", default="chatcore-tiny", show_default=True,
-              help="The frozen base model (bundled name, folder or hub id; GPT-2 architecture).")
+              help="The frozen base model (bundled name, folder or hub id; GPT-2 or Llama family).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Run folder: checkpoint.pt, and block/ (the block to load with block=OUT/block).")
 @click.option("--corpus", default="chitchat", show_default=True, help='"chitchat" or a JSONL file of dialogues.')

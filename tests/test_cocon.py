@@ -129,10 +129,10 @@ def test_split_model_reproduces_the_model(loaded):
     split = SplitModel(loaded.model, 1)
     ids = torch.tensor([encode_text(loaded.tokenizer, "hello there, how are you?")])
     L = ids.size(1)
-    mask = split.causal_mask(torch.ones(1, L), L)
     with torch.no_grad():
-        hidden = split.alpha(split.embed(torch.arange(L)[None], input_ids=ids), mask)
-        mine = split.head(split.beta(hidden, mask))
+        embeddings = split.embed(torch.arange(L)[None], input_ids=ids)
+        inputs = split.pass_inputs(embeddings)
+        mine = split.head(split.beta(split.alpha(embeddings, inputs), inputs))
         theirs = loaded.model(ids).logits
     assert torch.allclose(mine, theirs, atol=1e-5)
     with pytest.raises(UnsupportedModelError, match="split layer"):
@@ -524,3 +524,128 @@ def test_train_cocon_command_is_registered():
     for option in ("--cycle-from-step", "--adv-from-step", "--resume", "--device", "--null-weight",
                    "--min-history-tokens", "--plain-target"):
         assert option in result.output
+
+
+# -- Llama-family models ------------------------------------------------------------------------
+
+ARCHITECTURE_PLUGINS = COCON_PLUGINS + ("chatcore.plugins.mmi",)
+
+
+@pytest.fixture(scope="module", params=("gpt2", "llama", "qwen2", "gemma"))
+def family_model(request, tmp_path_factory):
+    """A tiny random model of each family: 2 blocks, width 32, 4 heads (2 key-value heads)."""
+    from chatcore.models import load_model
+    from chatcore.testing import build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp(f"cocon-{request.param}"), architecture=request.param, heads=4)
+    return load_model(str(folder), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def family_block_dir(family_model, tmp_path_factory):
+    split = SplitModel(family_model.model, 1)
+    block = random_block(split.n_embd, split.n_head, 1)
+    directory = tmp_path_factory.mktemp("family-block")
+    save_block(block, directory, {"name": family_model.name,
+                                  "fingerprint": model_fingerprint(family_model.model, family_model.tokenizer)},
+               dtype="float32")
+    return directory
+
+
+def test_alpha_then_beta_equals_the_plain_model_with_cache_and_left_padding(family_model):
+    model, split = family_model.model, SplitModel(family_model.model, 1)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 400, (2, 10), generator=generator)
+    valid = torch.ones(2, 10, dtype=torch.long)
+    valid[1, :4] = 0
+    positions = (valid.cumsum(-1) - 1).clamp(min=0)
+    ours, theirs = split.new_cache(), split.new_cache()
+    with torch.no_grad():
+        for start, end in ((0, 6), (6, 7), (7, 8), (8, 10), (10, 10)):
+            if start == end:
+                break
+            expected = model(input_ids=ids[:, start:end], attention_mask=valid[:, :end],
+                             position_ids=positions[:, start:end], past_key_values=theirs, use_cache=True).logits
+            embeddings = split.embed(positions[:, start:end], input_ids=ids[:, start:end])
+            inputs = split.pass_inputs(embeddings, positions[:, start:end], valid[:, :end], ours)
+            mine = split.head(split.beta(split.alpha(embeddings, inputs), inputs))
+            real = valid[:, start:end].bool()
+            torch.testing.assert_close(mine[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+def test_cached_cocon_steps_equal_a_full_recompute_on_every_family(family_model):
+    split = SplitModel(family_model.model, 1)
+    pipeline = CoconPipeline(split, random_block(split.n_embd, split.n_head, 1))
+    content = pipeline.encode_content([[11, 12, 13], [40]], [1.5, -0.5])
+    sequences = torch.randint(5, 400, (2, 12), generator=torch.Generator().manual_seed(1))
+    history, B = 5, 2
+    with torch.no_grad():
+        output = pipeline.forward(torch.ones(B, history), torch.arange(history).expand(B, -1), history, content,
+                                  input_ids=sequences[:, :history])
+        cached = [output.logits]
+        for position in range(history, 11):
+            output = pipeline.forward(torch.ones(B, position + 1), torch.full((B, 1), position), history, content,
+                                      input_ids=sequences[:, position : position + 1], cache=output.cache)
+            cached.append(output.logits)
+        full, _ = pipeline.full_forward(split.hidden_at_split(sequences[:, :-1]), history,
+                                        content.keys.expand(B, -1, -1, -1), content.values.expand(B, -1, -1, -1),
+                                        content.bias)
+    torch.testing.assert_close(torch.stack(cached, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_cocon_replies_on_every_family_under_greedy_top_k_and_mmi(family_model, family_block_dir):
+    from chatcore.testing import make_engine
+
+    engine = make_engine(family_model, *ARCHITECTURE_PLUGINS[2:])
+    cocon = ("cocon", {"content": "pizza", "tau": "2", "block": str(family_block_dir)})
+    replies = {}
+    for decoder, settings in (("greedy", {}), ("top-k", {}), ("mmi", {"candidates": 2})):
+        for steerers in ([], [cocon]):
+            response = engine.conversation().send("what should we eat?", ReplyOptions(
+                decoder=decoder, decoder_settings=settings, steerers=steerers, seed=3, min_new_tokens=5,
+                max_new_tokens=5))
+            response.text()
+            assert len(response.token_ids) == 5
+            replies[decoder, bool(steerers)] = response.token_ids
+        assert response.provenance["details"]["cocon"]["split_layer"] == 1
+    assert replies["greedy", True] != replies["greedy", False]  # the (random) block changes the reply
+
+
+def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_path):
+    import shlex
+
+    from click.testing import CliRunner
+
+    from chatcore.models import load_model
+    from chatcore.plugins import cocon
+    from chatcore.plugins.train_commands import train
+    from chatcore.testing import build_tiny_model, make_engine
+
+    folder = build_tiny_model(tmp_path / "llama", architecture="llama", layers=3, heads=4)
+    loaded = load_model(str(folder), device="cpu", dtype="float32")
+    engine = make_engine(loaded, *COCON_PLUGINS[2:])
+    with pytest.raises(BlockMismatchError) as refused:
+        engine.conversation().send("hi", ReplyOptions(steerers=[("cocon", {"content": "pizza"})])).text()
+    command = str(refused.value).split("`")[1]  # chatcore train cocon --model FOLDER --out DIR
+    assert command.startswith("chatcore train cocon --model ")
+    corpus = tmp_path / "dialogues.jsonl"
+    lines = [{"turns": ["hi there, how are you doing today?", "i am fine thanks, and you? what are you up to",
+                        "not much, just cooking some pasta for dinner tonight", "sounds great, enjoy your meal"]}]
+    corpus.write_text("\n".join(json.dumps(line) for line in lines * 6) + "\n")
+    arguments = shlex.split(command.replace("DIR", str(tmp_path / "run")))[2:] + [
+        "--corpus", str(corpus), "--heldout", "0", "--steps", "3", "--batch-size", "4", "--history-tokens", "8",
+        "--min-history-tokens", "2", "--continuation-tokens", "6", "--cycle-from-step", "1", "--adv-from-step", "1",
+        "--cycle-tokens", "3", "--plain-target", "0.5", "--eval-every", "3", "--device", "cpu", "--quiet"]
+    cocon.register_commands(None)
+    result = CliRunner().invoke(train, arguments)
+    assert result.exit_code == 0, result.output
+    assert "3 steps" in result.output
+    block, info = load_block(tmp_path / "run" / "block")
+    assert (block.config.n_embd, block.config.n_head, block.config.split_layer) == (32, 4, 1)
+    assert info["base_model"]["fingerprint"]["n_layer"] == 3
+    assert info["base_model"]["fingerprint"]["model_type"] == "llama"
+    response = engine.conversation().send("what should we eat?", ReplyOptions(
+        decoder="greedy", max_new_tokens=4, min_new_tokens=4,
+        steerers=[("cocon", {"content": "pasta", "block": str(tmp_path / "run" / "block")})]))
+    response.text()
+    assert len(response.token_ids) == 4

@@ -133,10 +133,10 @@ class CoconPipeline:
         past = cache.length if cache is not None else 0
         assert key_valid.shape == (B, past + T), f"key_valid {tuple(key_valid.shape)} != {(B, past + T)}"
         model_cache = cache.model if cache is not None else (split.new_cache() if use_cache else None)
-        mask = split.causal_mask(key_valid, T)  # (B, 1, T, P + T)
+        inputs = split.pass_inputs(embeddings, position_ids, key_valid, model_cache)  # masks, rotary: both halves
         collect: list[torch.Tensor] | None = [embeddings] if output_hidden_states else None
 
-        hidden = split.alpha(embeddings, mask, model_cache, collect)  # (B, T, C)
+        hidden = split.alpha(embeddings, inputs, collect)  # (B, T, C)
 
         if cache is not None:
             past_keys, past_values, content_length = cache.block_keys, cache.block_values, cache.content_length
@@ -156,7 +156,7 @@ class CoconPipeline:
         if collect is not None:
             collect[-1] = beta_input  # the residual stream the upper layers actually read
 
-        final = split.beta(beta_input, mask, model_cache, collect)  # (B, T, C)
+        final = split.beta(beta_input, inputs, collect)  # (B, T, C)
         if all_logits:
             logits = split.head(final[:, steer_from:]).float()  # (B, Tq, V)
         else:
@@ -198,5 +198,5 @@ class CoconPipeline:
         S = content_keys.size(2) if content_keys is not None else 0
         steered, _, _ = block(sequence, key_valid, content_keys, content_values, S, content_bias, queries_from)
         beta_input = torch.cat([sequence[:, :queries_from], steered], dim=1) if queries_from else steered
-        final = split.beta(beta_input, split.causal_mask(key_valid, T))
+        final = split.beta(beta_input, split.pass_inputs(beta_input))
         return split.head(final[:, queries_from:]).float(), steered

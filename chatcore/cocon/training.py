@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from chatcore.anatomy import anatomy_of
 from chatcore.cocon.block import CoconBlock, CoconConfig
 from chatcore.cocon.model_split import SplitModel
 from chatcore.cocon.pipeline import CoconPipeline
@@ -159,6 +160,16 @@ class CoconTrainResult:
     block_dir: str
 
 
+def norm_epsilon(model_config: Any) -> float:
+    """The base model's norm epsilon (GPT-2's layer norm, the Llama family's RMSNorm), for
+    the block's own layer norms."""
+    for name in ("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps"):
+        value = getattr(model_config, name, None)
+        if isinstance(value, float) and value > 0:
+            return value
+    return 1e-5
+
+
 def default_split_layer(n_layer: int) -> int:
     """About a third of the depth (the paper: after block 7 of GPT-2 medium's 24)."""
     return max(1, min(n_layer - 1, n_layer // 3))
@@ -251,9 +262,7 @@ def mixed_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Te
 def plain_logits(split: SplitModel, alpha_hidden: torch.Tensor, history_length: int) -> torch.Tensor:
     """The plain model's next-token scores (B, Tq, V), float32, at the positions the block
     rewrites (from the last history position on), from LM-alpha's hidden states (B, L, C)."""
-    B, L, _ = alpha_hidden.shape
-    mask = split.causal_mask(torch.ones(B, L, device=alpha_hidden.device), L)
-    return split.head(split.beta(alpha_hidden, mask)[:, history_length - 1 :]).float()
+    return split.head(split.beta(alpha_hidden, split.pass_inputs(alpha_hidden))[:, history_length - 1 :]).float()
 
 
 def self_token_bias(queries: int, content_start: int, content_length: int, dtype: torch.dtype,
@@ -402,9 +411,8 @@ class CoconLosses:
         output = self.pipeline.forward(key_valid[:, :hs], positions, hs, content, input_ids=history)
         assert output.steered is not None
         embeddings, steered = [], [output.steered[:, -1:]]
-        wte = self.split.transformer.wte.weight  # (V, C)
         for t in range(tokens):
-            embedding = (torch.softmax(output.logits, dim=-1).to(wte.dtype) @ wte).unsqueeze(1)  # (B, 1, C)
+            embedding = self.split.soft_embed(torch.softmax(output.logits, dim=-1)).unsqueeze(1)  # (B, 1, C)
             embeddings.append(embedding)
             if t == tokens - 1:
                 break
@@ -429,8 +437,8 @@ class CoconLosses:
         if with_cycle:
             length = embeddings.size(1)
             positions = torch.arange(length, device=embeddings.device).expand(rows, -1)
-            mask = split.causal_mask(torch.ones(rows, length, device=embeddings.device), length)
-            generated_hidden = split.alpha(split.embed(positions, inputs_embeds=embeddings), mask)  # (rows, L, C)
+            generated = split.embed(positions, inputs_embeds=embeddings)
+            generated_hidden = split.alpha(generated, split.pass_inputs(generated, positions))  # (rows, L, C)
             cycle_keys, cycle_values = block.content_keys_values(generated_hidden)
             logits, _ = self.pipeline.full_forward(alpha_hidden, hs, cycle_keys, cycle_values)
             result.losses["cycle"] = lm_loss(logits, targets)
@@ -545,10 +553,14 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     model, tokenizer = loaded.model, loaded.tokenizer
     model.eval()
     model.requires_grad_(False)
-    split_layer = config.split_layer or default_split_layer(model.config.n_layer)
+    n_layer = anatomy_of(model).n_layer
+    split_layer = config.split_layer or default_split_layer(n_layer)
+    if split_layer >= n_layer:
+        raise ChatcoreError(f"--split-layer {split_layer} leaves no blocks for LM-beta: model {config.model!r} has "
+                            f"{n_layer}; give 1 to {n_layer - 1}")
     split = SplitModel(model, split_layer)
-    block_config = CoconConfig(n_embd=split.n_embd, n_head=int(model.config.n_head), split_layer=split_layer,
-                               layer_norm_epsilon=float(model.config.layer_norm_epsilon), dropout=config.dropout)
+    block_config = CoconConfig(n_embd=split.n_embd, n_head=split.n_head, split_layer=split_layer,
+                               layer_norm_epsilon=norm_epsilon(model.config), dropout=config.dropout)
     block = CoconBlock(block_config).to(device)
     init_training: dict[str, Any] | None = None  # the starting block's own record, kept with the new one
     if config.init_block is not None and not resume:
