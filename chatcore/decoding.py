@@ -141,12 +141,7 @@ class GenerationSession:
                 cache = output.cache
                 scores = output.logits
                 history = sequences[:, :length]
-                early = step_index < self.min_new_tokens
-                if early or banned.numel():
-                    scores = scores.clone()
-                    scores[:, banned[banned < scores.shape[-1]]] = float("-inf")
-                    if early:  # too early to stop: an empty reply helps no one
-                        scores[:, stops[stops < scores.shape[-1]]] = float("-inf")
+                scores = restrict_scores(scores, banned, stops, early=step_index < self.min_new_tokens)
                 for processor in processors:
                     scores = processor(history, scores)
                 tokens = select(scores, self.generator)  # (B,)
@@ -163,6 +158,17 @@ class GenerationSession:
                 input_ids = sequences[:, length - 1 : length]
                 positions = next_position
                 next_position = next_position + 1
+
+
+def restrict_scores(scores: "torch.Tensor", banned: "torch.Tensor", stops: "torch.Tensor", early: bool) -> "torch.Tensor":
+    """Ban the ``banned`` tokens, and the ``stops`` too while it is ``early`` (before min_new_tokens):
+    too early to stop, as an empty reply helps no one."""
+    if early or banned.numel():
+        scores = scores.clone()
+        scores[:, banned[banned < scores.shape[-1]]] = float("-inf")
+        if early:
+            scores[:, stops[stops < scores.shape[-1]]] = float("-inf")
+    return scores
 
 
 class Decoder(Configurable):

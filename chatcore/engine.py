@@ -19,7 +19,7 @@ from chatcore.decoding import Decoder, GenerationSession
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
 from chatcore.plugin_manager import PluginHost, get_plugin_host
-from chatcore.prompting import AUTO, PromptFormat, choose_format
+from chatcore.prompting import AUTO, Message, PromptFormat, PromptPlan, choose_format, prompt_budget
 from chatcore.registry import Registry
 from chatcore.response import Response
 from chatcore.steering import Steerer, failed_layer
@@ -50,6 +50,20 @@ class ReplyOptions:
             )
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
             raise OptionError(f"`seed` must be a non-negative integer, got {self.seed!r}")
+
+
+@dataclass
+class PreparedReply:
+    """One reply ready to decode: its plugins built, its prompt rendered, its provenance started."""
+
+    options: ReplyOptions
+    decoder: Decoder
+    steerers: list[Steerer]
+    seed: int
+    prompt_format: PromptFormat
+    plan: PromptPlan
+    max_new_tokens: int
+    provenance: dict[str, Any]
 
 
 def build_plugin_object(host: PluginHost, registry: Registry, kind: str, name: str, build: Any) -> Any:
@@ -174,11 +188,29 @@ class Engine:
         import dataclasses
 
         options = dataclasses.replace(options or ReplyOptions(), **overrides) if overrides else (options or ReplyOptions())
+        reply = self.prepare_reply(conversation, options)
+        return Response(lambda: self.reply_tokens(reply), self.tokenizer, reply.provenance,
+                        finalize=conversation._record)
+
+    def prepare_reply(self, source: Conversation | Sequence[Message], options: ReplyOptions | None = None,
+                      prompt_format: PromptFormat | None = None) -> PreparedReply:
+        """Build the decoder and steerers and render the prompt of one reply, without decoding.
+
+        ``source`` is a conversation (its own format and system prompt) or a list of
+        messages (system first if any) rendered in ``prompt_format`` (default: the
+        engine's). ``respond`` and the serving scheduler both start here, so a reply has
+        the same prompt, seed and provenance whichever of them decodes it.
+        """
+        options = options or ReplyOptions()
         decoder = self.make_decoder(options.decoder, options.decoder_settings)
         steerers = [self.make_steerer(name, settings) for name, settings in options.steerers]
         seed = options.seed if options.seed is not None else random.randrange(2**31)
-        prompt_format = self.format_for(conversation)
-        plan = conversation.prompt(options.max_new_tokens)
+        if isinstance(source, Conversation):
+            prompt_format = self.format_for(source)
+            plan = source.prompt(options.max_new_tokens)
+        else:
+            prompt_format = prompt_format or self.prompt_format
+            plan = prompt_format.fit(list(source), prompt_budget(self.loaded.max_positions, options.max_new_tokens))
         # A reply never runs past the context: a large budget is capped by the room the prompt leaves.
         max_new_tokens = min(options.max_new_tokens, self.loaded.max_positions - len(plan.token_ids))
         provenance: dict[str, Any] = {
@@ -193,38 +225,45 @@ class Engine:
             "history_turns_dropped": plan.turns_dropped,
             "truncated_tokens": plan.truncated_tokens,
         }
+        return PreparedReply(options, decoder, steerers, seed, prompt_format, plan, max_new_tokens, provenance)
 
-        def token_source() -> Iterator[int]:
-            import torch
+    def start_session(self, reply: PreparedReply) -> GenerationSession:
+        """The reply's generation session (its seeded generator), with every steerer prepared."""
+        import torch
 
-            generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
-            session = GenerationSession(
-                model=self.loaded,
-                prompt_ids=plan.token_ids,
-                steerers=steerers,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=min(options.min_new_tokens, max_new_tokens),
-                generator=generator,
-                seed=seed,
-                stop_token_ids=prompt_format.stop_token_ids,
-                banned_token_ids=prompt_format.banned_token_ids,
-                messages=plan.messages,
-            )
-            started = time.perf_counter()
-            for steerer in steerers:
-                self._guard(steerer, "prepare", lambda s=steerer: s.prepare(session))
-            first = True
-            for token in self._guarded_decode(decoder, steerers, session):
-                if first:
-                    provenance["timings"]["first_token_s"] = round(time.perf_counter() - started, 4)
-                    first = False
-                yield token
-            if session.candidates:
-                provenance["candidates"] = [dataclasses.asdict(c) for c in session.candidates]
-            if session.details:
-                provenance["details"] = session.details
+        generator = torch.Generator(device=self.loaded.device).manual_seed(reply.seed)
+        session = GenerationSession(
+            model=self.loaded,
+            prompt_ids=reply.plan.token_ids,
+            steerers=reply.steerers,
+            max_new_tokens=reply.max_new_tokens,
+            min_new_tokens=min(reply.options.min_new_tokens, reply.max_new_tokens),
+            generator=generator,
+            seed=reply.seed,
+            stop_token_ids=reply.prompt_format.stop_token_ids,
+            banned_token_ids=reply.prompt_format.banned_token_ids,
+            messages=reply.plan.messages,
+        )
+        for steerer in reply.steerers:
+            self._guard(steerer, "prepare", lambda s=steerer: s.prepare(session))
+        return session
 
-        return Response(token_source, self.tokenizer, provenance, finalize=conversation._record)
+    def reply_tokens(self, reply: PreparedReply) -> Iterator[int]:
+        """Decode ``reply`` on its own: its token ids, one at a time (plugin failures as ChatcoreError)."""
+        import dataclasses
+
+        started = time.perf_counter()
+        session = self.start_session(reply)
+        first = True
+        for token in self._guarded_decode(reply.decoder, reply.steerers, session):
+            if first:
+                reply.provenance.setdefault("timings", {})["first_token_s"] = round(time.perf_counter() - started, 4)
+                first = False
+            yield token
+        if session.candidates:
+            reply.provenance["candidates"] = [dataclasses.asdict(c) for c in session.candidates]
+        if session.details:
+            reply.provenance["details"] = session.details
 
     def _guard(self, plugin_object: Any, what: str, call: Any) -> Any:
         try:
@@ -247,14 +286,19 @@ class Engine:
             except ChatcoreError:
                 raise
             except Exception as error:
-                layer = failed_layer(error)
-                if layer == "model":
-                    raise ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}") from error
-                if layer is not None and layer.startswith("steerer:"):
-                    kind, name = "steerer", layer.split(":", 1)[1]
-                else:
-                    kind, name = "decoder", decoder.name
-                plugin = self._plugin_of(kind, name)
-                self.host.report(plugin, f"{kind} {name}", error)
-                raise PluginError(plugin, f"{kind} {name!r} failed while generating: {type(error).__name__}: {error}") from error
+                raise self.blame(error, decoder) from error
             yield int(token)
+
+    def blame(self, error: Exception, decoder: Decoder) -> ChatcoreError:
+        """The one-line error for a failure while generating: the model's, a steerer's (the
+        step layer it came from) or else the decoder's; a plugin's is reported with its name."""
+        layer = failed_layer(error)
+        if layer == "model":
+            return ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}")
+        if layer is not None and layer.startswith("steerer:"):
+            kind, name = "steerer", layer.split(":", 1)[1]
+        else:
+            kind, name = "decoder", decoder.name
+        plugin = self._plugin_of(kind, name)
+        self.host.report(plugin, f"{kind} {name}", error)
+        return PluginError(plugin, f"{kind} {name!r} failed while generating: {type(error).__name__}: {error}")

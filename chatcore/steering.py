@@ -29,6 +29,14 @@ class Steerer(Configurable):
     """Base class for steerers. Subclasses set ``name`` and ``Settings`` and implement ``wrap``."""
 
     kind: ClassVar[str] = "steerer"
+    # Whether one row of a batch shared with other replies may be steered by this steerer
+    # (chatcore.serving). True only for a steerer whose wrapped step calls its inner step
+    # once, with the state it was given, and changes nothing but the logits that come out:
+    # the serving batch then runs the model for every row at once and hands each row's
+    # steerers that row's output alone. A steerer that re-runs the model, edits the cache
+    # or reads hidden states (PPLM, CoCon, activation steering) keeps the default, and
+    # its replies are decoded in a batch of their own.
+    shares_batch: ClassVar[bool] = False
 
     def prepare(self, session: "GenerationSession") -> None:
         """Called once per response, before the first step."""

@@ -85,6 +85,7 @@ class BowBiasSteerer(Steerer):
     name = "bow-bias"
     description = "adds `strength` to the scores of a bag of words (inline, a topic, or a file)"
     Settings = BowBiasSettings
+    shares_batch = True  # only adds a bias to the logits its inner step returns
 
     def __init__(self, settings: BowBiasSettings | None = None) -> None:
         super().__init__(settings)

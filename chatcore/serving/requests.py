@@ -1,0 +1,142 @@
+"""What a caller holds while the scheduler decodes its reply: a :class:`Handle`.
+
+The scheduler's thread pushes events into the handle (each new token id, then the
+end); the caller reads them from any thread: blocking (:meth:`Handle.tokens`, or the
+lazy :class:`~chatcore.response.Response` of :meth:`Handle.response`), or through a
+``listener`` called on the scheduler's thread (an asyncio server forwards events to its
+loop with ``call_soon_threadsafe``). Cancelling a handle frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from chatcore.response import Response
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class ServerBusy(ChatcoreError):
+    """Every batch slot and every place in the waiting queue is taken: try again later."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """A new token of the reply."""
+
+    token_id: int
+
+
+@dataclass(frozen=True)
+class End:
+    """The reply ended: ``reason`` says why; ``error`` is set when it failed."""
+
+    reason: FinishReason
+    error: ChatcoreError | None = None
+
+
+Event = Token | End
+
+
+class Handle:
+    """One submitted reply.
+
+    provenance:     the reply's provenance (model, decoder, seed, prompt_tokens ...), filled
+                    in when the scheduler admits it; the Response adds its timings.
+    token_ids:      the reply's tokens so far (stop tokens excluded).
+    finish_reason:  "stop" (a stop token), "length" (the token budget), "cancelled" or
+                    "error"; None while it runs.
+    error:          the one-line error of a failed reply.
+    """
+
+    def __init__(self, listener: Callable[[Event], None] | None = None) -> None:
+        self.provenance: dict[str, Any] = {}
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: ChatcoreError | None = None
+        self.submitted = time.perf_counter()
+        self.admitted: float | None = None
+        self.first_token: float | None = None
+        self.finished = threading.Event()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._listener = listener
+        self._cancelled = threading.Event()
+        self._on_cancel: Callable[["Handle"], None] | None = None
+
+    # -- the caller's side -----------------------------------------------------------
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop the reply: its slot is freed before the next decoding step. Idempotent."""
+        if self.finished.is_set() or self._cancelled.is_set():
+            return
+        self._cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+
+    def tokens(self) -> Iterator[int]:
+        """The reply's token ids as they come (blocking); raises the reply's error if it failed.
+
+        Closing the iterator early (a consumer that stops reading) cancels the reply.
+        """
+        ended = False
+        try:
+            while True:
+                event = self._events.get()
+                if isinstance(event, Token):
+                    yield event.token_id
+                    continue
+                ended = True
+                if event.error is not None:
+                    raise event.error
+                return
+        finally:
+            if not ended:
+                self.cancel()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the reply has ended; False if ``timeout`` passed first."""
+        return self.finished.wait(timeout)
+
+    def response(self, tokenizer: Any, finalize: Callable[["Response"], None] | None = None) -> "Response":
+        """The reply as a lazy :class:`~chatcore.response.Response` (text deltas, provenance,
+        ``interrupt()`` cancels); ``finalize`` runs when it ends (a conversation records it)."""
+        from chatcore.response import Response
+
+        return Response(self.tokens, tokenizer, self.provenance, finalize=finalize)
+
+    # -- the scheduler's side --------------------------------------------------------
+    def _push(self, token_id: int) -> None:
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+        self.token_ids.append(token_id)
+        self._emit(Token(token_id))
+
+    def _end(self, reason: FinishReason, error: ChatcoreError | None = None) -> None:
+        if self.finished.is_set():
+            return
+        self.finish_reason = reason
+        self.error = error
+        now = time.perf_counter()
+        timings = self.provenance.setdefault("timings", {})
+        timings["queued_s"] = round((self.admitted or now) - self.submitted, 4)
+        if self.first_token is not None:
+            timings["first_token_s"] = round(self.first_token - self.submitted, 4)
+        self.provenance["finish_reason"] = reason
+        self._emit(End(reason, error))
+        self.finished.set()
+
+    def _emit(self, event: Event) -> None:
+        self._events.put(event)
+        if self._listener is not None:
+            self._listener(event)

@@ -1,0 +1,232 @@
+"""The serving scheduler on a tiny random GPT-2: batched rows equal the same replies decoded alone."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+import chatcore
+from chatcore.engine import ReplyOptions
+from chatcore.errors import PluginError
+from chatcore.prompting import Message
+from chatcore.serving import Scheduler, ServerBusy
+from chatcore.steering import Steerer
+from chatcore.step import Step, StepOutput, StepState
+
+PROMPTS = [
+    "hi, how are you?",
+    "what do you do for fun? i like to cook a lot and go hiking with my dog on weekends",
+    "tell me about your dog",
+    "ok",
+    "do you like pizza or pasta more?",
+]
+OPTIONS = [
+    ReplyOptions(decoder="greedy", max_new_tokens=12),
+    ReplyOptions(decoder="top-k", seed=3, max_new_tokens=16),
+    ReplyOptions(decoder="top-k", seed=5, max_new_tokens=10, steerers=[("bow-bias", {"topic": "food"})],
+                 decoder_settings={"top_p": 0.9, "repetition_penalty": 1.3}),
+    ReplyOptions(decoder="greedy", max_new_tokens=6, min_new_tokens=6, decoder_settings={"no_repeat_ngram_size": 2}),
+    ReplyOptions(decoder="top-k", seed=11, max_new_tokens=14, decoder_settings={"temperature": 1.3}),
+]
+
+
+def alone(engine, prompt: str, options: ReplyOptions) -> list[int]:
+    response = engine.reply_to([prompt], options)
+    response.text()
+    return response.token_ids
+
+
+@dataclass
+class FailingSettings:
+    at_step: int = 2
+
+
+@dataclass
+class NoSettings:
+    pass
+
+
+class FailingShared(Steerer):
+    """Raises at one step; shares the batch, so its failure happens inside a shared step."""
+
+    name = "failing-shared"
+    Settings = FailingSettings
+    shares_batch = True
+
+    def wrap(self, step: Step) -> Step:
+        def failing(state: StepState) -> StepOutput:
+            if state.step == self.settings.at_step:
+                raise RuntimeError("boom")
+            return step(state)
+
+        return failing
+
+
+class NegateAlone(Steerer):
+    """Declares nothing, so it is decoded beside the batch: flips the logits' sign."""
+
+    name = "negate"
+    Settings = NoSettings
+
+    def wrap(self, step: Step) -> Step:
+        def negated(state: StepState) -> StepOutput:
+            output = step(state)
+            return output.replace(logits=-output.logits)
+
+        return negated
+
+
+@dataclass
+class SlowSettings:
+    seconds: float = 0.05
+
+
+class Slow(Steerer):
+    """Sleeps at every step, so that a reply is still running when the test acts on it."""
+
+    name = "slow"
+    Settings = SlowSettings
+    shares_batch = True
+
+    def wrap(self, step: Step) -> Step:
+        def slow(state: StepState) -> StepOutput:
+            time.sleep(self.settings.seconds)
+            return step(state)
+
+        return slow
+
+
+class TestPlugin:
+    @chatcore.hookimpl
+    def register_steerers(self, register: Callable[[type], None]) -> None:
+        register(FailingShared)
+        register(NegateAlone)
+        register(Slow)
+
+
+@pytest.fixture
+def serving_engine(loaded, host):
+    from chatcore.engine import Engine
+
+    host.register(TestPlugin(), "test-serving")
+    return Engine(loaded, host=host)
+
+
+def test_batched_rows_equal_replies_decoded_alone(serving_engine):
+    expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS, OPTIONS)]
+    with Scheduler(serving_engine, max_batch=8) as scheduler:
+        handles = [scheduler.submit([Message("user", p)], o) for p, o in zip(PROMPTS, OPTIONS)]
+        for handle in handles:
+            assert handle.wait(60)
+    for handle, ids in zip(handles, expected):
+        assert handle.error is None
+        assert handle.token_ids == ids
+    # One shared forward pass per step, not one per reply.
+    assert scheduler.steps < sum(len(ids) for ids in expected) - len(expected)
+    assert scheduler.steps <= max(len(ids) for ids in expected)
+
+
+def test_replies_join_a_running_batch_between_steps(serving_engine):
+    long = ReplyOptions(decoder="top-k", seed=7, max_new_tokens=40, min_new_tokens=40)
+    expected_long = alone(serving_engine, PROMPTS[1], long)
+    expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS[2:], OPTIONS[2:])]
+    with Scheduler(serving_engine, max_batch=4) as scheduler:
+        first = scheduler.submit([Message("user", PROMPTS[1])], long)
+        tokens = first.tokens()
+        for _ in range(5):
+            next(tokens)  # the long reply is running before the others arrive
+        later = [scheduler.submit([Message("user", p)], o) for p, o in zip(PROMPTS[2:], OPTIONS[2:])]
+        assert list(tokens) == expected_long[5:]
+        for handle in later:
+            assert handle.wait(60)
+    assert first.token_ids == expected_long and first.finish_reason == "length"
+    assert [h.token_ids for h in later] == expected
+
+
+def test_a_failing_steerer_fails_its_row_alone(serving_engine):
+    options = ReplyOptions(decoder="greedy", max_new_tokens=10, min_new_tokens=10)
+    expected = alone(serving_engine, PROMPTS[0], options)
+    failing = ReplyOptions(decoder="greedy", max_new_tokens=10, min_new_tokens=10,
+                           steerers=[("failing-shared", {"at_step": 3})])
+    with Scheduler(serving_engine) as scheduler:
+        bad = scheduler.submit([Message("user", PROMPTS[2])], failing)
+        good = scheduler.submit([Message("user", PROMPTS[0])], options)
+        assert good.wait(60) and bad.wait(60)
+    assert bad.finish_reason == "error" and isinstance(bad.error, PluginError)
+    assert "failing-shared" in str(bad.error) and "boom" in str(bad.error)
+    assert len(bad.token_ids) == 3
+    assert good.error is None and good.token_ids == expected
+    with pytest.raises(PluginError, match="failing-shared"):
+        list(bad.tokens())
+
+
+def test_steerers_that_cannot_share_are_decoded_beside_the_batch(serving_engine):
+    options = [ReplyOptions(decoder="greedy", max_new_tokens=8, steerers=[("negate", {})]), OPTIONS[1]]
+    expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS, options)]
+    with Scheduler(serving_engine) as scheduler:
+        handles = [scheduler.submit([Message("user", p)], o) for p, o in zip(PROMPTS, options)]
+        for handle in handles:
+            assert handle.wait(60)
+    assert [h.token_ids for h in handles] == expected
+    assert len(scheduler.solo) == 0 and len(scheduler.batch) == 0
+
+
+def test_cancelling_frees_the_slot_at_once(serving_engine):
+    endless = ReplyOptions(decoder="greedy", max_new_tokens=100, min_new_tokens=100, steerers=[("slow", {})])
+    with Scheduler(serving_engine, max_batch=1, max_waiting=0) as scheduler:
+        first = scheduler.submit([Message("user", "hi")], endless)
+        stream = first.tokens()
+        next(stream)
+        with pytest.raises(ServerBusy, match="busy"):
+            scheduler.submit([Message("user", "hello")], endless)
+        first.cancel()
+        second = scheduler.submit([Message("user", "hello")], ReplyOptions(decoder="greedy", max_new_tokens=4))
+        assert second.wait(60) and first.wait(60)
+    assert first.finish_reason == "cancelled" and len(first.token_ids) < 100
+    assert list(stream) == first.token_ids[1:]  # the stream ends, without an error
+    assert second.finish_reason in ("stop", "length") and second.error is None
+
+
+def test_a_reader_that_stops_reading_cancels_its_reply(serving_engine):
+    endless = ReplyOptions(decoder="greedy", max_new_tokens=100, min_new_tokens=100, steerers=[("slow", {})])
+    with Scheduler(serving_engine) as scheduler:
+        handle = scheduler.submit([Message("user", "hi")], endless)
+        for _ in handle.response(serving_engine.tokenizer):
+            break  # the Response closes its token stream
+        assert handle.wait(10)
+    assert handle.finish_reason == "cancelled"
+
+
+def test_respond_records_the_reply_in_the_conversation(serving_engine):
+    conversation = serving_engine.conversation(system="You are terse.")
+    conversation.add_user("hi there")
+    expected = serving_engine.conversation(system="You are terse.")
+    expected.add_user("hi there")
+    options = ReplyOptions(decoder="top-k", seed=1, max_new_tokens=12)
+    with Scheduler(serving_engine) as scheduler:
+        response = scheduler.respond(conversation, options)
+        text = response.text()
+    assert text == expected.reply(options).text()
+    assert conversation.turns[-1].role == "bot" and conversation.turns[-1].text == text
+    assert response.provenance["seed"] == 1 and response.provenance["finish_reason"] in ("stop", "length")
+
+
+def test_bad_options_fail_the_request_alone(serving_engine):
+    with Scheduler(serving_engine) as scheduler:
+        bad = scheduler.submit([Message("user", "hi")], ReplyOptions(decoder="no-such-decoder"))
+        empty = scheduler.submit([Message("system", "only a system prompt")], ReplyOptions(decoder="greedy"))
+        good = scheduler.submit([Message("user", "hi")], ReplyOptions(decoder="greedy", max_new_tokens=3))
+        assert bad.wait(60) and empty.wait(60) and good.wait(60)
+    assert bad.finish_reason == "error" and "no-such-decoder" in str(bad.error)
+    assert empty.finish_reason == "error" and "no turns" in str(empty.error)
+    assert good.error is None and good.token_ids
+
+
+def test_scheduler_settings_are_checked(serving_engine):
+    from chatcore.errors import OptionError
+
+    with pytest.raises(OptionError, match="max_batch"):
+        Scheduler(serving_engine, max_batch=0)
