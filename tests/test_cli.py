@@ -184,3 +184,12 @@ def test_eval_fails_when_every_context_failed(run, tiny_model_dir):
     assert "the system prompt takes" in result.stderr
     fine = run("eval", "--model", str(tiny_model_dir), "--limit", "2", "--system", "be kind", "-n", "4")
     assert fine.exit_code == 0, fine.output
+
+
+def test_generate_from_stdin_refuses_bytes_that_are_not_utf8(run, tiny_model_dir):
+    bad = run("generate", "--model", str(tiny_model_dir), "-", input=b"hi \xff there\n")
+    assert_clean_failure(bad, "the input is not UTF-8 text (bad byte at position 3)")
+    good = run("generate", "--model", str(tiny_model_dir), "--json", "--seed", "1", "-",
+               input="hello there\n\nhi! how are you?\nfine, thanks\n".encode())
+    assert good.exit_code == 0, good.output
+    assert json.loads(good.output)["history_turns_used"] == 3

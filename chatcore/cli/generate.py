@@ -10,6 +10,17 @@ import click
 from chatcore.cli.specs import parse_spec
 
 
+def read_turns(data: bytes) -> tuple[str, ...]:
+    """Turns from standard input, one per non-blank line; bytes that are not UTF-8 are an error, not dropped."""
+    from chatcore.errors import ChatcoreError
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ChatcoreError(f"the input is not UTF-8 text (bad byte at position {error.start})") from None
+    return tuple(line for line in text.splitlines() if line.strip())
+
+
 @click.command()
 @click.argument("turns", nargs=-1, required=True)
 @click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
@@ -40,7 +51,7 @@ def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs:
     from chatcore.prompting import system_prompt_option, validate_format_name
 
     if turns == ("-",):
-        turns = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
+        turns = read_turns(sys.stdin.buffer.read())
     decoder, decoder_settings = parse_spec(decoder_spec)
     steerers = [parse_spec(spec) for spec in steer_specs]
     options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
