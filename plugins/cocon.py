@@ -176,6 +176,9 @@ def register_steerers(register: Callable[[type], None]) -> None:
               help="Run folder: checkpoint.pt, and block/ (the block to load with block=OUT/block).")
 @click.option("--corpus", default="chitchat", show_default=True, help='"chitchat" or a JSONL file of dialogues.')
 @click.option("--heldout", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
+@click.option("--format", "prompt_format", default="auto", show_default=True,
+              help="Prompt format the dialogues are rendered in, as chat renders prompts: auto (the model's chat "
+                   "template if it has one), chat-template, dialogpt, ...")
 @click.option("--split-layer", type=click.IntRange(1, 1000), default=None,
               help="LM-alpha is blocks [0, split). Default: a third of the depth.")
 @click.option("--steps", type=click.IntRange(1, 10**9), default=2000, show_default=True)
@@ -223,7 +226,8 @@ def register_steerers(register: Callable[[type], None]) -> None:
               help="auto: bf16 autocast on CUDA, fp32 elsewhere.")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, split_layer: int | None, steps: int,
+def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, prompt_format: str,
+                  split_layer: int | None, steps: int,
                   batch_size: int, history_tokens: int, min_history_tokens: int | None, continuation_tokens: int,
                   content_max_tokens: int | None, short_content_share: float, short_content_max_tokens: int,
                   span_weight: float, plain_target: float, init_block: str | None, self_weight: float,
@@ -238,10 +242,13 @@ def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, split_l
     --steer "cocon content=WORD block=OUT/block".
     """
     from chatcore.cocon.training import CoconTrainConfig, train_cocon
+    from chatcore.prompting import validate_format_name
 
+    validate_format_name(prompt_format)  # an unknown name fails before the model loads
     try:
         config = CoconTrainConfig(
-            out_dir=out_dir, model=model, corpus=corpus, heldout=heldout, split_layer=split_layer, steps=steps,
+            out_dir=out_dir, model=model, corpus=corpus, heldout=heldout, prompt_format=prompt_format,
+            split_layer=split_layer, steps=steps,
             batch_size=batch_size, history_tokens=history_tokens, min_history_tokens=min_history_tokens,
             continuation_tokens=continuation_tokens,
             content_max_tokens=content_max_tokens, short_content_share=short_content_share,

@@ -619,9 +619,10 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
     from chatcore.models import load_model
     from chatcore.plugins import cocon
     from chatcore.plugins.train_commands import train
-    from chatcore.testing import build_tiny_model, make_engine
+    from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
 
-    folder = build_tiny_model(tmp_path / "llama", architecture="llama", layers=3, heads=4)
+    folder = build_tiny_model(tmp_path / "llama", architecture="llama", layers=3, heads=4,
+                              chat_template=CHATML_TEMPLATE)  # trained on windows rendered in its template
     loaded = load_model(str(folder), device="cpu", dtype="float32")
     engine = make_engine(loaded, *COCON_PLUGINS[2:])
     with pytest.raises(BlockMismatchError) as refused:
@@ -649,3 +650,28 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
         steerers=[("cocon", {"content": "pasta", "block": str(tmp_path / "run" / "block")})]))
     response.text()
     assert len(response.token_ids) == 4
+
+
+def test_dialogues_are_rendered_as_chat_prompts_with_the_reply_starts(tmp_path):
+    from chatcore.cocon.training import CONVERSATION_TURNS, make_prompt_format, render_dialogues
+    from chatcore.models import load_model
+    from chatcore.prompting import scripted_messages
+    from chatcore.testing import CHATML_TEMPLATE, build_tiny_model
+    from chatcore.training.corpus import Dialogue
+
+    folder = build_tiny_model(tmp_path / "qwen2", architecture="qwen2", chat_template=CHATML_TEMPLATE)
+    loaded = load_model(str(folder), device="cpu")
+    prompt_format = make_prompt_format("auto", loaded.model, loaded.tokenizer, "tiny")
+    assert prompt_format.name == "chat-template"
+    turns = [f"turn number {index} <|im_start|>" for index in range(9)]
+    stream, starts = render_dialogues([Dialogue(id="d", turns=turns)], prompt_format)
+    # 9 turns: a conversation of 7 turns (the first the bot's, as in a 6-turn scripted context;
+    # replies at turns 2, 4 and 6), then one of 2 (a reply at turn 8)
+    assert CONVERSATION_TURNS == 7 and len(starts) == 4 and starts.tolist() == sorted(starts.tolist())
+    first = prompt_format.render(scripted_messages(turns[:2]))
+    assert stream[: len(first)].tolist() == first and int(starts[0]) == len(first)
+    reply = prompt_format.encode_text(turns[2]) + [prompt_format.end_of_reply_id]
+    assert stream[len(first) : len(first) + len(reply)].tolist() == reply  # the typed marker stays text
+    last = prompt_format.render(scripted_messages(turns[7:8]))
+    assert stream[int(starts[3]) - len(last) : int(starts[3])].tolist() == last
+    assert stream[-1] == prompt_format.end_of_reply_id

@@ -64,6 +64,7 @@ class CoconTrainConfig:
     model: str = "chatcore-tiny"
     corpus: str = "chitchat"
     heldout: float = 0.05
+    prompt_format: str = "auto"  # the prompt format the windows are rendered in, as chat renders prompts
     split_layer: int | None = None  # default: n_layer // 3 (at least 1)
     steps: int = 2000
     batch_size: int = 16
@@ -160,6 +161,16 @@ class CoconTrainResult:
     block_dir: str
 
 
+def make_prompt_format(name: str, model: Any, tokenizer: Any, model_name: str) -> Any:
+    """The prompt format ``name`` (``auto``: the chat template if the tokenizer has one) for the model."""
+    from chatcore.plugin_manager import get_plugin_host
+    from chatcore.prompting import choose_format
+    from chatcore.registry import Registry
+
+    cls = choose_format(Registry.build(get_plugin_host()), tokenizer, name)
+    return cls(tokenizer, getattr(model, "generation_config", None), model_name)
+
+
 def norm_epsilon(model_config: Any) -> float:
     """The base model's norm epsilon (GPT-2's layer norm, the Llama family's RMSNorm), for
     the block's own layer norms."""
@@ -182,14 +193,15 @@ class WindowSampler:
     """Random windows of a token stream: (B, history + continuation) token ids."""
 
     def __init__(self, stream: torch.Tensor, eos: int, history: int, continuation: int,
-                 turn_start_share: float) -> None:
+                 turn_start_share: float, turn_starts: torch.Tensor | None = None) -> None:
+        """turn_starts: where replies start in ``stream``; default: after every ``eos``."""
         self.stream = stream
         self.history = history
         self.length = history + continuation
         if stream.numel() < self.length + 1:
             raise ChatcoreError(f"the corpus has {stream.numel()} tokens, too few for one window of {self.length}")
-        # Turn starts (the token after an EOS) that leave room for a whole window.
-        starts = (stream == eos).nonzero().flatten() + 1
+        # Turn starts that leave room for a whole window.
+        starts = (stream == eos).nonzero().flatten() + 1 if turn_starts is None else turn_starts
         self.turn_starts = starts[(starts >= history) & (starts + continuation <= stream.numel())]
         self.turn_start_share = turn_start_share if self.turn_starts.numel() else 0.0
 
@@ -204,6 +216,44 @@ class WindowSampler:
             split_points = anywhere
         offsets = torch.arange(-self.history, self.length - self.history)
         return self.stream[split_points[:, None] + offsets[None, :]]  # (B, history + continuation)
+
+
+CONVERSATION_TURNS = 7  # a held-out chat context (chitchat_heldout: up to 6 turns) and its reply
+
+
+def render_dialogues(dialogues: Any, prompt_format: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dialogues as chat renders them: one token stream, and where each reply starts in it.
+
+    Each dialogue is cut into conversations of up to ``CONVERSATION_TURNS`` turns whose
+    last turn is the bot's (roles alternate back from it, as in a scripted context), each
+    rendered by ``prompt_format`` (a chat template adds its headers and default system
+    prompt). A reply starts where ``prompt_format.render`` of the turns before it ends, so
+    a window's history is the prompt chat would give the model, and its continuation the
+    reply and the format's end-of-turn token.
+    """
+    from chatcore.prompting import Message
+
+    stream: list[int] = []
+    starts: list[int] = []
+    end = prompt_format.end_of_reply_id
+    for dialogue in dialogues:
+        turns = list(dialogue.turns)
+        for first in range(0, len(turns) - 1, CONVERSATION_TURNS):
+            chunk = turns[first : first + CONVERSATION_TURNS]
+            if len(chunk) < 2:
+                continue
+            roles = ["assistant" if (len(chunk) - index) % 2 == 1 else "user" for index in range(len(chunk))]
+            messages = [Message(role, text) for role, text in zip(roles, chunk)]  # type: ignore[arg-type]
+            prompts = {index: prompt_format.render(messages[:index])
+                       for index, message in enumerate(messages) if message.role == "assistant" and index > 0}
+            ids = prompts[len(messages) - 1] + prompt_format.encode_text(chunk[-1]) + [end]
+            for prompt in prompts.values():
+                # A template may render a turn differently once more turns follow it: only
+                # a prompt that is a prefix of the whole conversation marks a reply start.
+                if ids[: len(prompt)] == prompt:
+                    starts.append(len(stream) + len(prompt))
+            stream.extend(ids)
+    return torch.tensor(stream, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
 
 
 # -- the discriminator -------------------------------------------------------------------
@@ -576,12 +626,19 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     if not train_set:
         raise ChatcoreError("the training split is empty: lower the held-out fraction or add dialogues")
     eos = loaded.eos_token_id
-    train_stream = encode_dialogues(train_set, tokenizer)
-    heldout_stream = encode_dialogues(heldout_set, tokenizer) if heldout_set else train_stream
+    prompt_format = make_prompt_format(config.prompt_format, model, tokenizer, config.model)
+    if prompt_format.name == "dialogpt":  # turns joined by EOS: every turn start is a reply start
+        train_stream, train_starts = encode_dialogues(train_set, tokenizer), None
+        heldout_stream, heldout_starts = (encode_dialogues(heldout_set, tokenizer), None) if heldout_set \
+            else (train_stream, None)
+    else:
+        train_stream, train_starts = render_dialogues(train_set, prompt_format)
+        heldout_stream, heldout_starts = render_dialogues(heldout_set, prompt_format) if heldout_set \
+            else (train_stream, train_starts)
     sampler = WindowSampler(train_stream, eos, config.history_tokens, config.continuation_tokens,
-                            config.turn_start_share)
+                            config.turn_start_share, train_starts)
     heldout_sampler = WindowSampler(heldout_stream, eos, config.history_tokens, config.continuation_tokens,
-                                    config.turn_start_share)
+                                    config.turn_start_share, heldout_starts)
     heldout_windows = heldout_sampler.sample(config.eval_windows, torch.Generator().manual_seed(config.seed + 1))
 
     decay = [p for p in block.parameters() if p.dim() >= 2]
