@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 import chatcore.plugin_manager as plugin_manager
 from chatcore.adapters.conversation_log import ConversationLogPlugin, LogError, UnknownConversationError
+from chatcore.adapters.conversation_log import schema as schema_module
 from chatcore.adapters.conversation_log import store as store_module
 from chatcore.adapters.conversation_log.formatting import conversation_markdown, conversation_text, display_safe
 from chatcore.adapters.conversation_log.location import resolve_url, sqlite_url
@@ -60,7 +61,8 @@ def test_a_new_log_is_wal_with_indexes_and_a_schema_version(store, db_path):
     indexes = {name for (name,) in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"ix_conversations_updated", "ix_conversations_channel_updated", "ix_conversations_created",
             "ix_messages_conversation_id"} <= indexes
-    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(1,)]
+    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(2,)]
+    assert raw_rows(db_path, "SELECT version_num FROM alembic_version") == [("0002",)]
     plan = " ".join(str(row) for row in raw_rows(
         db_path, "EXPLAIN QUERY PLAN SELECT id FROM conversations WHERE channel_key = 'x' ORDER BY updated DESC"))
     assert "ix_conversations_channel_updated" in plan
@@ -120,23 +122,55 @@ def test_list_show_search_and_delete(store):
         store.delete_conversation("aa11")
 
 
-def test_an_older_log_is_migrated_and_a_newer_one_refused(db_path, monkeypatch):
-    ConversationStore(sqlite_url(db_path)).close()
-    steps = []
+def make_version_1_log(db_path):
+    """A log as chatcore wrote it before Alembic: schema 1, no alembic_version, a half-made search index."""
+    from alembic import command
 
-    def add_a_column(connection):
-        steps.append(1)
-        connection.exec_driver_sql("ALTER TABLE conversations ADD COLUMN pinned BOOLEAN DEFAULT 0")
+    with store_module.sa.create_engine(sqlite_url(db_path)).begin() as connection:
+        config = schema_module._alembic_config(connection)
+        command.upgrade(config, "0001")
+        connection.exec_driver_sql("DROP TABLE alembic_version")
+        connection.exec_driver_sql("INSERT INTO conversations VALUES ('old', '2024-01-01 00:00:00', "
+                                   "'2024-01-01 00:00:00', 'repl', NULL, NULL, 'old chat', '{}')")
+        connection.exec_driver_sql("INSERT INTO messages (conversation_id, role, text, created, interrupted, "
+                                   "superseded) VALUES ('old', 'user', 'an old pizza message', "
+                                   "'2024-01-01 00:00:00', 0, 0)")
+        # Killed between two statements of the old, untransacted search set-up.
+        connection.exec_driver_sql("CREATE VIRTUAL TABLE messages_fts USING fts5(text, content='messages', "
+                                   "content_rowid='id', tokenize='trigram')")
 
-    monkeypatch.setattr(store_module, "SCHEMA_VERSION", 2)
-    monkeypatch.setitem(store_module.MIGRATIONS, 1, add_a_column)
-    ConversationStore(sqlite_url(db_path)).close()
-    ConversationStore(sqlite_url(db_path)).close()  # already upgraded: the step runs once
-    assert steps == [1]
+
+def test_a_version_1_log_is_upgraded_in_place(db_path):
+    make_version_1_log(db_path)
+    with ConversationStore(sqlite_url(db_path)) as upgraded:
+        upgraded.add_message("old", "bot", "new pizza reply")
+        assert [h.message.text for h in upgraded.search("pizza")] == ["new pizza reply", "an old pizza message"]
+        assert upgraded.get_conversation("old").system is None
     assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(2,)]
-    assert "pinned" in {row[1] for row in raw_rows(db_path, "PRAGMA table_info(conversations)")}
+    assert raw_rows(db_path, "SELECT version_num FROM alembic_version") == [("0002",)]
+    names = {name for (name,) in raw_rows(db_path, "SELECT name FROM sqlite_master")}
+    assert {"messages_fts_insert", "messages_fts_delete", "messages_fts_update", "ux_messages_write_key"} <= names
 
-    monkeypatch.setattr(store_module, "SCHEMA_VERSION", 1)
+
+def test_newer_damaged_and_restored_schema_versions(db_path):
+    ConversationStore(sqlite_url(db_path)).close()
+
+    def set_sql(sql):
+        connection = sqlite3.connect(str(db_path))
+        with connection:
+            connection.execute(sql)
+        connection.close()
+
+    set_sql("UPDATE chatcore_schema SET version = 3")
+    with pytest.raises(LogError, match="newer chatcore"):
+        ConversationStore(sqlite_url(db_path))
+    set_sql("UPDATE chatcore_schema SET version = 0")
+    with pytest.raises(LogError, match="damaged: schema version"):
+        ConversationStore(sqlite_url(db_path))
+    set_sql("DELETE FROM chatcore_schema")
+    ConversationStore(sqlite_url(db_path)).close()
+    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(2,)]  # restored
+    set_sql("UPDATE alembic_version SET version_num = '0099'")
     with pytest.raises(LogError, match="newer chatcore"):
         ConversationStore(sqlite_url(db_path))
 

@@ -14,3 +14,7 @@ class UnknownConversationError(LogError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want the sentence.
         return str(self.args[0]) if self.args else ""
+
+
+class LogUnavailableError(LogError):
+    """The log cannot be reached or written just now (locked, read-only, full, disconnected); a retry may work."""

@@ -1,11 +1,16 @@
 """The log's tables, as SQLAlchemy 2.x declarative models.
 
     chatcore_schema   one row: the schema version this file was written with
+    alembic_version   the Alembic revision the schema is at (see ``migrations/``)
     conversations     id (the Conversation's uuid hex), created, updated, adapter,
-                      channel key, model, title, meta
-    messages          one row per turn: role, text, created, token counts, latency,
-                      decoder and steerers with settings, candidates and scores,
-                      seed, interrupted and superseded flags, other provenance
+                      channel key, model, title, system prompt, prompt format, meta
+    messages          one row per turn: role, text, created, author, token counts,
+                      latency, decoder and steerers with settings, candidates and
+                      scores, seed, interrupted and superseded flags, other
+                      provenance, and the key of the write that stored it
+
+These classes describe the newest schema for queries; the tables themselves are
+created and changed only by the Alembic revisions in ``migrations/versions``.
 
 Times are stored as naive UTC (SQLite has no time zones) and come back as aware UTC.
 """
@@ -20,7 +25,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The version the newest migration writes into ``chatcore_schema``; revision ``000N`` is version N."""
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -68,6 +74,8 @@ class ConversationRow(Base):
     channel_key: Mapped[str | None] = mapped_column(String(255))
     model: Mapped[str | None] = mapped_column(String(255))
     title: Mapped[str | None] = mapped_column(String(255))
+    system: Mapped[str | None] = mapped_column(Text)  # the system prompt, restored on resume
+    prompt_format: Mapped[str | None] = mapped_column(String(64))  # the format the replies were made in
     meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
     messages: Mapped[list["MessageRow"]] = relationship(
@@ -91,6 +99,8 @@ class MessageRow(Base):
     role: Mapped[str] = mapped_column(String(16))
     text: Mapped[str] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(default=utc_now)
+    # Who wrote a user message (a Discord user id): `logs delete --author` honours deletion requests.
+    author_id: Mapped[str | None] = mapped_column(String(64))
     token_count: Mapped[int | None] = mapped_column(Integer)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     latency_s: Mapped[float | None] = mapped_column(Float)
@@ -103,10 +113,15 @@ class MessageRow(Base):
     # A reply replaced by a regenerated one (/retry): kept for the record, left out on resume.
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
     provenance: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # A write replayed after a fault (or from the spill journal) finds its own row and
+    # is not stored twice.
+    write_key: Mapped[str | None] = mapped_column(String(32))
 
     conversation: Mapped[ConversationRow] = relationship(back_populates="messages")
 
     __table_args__ = (
         Index("ix_messages_conversation_id", "conversation_id", "id"),
         Index("ix_messages_created", "created"),
+        Index("ix_messages_author_id", "author_id"),
+        Index("ux_messages_write_key", "write_key", unique=True),
     )

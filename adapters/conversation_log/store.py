@@ -5,18 +5,26 @@ that is killed loses at most the turn it was writing. SQLite files run in WAL mo
 (readers never block the writer; ``chatcore logs`` can read while a chat writes).
 Any SQLAlchemy URL works; PostgreSQL suits several bot processes sharing one log.
 
-Schema versions: the ``chatcore_schema`` table holds the version a file was written
-with. Opening an older log runs the steps in :data:`MIGRATIONS` in one transaction;
-a log from a newer chatcore is refused with a clear message rather than damaged.
+Schema: created and upgraded by Alembic revisions in one locked transaction, so many
+processes may open a new log at once (see :mod:`~chatcore.adapters.conversation_log.schema`).
+A log from a newer chatcore is refused with a clear message rather than damaged.
+
+Faults: a failure that may pass (locked, read-only, full disk, a dropped server
+connection) raises :class:`LogUnavailableError` and drops the pooled connections, so
+the next try opens the file or server afresh (a file opened read-only stays so for
+the life of its connection). Values a database cannot hold are replaced where they
+enter (:func:`storable`), so no message is refused for its content.
 
 Search uses an SQLite FTS5 trigram index where SQLite has one (substring matches,
-case-insensitive, three characters or more) and ``LIKE`` otherwise.
+case-insensitive, three characters or more), on PostgreSQL ``ILIKE`` served by a
+pg_trgm GIN index, and ``LIKE`` otherwise.
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -24,43 +32,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from chatcore.adapters.conversation_log.errors import LogError, UnknownConversationError
-from chatcore.adapters.conversation_log.models import (
-    SCHEMA_VERSION,
-    Base,
-    ConversationRow,
-    MessageRow,
-    SchemaVersion,
-    utc_now,
-)
+from chatcore.adapters.conversation_log import schema
+from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError, UnknownConversationError
+from chatcore.adapters.conversation_log.models import ConversationRow, MessageRow, utc_now
 
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation, Turn
     from chatcore.engine import Engine
 
-MIGRATIONS: dict[int, Callable[[sa.Connection], None]] = {}
-"""``MIGRATIONS[n](connection)`` upgrades a version-``n`` log to version ``n + 1``.
-
-Add a step here whenever :data:`~chatcore.adapters.conversation_log.models.SCHEMA_VERSION`
-goes up (version 1 is the first schema, so there are none yet).
-"""
-
-# Substring search over an external-content FTS5 table that triggers keep in step
-# with ``messages``; 'rebuild' indexes rows written before the index existed.
-_FTS_DDL = (
-    "CREATE VIRTUAL TABLE messages_fts USING fts5(text, content='messages', content_rowid='id', tokenize='trigram')",
-    "CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN "
-    "INSERT INTO messages_fts(rowid, text) VALUES (new.id, new.text); END",
-    "CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN "
-    "INSERT INTO messages_fts(messages_fts, rowid, text) VALUES ('delete', old.id, old.text); END",
-    "CREATE TRIGGER messages_fts_update AFTER UPDATE OF text ON messages BEGIN "
-    "INSERT INTO messages_fts(messages_fts, rowid, text) VALUES ('delete', old.id, old.text); "
-    "INSERT INTO messages_fts(rowid, text) VALUES (new.id, new.text); END",
-    "INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')",
-)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+REPLACEMENT = "\ufffd"  # stands for a lone surrogate, which no UTF-8 database can hold
+NUL_SYMBOL = "\u2400"  # stands for NUL where the database refuses it (PostgreSQL)
 _FTS_MIN_CHARS = 3  # a trigram index cannot answer shorter queries
 
 
@@ -71,6 +56,7 @@ class MessageRecord:
     role: str
     text: str
     created: datetime
+    author_id: str | None = None
     token_count: int | None = None
     prompt_tokens: int | None = None
     latency_s: float | None = None
@@ -87,7 +73,7 @@ class MessageRecord:
     def from_row(cls, row: MessageRow) -> "MessageRecord":
         return cls(
             id=row.id, conversation_id=row.conversation_id, role=row.role, text=row.text, created=row.created,
-            token_count=row.token_count, prompt_tokens=row.prompt_tokens, latency_s=row.latency_s,
+            author_id=row.author_id, token_count=row.token_count, prompt_tokens=row.prompt_tokens, latency_s=row.latency_s,
             first_token_s=row.first_token_s, decoder=row.decoder, steerers=row.steerers, candidates=row.candidates,
             seed=row.seed, interrupted=bool(row.interrupted), superseded=bool(row.superseded),
             provenance=row.provenance,
@@ -126,6 +112,8 @@ class ConversationSummary:
 
 @dataclass
 class ConversationRecord(ConversationSummary):
+    system: str | None = None
+    prompt_format: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     messages: list[MessageRecord] = field(default_factory=list)
 
@@ -145,7 +133,11 @@ class SearchHit:
         return {"conversation_id": self.conversation_id, "title": self.title, "message": self.message.to_dict()}
 
 
-def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
+def _sqlite_connect(dbapi_connection: Any, connection_record: Any) -> None:
+    # pysqlite's own transaction handling would commit before every DDL statement;
+    # with it off, the "begin" listener below starts each transaction itself
+    # (SQLAlchemy's documented recipe for transactional DDL on SQLite).
+    dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("PRAGMA foreign_keys=ON")
@@ -160,19 +152,59 @@ def _sqlite_pragmas(dbapi_connection: Any, connection_record: Any) -> None:
         cursor.close()
 
 
+def _sqlite_begin(connection: sa.Connection) -> None:
+    # Writers take the write lock at BEGIN: they wait their turn (busy timeout)
+    # instead of failing when a read transaction cannot be upgraded.
+    connection.exec_driver_sql(connection.get_execution_options().get("sqlite_begin", "BEGIN"))
+
+
+_WRITE = {"sqlite_begin": "BEGIN IMMEDIATE"}
+
+
 def _reason(error: BaseException) -> str:
     original = getattr(error, "orig", None) or error
     text = str(original).strip().splitlines()
     return text[0] if text else type(original).__name__
 
 
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _is_transient(error: BaseException) -> bool:
+    """A failure that may pass on its own: locked, read-only, full, or a lost connection."""
+    if isinstance(error, OperationalError):
+        return True
+    return isinstance(error, DBAPIError) and bool(error.connection_invalidated)
+
+
+def storable(value: Any, *, nul: bool = True) -> Any:
+    """``value`` with every string made storable: lone surrogates replaced, NUL too unless ``nul``.
+
+    Recurses into the JSON columns' dicts and lists, so nothing a reply carries can
+    make its write fail.
+    """
+    if isinstance(value, str):
+        value = _LONE_SURROGATE.sub(REPLACEMENT, value)
+        return value if nul else value.replace("\x00", NUL_SYMBOL)
+    if isinstance(value, dict):
+        return {storable(key, nul=nul): storable(item, nul=nul) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(item, nul=nul) for item in value]
+    return value
+
+
 class ConversationStore:
     """The conversation log's database, opened by SQLAlchemy URL.
 
-    Failures raise :class:`LogError` with a one-line message naming the database.
+    ``create=False`` (the read-only ``logs`` commands): a missing SQLite file is an
+    error instead of a new empty log, so a mistyped path creates nothing.
+
+    Failures raise :class:`LogError` with a one-line message naming the database;
+    :class:`LogUnavailableError` when trying again later may succeed.
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 3.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 3.0, create: bool = True) -> None:
         self.url = url
         try:
             parsed = sa.engine.make_url(url)
@@ -180,19 +212,27 @@ class ConversationStore:
             raise LogError(f"{url!r} is not a database URL ({error})") from None
         self.display_url = parsed.render_as_string(hide_password=True)
         self.is_sqlite = parsed.get_backend_name() == "sqlite"
+        self.is_postgres = parsed.get_backend_name() == "postgresql"
         connect_args: dict[str, Any] = {}
         if self.is_sqlite:
-            self._make_parent_folder(parsed.database)
+            self._check_sqlite_location(parsed, create)
             # check_same_thread off: adapters may write from a worker thread; the
             # plugin serialises its writes.
             connect_args = {"timeout": timeout_s, "check_same_thread": False}
+        elif self.is_postgres and parsed.get_driver_name() == "psycopg":
+            connect_args = {"connect_timeout": max(1, round(timeout_s))}
         try:
-            self.db = sa.create_engine(parsed, connect_args=connect_args)
-        except (SQLAlchemyError, ImportError) as error:
+            self.db = sa.create_engine(parsed, connect_args=connect_args, pool_pre_ping=not self.is_sqlite)
+        except ImportError as error:
+            hint = " (pip install 'chatcore[postgres]')" if self.is_postgres else ""
+            raise LogError(f"cannot open the conversation log {self.display_url}: {_reason(error)}{hint}") from None
+        except SQLAlchemyError as error:
             raise LogError(f"cannot open the conversation log {self.display_url}: {_reason(error)}") from None
         if self.is_sqlite:
-            sa.event.listen(self.db, "connect", _sqlite_pragmas)
+            sa.event.listen(self.db, "connect", _sqlite_connect)
+            sa.event.listen(self.db, "begin", _sqlite_begin)
         self._sessions = sessionmaker(self.db, expire_on_commit=False)
+        self._write_sessions = sessionmaker(self.db.execution_options(**_WRITE), expire_on_commit=False)
         self.fts = False
         try:
             self._prepare_schema()
@@ -201,56 +241,32 @@ class ConversationStore:
             raise
 
     # -- opening ------------------------------------------------------------------
-    def _make_parent_folder(self, database: str | None) -> None:
+    def _check_sqlite_location(self, parsed: sa.URL, create: bool) -> None:
+        database = parsed.database
         if not database or database == ":memory:" or database.startswith("file:"):
+            if not create and (not database or database == ":memory:"):
+                raise LogError(f"{self.display_url} is an in-memory database: it holds no conversation log")
+            return
+        path = Path(database).expanduser()
+        if not create:
+            if not path.is_file():
+                raise LogError(f"no conversation log at {path} (a chat creates it; check the path or URL)")
             return
         try:
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise LogError(f"cannot create the folder for the conversation log {database}: {error}") from None
 
     def _prepare_schema(self) -> None:
-        with self._errors("open"), self.db.begin() as connection:
-            tables = set(sa.inspect(connection).get_table_names())
-            if SchemaVersion.__tablename__ in tables:
-                version = connection.execute(sa.select(SchemaVersion.version)).scalar_one_or_none() or 1
-            elif ConversationRow.__tablename__ in tables:
-                raise LogError(f"{self.display_url} has a 'conversations' table but no chatcore schema version; "
-                               "it is not a chatcore conversation log")
-            else:
-                version = None
-            if version is None:
-                Base.metadata.create_all(connection)
-                connection.execute(sa.insert(SchemaVersion).values(id=1, version=SCHEMA_VERSION))
-            elif version > SCHEMA_VERSION:
-                raise LogError(f"the conversation log {self.display_url} was written by a newer chatcore "
-                               f"(schema {version}; this one reads up to {SCHEMA_VERSION}); upgrade chatcore")
-            elif version < SCHEMA_VERSION:
-                self._migrate(connection, version)
-        if self.is_sqlite:
-            self.fts = self._prepare_fts()
-
-    def _migrate(self, connection: sa.Connection, version: int) -> None:
-        for step in range(version, SCHEMA_VERSION):
-            if step not in MIGRATIONS:
-                raise LogError(f"the conversation log {self.display_url} has schema {version}, "
-                               f"and there is no upgrade from schema {step} to {step + 1}")
-            MIGRATIONS[step](connection)
-        connection.execute(sa.update(SchemaVersion).values(version=SCHEMA_VERSION))
-
-    def _prepare_fts(self) -> bool:
-        exists = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'messages_fts'"
-        try:
-            with self.db.begin() as connection:
-                if connection.execute(sa.text(exists)).first() is not None:
-                    return True
-                if sqlite3.sqlite_version_info < (3, 34):  # the trigram tokenizer's first release
-                    return False
-                for statement in _FTS_DDL:
-                    connection.execute(sa.text(statement))
-            return True
-        except SQLAlchemyError:
-            return False  # no FTS5 in this SQLite, or a read-only file: search falls back to LIKE
+        with self._errors("open"), self.db.connect() as connection:
+            connection.execution_options(**_WRITE)
+            with connection.begin():
+                schema.lock(connection)
+                schema.prepare(connection, self.display_url)
+            if self.is_sqlite:
+                found = connection.exec_driver_sql(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'messages_fts'").first()
+                self.fts = found is not None
 
     def close(self) -> None:
         self.db.dispose()
@@ -266,11 +282,20 @@ class ConversationStore:
         try:
             yield
         except SQLAlchemyError as error:
-            raise LogError(f"conversation log {self.display_url}: cannot {action}: {_reason(error)}") from error
+            message = f"conversation log {self.display_url}: cannot {action}: {_reason(error)}"
+            if _is_transient(error):
+                # Fresh connections next time: one opened while the file was
+                # read-only, or to a server that went away, never recovers.
+                self.db.dispose()
+                raise LogUnavailableError(message) from error
+            raise LogError(message) from error
+        except (ValueError, TypeError) as error:  # a value the driver cannot send
+            raise LogError(f"conversation log {self.display_url}: cannot {action}: {error}") from error
 
     @contextmanager
-    def _session(self, action: str) -> Iterator[Session]:
-        with self._errors(action), self._sessions() as session, session.begin():
+    def _session(self, action: str, write: bool = False) -> Iterator[Session]:
+        sessions = self._write_sessions if write else self._sessions
+        with self._errors(action), sessions() as session, session.begin():
             yield session
 
     def journal_mode(self) -> str | None:
@@ -281,6 +306,9 @@ class ConversationStore:
             return str(connection.exec_driver_sql("PRAGMA journal_mode").scalar())
 
     # -- writing ------------------------------------------------------------------
+    def _storable(self, value: Any) -> Any:
+        return storable(value, nul=not self.is_postgres)
+
     def ensure_conversation(
         self,
         conversation_id: str,
@@ -290,23 +318,33 @@ class ConversationStore:
         channel_key: str | None = None,
         model: str | None = None,
         title: str | None = None,
+        system: str | None = None,
+        prompt_format: str | None = None,
         meta: dict[str, Any] | None = None,
     ) -> bool:
         """Add the conversation if the log does not have it yet; True if it was added."""
-        created = created or utc_now()
-        row = ConversationRow(
-            id=conversation_id, created=created, updated=created, adapter=adapter, channel_key=channel_key,
-            model=model, title=(title or None) and title[:255], meta=dict(meta or {}),
-        )
+        fields = dict(created=created, adapter=adapter, channel_key=channel_key, model=model, title=title,
+                      system=system, prompt_format=prompt_format, meta=meta)
         try:
-            with self._session("add a conversation") as session:
-                if session.get(ConversationRow, conversation_id) is not None:
-                    return False
-                session.add(row)
+            with self._session("add a conversation", write=True) as session:
+                return self._ensure(session, conversation_id, fields)
         except LogError as error:
             if isinstance(error.__cause__, IntegrityError):
                 return False  # another process added it between our check and insert
             raise
+
+    def _ensure(self, session: Session, conversation_id: str, fields: dict[str, Any]) -> bool:
+        if session.get(ConversationRow, conversation_id) is not None:
+            return False
+        created = fields.get("created") or utc_now()
+        title = fields.get("title") or None
+        session.add(ConversationRow(
+            id=conversation_id, created=created, updated=created, adapter=fields.get("adapter"),
+            channel_key=self._storable(fields.get("channel_key")), model=self._storable(fields.get("model")),
+            title=title and self._storable(title[:255]), system=self._storable(fields.get("system")),
+            prompt_format=fields.get("prompt_format"), meta=self._storable(dict(fields.get("meta") or {})),
+        ))
+        session.flush()
         return True
 
     def add_message(
@@ -316,6 +354,7 @@ class ConversationStore:
         text: str,
         *,
         created: datetime | None = None,
+        author_id: str | None = None,
         token_count: int | None = None,
         prompt_tokens: int | None = None,
         latency_s: float | None = None,
@@ -327,22 +366,38 @@ class ConversationStore:
         interrupted: bool = False,
         provenance: dict[str, Any] | None = None,
         keep_replies: int | None = None,
+        write_key: str | None = None,
+        conversation: dict[str, Any] | None = None,
     ) -> int:
         """Append one message and commit; returns its id.
 
         ``keep_replies`` (bot messages only): the number of replies to the newest user
         message that the conversation still holds besides this one. Older replies
         beyond that number were dropped (regenerated) and are marked superseded.
+
+        ``write_key``: a message already stored with this key is not stored again
+        (its id is returned), so a write may be retried after any failure.
+        ``conversation``: :meth:`ensure_conversation`'s fields; the conversation's row
+        is added in the same transaction if missing, so a message never depends on an
+        earlier write having got through.
         """
         created = created or utc_now()
-        with self._session("add a message") as session:
+        with self._session("add a message", write=True) as session:
+            if write_key is not None:
+                stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
+                if stored is not None:
+                    return int(stored)
+            if conversation is not None:
+                self._ensure(session, conversation_id, conversation)
             if keep_replies is not None:
                 self._supersede_replies(session, conversation_id, keep_replies)
+            clean = self._storable
             row = MessageRow(
-                conversation_id=conversation_id, role=role, text=text, created=created, token_count=token_count,
-                prompt_tokens=prompt_tokens, latency_s=latency_s, first_token_s=first_token_s, decoder=decoder,
-                steerers=steerers, candidates=candidates, seed=seed, interrupted=interrupted,
-                superseded=False, provenance=provenance,
+                conversation_id=conversation_id, role=role, text=clean(text), created=created,
+                author_id=author_id, token_count=token_count, prompt_tokens=prompt_tokens, latency_s=latency_s,
+                first_token_s=first_token_s, decoder=clean(decoder), steerers=clean(steerers),
+                candidates=clean(candidates), seed=seed, interrupted=interrupted, superseded=False,
+                provenance=clean(provenance), write_key=write_key,
             )
             session.add(row)
             session.flush()
@@ -367,9 +422,22 @@ class ConversationStore:
     def delete_conversation(self, conversation_id: str) -> int:
         """Delete a conversation (id or unique prefix) and its messages; returns the message count."""
         full_id = self.resolve_id(conversation_id)
-        with self._session("delete a conversation") as session:
+        with self._session("delete a conversation", write=True) as session:
             deleted = session.execute(sa.delete(MessageRow).where(MessageRow.conversation_id == full_id))
             session.execute(sa.delete(ConversationRow).where(ConversationRow.id == full_id))
+            return int(deleted.rowcount or 0)
+
+    def delete_author(self, author_id: str) -> int:
+        """Delete every message written by ``author_id`` (a deletion request); returns the count.
+
+        Conversations keep the other messages; one left with none is deleted too.
+        """
+        with self._session("delete an author's messages", write=True) as session:
+            touched = sa.select(MessageRow.conversation_id).where(MessageRow.author_id == author_id).distinct()
+            conversation_ids = list(session.scalars(touched))
+            deleted = session.execute(sa.delete(MessageRow).where(MessageRow.author_id == author_id))
+            still_used = sa.select(MessageRow.id).where(MessageRow.conversation_id == ConversationRow.id).exists()
+            session.execute(sa.delete(ConversationRow).where(ConversationRow.id.in_(conversation_ids), ~still_used))
             return int(deleted.rowcount or 0)
 
     # -- reading ------------------------------------------------------------------
@@ -429,12 +497,15 @@ class ConversationStore:
             summary = session.execute(
                 sa.select(*self._summary_columns()).where(ConversationRow.id == full_id)
             ).one()
-            meta = session.scalar(sa.select(ConversationRow.meta).where(ConversationRow.id == full_id)) or {}
+            system, prompt_format, meta = session.execute(
+                sa.select(ConversationRow.system, ConversationRow.prompt_format, ConversationRow.meta)
+                .where(ConversationRow.id == full_id)).one()
             query = sa.select(MessageRow).where(MessageRow.conversation_id == full_id).order_by(MessageRow.id)
             if not include_superseded:
                 query = query.where(MessageRow.superseded.is_(False))
             messages = [MessageRecord.from_row(row) for row in session.scalars(query)]
-        return ConversationRecord(*summary, meta=dict(meta), messages=messages)
+        return ConversationRecord(*summary, system=system, prompt_format=prompt_format, meta=dict(meta or {}),
+                                  messages=messages)
 
     def iter_conversations(self, conversation_ids: Sequence[str] | None = None) -> Iterator[ConversationRecord]:
         """Each named conversation (or every one, oldest first), with its messages."""
@@ -458,6 +529,9 @@ class ConversationStore:
             matching = sa.text("SELECT rowid FROM messages_fts WHERE messages_fts MATCH :phrase").bindparams(
                 phrase=phrase).columns(sa.column("rowid", sa.Integer))
             query = query.where(MessageRow.id.in_(matching))
+        elif self.is_postgres:
+            # ILIKE, so the pg_trgm GIN index answers (``lower(text) LIKE`` would not use it).
+            query = query.where(MessageRow.text.ilike("%" + _escape_like(wanted) + "%", escape="\\"))
         else:
             query = query.where(MessageRow.text.icontains(wanted, autoescape=True))
         query = query.order_by(MessageRow.id.desc()).limit(limit)
@@ -490,4 +564,4 @@ class ConversationStore:
         record = self.get_conversation(conversation_id, include_superseded=False)
         meta = dict(record.meta)
         meta.update(adapter=record.adapter, channel_key=record.channel_key, title=record.title)
-        return Conversation(engine, id=record.id, turns=self._turns(record), **meta)
+        return Conversation(engine, id=record.id, turns=self._turns(record), system=record.system, **meta)
