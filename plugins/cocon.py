@@ -220,10 +220,14 @@ def register_steerers(register: Callable[[type], None]) -> None:
 @click.option("--warmup-steps", type=click.IntRange(0), default=100, show_default=True)
 @click.option("--eval-every", type=click.IntRange(1), default=200, show_default=True,
               help="Steps between held-out evaluations (each also writes the checkpoint and the block).")
+@click.option("--eval-windows", type=click.IntRange(1), default=128, show_default=True,
+              help="Held-out windows each evaluation scores.")
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--device", default=None, help="cpu, cuda ... (default: cuda when present).")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
               help="auto: bf16 autocast on CUDA, fp32 elsewhere.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="torch CPU threads (default: torch's own choice).")
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, prompt_format: str,
@@ -233,7 +237,7 @@ def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, prompt_
                   span_weight: float, plain_target: float, init_block: str | None, self_weight: float,
                   null_weight: float, cycle_weight: float, adv_weight: float,
                   cycle_from_step: int, adv_from_step: int, cycle_tokens: int, learning_rate: float,
-                  warmup_steps: int, eval_every: int, seed: int, device: str | None, precision: str, resume: bool,
+                  warmup_steps: int, eval_every: int, eval_windows: int, seed: int, device: str | None, precision: str, threads: int | None, resume: bool,
                   quiet: bool) -> None:
     """Train a CoCon block for a frozen base model on dialogue text.
 
@@ -257,8 +261,9 @@ def cocon_command(model: str, out_dir: str, corpus: str, heldout: float, prompt_
             self_weight=self_weight,
             null_weight=null_weight, cycle_weight=cycle_weight, adv_weight=adv_weight,
             cycle_from_step=cycle_from_step, adv_from_step=adv_from_step, cycle_tokens=cycle_tokens,
-            learning_rate=learning_rate, warmup_steps=warmup_steps, eval_every=eval_every, seed=seed,
-            device=device, precision=precision)
+            learning_rate=learning_rate, warmup_steps=warmup_steps, eval_every=eval_every,
+            eval_windows=eval_windows, seed=seed,
+            device=device, precision=precision, threads=threads)
     except ValueError as error:
         raise OptionError(str(error)) from None
     result = train_cocon(config, resume=resume, progress=not quiet)
