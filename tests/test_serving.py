@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Callable
-
 import pytest
+from serving_steerers import serving_engine  # noqa: F401  (a fixture)
 
-import chatcore
 from chatcore.engine import ReplyOptions
 from chatcore.errors import PluginError
 from chatcore.prompting import Message
 from chatcore.serving import Scheduler, ServerBusy
-from chatcore.steering import Steerer
-from chatcore.step import Step, StepOutput, StepState
 
 PROMPTS = [
     "hi, how are you?",
@@ -37,82 +31,6 @@ def alone(engine, prompt: str, options: ReplyOptions) -> list[int]:
     response = engine.reply_to([prompt], options)
     response.text()
     return response.token_ids
-
-
-@dataclass
-class FailingSettings:
-    at_step: int = 2
-
-
-@dataclass
-class NoSettings:
-    pass
-
-
-class FailingShared(Steerer):
-    """Raises at one step; shares the batch, so its failure happens inside a shared step."""
-
-    name = "failing-shared"
-    Settings = FailingSettings
-    shares_batch = True
-
-    def wrap(self, step: Step) -> Step:
-        def failing(state: StepState) -> StepOutput:
-            if state.step == self.settings.at_step:
-                raise RuntimeError("boom")
-            return step(state)
-
-        return failing
-
-
-class NegateAlone(Steerer):
-    """Declares nothing, so it is decoded beside the batch: flips the logits' sign."""
-
-    name = "negate"
-    Settings = NoSettings
-
-    def wrap(self, step: Step) -> Step:
-        def negated(state: StepState) -> StepOutput:
-            output = step(state)
-            return output.replace(logits=-output.logits)
-
-        return negated
-
-
-@dataclass
-class SlowSettings:
-    seconds: float = 0.05
-
-
-class Slow(Steerer):
-    """Sleeps at every step, so that a reply is still running when the test acts on it."""
-
-    name = "slow"
-    Settings = SlowSettings
-    shares_batch = True
-
-    def wrap(self, step: Step) -> Step:
-        def slow(state: StepState) -> StepOutput:
-            time.sleep(self.settings.seconds)
-            return step(state)
-
-        return slow
-
-
-class TestPlugin:
-    @chatcore.hookimpl
-    def register_steerers(self, register: Callable[[type], None]) -> None:
-        register(FailingShared)
-        register(NegateAlone)
-        register(Slow)
-
-
-@pytest.fixture
-def serving_engine(loaded, host):
-    from chatcore.engine import Engine
-
-    host.register(TestPlugin(), "test-serving")
-    return Engine(loaded, host=host)
 
 
 def test_batched_rows_equal_replies_decoded_alone(serving_engine):
@@ -230,3 +148,28 @@ def test_scheduler_settings_are_checked(serving_engine):
 
     with pytest.raises(OptionError, match="max_batch"):
         Scheduler(serving_engine, max_batch=0)
+
+
+@pytest.mark.parametrize("deltas, stops, expected, hit", [
+    (["hello wor", "ld, fine"], ["world"], "hello ", True),
+    (["ab", "c<", "|us", "er|>", "tail"], ["<|user|>"], "abc", True),
+    (["a <", "b"], ["<|user|>"], "a <b", False),
+    (["xyz"], ["y", "xy"], "", True),
+    (["no stop here"], [], "no stop here", False),
+])
+def test_stop_strings_hold_back_what_may_start_one(deltas, stops, expected, hit):
+    from chatcore.serving.stops import StopStrings
+
+    stop = StopStrings(stops)
+    emitted = [stop.push(delta) for delta in deltas]
+    text = "".join(emitted) + stop.flush()
+    assert text == expected and stop.hit is hit
+    if stops == ["<|user|>"] and not hit:
+        assert emitted[0] == "a "  # "<" might begin the stop string
+
+
+def test_stop_strings_must_be_text():
+    from chatcore.serving.stops import StopStrings
+
+    with pytest.raises(ValueError, match="stop"):
+        StopStrings([""])

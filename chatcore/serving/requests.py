@@ -70,6 +70,7 @@ class Handle:
         self._listener = listener
         self._cancelled = threading.Event()
         self._on_cancel: Callable[["Handle"], None] | None = None
+        self._on_release: Callable[["Handle"], None] | None = None
 
     # -- the caller's side -----------------------------------------------------------
     @property
@@ -81,6 +82,7 @@ class Handle:
         if self.finished.is_set() or self._cancelled.is_set():
             return
         self._cancelled.set()
+        self._release()
         if self._on_cancel is not None:
             self._on_cancel(self)
 
@@ -135,6 +137,13 @@ class Handle:
         self.provenance["finish_reason"] = reason
         self._emit(End(reason, error))
         self.finished.set()
+        self._release()
+
+    def _release(self) -> None:
+        """Give the reply's place back to the scheduler (once: at its end or when cancelled)."""
+        release, self._on_release = self._on_release, None
+        if release is not None:
+            release(self)
 
     def _emit(self, event: Event) -> None:
         self._events.put(event)

@@ -82,6 +82,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._can_merge: bool | None = None
+        # Replies submitted and not yet ended or cancelled: what the queue's bound counts.
+        self._accepted: set[Handle] = set()
         self.steps = 0  # batched forward passes so far (for tests and benchmarks)
 
     # -- the callers' side -------------------------------------------------------------
@@ -96,11 +98,13 @@ class Scheduler:
         with self._lock:
             if self._stopping:
                 raise ChatcoreError("the scheduler has stopped")
-            if len(self.waiting) + self.in_flight() >= self.max_batch + self.max_waiting:
+            if len(self._accepted) >= self.max_batch + self.max_waiting:
                 raise ServerBusy(f"the server is busy: {self.max_batch} replies in progress and "
-                                 f"{len(self.waiting)} waiting; try again shortly")
+                                 f"{len(self._accepted) - self.max_batch} waiting; try again shortly")
             self.waiting.append(request)
+            self._accepted.add(handle)
             handle._on_cancel = self._wake
+            handle._on_release = self._accepted.discard
             self._lock.notify()
         self.start()
         return handle

@@ -1,0 +1,50 @@
+"""``chatcore serve``: the click command. Only click is imported here, so ``--help`` is instant."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 listens on every interface: set --api-key then).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
+@click.option("--api-key", envvar="CHATCORE_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on every request (or set CHATCORE_API_KEY).")
+@click.option("--system", "system_text", default=None, help="System prompt of requests that bring none.")
+@click.option("--system-file", type=click.Path(), default=None, help="Read that system prompt from a UTF-8 text file.")
+@click.option("--format", "prompt_format", default="auto", show_default=True,
+              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...")
+@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Replies decoded at once.")
+@click.option("--max-waiting", type=click.IntRange(0, 10_000), default=64, show_default=True,
+              help="Requests queued beyond those; past it requests get 429 (busy).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              show_default=True)
+def serve(host: str, port: int, model: str, api_key: str | None, system_text: str | None, system_file: str | None,
+          prompt_format: str, max_batch: int, max_waiting: int, device: str | None, dtype: str) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API.
+
+    GET /v1/models and POST /v1/chat/completions (streaming or not), with chatcore's
+    own `decoder` and `steer` fields. Concurrent requests are decoded together in one
+    batch. See docs/serving.md.
+    """
+    import uvicorn
+
+    from chatcore.adapters.http_api.app import ServeConfig, build_app
+    from chatcore.engine import Engine
+    from chatcore.errors import OptionError
+    from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.serving import Scheduler
+
+    if api_key is not None and not api_key.strip():
+        raise OptionError("`--api-key` is empty")
+    validate_format_name(prompt_format)
+    system = system_prompt_option(system_text, system_file)
+    engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+    with Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting) as scheduler:
+        app = build_app(scheduler, ServeConfig(api_key=api_key, system=system))
+        click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off")

@@ -1,0 +1,222 @@
+"""One chat completion: from the request body to chatcore's messages and options, and from
+the scheduler's tokens to text deltas, OpenAI chunks and the final body."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import unicodedata
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from chatcore.adapters.http_api.errors import ApiError
+from chatcore.adapters.http_api.schema import MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest
+from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from chatcore.engine import Engine, ReplyOptions
+    from chatcore.prompting import Message
+    from chatcore.serving import Event, Handle, Scheduler
+
+ALLOWED_CONTROLS = {"\n", "\t", "\r"}
+
+
+def to_messages(request: ChatCompletionRequest, default_system: str | None) -> list["Message"]:
+    """The request's messages as chatcore's: system messages first (joined), the user's last."""
+    from chatcore.prompting import Message, clean_system_prompt
+    from chatcore.text import clean_message
+
+    system_parts: list[str] = []
+    messages: list[Message] = []
+    for index, message in enumerate(request.messages):
+        param = f"messages.[{index}].content"
+        text = message.text()
+        bad = next((c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in ALLOWED_CONTROLS), None)
+        if bad is not None:
+            raise ApiError(400, f"messages[{index}] contains a control character (U+{ord(bad):04X})", param)
+        try:
+            if message.role in ("system", "developer"):
+                if messages:
+                    raise ApiError(400, f"messages[{index}]: system messages must come before the conversation",
+                                   f"messages.[{index}].role")
+                cleaned = clean_system_prompt(text)
+                if cleaned:
+                    system_parts.append(cleaned)
+            else:
+                role = "user" if message.role == "user" else "assistant"
+                messages.append(Message(role, clean_message(text)))
+        except ChatcoreError as error:
+            if isinstance(error, ApiError):
+                raise
+            raise ApiError(400, f"messages[{index}]: {error}", param) from None
+    if not messages or messages[-1].role != "user":
+        raise ApiError(400, "the last message must be the user's", "messages")
+    system = "\n".join(system_parts) or default_system
+    return ([Message("system", system)] if system else []) + messages
+
+
+def to_options(request: ChatCompletionRequest, registry: Any) -> "ReplyOptions":
+    """Decoder, steerers, seed and budget; checked by the registry before anything is queued.
+
+    ``temperature`` and ``top_p`` go to the decoder's settings (top-k by default,
+    greedy at temperature 0); ``decoder`` and ``steer`` are the command line's spec strings.
+    """
+    from chatcore.cli.specs import parse_spec
+    from chatcore.engine import DEFAULT_DECODER, DEFAULT_MAX_NEW_TOKENS, ReplyOptions, validate_options
+
+    if request.n != 1:
+        raise ApiError(400, f"only n=1 is supported, got n={request.n}", "n")
+    stops = request.stop_strings()
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"`stop` takes up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
+                            "characters", "stop")
+    try:
+        if request.decoder is not None:
+            decoder, settings = parse_spec(request.decoder)
+        elif request.temperature == 0:
+            decoder, settings = "greedy", {}
+        else:
+            decoder, settings = DEFAULT_DECODER, {}
+        if request.temperature is not None and decoder != "greedy":
+            settings["temperature"] = request.temperature
+        if request.top_p is not None and decoder != "greedy":
+            settings["top_p"] = request.top_p
+        steerers = [parse_spec(spec) for spec in request.steer]
+    except ChatcoreError as error:
+        raise ApiError(400, str(error), "decoder" if request.decoder else "steer") from None
+    budget = request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_NEW_TOKENS
+    options = ReplyOptions(decoder=decoder, decoder_settings=settings, steerers=steerers, seed=request.seed,
+                           max_new_tokens=budget)
+    try:
+        validate_options(options, registry)
+    except ChatcoreError as error:
+        param = "steer" if "steerer" in str(error) and request.steer else "decoder"
+        raise ApiError(400, str(error), param) from None
+    return options
+
+
+@dataclass
+class Completion:
+    """A submitted reply as the HTTP handler reads it: text deltas, then counts and the finish reason."""
+
+    handle: "Handle"
+    events: "asyncio.Queue[Event]"
+    tokenizer: Any
+    stops: list[str]
+    model: str
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    first: "Event | None" = None
+
+    @classmethod
+    def submit(cls, scheduler: "Scheduler", messages: list["Message"], options: "ReplyOptions",
+               stops: list[str], model: str) -> "Completion":
+        from chatcore.serving import ServerBusy
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        try:
+            handle = scheduler.submit(messages, options,
+                                      listener=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except ServerBusy as error:
+            raise ApiError(429, str(error), None, "server_busy") from None
+        return cls(handle, events, scheduler.engine.tokenizer, stops, model)
+
+    async def started(self) -> None:
+        """Wait for the first token or the end, so a reply that fails to start is an error status."""
+        from chatcore.serving import End
+
+        self.first = await self.events.get()
+        if isinstance(self.first, End) and self.first.error is not None:
+            raise api_error(self.first.error)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.handle.provenance.get("prompt_tokens", 0))
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The reply's text as it comes; stop strings end it; leaving early cancels the reply."""
+        from chatcore.serving import Token
+        from chatcore.serving.stops import StopStrings
+        from chatcore.streaming import IncrementalDetokenizer
+
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        stops = StopStrings(self.stops)
+        try:
+            while True:
+                event, self.first = (self.first, None) if self.first is not None else (await self.events.get(), None)
+                if isinstance(event, Token):
+                    self.completion_tokens += 1
+                    text = stops.push(detokenizer.push(event.token_id))
+                    if text:
+                        yield text
+                    if stops.hit:
+                        self.finish_reason = "stop"
+                        return
+                    continue
+                if event.error is not None:
+                    raise api_error(event.error)
+                tail = stops.push(detokenizer.flush())
+                tail += stops.flush()
+                if tail:
+                    yield tail
+                self.finish_reason = "stop" if stops.hit or event.reason != "length" else "length"
+                return
+        finally:
+            self.handle.cancel()  # a reply left early (stop string, client gone) frees its slot
+
+    # -- OpenAI's shapes ------------------------------------------------------------------
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None, usage: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage()}
+
+    def body(self, text: str) -> dict[str, Any]:
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": None, "finish_reason": self.finish_reason}],
+            "usage": self.usage(),
+            "chatcore": provenance_summary(self.handle.provenance),
+        }
+
+
+def provenance_summary(provenance: dict[str, Any]) -> dict[str, Any]:
+    """What a client needs to reproduce or explain a reply."""
+    keys = ("decoder", "steerers", "seed", "prompt_format", "history_turns_dropped", "truncated_tokens", "timings")
+    return {key: provenance[key] for key in keys if key in provenance}
+
+
+def api_error(error: ChatcoreError) -> ApiError:
+    """A scheduler error as an HTTP error: bad options are the client's (400), the rest the server's (500)."""
+    from chatcore.errors import OptionError, UnknownNameError
+
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, (OptionError, UnknownNameError)) or "no turns" in str(error) or "budget" in str(error):
+        return ApiError(400, str(error))
+    return ApiError(500, str(error), None, "generation_failed")
+
+
+def served_model_name(engine: "Engine") -> str:
+    """The model's id in the API: its name, or a local folder's own name (not the whole path)."""
+    from pathlib import Path
+
+    name = str(engine.loaded.name)
+    return Path(name).name if Path(name).exists() else name

@@ -1,0 +1,65 @@
+"""The body of ``POST /v1/chat/completions`` as pydantic models: types, ranges and unknown fields checked in one place.
+
+OpenAI's fields that chatcore supports, plus its own ``decoder`` (a decoder spec, as
+``--decoder`` takes) and ``steer`` (steerer specs, as ``--steer`` takes). A field
+chatcore does not support is refused by name rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_MESSAGES = 512
+MAX_STOPS = 4
+MAX_STOP_CHARS = 200
+MAX_TOKENS_LIMIT = 4096
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(Strict):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    user: str | None = None
+    # chatcore's own fields: the same spec strings as the command line's --decoder and --steer.
+    decoder: str | None = Field(default=None, description='A decoder spec, e.g. "top-k top_k=20".')
+    steer: list[str] = Field(default_factory=list, max_length=8,
+                             description='Steerer specs, e.g. ["bow-bias topic=food strength=4"].')
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)

@@ -1,0 +1,271 @@
+"""``chatcore serve``'s API: the official openai client against a real uvicorn server on a tiny random GPT-2."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import openai
+import pytest
+from serving_steerers import serving_engine  # noqa: F401  (a fixture)
+
+from chatcore.engine import ReplyOptions
+from chatcore.prompting import Message
+
+API_KEY = "test-key-123"
+
+
+@pytest.fixture
+def serving(serving_engine):
+    """A scheduler (2 rows at once, 2 waiting) and a server with an API key, on a free loopback port."""
+    from chatcore.adapters.http_api.app import ServeConfig, build_app
+    from chatcore.adapters.http_api.server import start_in_thread
+    from chatcore.serving import Scheduler
+
+    scheduler = Scheduler(serving_engine, max_batch=2, max_waiting=2)
+    server = start_in_thread(build_app(scheduler, ServeConfig(api_key=API_KEY, max_body=20_000)))
+    yield scheduler, server
+    server.stop()
+    scheduler.close()
+
+
+@pytest.fixture
+def client(serving) -> openai.OpenAI:
+    return openai.OpenAI(base_url=serving[1].url, api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+@dataclass
+class Reply:
+    status_code: int
+    headers: dict[str, str]
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def call(url: str, data: bytes | None = None, headers: dict | None = None) -> Reply:
+    """A plain HTTP request (the standard library's), for what the openai client would not send."""
+    request = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return Reply(response.status, {k.lower(): v for k, v in response.headers.items()}, response.read().decode())
+    except urllib.error.HTTPError as error:
+        return Reply(error.code, {k.lower(): v for k, v in error.headers.items()}, error.read().decode())
+
+
+def post(serving, body: bytes | str | dict) -> Reply:
+    content = json.dumps(body) if isinstance(body, dict) else body
+    content = content.encode() if isinstance(content, str) else content
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    return call(f"{serving[1].url}/chat/completions", content, headers)
+
+
+def test_round_trip_matches_the_engine(engine, client):
+    model = model_name(client)
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi there"}],
+        max_tokens=12, seed=4, temperature=0.7, top_p=0.9)
+    expected = engine.reply_to(["hi there"], ReplyOptions(decoder="top-k", seed=4, max_new_tokens=12,
+                                                          decoder_settings={"temperature": 0.7, "top_p": 0.9}),
+                               system="Be kind.")
+    assert reply.choices[0].message.content == expected.text()
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens == expected.provenance["prompt_tokens"]
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.model == model and reply.id.startswith("chatcmpl-")
+
+
+def test_streaming_sends_the_same_reply_in_chunks_with_usage(client):
+    model = model_name(client)
+    messages = [{"role": "user", "content": "what do you do for fun?"}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=9)
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=9, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_server_sent_events_end_with_done(serving, client):
+    body = {"model": model_name(client), "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 4}
+    response = post(serving, body)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_seeds_reproduce_and_steerers_steer(engine, client):
+    model = model_name(client)
+    messages = [{"role": "user", "content": "what should we eat tonight?"}]
+    plain = [client.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=s).choices[0]
+             .message.content for s in (1, 1, 2)]
+    assert plain[0] == plain[1]
+    steered = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, seed=1,
+        extra_body={"steer": ["bow-bias words=pizza strength=8"], "decoder": "top-k top_k=5"})
+    expected = engine.reply_to(["what should we eat tonight?"], ReplyOptions(
+        decoder="top-k", decoder_settings={"top_k": "5"}, steerers=[("bow-bias", {"words": "pizza", "strength": "8"})],
+        seed=1, max_new_tokens=16))
+    assert steered.choices[0].message.content == expected.text() != plain[0]
+    assert steered.model_extra["chatcore"]["steerers"][0]["name"] == "bow-bias"
+    greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert greedy.model_extra["chatcore"]["decoder"]["name"] == "greedy"
+
+
+def test_stop_strings_end_the_reply_before_them(client):
+    model = model_name(client)
+    messages = [{"role": "user", "content": "tell me about your day"}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=3).choices[0].message.content
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=3, stop=[stop])
+    assert cut.choices[0].message.content == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=3, stop=stop,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == full[:full.index(stop)]
+
+
+def test_requests_without_the_key_get_401(serving):
+    bad = openai.OpenAI(base_url=serving[1].url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        bad.models.list()
+    assert caught.value.status_code == 401 and "API key" in caught.value.message
+    response = call(f"{serving[1].url}/models")
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ('{"model": ', 400, None),
+    (b"\xff\xfe{}", 400, None),
+    ("[1, 2]", 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ({"MODEL": {}, "messages": []}, 400, "model"),
+    ({"messages": [], "model": "M"}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "frequency_penalty": 1}, 400,
+     "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "model": "M"}, 400,
+     "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}], "model": "M"}, 400, "messages.[0].role"),
+    ({"messages": [{"role": "user", "content": "   "}], "model": "M"}, 400, "messages.[0].content"),
+    ({"messages": [{"role": "user", "content": "hi\u0000there"}], "model": "M"}, 400, "messages.[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "decoder": "beam-search"}, 400, "decoder"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "steer": ["nope x=1"]}, 400, "steer"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "steer": ["bow-bias strength=500 words=a"]},
+     400, "steer"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "seed": -1}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "x" * 30_000}], "model": "M"}, 413, None),
+])
+def test_bad_requests_get_openai_errors(serving, client, body, status, param):
+    if isinstance(body, dict) and body.get("model") == "M":
+        body["model"] = model_name(client)
+    response = post(serving, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and "Traceback" not in error["message"]
+    assert error["param"] == param
+
+
+def test_unknown_routes_and_methods_are_openai_errors(serving):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    missing = call(f"{serving[1].url}/completions", headers=headers)
+    assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
+    wrong = call(f"{serving[1].url}/chat/completions", headers=headers)
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+def slow_request(serving, name: str) -> socket.socket:
+    """Start a slow streaming request on a raw socket and read until its first chunk."""
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                       "max_tokens": 100, "decoder": "greedy", "steer": ["slow seconds=0.05"]})
+    connection = socket.create_connection((serving[1].host, serving[1].port))
+    connection.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    received = b""
+    while b'"role"' not in received:
+        received += connection.recv(4096)
+    return connection
+
+
+def test_a_client_that_disconnects_frees_its_slot(serving, client):
+    scheduler = serving[0]
+    connection = slow_request(serving, model_name(client))
+    assert scheduler.in_flight() == 1
+    connection.close()  # 100 slow steps would take 5 s
+    closed = time.monotonic()
+    while scheduler.in_flight() and time.monotonic() - closed < 10:
+        time.sleep(0.02)
+    assert scheduler.in_flight() == 0 and time.monotonic() - closed < 2
+
+
+def test_a_busy_server_says_so(serving, client):
+    scheduler = serving[0]
+    slow = ReplyOptions(decoder="greedy", max_new_tokens=100, min_new_tokens=100, steerers=[("slow", {})])
+    blockers = [scheduler.submit([Message("user", "hi")], slow) for _ in range(4)]  # 2 in flight, 2 waiting
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(model=model_name(client), messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.status_code == 429 and "busy" in caught.value.message
+    finally:
+        for blocker in blockers:
+            blocker.cancel()
+
+
+@pytest.mark.slow
+def test_many_concurrent_requests_are_each_answered_once(serving, client, engine):
+    from chatcore.adapters.http_api.app import ServeConfig, build_app
+    from chatcore.adapters.http_api.server import start_in_thread
+    from chatcore.serving import Scheduler
+
+    name = model_name(client)
+    with Scheduler(engine, max_batch=4, max_waiting=32) as scheduler:
+        server = start_in_thread(build_app(scheduler))
+        wide = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+        try:
+            def ask(seed: int) -> tuple[int, str, str]:
+                messages = [{"role": "user", "content": f"tell me a story about the number {seed}"}]
+                if seed % 2:
+                    stream = wide.chat.completions.create(model=name, messages=messages, max_tokens=12, seed=seed,
+                                                          stream=True)
+                    return seed, "".join(c.choices[0].delta.content or "" for c in stream), "stream"
+                reply = wide.chat.completions.create(model=name, messages=messages, max_tokens=12, seed=seed)
+                return seed, reply.choices[0].message.content, reply.id
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                answers = list(pool.map(ask, range(24)))
+        finally:
+            server.stop()
+    assert sorted(seed for seed, _, _ in answers) == list(range(24))
+    ids = [reply_id for _, _, reply_id in answers if reply_id != "stream"]
+    assert len(set(ids)) == len(ids) == 12
+    for seed, text, _ in answers[:6]:  # each equals the same request answered alone
+        expected = engine.reply_to([f"tell me a story about the number {seed}"],
+                                   ReplyOptions(seed=seed, max_new_tokens=12)).text()
+        assert text == expected
