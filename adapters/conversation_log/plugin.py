@@ -10,11 +10,24 @@ that holds its own store::
 store). One-shot commands such as ``generate`` and ``eval`` register none, so they
 leave no trace in the log.
 
-A database that is unavailable, locked or read-only never stops the chat: the write
-is kept in memory, ``notify`` is called once with the reason, and the kept writes go
-out, in order, with a later turn that finds the database working again. While it
-fails, it is tried again at most every ``retry_after_s`` seconds, so that a locked
-file does not add its busy timeout to every turn.
+A database that is unavailable, locked, read-only, full or disconnected never stops
+the chat: the write is kept, ``notify`` is called once with the reason, and the kept
+writes go out, in order, with a later turn that finds the database working again
+(the store reconnects on every such failure, so a file that becomes writable or a
+server that comes back is used at once). While it fails, it is tried again at most
+every ``retry_after_s`` seconds, so that a locked file does not add its busy timeout
+to every turn.
+
+Nothing is dropped and nothing breaks referential integrity:
+
+- every write is one message carrying its conversation's row, added in the same
+  transaction when missing, so no write depends on another having got through;
+- up to ``max_pending`` writes wait in memory; past that (and for what is still
+  waiting at :meth:`ConversationLogPlugin.close`) they go to a spill journal on the
+  local disk (:mod:`~chatcore.adapters.conversation_log.journal`), replayed later,
+  also by the next process if this one ends first;
+- a write the database refuses for good (not a passing fault) is set aside in the
+  journal's folder and reported, and the writes after it go on.
 """
 
 from __future__ import annotations
@@ -23,11 +36,14 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import chatcore
-from chatcore.errors import ChatcoreError
+from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError
+from chatcore.adapters.conversation_log.journal import SpillJournal
 
 if TYPE_CHECKING:
     from chatcore.adapters.conversation_log.store import ConversationStore
@@ -37,10 +53,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("chatcore.conversation_log")
 
 MAX_PENDING_WRITES = 10_000
+JOURNAL_FOLDER = "log-journal"  # in the user data folder
 TITLE_CHARS = 80
 _CONVERSATION_COLUMNS = ("adapter", "channel_key", "title")
 
-Write = Callable[[], None]
+Write = dict[str, Any]
+"""One message write: ``conversation_id``, ``role``, ``text``, ``key`` (its write key) and
+``fields`` (the rest of :meth:`ConversationStore.add_message`'s arguments, the
+conversation's row included). Plain data, so that it can be journaled."""
 
 
 def json_safe(value: Any) -> Any:
@@ -56,26 +76,37 @@ class ConversationLogPlugin:
     """Persists every turn of the conversations on its host to ``store``.
 
     ``notify(message)`` tells the person in front of the adapter about a failing log
-    (once per outage) and about its recovery.
+    (once per outage) and about its recovery. ``journal_dir``: where writes past
+    ``max_pending`` are spilled (default: ``log-journal`` in the user data folder).
     """
 
     def __init__(self, store: "ConversationStore", notify: Callable[[str], None] | None = None,
-                 retry_after_s: float = 30.0) -> None:
+                 retry_after_s: float = 30.0, max_pending: int = MAX_PENDING_WRITES,
+                 journal_dir: str | Path | None = None) -> None:
+        if max_pending < 1:
+            raise ValueError(f"`max_pending` must be a positive integer, got {max_pending}")
         self.store = store
         self.notify = notify or (lambda message: logger.warning("%s", message))
         self.retry_after_s = retry_after_s
+        self.max_pending = max_pending
         self.failing: str | None = None  # the reason, while writes fail
         self._failed_at = 0.0
-        self.dropped = 0  # writes given up because too many were waiting
+        self.rejected = 0  # writes the database refused for good, set aside in the journal folder
         self._pending: list[Write] = []
-        self._known: set[str] = set()
         self._lock = threading.Lock()
+        if journal_dir is None:
+            from chatcore.adapters.conversation_log.location import user_data_path
 
+            journal_dir = user_data_path() / JOURNAL_FOLDER
+        self.journal = SpillJournal(Path(journal_dir), store.url)
+        if len(self.journal):  # writes left by a process that ended before the database came back
+            with self._lock:
+                self._flush()
     # -- hooks ----------------------------------------------------------------------
     @chatcore.hookimpl
     def on_user_message(self, conversation: "Conversation", turn: "Turn") -> None:
         fields = {"token_count": self._count_tokens(conversation, turn.text)}
-        self._submit(conversation, self._message_write(conversation.id, "user", turn, fields))
+        self._submit(conversation, self._message_write(conversation, "user", turn, fields))
 
     @chatcore.hookimpl
     def on_response(self, conversation: "Conversation", response: "Response") -> None:
@@ -94,7 +125,7 @@ class ConversationLogPlugin:
             "provenance": provenance,
             "keep_replies": self._replies_kept(conversation),
         }
-        self._submit(conversation, self._message_write(conversation.id, "bot", turn, fields))
+        self._submit(conversation, self._message_write(conversation, "bot", turn, fields))
 
     # -- what to write ---------------------------------------------------------------
     @staticmethod
@@ -120,70 +151,130 @@ class ConversationLogPlugin:
             kept += 1
         return kept
 
-    def _message_write(self, conversation_id: str, role: str, turn: "Turn", fields: dict[str, Any]) -> Write:
-        text, created, interrupted = turn.text, turn.created, turn.interrupted
+    def _message_write(self, conversation: "Conversation", role: str, turn: "Turn",
+                       fields: dict[str, Any]) -> Write:
+        author_id = turn.meta.get("author_id")
+        return {
+            "key": uuid.uuid4().hex, "conversation_id": conversation.id, "role": role, "text": turn.text,
+            "fields": dict(fields, created=turn.created, interrupted=turn.interrupted,
+                           author_id=None if author_id is None else str(author_id),
+                           conversation=self._conversation_fields(conversation)),
+        }
 
-        def write() -> None:
-            self.store.add_message(conversation_id, role, text, created=created, interrupted=interrupted, **fields)
-
-        return write
-
-    def _conversation_write(self, conversation: "Conversation") -> Write:
+    @staticmethod
+    def _conversation_fields(conversation: "Conversation") -> dict[str, Any]:
         meta = json_safe(conversation.meta)
         columns = {key: meta.pop(key, None) for key in _CONVERSATION_COLUMNS}
         first_user = next((t for t in conversation.turns if t.role == "user"), None)
-        title = columns["title"] or (title_from(first_user.text) if first_user else None)
-        created = conversation.turns[0].created if conversation.turns else None
-        model = getattr(getattr(conversation.engine, "loaded", None), "name", None)
-        conversation_id = conversation.id
-
-        def write() -> None:
-            self.store.ensure_conversation(
-                conversation_id, created=created, adapter=columns["adapter"], channel_key=columns["channel_key"],
-                model=model, title=title, meta=meta,
-            )
-
-        return write
+        prompt_format = getattr(conversation, "prompt_format", None) or getattr(
+            getattr(conversation.engine, "prompt_format", None), "name", None)
+        return {
+            "created": conversation.turns[0].created if conversation.turns else None,
+            "adapter": columns["adapter"], "channel_key": columns["channel_key"],
+            "model": getattr(getattr(conversation.engine, "loaded", None), "name", None),
+            "title": columns["title"] or (title_from(first_user.text) if first_user else None),
+            "system": getattr(conversation, "system", None), "prompt_format": prompt_format, "meta": meta,
+        }
 
     # -- writing ----------------------------------------------------------------------
     def _submit(self, conversation: "Conversation", write: Write) -> None:
         with self._lock:
-            if conversation.id not in self._known:  # its row is written (or waiting) once
-                self._known.add(conversation.id)
-                self._pending.append(self._conversation_write(conversation))
-            self._pending.append(write)
-            if len(self._pending) > MAX_PENDING_WRITES:
-                overflow = len(self._pending) - MAX_PENDING_WRITES
-                del self._pending[:overflow]
-                self.dropped += overflow
+            if len(self.journal) or len(self._pending) >= self.max_pending:
+                self._spill(write)  # behind what is journaled already, so the order holds
+            else:
+                self._pending.append(write)
             if self.failing is None or time.monotonic() - self._failed_at >= self.retry_after_s:
                 self._flush()
+
+    def _spill(self, write: Write) -> None:
+        try:
+            self.journal.append(write)
+        except OSError as error:  # no room on the local disk either: keep it in memory, past the bound
+            logger.warning("conversation log journal %s: %s", self.journal.path, error)
+            self._pending.append(write)
+
+    def _write(self, write: Write) -> bool:
+        """Store one write; False when the database is unavailable (the write is kept)."""
+        try:
+            self.store.add_message(write["conversation_id"], write["role"], write["text"],
+                                   write_key=write["key"], **write["fields"])
+        except LogUnavailableError as error:
+            if self.failing is None:
+                self.notify(f"conversation log unavailable ({error}); the chat goes on and "
+                            "turns are written when it works again")
+            self.failing = str(error)
+            self._failed_at = time.monotonic()
+            return False
+        except LogError as error:  # refused for good: set it aside, never block the writes after it
+            self.rejected += 1
+            self._set_aside(write, error)
+        return True
+
+    def _set_aside(self, write: Write, error: LogError) -> None:
+        where = self.journal.folder / f"{self.journal.prefix}-rejected.jsonl"
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            with open(where, "a", encoding="utf-8") as stream:
+                stream.write(json.dumps({"error": str(error), "write": write}, default=str) + "\n")
+        except OSError:
+            where = None  # type: ignore[assignment]
+        self.notify(f"conversation log refused a message ({error}); "
+                    + (f"it is kept in {where}" if where else "it could not be kept") + "; later turns go on")
 
     def _flush(self) -> None:
         written = 0
         while self._pending:
-            try:
-                self._pending[0]()
-            except ChatcoreError as error:  # the store turns every database failure into LogError
-                if self.failing is None:
-                    self.notify(f"conversation log unavailable ({error}); the chat goes on and "
-                                "turns are written when it works again")
-                self.failing = str(error)
-                self._failed_at = time.monotonic()
+            if not self._write(self._pending[0]):
                 return
             self._pending.pop(0)
             written += 1
+        if len(self.journal):
+            done_path = None
+            for path, write in self.journal.entries():
+                if done_path is not None and path != done_path:
+                    self.journal.done(done_path)
+                if not self._write(write):
+                    return
+                done_path = path
+                written += 1
+            if done_path is not None:
+                self.journal.done(done_path)
         if self.failing is not None:
             self.failing = None
             self.notify(f"conversation log available again; {written} waiting write(s) saved")
 
     @property
     def pending(self) -> int:
-        """Writes kept in memory because the database failed."""
-        return len(self._pending)
+        """Writes not in the database yet: waiting in memory or in the spill journal."""
+        return len(self._pending) + self.journal.count
+
+    @property
+    def journaled(self) -> int:
+        """Writes waiting in the spill journal (this process's file)."""
+        return self.journal.count
 
     def flush(self) -> bool:
         """Try the waiting writes now, however recently they failed; True when none is left."""
         with self._lock:
             self._flush()
-            return not self._pending
+            return not self._pending and not len(self.journal)
+
+    def close(self) -> int:
+        """Try the waiting writes once more, then journal what is left; returns how many were journaled.
+
+        Adapters call this at exit: the journaled writes are replayed by the next
+        process that logs to the same database.
+        """
+        with self._lock:
+            self._flush()
+            while self._pending:
+                write = self._pending.pop(0)
+                try:
+                    self.journal.append(write)
+                except OSError as error:
+                    logger.warning("conversation log journal %s: %s", self.journal.path, error)
+                    self._pending.insert(0, write)
+                    break
+            journaled = self.journal.count
+            self.journal.close()
+            return journaled

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from chatcore.adapters.conversation_log import schema
@@ -172,10 +172,13 @@ def _escape_like(text: str) -> str:
 
 
 def _is_transient(error: BaseException) -> bool:
-    """A failure that may pass on its own: locked, read-only, full, or a lost connection."""
-    if isinstance(error, OperationalError):
-        return True
-    return isinstance(error, DBAPIError) and bool(error.connection_invalidated)
+    """Whether the database, not the value written, is at fault: locked, read-only, full, damaged, gone.
+
+    Only a constraint or a value the database refuses (IntegrityError, DataError) is
+    the write's own fault; retrying that one could never succeed.
+    """
+    return not isinstance(error, (IntegrityError, DataError)) and (
+        isinstance(error, (DBAPIError, sa.exc.TimeoutError, sa.exc.DisconnectionError)))
 
 
 def storable(value: Any, *, nul: bool = True) -> Any:

@@ -1,0 +1,131 @@
+"""The spill journal: writes the database could not take, kept in a local file until it can.
+
+The log plugin holds up to a bound of waiting writes in memory; past it, and for
+whatever is still waiting when the process ends, writes are appended to a JSON-lines
+file here, one per line, flushed to the disk before the call returns. They are
+replayed in order once the database works again, by this process or, for a file
+whose process has ended, by the next one logging to the same database.
+
+Each file is named after its database (a digest of the URL) and its process, and is
+held with an exclusive ``flock`` while its process lives; a file nobody holds is an
+orphan and is adopted. Replaying twice is harmless: every write carries a key that
+the store recognises (``messages.write_key``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: files are not shared between processes, nothing is adopted
+    fcntl = None  # type: ignore[assignment]
+
+_DATETIME = "$datetime"
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return {_DATETIME: value.isoformat()}
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _decode(value: dict[str, Any]) -> Any:
+    return datetime.fromisoformat(value[_DATETIME]) if set(value) == {_DATETIME} else value
+
+
+def _lock(stream: IO[str]) -> bool:
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+class SpillJournal:
+    """Append and replay the waiting writes of one process for one database."""
+
+    def __init__(self, folder: Path, url: str) -> None:
+        self.folder = folder
+        self.prefix = hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        self.path = folder / f"{self.prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        self._own: IO[str] | None = None
+        self._adopted: list[tuple[Path, IO[str]]] = []
+        self.count = 0  # entries in our own file
+        self.adopt_orphans()
+
+    def adopt_orphans(self) -> None:
+        """Take over the files of ended processes that logged to the same database."""
+        if not self.folder.is_dir():
+            return
+        held = {path for path, _ in self._adopted} | {self.path}
+        for path in sorted(self.folder.glob(f"{self.prefix}-*.jsonl")):
+            if path in held:
+                continue
+            try:
+                stream = open(path, "r+", encoding="utf-8")
+            except OSError:
+                continue
+            if _lock(stream) and path.exists():
+                self._adopted.append((path, stream))
+            else:
+                stream.close()
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Add one write at the end; it is on the disk when this returns (OSError if it cannot be)."""
+        if self._own is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._own = open(self.path, "a+", encoding="utf-8")
+            _lock(self._own)
+        self._own.write(json.dumps(record, default=_encode, ensure_ascii=True) + "\n")
+        self._own.flush()
+        os.fsync(self._own.fileno())
+        self.count += 1
+
+    def __len__(self) -> int:
+        return self.count + len(self._adopted)
+
+    def entries(self) -> Iterator[tuple[Path, dict[str, Any]]]:
+        """Every waiting write, adopted files first (they are older), each file in order."""
+        streams = list(self._adopted)
+        if self._own is not None and self.count:
+            streams.append((self.path, self._own))
+        for path, stream in streams:
+            stream.seek(0)
+            for line in stream.read().splitlines():
+                if line.strip():
+                    try:
+                        yield path, json.loads(line, object_hook=_decode)
+                    except ValueError:
+                        continue  # a line cut short by a crash mid-append: it was never acknowledged
+
+    def done(self, path: Path) -> None:
+        """Every write of ``path`` is in the database: remove the file."""
+        if path == self.path and self._own is not None:
+            path.unlink(missing_ok=True)
+            self._own.close()
+            self._own, self.count = None, 0
+            return
+        for index, (adopted, stream) in enumerate(self._adopted):
+            if adopted == path:
+                path.unlink(missing_ok=True)
+                stream.close()
+                del self._adopted[index]
+                return
+
+    def close(self) -> None:
+        for _, stream in self._adopted:
+            stream.close()
+        self._adopted = []
+        if self._own is not None:
+            self._own.close()
+            self._own = None
