@@ -269,3 +269,52 @@ def test_many_concurrent_requests_are_each_answered_once(serving, client, engine
         expected = engine.reply_to([f"tell me a story about the number {seed}"],
                                    ReplyOptions(seed=seed, max_new_tokens=12)).text()
         assert text == expected
+
+
+def test_serve_refuses_bad_options_before_loading_the_model():
+    from click.testing import CliRunner
+
+    from chatcore.cli import build_cli
+
+    runner = CliRunner()
+    result = runner.invoke(build_cli(), ["serve", "--format", "no-such-format"])
+    assert result.exit_code != 0 and "no-such-format" in result.output and "Traceback" not in result.output
+    result = runner.invoke(build_cli(), ["serve", "--api-key", " "])
+    assert result.exit_code != 0 and "--api-key" in result.output
+
+
+@pytest.mark.slow
+def test_chatcore_serve_answers_the_openai_client(tiny_model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    system_file = tmp_path / "system.txt"
+    system_file.write_text("You are a pirate.\n", encoding="utf-8")
+    command = [sys.executable, "-m", "chatcore.cli", "serve", "--port", str(port), "--model", str(tiny_model_dir),
+               "--api-key", API_KEY, "--system-file", str(system_file)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "CHATCORE_PLUGINS": ""})
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()
+                time.sleep(0.2)
+        assert model == tiny_model_dir.name
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=5, seed=1)
+        assert 1 <= reply.usage.completion_tokens <= 5
+        assert reply.model_extra["chatcore"]["seed"] == 1
+        # The system prompt from the file is part of the prompt: more prompt tokens than "hi" alone.
+        assert reply.usage.prompt_tokens > 5
+    finally:
+        server.terminate()
+        server.wait(10)
