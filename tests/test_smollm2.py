@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct, a real pretrained chat model (Llama architecture, ChatML template),
 through chatcore: greedy replies equal ``model.generate`` on ``apply_chat_template``'s prompt
-token for token, and no special token reaches a reply or the history."""
+token for token, and no special token reaches a reply, the history or the conversation log."""
 
 from __future__ import annotations
 
@@ -18,6 +18,20 @@ USER_TURNS = ["hi, how are you?", "what do you like to eat?", "tell me about <|i
 @pytest.fixture(scope="module")
 def engine(smollm2):
     return make_engine(smollm2)
+
+
+@pytest.fixture
+def logged_engine(smollm2, tmp_path):
+    """SmolLM2 with the conversation log writing to a real SQLite file."""
+    from chatcore.adapters.conversation_log import ConversationLogPlugin
+    from chatcore.adapters.conversation_log.location import sqlite_url
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+    store = ConversationStore(sqlite_url(tmp_path / "log.sqlite3"))
+    engine = make_engine(smollm2)
+    engine.host.register(ConversationLogPlugin(store), "conversation-log")
+    yield engine, store
+    store.close()
 
 
 def generate_reference(engine, conversation, max_new_tokens):
@@ -47,7 +61,8 @@ def test_greedy_equals_generate_over_a_multi_turn_chat(engine, system):
         assert response.token_ids == expected
 
 
-def test_no_special_token_in_replies_or_the_history(engine):
+def test_no_special_token_in_replies_the_history_or_the_log(logged_engine):
+    engine, store = logged_engine
     special_ids = set(engine.tokenizer.all_special_ids)
     special_texts = [t for t in engine.tokenizer.all_special_tokens if t]
     conversation = engine.conversation(system=PERSONA)
@@ -60,3 +75,9 @@ def test_no_special_token_in_replies_or_the_history(engine):
     assert conversation.turns[-2].text == USER_TURNS[-1]
     for turn in conversation.turns[1::2]:
         assert not any(special in turn.text for special in special_texts)
+    record = store.get_conversation(conversation.id)
+    assert record.system == PERSONA
+    assert [m.text for m in record.messages] == [t.text for t in conversation.turns]
+    for message in record.messages:
+        if message.role == "bot":
+            assert not any(special in message.text for special in special_texts)
