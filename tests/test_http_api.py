@@ -136,7 +136,8 @@ def test_seeds_reproduce_and_steerers_steer(engine, client):
 def test_stop_strings_end_the_reply_before_them(client):
     model = model_name(client)
     messages = [{"role": "user", "content": "tell me about your day"}]
-    full = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=3).choices[0].message.content
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=3)
+    full = full.choices[0].message.content
     assert len(full) > 6
     stop = full[3:6]
     cut = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=3, stop=[stop])

@@ -173,3 +173,48 @@ def test_stop_strings_must_be_text():
 
     with pytest.raises(ValueError, match="stop"):
         StopStrings([""])
+
+
+@pytest.mark.parametrize("options", [
+    ReplyOptions(decoder="greedy", max_new_tokens=10),
+    ReplyOptions(decoder="top-k", seed=21, max_new_tokens=12, steerers=[("bow-bias", {"topic": "food"})]),
+])
+def test_prefix_cache_reuses_earlier_turns_with_the_same_tokens(serving_engine, options):
+    user_turns = ["hi, how are you doing today?", "what do you like to eat?", "and what about dessert?"]
+    expected = serving_engine.conversation(system="You like food.")
+    cached = serving_engine.conversation(system="You like food.")
+    with Scheduler(serving_engine) as scheduler:
+        for text in user_turns:
+            expected.add_user(text)
+            cached.add_user(text)
+            plain = expected.reply(options)
+            plain.text()
+            reply = scheduler.respond(cached, options)
+            reply.text()
+            assert reply.token_ids == plain.token_ids
+        reused = [turn.meta["provenance"]["prefix_cached_tokens"] for turn in cached.turns if turn.role == "bot"]
+    assert reused[0] == 0 and all(count > 10 for count in reused[1:])
+    assert scheduler.prefix_cache.hits == 2 and scheduler.prefix_cache.reused_tokens == sum(reused)
+
+
+def test_prefix_cache_evicts_the_least_recently_used(loaded):
+    import torch
+
+    from chatcore.serving.prefix_cache import PrefixCache
+
+    def layers(length: int) -> list:
+        return [(torch.ones(1, 2, length, 4), torch.ones(1, 2, length, 4))]
+
+    entry_bytes = 2 * 2 * 10 * 4 * 4
+    cache = PrefixCache(budget_bytes=2 * entry_bytes, min_tokens=2)
+    cache.store(list(range(10)), layers(10))
+    cache.store(list(range(100, 110)), layers(10))
+    assert cache.lookup(list(range(10)) + [7])[0] == 10  # used last: the other goes first
+    cache.store(list(range(200, 210)), layers(10))
+    assert len(cache) == 2 and cache.used == 2 * entry_bytes
+    assert cache.lookup(list(range(100, 110)) + [1]) == (0, None)
+    length, kept = cache.lookup(list(range(5)) + [99, 98])
+    assert length == 5 and kept[0][0].shape == (1, 2, 5, 4)
+    assert cache.lookup(list(range(10)))[0] == 9  # the prompt's last token always runs
+    cache.store(list(range(12)), layers(12))  # covers [0..9]: replaces it
+    assert tuple(range(10)) not in cache.entries and tuple(range(12)) in cache.entries

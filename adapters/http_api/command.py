@@ -20,11 +20,14 @@ import click
               help="Replies decoded at once.")
 @click.option("--max-waiting", type=click.IntRange(0, 10_000), default=64, show_default=True,
               help="Requests queued beyond those; past it requests get 429 (busy).")
+@click.option("--prefix-cache-mb", type=click.IntRange(0, 1_000_000), default=256, show_default=True,
+              help="Memory for the key/values of earlier prompts that new ones start with (0: off).")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               show_default=True)
 def serve(host: str, port: int, model: str, api_key: str | None, system_text: str | None, system_file: str | None,
-          prompt_format: str, max_batch: int, max_waiting: int, device: str | None, dtype: str) -> None:
+          prompt_format: str, max_batch: int, max_waiting: int, prefix_cache_mb: int, device: str | None,
+          dtype: str) -> None:
     """Serve the model over an OpenAI-compatible HTTP API.
 
     GET /v1/models and POST /v1/chat/completions (streaming or not), with chatcore's
@@ -44,7 +47,8 @@ def serve(host: str, port: int, model: str, api_key: str | None, system_text: st
     validate_format_name(prompt_format)
     system = system_prompt_option(system_text, system_file)
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
-    with Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting) as scheduler:
+    with Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting,
+                   prefix_cache_bytes=prefix_cache_mb * 2**20) as scheduler:
         app = build_app(scheduler, ServeConfig(api_key=api_key, system=system))
         click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
         uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off")

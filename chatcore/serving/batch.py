@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatcore.decoding import TokenDecoder, restrict_scores
 from chatcore.errors import ChatcoreError
+from chatcore.serving.prefix_cache import Layers, cache_from_layers
 from chatcore.steering import compose
 from chatcore.step import StepOutput, StepState, model_step
 
@@ -65,13 +66,9 @@ class BatchRow:
     step: Callable[[StepState], StepOutput] = field(repr=False)
     shared_output: StepOutput | None = None
     generated: int = 0
+    cached: int = 0  # tokens of this row in the cache: all but the last chosen one while it runs
     stops: "torch.Tensor | None" = None
     banned: "torch.Tensor | None" = None
-
-    @property
-    def cached(self) -> int:
-        """Tokens of this row in the cache: all but the last chosen one."""
-        return len(self.tokens) - 1
 
 
 class DecodingBatch:
@@ -89,15 +86,18 @@ class DecodingBatch:
         return len(self.rows)
 
     # -- joining -----------------------------------------------------------------------
-    def start_row(self, handle: "Handle", reply: "PreparedReply", session: "GenerationSession") -> tuple[BatchRow, Any]:
+    def start_row(self, handle: "Handle", reply: "PreparedReply", session: "GenerationSession",
+                  prefix: "tuple[int, Layers | None]" = (0, None)) -> tuple[BatchRow, Any]:
         """Run the row's prompt alone (through all its steerers) and choose its first token.
 
-        Returns the row and its cache; the caller pushes the token and joins the row
-        unless it already ended.
+        ``prefix``: the key/values of the prompt's first tokens (from the prefix cache), so
+        that only the rest is run. Returns the row and its cache; the caller pushes the
+        token and joins the row unless it already ended.
         """
         import torch
 
         prompt = reply.plan.token_ids
+        reused, layers = prefix
         model = model_step(self.model)
 
         def inner(state: StepState) -> StepOutput:
@@ -109,13 +109,22 @@ class DecodingBatch:
         row.stops = torch.tensor(sorted(session.stop_ids), dtype=torch.long, device=self.device)
         row.banned = torch.tensor(sorted(session.banned_token_ids), dtype=torch.long, device=self.device)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        state = StepState(input_ids=ids, sequences=ids, attention_mask=torch.ones_like(ids),
-                          position_ids=torch.arange(len(prompt), device=self.device)[None], cache=None,
+        cache = cache_from_layers(layers, self.model.config) if layers is not None else None
+        state = StepState(input_ids=ids[:, reused:], sequences=ids, attention_mask=torch.ones_like(ids),
+                          position_ids=torch.arange(reused, len(prompt), device=self.device)[None], cache=cache,
                           step=0, prompt_length=len(prompt))
         with torch.inference_mode():
             output = row.step(state)
+        row.cached = len(prompt)
         row.tokens.append(self.choose(row, output.logits))
         return row, output.cache
+
+    def layers_of(self, row: BatchRow) -> "Layers":
+        """The key/values of every token ``row`` has fed the model: (1, H, cached, D) per layer."""
+        index = self.rows.index(row)
+        start = self.width - row.cached
+        return [(layer.keys[index:index + 1, :, start:], layer.values[index:index + 1, :, start:])
+                for layer in self.cache.layers]
 
     def join(self, row: BatchRow, cache: Any) -> None:
         """Add a started row and its cache (of its ``cached`` columns) to the batch."""
@@ -168,6 +177,8 @@ class DecodingBatch:
                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.cache = output.past_key_values
         self.width += 1
+        for row in self.rows:
+            row.cached += 1
         return output.logits[:, -1, :].float()
 
     def steer(self, row: BatchRow, logits: "torch.Tensor") -> "torch.Tensor":
@@ -178,7 +189,7 @@ class DecodingBatch:
             return logits
         ids = torch.tensor([row.tokens], dtype=torch.long, device=self.device)
         state = StepState(input_ids=ids[:, -1:], sequences=ids, attention_mask=torch.ones_like(ids),
-                          position_ids=torch.tensor([[row.cached]], device=self.device), cache=None,
+                          position_ids=torch.tensor([[row.cached - 1]], device=self.device), cache=None,
                           step=row.generated, prompt_length=row.prompt_length)
         row.shared_output = StepOutput(logits=logits, cache=None)
         with torch.inference_mode():

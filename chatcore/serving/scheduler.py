@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.serving.batch import BatchRow, DecodingBatch, batchable, blame, mergeable_cache
+from chatcore.serving.prefix_cache import PrefixCache
 from chatcore.serving.requests import Event, Handle, ServerBusy
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_WAITING = 64
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -67,12 +69,15 @@ class Scheduler:
     """Decodes every submitted reply on one thread, batching those that can share a step."""
 
     def __init__(self, engine: "Engine", max_batch: int = DEFAULT_MAX_BATCH,
-                 max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise OptionError(f"`max_batch` must be a positive integer, got {max_batch!r}")
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise OptionError(f"`max_waiting` must be a non-negative integer, got {max_waiting!r}")
+        if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+            raise OptionError(f"`prefix_cache_bytes` must be a non-negative integer, got {prefix_cache_bytes!r}")
         self.engine = engine
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.batch = DecodingBatch(engine)
@@ -183,8 +188,10 @@ class Scheduler:
             handle.admitted = time.perf_counter()
             if batchable(reply) and self._merging():
                 session = self.engine.start_session(reply)
+                prefix = self.prefix_cache.lookup(reply.plan.token_ids)
+                handle.provenance["prefix_cached_tokens"] = prefix[0]
                 try:
-                    row, cache = self.batch.start_row(handle, reply, session)
+                    row, cache = self.batch.start_row(handle, reply, session, prefix)
                 except Exception as error:
                     raise blame(self.engine, reply, error) from error
                 self._advance(row, cache)
@@ -220,6 +227,12 @@ class Scheduler:
             row.generated += 1
             reason = "length" if row.generated >= row.session.max_new_tokens else ""
         if reason:
+            # What the row fed the model is the start of its conversation's next prompt.
+            if cache is None:
+                layers = self.batch.layers_of(row)
+            else:
+                layers = [(layer.keys, layer.values) for layer in cache.layers]
+            self.prefix_cache.store(row.tokens[:row.cached], layers)
             row.tokens.pop()
             row.handle._end(reason)  # type: ignore[arg-type]
             return False
