@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,8 @@ GGUF_SUFFIX = ".gguf"
 CONVERSION_VERSION = "1"
 # Every converted folder holds this file; it is written last, inside the temporary folder.
 COMPLETE_MARKER = "config.json"
+# A staging folder this old belongs to a conversion that was killed; a live one is younger.
+STALE_STAGING_SECONDS = 24 * 3600
 
 
 def is_gguf_path(name: str) -> bool:
@@ -81,6 +84,7 @@ def converted_model_folder(path: Path) -> Path:
     architecture = read_architecture(path)
     print(f"converting {path.name} into a Hugging Face folder once (cached in {folder.parent})", file=sys.stderr)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(folder)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         with _quiet_conversion():
@@ -123,6 +127,15 @@ def _publish(staging: Path, folder: Path) -> None:
     except OSError:
         if not (folder / COMPLETE_MARKER).is_file():
             raise
+
+
+def _remove_stale_staging(folder: Path) -> None:
+    """Delete what killed conversions of this file left behind (never loaded, only litter)."""
+    now = time.time()
+    for leftover in folder.parent.glob(f".{folder.name}-*"):
+        with contextlib.suppress(OSError):
+            if now - leftover.stat().st_mtime > STALE_STAGING_SECONDS:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextlib.contextmanager

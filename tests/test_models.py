@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +112,7 @@ def chat_ids(loaded, text: str):
                                                 return_tensors="pt", return_dict=True)["input_ids"]
 
 
+@pytest.mark.slow
 def test_gguf_converts_once_then_loads_the_cached_folder(llama_folder, llama_gguf, cache_home, capfd):
     import torch
 
@@ -258,3 +262,32 @@ def test_smollm2_loads_offline_by_name(smollm2, monkeypatch):
     output = loaded.model.generate(ids, do_sample=False, max_new_tokens=12, attention_mask=None)
     reply = loaded.tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in reply
+
+
+@pytest.mark.slow
+def test_a_killed_conversions_staging_folder_is_never_loaded_and_is_cleared_when_stale(llama_gguf, cache_home):
+    folder = gguf_files.cached_folder(llama_gguf)
+    cache_home.mkdir(parents=True)
+    stale = cache_home / f".{folder.name}-killed"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    old = time.time() - gguf_files.STALE_STAGING_SECONDS - 60
+    os.utime(stale, (old, old))
+    fresh = cache_home / f".{folder.name}-running"
+    fresh.mkdir()
+    assert load_model(str(llama_gguf), device="cpu").path == str(folder)
+    assert not stale.exists()
+    assert fresh.exists()  # perhaps another process still converting
+
+
+@pytest.mark.slow
+def test_two_processes_converting_at_once_end_with_one_complete_folder(llama_gguf, cache_home):
+    script = "import sys; from chatcore.models import load_model; print(load_model(sys.argv[1], device='cpu').path)"
+    env = {**os.environ, "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"], "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([sys.executable, "-c", script, str(llama_gguf)], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], [err for _, err in outputs]
+    paths = {out.strip() for out, _ in outputs}
+    assert paths == {str(gguf_files.cached_folder(llama_gguf))}
+    assert [path.name for path in cache_home.iterdir()] == [Path(paths.pop()).name]
