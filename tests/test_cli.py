@@ -122,7 +122,7 @@ def test_bad_messages_and_models_fail_cleanly(run, tiny_model_dir, tmp_path):
     provenance = json.loads(capped.output)
     assert provenance["max_new_tokens"] == 128 - provenance["prompt_tokens"]
     assert len(provenance["token_ids"]) <= provenance["max_new_tokens"]
-    assert_clean_failure(run("generate", "--model", str(tmp_path / "no-such-model"), "hi"), "cannot load model")
+    assert_clean_failure(run("generate", "--model", str(tmp_path / "no-such-model"), "hi"), "no-such-model' does not exist")
 
 
 def test_debug_mode_shows_the_exception(run, tiny_model_dir, monkeypatch):
