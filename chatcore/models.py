@@ -191,16 +191,21 @@ def hub_failure(name: str, error: BaseException) -> str:
 
 @contextlib.contextmanager
 def quiet_loading() -> Iterator[None]:
-    """Hide transformers' "Loading weights" progress bars, which would land in the middle of a chat."""
+    """Hide transformers' "Loading weights" progress bars, which would land in the middle of a chat.
+
+    Only transformers' own bars are silenced (through its tqdm hook): a hub download keeps
+    its progress bar, which is worth seeing.
+    """
     if os.environ.get("CHATCORE_DEBUG"):
         yield
         return
     from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    def silent(factory: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return factory(*args, **{**kwargs, "disable": True})
+
+    previous = hf_logging.set_tqdm_hook(silent)
     try:
         yield
     finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+        hf_logging.set_tqdm_hook(previous)

@@ -118,7 +118,9 @@ def test_gguf_converts_once_then_loads_the_cached_folder(llama_folder, llama_ggu
 
     original = load_model(str(llama_folder), device="cpu")
     first = load_model(str(llama_gguf), device="cpu")
-    assert "converting tiny-llama.F32.gguf" in capfd.readouterr().err
+    converting = capfd.readouterr().err
+    assert "converting tiny-llama.F32.gguf" in converting
+    assert "de-quantizing" not in converting and "Loading weights" not in converting
     second = load_model(str(llama_gguf), device="cpu")
     assert "converting" not in capfd.readouterr().err
     assert first.path == second.path
@@ -243,9 +245,24 @@ def test_the_cli_reports_loading_errors_in_one_line(command, tmp_path):
     assert "unknown device 'tpu'" in errors[0] or "not a model folder: no config.json" in errors[0]
 
 
-def test_loading_shows_no_progress_bars(llama_folder, capfd):
+@pytest.fixture
+def progress_bars_on():
+    """transformers' progress bars as a user's process has them (the suite's conftest turns them off)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    yield
+    if not was_enabled:
+        hf_logging.disable_progress_bar()
+
+
+def test_loading_shows_no_progress_bars_unless_debugging(llama_folder, progress_bars_on, capfd, monkeypatch):
     load_model(str(llama_folder), device="cpu")
     assert "Loading weights" not in capfd.readouterr().err
+    monkeypatch.setenv("CHATCORE_DEBUG", "1")
+    load_model(str(llama_folder), device="cpu")
+    assert "Loading weights" in capfd.readouterr().err
 
 
 @pytest.mark.slow
