@@ -1,0 +1,158 @@
+"""Serving speed: the scheduler's batching and prefix caching against their peers, same model, same run.
+
+    python bench/serve_speed.py [--model chatcore-tiny] [--conversations 16] [--tokens 32] [--threads 1]
+
+1. Throughput: --conversations conversations each ask for a --tokens reply at the same
+   moment (exactly that many tokens: stop tokens are banned until then). Served by the
+   scheduler in one batch vs one at a time (``engine.respond``, as before the
+   scheduler): replies per second and the ratio.
+2. Time to the first token of the next turn of a conversation whose history is about
+   0, 200 and 400 tokens: the scheduler with prefix caching (the previous turn's
+   key/values are reused) vs without (the whole prompt is run) vs
+   ``transformers.generate`` on the whole prompt. Medians of --repeats runs, and each
+   one's ratio to its own time at the shortest history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchlib import long_conversation
+
+QUESTIONS = ("what did you do this weekend?", "do you like cooking?", "what music do you listen to?",
+             "where would you like to travel?", "what is your favourite film?", "do you have any pets?",
+             "what do you do for work?", "what games do you play?")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="chatcore-tiny")
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--histories", default="0,200,400", help="History lengths in tokens, comma-separated.")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args()
+
+    import torch
+    import transformers
+
+    from chatcore.engine import Engine
+    from chatcore.serving import Scheduler
+    from chatcore.testing import plugin_host
+
+    transformers.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(args.model, device=args.device, host=plugin_host())
+    print(f"model {args.model} on {engine.loaded.device}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    throughput(engine, args)
+    first_token(engine, args, Scheduler)
+
+
+def throughput(engine, args) -> None:
+    from chatcore.engine import ReplyOptions
+    from chatcore.serving import Scheduler
+
+    n, tokens = args.conversations, args.tokens
+    conversations = []
+    for index in range(n):
+        conversation = engine.conversation()
+        conversation.add_user(f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
+        conversations.append(conversation)
+    options = [ReplyOptions(decoder="top-k", seed=index, max_new_tokens=tokens, min_new_tokens=tokens)
+               for index in range(n)]
+
+    def one_at_a_time() -> float:
+        start = time.perf_counter()
+        for conversation, option in zip(conversations, options):
+            response = conversation.reply(option)
+            response.text()
+            assert len(response.token_ids) == tokens
+            conversation.turns.pop()
+        return time.perf_counter() - start
+
+    def batched(scheduler: Scheduler) -> float:
+        start = time.perf_counter()
+        handles = [scheduler.submit(conversation.messages(), option)
+                   for conversation, option in zip(conversations, options)]
+        for handle in handles:
+            handle.wait()
+            assert handle.error is None and len(handle.token_ids) == tokens, handle.error
+        return time.perf_counter() - start
+
+    with Scheduler(engine, max_batch=n, max_waiting=n, prefix_cache_bytes=0) as scheduler:
+        one_at_a_time(), batched(scheduler)  # warm-up
+        alone_times, batch_times = [], []
+        for _ in range(args.repeats):
+            alone_times.append(one_at_a_time())
+            batch_times.append(batched(scheduler))
+    alone_rate = n / statistics.median(alone_times)
+    batch_rate = n / statistics.median(batch_times)
+    print(f"throughput, {n} conversations x {tokens} tokens: one at a time {alone_rate:.2f} replies/s   "
+          f"batched {batch_rate:.2f} replies/s   ratio {batch_rate / alone_rate:.2f}x")
+
+
+def first_token(engine, args, Scheduler) -> None:
+    import torch
+
+    from chatcore.engine import ReplyOptions
+
+    model, device, eos = engine.loaded.model, engine.loaded.device, engine.eos_token_id
+    turn = ReplyOptions(decoder="greedy", max_new_tokens=args.tokens, seed=0)
+    first = ReplyOptions(decoder="greedy", max_new_tokens=1, seed=0)
+
+    def next_turn_ttft(scheduler, history: int) -> tuple[float, int, int]:
+        """Reply to a conversation (filling the prefix cache if on), then time the next turn's first token."""
+        scheduler.prefix_cache.clear()  # only the previous turn may be reused, not an earlier run of this one
+        conversation = long_conversation(engine, history, args.tokens) if history else engine.conversation()
+        if not history:
+            conversation.add_user(QUESTIONS[0])
+        scheduler.respond(conversation, turn).text()
+        conversation.add_user(QUESTIONS[1])
+        handle = scheduler.submit(conversation, first)
+        handle.wait()
+        reused = handle.provenance.get("prefix_cached_tokens", 0)
+        return handle.first_token - handle.submitted, reused, handle.provenance["prompt_tokens"]
+
+    def generate_ttft(history: int) -> float:
+        conversation = long_conversation(engine, history, args.tokens) if history else engine.conversation()
+        if not history:
+            conversation.add_user(QUESTIONS[0])
+        conversation.add_bot_text("i like it a lot.")
+        conversation.add_user(QUESTIONS[1])
+        ids = torch.tensor([conversation.prompt(1).token_ids], device=device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                           pad_token_id=eos)
+        return time.perf_counter() - start
+
+    histories = [int(h) for h in args.histories.split(",")]
+    rows = []
+    with Scheduler(engine) as cached, Scheduler(engine, prefix_cache_bytes=0) as uncached:
+        next_turn_ttft(cached, histories[-1]), next_turn_ttft(uncached, histories[-1]), generate_ttft(0)  # warm-up
+        for history in histories:
+            with_cache, without, generate = [], [], []
+            for _ in range(args.repeats):
+                seconds, reused, prompt = next_turn_ttft(cached, history)
+                with_cache.append(seconds)
+                without.append(next_turn_ttft(uncached, history)[0])
+                generate.append(generate_ttft(history))
+            rows.append((history, prompt, reused, statistics.median(with_cache), statistics.median(without),
+                         statistics.median(generate)))
+    base = rows[0]
+    print("time to first token of the next turn (ms; in brackets: the ratio to the shortest history)")
+    for history, prompt, reused, with_cache, without, generate in rows:
+        print(f"  history ~{history:4d} ({prompt:4d}-token prompt, {reused:4d} cached): "
+              f"prefix cache {with_cache * 1000:7.1f} [{with_cache / base[3]:.2f}x]   "
+              f"no cache {without * 1000:7.1f} [{without / base[4]:.2f}x]   "
+              f"transformers.generate {generate * 1000:7.1f} [{generate / base[5]:.2f}x]")
+
+
+if __name__ == "__main__":
+    main()
