@@ -7,7 +7,8 @@
 The server comes from the distribution's packages (``apt-get install postgresql``;
 its binaries are found on PATH or under ``/usr/lib/postgresql/*/bin``). The cluster
 lives in a temporary folder, listens only on a Unix socket there (no TCP port), trusts
-local connections, and is stopped and deleted on exit. ``initdb`` refuses to run as
+local connections, skips fsync (nothing in it outlives a machine crash), and is
+stopped and deleted on exit. ``initdb`` refuses to run as
 root, so as root the cluster is made and run by the ``postgres`` user.
 """
 
@@ -83,7 +84,8 @@ class ThrowawayCluster:
             os.chown(self.folder, user.pw_uid, user.pw_gid)
         self._run(str(self.binaries / "initdb"), "-D", str(self.data), "-U", SERVER_USER, "--auth=trust",
                   "-E", "UTF8", "--locale=C.UTF-8", "--no-sync")
-        options = f"-k {self.socket_dir} -c listen_addresses='' -p {self.port}"
+        # fsync off: the cluster is thrown away, never recovered after a machine crash.
+        options = f"-k {self.socket_dir} -c listen_addresses='' -p {self.port} -c fsync=off"
         self._run(str(self.binaries / "pg_ctl"), "-D", str(self.data), "-o", options,
                   "-l", str(self.folder / "server.log"), "-w", "start")
         self.started = True

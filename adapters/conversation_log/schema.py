@@ -53,10 +53,13 @@ def prepare(connection: sa.Connection, display_url: str) -> None:
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
-    config = _alembic_config(connection)
-    script = ScriptDirectory.from_config(config)  # type: ignore[arg-type]
     tables = set(sa.inspect(connection).get_table_names())
     revision = MigrationContext.configure(connection).get_current_revision()
+    if revision == _revision(SCHEMA_VERSION) and "chatcore_schema" in tables:
+        _schema_version(connection, tables, revision, display_url)
+        return  # up to date: every open but the first ends here, without loading the revisions
+    config = _alembic_config(connection)
+    script = ScriptDirectory.from_config(config)  # type: ignore[arg-type]
     if revision is not None:
         try:
             script.get_revision(revision)

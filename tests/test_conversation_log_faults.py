@@ -1,0 +1,346 @@
+"""The conversation log under faults, on SQLite and on a real PostgreSQL server.
+
+Each of the losses of issue 17 is reproduced here and shown fixed: many processes
+opening a new log at once, SIGKILL during the first open, a file read-only when the
+chat starts, a full queue of waiting writes, a NUL in a reply. The PostgreSQL cases
+run against a throwaway cluster started by these tests (``make test`` installs the
+server from the distribution's packages).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import sqlite3
+import tempfile
+import time
+from collections.abc import Iterator, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import chatcore
+from chatcore.adapters.conversation_log import ConversationLogPlugin
+from chatcore.adapters.conversation_log.location import sqlite_url
+from chatcore.adapters.conversation_log.pg_cluster import ThrowawayCluster, unavailable_reason
+from chatcore.adapters.conversation_log.store import ConversationStore
+from chatcore.decoding import Decoder, GenerationSession
+from chatcore.text import encode_text
+
+FORK = multiprocessing.get_context("fork")
+TRIALS = 20
+OPENERS = 4
+
+
+# -- backends -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def postgres_cluster() -> Iterator[ThrowawayCluster]:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with ThrowawayCluster() as cluster:
+        yield cluster
+
+
+@dataclass
+class Backend:
+    """Makes new, empty logs on one kind of database."""
+
+    name: str
+    folder: Path
+    cluster: ThrowawayCluster | None = None
+    made: list[str] = field(default_factory=list)
+
+    def new_url(self) -> str:
+        if self.cluster is not None:
+            self.made.append(self.cluster.create_database())
+            return self.made[-1]
+        return sqlite_url(Path(tempfile.mkdtemp(dir=self.folder)) / "log.sqlite3")
+
+    def drop_all(self) -> None:
+        while self.cluster is not None and self.made:
+            self.cluster.drop_database(self.made.pop())
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    if request.param == "postgres":
+        made = Backend("postgres", tmp_path, request.getfixturevalue("postgres_cluster"))
+    else:
+        made = Backend("sqlite", tmp_path)
+    yield made
+    made.drop_all()
+
+
+def open_and_write(url: str, barrier: Any, number: int) -> None:
+    """One process of a crowd: open the log the moment the others do, write a message."""
+    barrier.wait(timeout=60)
+    store = ConversationStore(url, timeout_s=30)
+    store.add_message(f"conversation-{number}", "user", f"hello from process {number}",
+                      conversation={"adapter": "test", "title": f"process {number}"})
+    store.close()
+
+
+def open_only(url: str) -> None:
+    ConversationStore(url, timeout_s=30).close()
+
+
+# -- 1. many processes opening a new log at once -----------------------------------------------
+@pytest.mark.slow
+def test_processes_opening_a_new_log_at_once_all_log(backend: Backend) -> None:
+    for trial in range(TRIALS):
+        url = backend.new_url()
+        barrier = FORK.Barrier(OPENERS)
+        processes = [FORK.Process(target=open_and_write, args=(url, barrier, n)) for n in range(OPENERS)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(60)
+        assert [p.exitcode for p in processes] == [0] * OPENERS, f"trial {trial}"
+        with ConversationStore(url) as store:
+            assert store.count_messages() == OPENERS and store.count_conversations() == OPENERS
+            assert len(store.search("hello from process")) == OPENERS
+
+
+# -- 2. SIGKILL during the first open ------------------------------------------------------------
+@pytest.mark.slow
+def test_a_kill_at_any_point_of_the_first_open_leaves_a_working_log(backend: Backend) -> None:
+    timing = backend.new_url()
+    started = time.perf_counter()
+    open_only(timing)
+    first_open_s = time.perf_counter() - started
+    chooser = random.Random(17)
+    for trial in range(TRIALS):
+        url = backend.new_url()
+        process = FORK.Process(target=open_only, args=(url,))
+        process.start()
+        time.sleep(chooser.uniform(0, first_open_s * 1.5))
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(30)
+        with ConversationStore(url) as store:  # whatever the kill left, the log works
+            store.add_message("after", "user", "a pizza after the crash", conversation={"title": "after"})
+            assert [s.id for s in store.list_conversations()] == ["after"], f"trial {trial}"
+            assert [h.message.text for h in store.search("pizza")] == ["a pizza after the crash"]
+            if store.is_sqlite:
+                assert store.fts  # the search index and its triggers are whole
+
+
+# -- 3. a log that cannot be written when the chat starts, then can ----------------------------------
+NOBODY = 65534
+
+
+@contextmanager
+def as_user(uid: int | None) -> Iterator[None]:
+    """Run the block with this effective user id (root only: file modes do not bind root)."""
+    if uid is None:
+        yield
+        return
+    os.setegid(uid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+class FixedTextDecoder(Decoder):
+    """Says ``text`` (its tokens), whatever the model scores: a reply with chosen characters."""
+
+    name = "fixed-reply"
+    description = "yields the tokens of a fixed text (tests)"
+
+    @dataclass
+    class Settings:
+        text: str = "a fixed reply"
+
+    def decode(self, session: GenerationSession) -> Iterator[int]:
+        yield from encode_text(session.model.tokenizer, self.settings.text)
+
+
+class FixedTextPlugin:
+    @chatcore.hookimpl
+    def register_decoders(self, register: Any) -> None:
+        register(FixedTextDecoder)
+
+
+def chat(conversation: Any, texts: Iterable[str], reply: str = "a fixed reply") -> None:
+    for text in texts:
+        conversation.send(text, decoder="fixed-reply", decoder_settings={"text": reply}).text()
+
+
+@pytest.fixture
+def chat_engine(loaded: Any, host: Any) -> Any:
+    from chatcore.engine import Engine
+
+    assert host.register(FixedTextPlugin(), "fixed-reply-test")
+    return Engine(loaded, host=host)
+
+
+def logged_texts(store: ConversationStore, conversation_id: str) -> list[tuple[str, str]]:
+    return [(m.role, m.text) for m in store.get_conversation(conversation_id).messages]
+
+
+def test_a_file_read_only_at_the_start_is_written_once_it_is_writable(chat_engine: Any) -> None:
+    folder = Path(tempfile.mkdtemp())
+    try:
+        folder.chmod(0o777)  # the unprivileged user makes the WAL files and the journal here
+        path = folder / "log.sqlite3"
+        ConversationStore(sqlite_url(path)).close()
+        path.chmod(0o444)
+        other = NOBODY if os.geteuid() == 0 else None
+        told: list[str] = []
+        with as_user(other):
+            store = ConversationStore(sqlite_url(path), timeout_s=0.2)  # its connection opens read-only
+            plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0,
+                                           journal_dir=folder / "journal")
+            chat_engine.host.register(plugin, "conversation-log")
+            conversation = chat_engine.conversation()
+            chat(conversation, ["one", "two"])
+            assert plugin.failing and "readonly" in plugin.failing.replace(" ", "").replace("-", "")
+            with as_user(None if other is None else 0):
+                path.chmod(0o666)  # writable again, while the chat goes on
+            chat(conversation, ["three"])
+            assert plugin.pending == 0 and plugin.failing is None and "available again" in told[-1]
+            assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
+            store.close()
+    finally:
+        path.chmod(0o666)
+        for leftover in folder.rglob("*"):
+            leftover.unlink() if leftover.is_file() else None
+
+
+# -- a database that fails, and comes back ------------------------------------------------------
+@contextmanager
+def unavailable(store: ConversationStore, backend: Backend) -> Iterator[None]:
+    """The database refuses every write for the block: locked (SQLite), or closed to connections (PostgreSQL)."""
+    if backend.cluster is None:
+        blocker = sqlite3.connect(sa.engine.make_url(store.url).database, isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")  # another process holding the write lock
+        try:
+            yield
+        finally:
+            blocker.rollback()
+            blocker.close()
+        return
+    name = sa.engine.make_url(store.url).database
+    admin = sa.create_engine(backend.cluster.url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        connection.exec_driver_sql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
+        try:
+            yield
+        finally:
+            connection.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+    admin.dispose()
+
+
+# -- 4. the queue of waiting writes overflows -------------------------------------------------------
+def test_an_overflowing_queue_spills_to_the_journal_and_every_turn_is_written(
+        chat_engine: Any, backend: Backend, tmp_path: Path) -> None:
+    store = ConversationStore(backend.new_url(), timeout_s=0.05)
+    plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0, max_pending=3,
+                                   journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    with unavailable(store, backend):
+        chat(conversation, [f"turn {n}" for n in range(6)])
+        assert plugin.failing and plugin.pending == 12 and plugin.journaled == 9  # 3 in memory, the rest spilled
+        assert len(list((tmp_path / "journal").glob("*.jsonl"))) == 1
+    chat(conversation, ["after"])
+    assert plugin.pending == 0 and plugin.failing is None
+    assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]  # in order
+    assert list((tmp_path / "journal").glob("*.jsonl")) == []
+    store.close()
+
+
+def test_writes_journaled_at_exit_are_replayed_by_the_next_process(
+        chat_engine: Any, backend: Backend, tmp_path: Path) -> None:
+    url = backend.new_url()
+    store = ConversationStore(url, timeout_s=0.05)
+    plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0,
+                                   journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    with unavailable(store, backend):
+        chat(conversation, ["said while the log was down", "and this"])
+        assert plugin.close() == 4  # the process ends: its waiting writes go to the journal
+    store.close()
+    chat_engine.host.unregister(plugin)
+
+    with ConversationStore(url) as later:
+        ConversationLogPlugin(later, journal_dir=tmp_path / "journal")  # the next process adopts the journal
+        assert logged_texts(later, conversation.id) == [(t.role, t.text) for t in conversation.turns]
+    assert list((tmp_path / "journal").glob("*.jsonl")) == []
+
+
+# -- 5. values the database cannot store, and a write it refuses -------------------------------------
+def test_a_nul_in_a_reply_is_stored_and_the_turns_after_it_too(chat_engine: Any, backend: Backend,
+                                                               tmp_path: Path) -> None:
+    store = ConversationStore(backend.new_url())
+    told: list[str] = []
+    plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    chat(conversation, ["say a nul"], reply="before\x00after")
+    assert conversation.turns[-1].text == "before\x00after"  # the model did say it
+    chat(conversation, [f"turn {n}" for n in range(7)])
+    assert told == [] and plugin.pending == 0
+    logged = logged_texts(store, conversation.id)
+    assert len(logged) == 16
+    expected_nul = "\u2400" if backend.cluster is not None else "\x00"  # PostgreSQL's text cannot hold NUL
+    assert logged[1] == ("bot", f"before{expected_nul}after")
+    store.add_message(conversation.id, "user", "lone \udc80 surrogate")
+    assert store.get_conversation(conversation.id).messages[-1].text == "lone \ufffd surrogate"
+    store.close()
+
+
+def test_a_write_the_database_refuses_is_set_aside_and_the_rest_go_on(chat_engine: Any, backend: Backend,
+                                                                      tmp_path: Path) -> None:
+    store = ConversationStore(backend.new_url())
+    told: list[str] = []
+    plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    chat(conversation, ["first"])
+    with store.db.begin() as connection:  # a rule the next message breaks: refused for its content
+        connection.execute(sa.text("CREATE UNIQUE INDEX one_of_each ON messages (text)"))
+    chat(conversation, ["second"])  # its reply repeats the first reply: refused
+    chat(conversation, ["third"], reply="a different reply")
+    assert plugin.pending == 0 and plugin.rejected == 1 and len(told) == 1 and "refused" in told[0]
+    assert [text for _, text in logged_texts(store, conversation.id)] == [
+        "first", "a fixed reply", "second", "third", "a different reply"]
+    rejected = list((tmp_path / "journal").glob("*-rejected.jsonl"))
+    assert len(rejected) == 1 and "a fixed reply" in rejected[0].read_text()
+    store.close()
+
+
+# -- PostgreSQL: a dropped connection is replaced ----------------------------------------------------------
+def test_connections_dropped_by_the_server_are_replaced(chat_engine: Any, postgres_cluster: ThrowawayCluster,
+                                                       tmp_path: Path) -> None:
+    url = postgres_cluster.create_database()
+    store = ConversationStore(url)
+    plugin = ConversationLogPlugin(store, retry_after_s=0.0, journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    chat(conversation, ["one"])
+    name = sa.engine.make_url(url).database
+    admin = sa.create_engine(postgres_cluster.url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:  # a server restart, as the pooled connections see it
+        connection.exec_driver_sql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
+    admin.dispose()
+    chat(conversation, ["two"])
+    assert plugin.pending == 0 and plugin.failing is None
+    assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
+    with store.db.connect() as connection:  # search is served by the trigram index, not a scan
+        connection.exec_driver_sql("SET enable_seqscan = off")
+        plan = " ".join(row[0] for row in connection.exec_driver_sql(
+            "EXPLAIN SELECT id FROM messages WHERE text ILIKE '%%fixed rep%%'"))
+    assert "ix_messages_text_trgm" in plan
+    store.close()
