@@ -44,3 +44,15 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+# The conversation log's tests start a throwaway PostgreSQL cluster: the server from the
+# distribution's packages (installed here when missing and we are root), the driver from
+# the `postgres` extra.
+POSTGRES_STAMP := $(VENV)/.chatcore-postgres
+test test-fast: $(POSTGRES_STAMP)
+$(POSTGRES_STAMP): $(STAMP)
+	command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+		if [ "$$(id -u)" = 0 ]; then apt-get update && apt-get install -y postgresql; \
+		else echo "PostgreSQL is not installed: its conversation-log tests will be skipped"; fi
+	$(PY) -m pip install --quiet -e '.[postgres]'
+	touch $(POSTGRES_STAMP)
