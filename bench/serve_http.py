@@ -1,0 +1,103 @@
+"""The HTTP adapter under load: concurrent streaming clients (the openai client) against ``chatcore serve``'s app.
+
+    python bench/serve_http.py [--model chatcore-tiny] [--clients 32] [--tokens 32] [--max-batch 16] [--threads 1]
+
+--clients streaming requests start at once, each for up to --tokens tokens; then the
+same requests are sent one after another (the peer). Prints p50/p99 time to the first
+content chunk and to the end, total throughput and its ratio to the one-after-another
+run, and checks that every request was answered exactly once with its whole reply.
+The server (uvicorn on a thread) and the clients share this process and its cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import time
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="chatcore-tiny")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args()
+
+    import openai
+    import torch
+    import transformers
+
+    from chatcore.adapters.http_api.app import build_app
+    from chatcore.adapters.http_api.server import start_in_thread
+    from chatcore.engine import Engine
+    from chatcore.serving import Scheduler
+    from chatcore.testing import plugin_host
+
+    transformers.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(args.model, device=args.device, host=plugin_host())
+    print(f"model {args.model} on {engine.loaded.device}, threads {torch.get_num_threads()}, "
+          f"{args.clients} streaming clients x {args.tokens} tokens, max batch {args.max_batch}")
+    with Scheduler(engine, max_batch=args.max_batch, max_waiting=args.clients) as scheduler:
+        server = start_in_thread(build_app(scheduler))
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+
+        def ask(index: int) -> dict:
+            start = time.perf_counter()
+            first = None
+            text, ids, usage = [], set(), None
+            stream = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"hi, I am client {index}. how are you?"}],
+                max_tokens=args.tokens, seed=index, stream=True, stream_options={"include_usage": True})
+            for chunk in stream:
+                ids.add(chunk.id)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    text.append(chunk.choices[0].delta.content)
+            return {"index": index, "first": first, "total": time.perf_counter() - start, "ids": ids,
+                    "tokens": usage.completion_tokens if usage else 0, "text": "".join(text)}
+
+        try:
+            ask(0)  # warm-up
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
+                results = list(pool.map(ask, range(args.clients)))
+            together = time.perf_counter() - start
+            start = time.perf_counter()
+            sequential = [ask(index) for index in range(args.clients)]
+            one_by_one = time.perf_counter() - start
+        finally:
+            server.stop()
+
+    answered = sorted(r["index"] for r in results)
+    assert answered == list(range(args.clients)), answered
+    assert all(len(r["ids"]) == 1 for r in results), "a stream mixed two completions"
+    assert len({next(iter(r["ids"])) for r in results}) == args.clients, "two requests got the same completion"
+    same = sum(r["text"] == s["text"] for r, s in zip(results, sequential))
+    tokens = sum(r["tokens"] for r in results)
+    for label, values in (("first token", [r["first"] for r in results if r["first"] is not None]),
+                          ("whole reply", [r["total"] for r in results])):
+        print(f"{label:12s} p50 {percentile(values, 0.5) * 1000:8.1f} ms   p99 {percentile(values, 0.99) * 1000:8.1f} ms")
+    print(f"every request answered exactly once: {len(answered)}/{args.clients}; "
+          f"{same}/{args.clients} replies equal to the same request sent alone; {tokens} tokens")
+    print(f"throughput: concurrent {args.clients / together:.2f} replies/s   one after another "
+          f"{args.clients / one_by_one:.2f} replies/s   ratio {one_by_one / together:.2f}x")
+    print(f"median whole reply alone: {statistics.median(s['total'] for s in sequential) * 1000:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
