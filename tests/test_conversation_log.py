@@ -262,6 +262,21 @@ def test_a_regenerated_reply_supersedes_the_old_one_and_resume_matches(engine, s
     assert store.count_conversations() == 1
 
 
+def test_the_system_prompt_is_stored_and_restored_on_resume(engine, store, log_plugin):
+    conversation = engine.conversation(system="You are a terse pirate.", adapter="repl")
+    conversation.send("hello", decoder="greedy", max_new_tokens=3).text()
+    record = store.get_conversation(conversation.id)
+    assert record.system == "You are a terse pirate."
+    assert record.prompt_format == engine.prompt_format.name
+    resumed = store.resume(engine, conversation.id)
+    assert resumed.system == "You are a terse pirate."
+    assert resumed.messages() == conversation.messages()  # the same prompt, system prompt first
+
+    plain = engine.conversation()
+    plain.send("no persona", decoder="greedy", max_new_tokens=2).text()
+    assert store.resume(engine, plain.id).system is None
+
+
 def test_a_locked_database_keeps_the_chat_going_and_catches_up(engine, db_path):
     store = ConversationStore(sqlite_url(db_path), timeout_s=0.05)
     told = []
