@@ -218,3 +218,53 @@ def test_prefix_cache_evicts_the_least_recently_used(loaded):
     assert cache.lookup(list(range(10)))[0] == 9  # the prompt's last token always runs
     cache.store(list(range(12)), layers(12))  # covers [0..9]: replaces it
     assert tuple(range(10)) not in cache.entries and tuple(range(12)) in cache.entries
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def chat_engine(request, tmp_path_factory):
+    from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
+
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), architecture=request.param,
+                              chat_template=CHATML_TEMPLATE, layers=2, width=64, heads=4, positions=256)
+    return make_engine(str(folder), "chatcore.plugins.bow_bias")
+
+
+def test_chat_models_batch_and_reuse_prefixes_exactly(chat_engine):
+    """Rotary positions, grouped-query attention and a chat template: left padding and cached
+    prefixes must not move any row's positions."""
+    messages = [[Message("system", "Be brief."), Message("user", p)] for p in PROMPTS[:4]]
+    expected = []
+    for message_list, options in zip(messages, OPTIONS[:4]):
+        reply = chat_engine.prepare_reply(message_list, options)
+        expected.append(list(chat_engine.reply_tokens(reply)))
+    with Scheduler(chat_engine) as scheduler:
+        handles = [scheduler.submit(m, o) for m, o in zip(messages, OPTIONS[:4])]
+        for handle in handles:
+            assert handle.wait(60)
+        assert [h.token_ids for h in handles] == expected
+        # The next turn of the first conversation starts with what the first reply fed the model.
+        text = chat_engine.tokenizer.decode(handles[0].token_ids)
+        follow = messages[0] + [Message("assistant", text), Message("user", "and then?")]
+        again = scheduler.submit(follow, OPTIONS[0])
+        again.wait(60)
+        assert again.token_ids == list(chat_engine.reply_tokens(chat_engine.prepare_reply(follow, OPTIONS[0])))
+    # Mistral's sliding-window cache layers cannot be stacked: its replies decode beside the batch.
+    merged = chat_engine.loaded.model.config.model_type == "llama"
+    assert scheduler._can_merge is merged
+    assert (again.provenance.get("prefix_cached_tokens", 0) > 10) is merged
+
+
+def test_replies_beside_the_batch_interleave_and_cancel_cleanly(serving_engine):
+    lone = ReplyOptions(decoder="greedy", max_new_tokens=30, min_new_tokens=30, steerers=[("negate", {})])
+    expected = alone(serving_engine, PROMPTS[0], lone)
+    with Scheduler(serving_engine) as scheduler:
+        first = scheduler.submit([Message("user", PROMPTS[0])], lone)
+        second = scheduler.submit([Message("user", PROMPTS[1])], lone)
+        stream = second.tokens()
+        next(stream)
+        second.cancel()
+        assert first.wait(60) and second.wait(60)
+        after = scheduler.submit([Message("user", PROMPTS[2])], OPTIONS[2])
+        assert after.wait(60)
+    assert first.token_ids == expected and second.finish_reason == "cancelled"
+    assert after.error is None and after.token_ids == alone(serving_engine, PROMPTS[2], OPTIONS[2])

@@ -273,8 +273,13 @@ class Scheduler:
         self.batch.drop(ended)
 
     def _step_solo(self, row: SoloRow) -> None:
+        import torch
+
         try:
-            token = next(row.tokens)
+            # Each loop is a generator that yields inside its own inference_mode block; entering
+            # the mode around every resume keeps interleaved loops from restoring each other's state.
+            with torch.inference_mode():
+                token = next(row.tokens)
         except StopIteration:
             reason = "length" if len(row.handle.token_ids) >= row.reply.max_new_tokens else "stop"
             self._close_solo(row, reason)
@@ -285,9 +290,12 @@ class Scheduler:
         row.handle._push(token)
 
     def _close_solo(self, row: SoloRow, reason: Any, error: ChatcoreError | None = None) -> None:
+        import torch
+
         self.solo.remove(row)
         close = getattr(row.tokens, "close", None)
         if close is not None:
-            close()
+            with torch.inference_mode():  # as in _step_solo: the loop leaves its own block
+                close()
         row.handle._end(reason, error)
 
