@@ -202,22 +202,26 @@ def test_unknown_routes_and_methods_are_openai_errors(serving):
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
 
 
-def slow_request(serving, name: str) -> socket.socket:
-    """Start a slow streaming request on a raw socket and read until its first chunk."""
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+def slow_request(serving, name: str, stream: bool) -> socket.socket:
+    """Start a slow request on a raw socket; a streaming one is read until its first chunk."""
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
                        "max_tokens": 100, "decoder": "greedy", "steer": ["slow seconds=0.05"]})
     connection = socket.create_connection((serving[1].host, serving[1].port))
     connection.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
     received = b""
-    while b'"role"' not in received:
+    while stream and b'"role"' not in received:
         received += connection.recv(4096)
     return connection
 
 
-def test_a_client_that_disconnects_frees_its_slot(serving, client):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slot(serving, client, stream):
     scheduler = serving[0]
-    connection = slow_request(serving, model_name(client))
+    connection = slow_request(serving, model_name(client), stream)
+    deadline = time.monotonic() + 10
+    while not scheduler.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert scheduler.in_flight() == 1
     connection.close()  # 100 slow steps would take 5 s
     closed = time.monotonic()

@@ -268,3 +268,16 @@ def test_replies_beside_the_batch_interleave_and_cancel_cleanly(serving_engine):
         assert after.wait(60)
     assert first.token_ids == expected and second.finish_reason == "cancelled"
     assert after.error is None and after.token_ids == alone(serving_engine, PROMPTS[2], OPTIONS[2])
+
+
+def test_a_listener_that_fails_cancels_only_its_reply(serving_engine):
+    def gone(event) -> None:
+        raise RuntimeError("event loop is closed")
+
+    with Scheduler(serving_engine) as scheduler:
+        orphan = scheduler.submit([Message("user", "hi")], ReplyOptions(decoder="greedy", max_new_tokens=20,
+                                                                        min_new_tokens=20), listener=gone)
+        other = scheduler.submit([Message("user", "hello")], OPTIONS[0])
+        assert orphan.wait(60) and other.wait(60)
+    assert orphan.finish_reason == "cancelled" and len(orphan.token_ids) < 20
+    assert other.token_ids == alone(serving_engine, "hello", OPTIONS[0])

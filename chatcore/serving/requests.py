@@ -148,4 +148,8 @@ class Handle:
     def _emit(self, event: Event) -> None:
         self._events.put(event)
         if self._listener is not None:
-            self._listener(event)
+            try:
+                self._listener(event)
+            except Exception:  # the listener is gone (a closed event loop): nobody reads this reply
+                self._listener = None
+                self.cancel()

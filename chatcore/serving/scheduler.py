@@ -165,16 +165,27 @@ class Scheduler:
                 admitted = []
                 while self.waiting and self.in_flight() + len(admitted) < self.max_batch:
                     admitted.append(self.waiting.popleft())
-            for request in admitted:
-                self._admit(request)
-            if len(self.batch):
-                self._step_batch()
-            for row in list(self.solo):
-                self._step_solo(row)
+            try:
+                for request in admitted:
+                    self._admit(request)
+                if len(self.batch):
+                    self._step_batch()
+                for row in list(self.solo):
+                    self._step_solo(row)
+            except Exception as error:  # a bug here must not leave callers waiting forever
+                self._fail_all(ChatcoreError(f"the scheduler failed: {type(error).__name__}: {error}"))
         for row in self.batch.rows + self.solo:  # type: ignore[operator]
             row.handle._end("cancelled")
         for request in self.waiting:
             request.handle._end("cancelled")
+
+    def _fail_all(self, error: ChatcoreError) -> None:
+        rows = list(self.batch.rows)
+        self.batch = DecodingBatch(self.engine)
+        for row in rows:
+            row.handle._end("error", error)
+        for solo in list(self.solo):
+            self._close_solo(solo, "error", error)
 
     def _admit(self, request: Request) -> None:
         handle = request.handle
