@@ -12,7 +12,12 @@ import chatcore.plugin_manager as plugin_manager
 from chatcore.adapters.conversation_log import ConversationLogPlugin, LogError, UnknownConversationError
 from chatcore.adapters.conversation_log import schema as schema_module
 from chatcore.adapters.conversation_log import store as store_module
-from chatcore.adapters.conversation_log.formatting import conversation_markdown, conversation_text, display_safe
+from chatcore.adapters.conversation_log.formatting import (
+    conversation_markdown,
+    conversation_text,
+    display_safe,
+    summary_table,
+)
 from chatcore.adapters.conversation_log.location import resolve_url, sqlite_url
 from chatcore.adapters.conversation_log.store import ConversationStore
 from chatcore.text import encode_text
@@ -436,3 +441,72 @@ def test_listing_uses_indexes_not_a_scan_of_the_messages(store):
     with store.db.connect() as connection:
         plan = " | ".join(row[-1] for row in connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}"))
     assert "ix_messages_conversation_id" in plan and "SCAN messages" not in plan, plan
+
+
+def test_logs_never_create_a_log_for_a_mistyped_path(logs_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for where in ("sqlite//x.db", "missing/log.sqlite3", "sqlite:///:memory:"):
+        result = logs_cli("list", "--db", where)
+        assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, where
+        assert "no conversation log at" in result.stderr or "in-memory" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing was created
+
+
+def test_an_authors_messages_are_exported_and_deleted(logs_cli, store):
+    store.add_message("room", "user", "alice one", author_id="111", conversation={"adapter": "discord"})
+    store.add_message("room", "bot", "a reply", conversation={})
+    store.add_message("room", "user", "bob speaks", author_id="222", conversation={})
+    store.add_message("alone", "user", "alice alone", author_id="111", conversation={"adapter": "discord"})
+    exported = [json.loads(line) for line in logs_cli("export", "--author", "111", "--db", store.url).stdout.splitlines()]
+    assert sorted((r["id"], [m["text"] for m in r["messages"]]) for r in exported) == [
+        ("alone", ["alice alone"]), ("room", ["alice one"])]
+    result = logs_cli("delete", "--author", "111", "--yes", "--db", store.url)
+    assert result.exit_code == 0 and "deleted 2 message(s)" in result.stdout
+    assert [m.text for m in store.get_conversation("room").messages] == ["a reply", "bob speaks"]
+    assert store.count_conversations() == 1  # a conversation left with no message goes too
+    assert logs_cli("delete", "--db", store.url).exit_code == 2  # an ID or --author is needed
+
+
+def test_every_printed_field_is_escaped(store):
+    store.ensure_conversation("\x1b]0;id", adapter="\x1b[31mrepl", model="m\u202egpt", title="t",
+                              system="be \x1b[2J kind")
+    store.add_message("\x1b]0;id", "bot", "hi", decoder={"name": "\x1b[5mgreedy"}, steerers=[{"name": "\x07s"}])
+    record = store.get_conversation("\x1b]0;id")
+    for shown in (conversation_text(record), conversation_markdown(record), summary_table(store.list_conversations())):
+        assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
+
+
+def damage_pages(path, first_fraction=0.4, pages=3, page_size=4096):
+    """Overwrite a few pages in the middle of an SQLite file, as a failing disk would."""
+    data = bytearray(path.read_bytes())
+    start = int(len(data) // page_size * first_fraction) * page_size
+    data[start:start + pages * page_size] = b"\xde\xad" * (pages * page_size // 2)
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_file_is_salvaged_and_never_written_into(logs_cli, engine, db_path, tmp_path):
+    with ConversationStore(sqlite_url(db_path)) as filling:
+        for number in range(60):
+            for turn in range(8):
+                filling.add_message(f"c{number:03d}", "user", f"conversation {number} turn {turn} " + "x" * 300,
+                                    conversation={"title": f"number {number}"})
+    damage_pages(db_path)
+    assert logs_cli("export", "--db", str(db_path)).exit_code == 1  # a plain export stops at the damage
+
+    salvaged = logs_cli("export", "--salvage", "--db", str(db_path))
+    assert salvaged.exit_code == 0 and "skipped:" in salvaged.stderr
+    records = [json.loads(line) for line in salvaged.stdout.splitlines()]
+    messages = sum(len(r["messages"]) for r in records)
+    assert len(records) >= 50 and 400 <= messages < 480  # all but what the damaged pages held
+
+    told = []
+    damaged = ConversationStore(sqlite_url(db_path))
+    plugin = ConversationLogPlugin(damaged, notify=told.append, journal_dir=tmp_path / "journal")
+    engine.host.register(plugin, "conversation-log")
+    before = db_path.read_bytes()
+    engine.conversation().send("hello", decoder="greedy", max_new_tokens=3).text()
+    assert len(told) == 1 and "damaged" in told[0] and "--salvage" in told[0]
+    wal = db_path.with_name(db_path.name + "-wal")
+    assert plugin.journaled == 2  # kept aside, and the file (with its write-ahead log) untouched
+    assert db_path.read_bytes() == before and (not wal.exists() or wal.stat().st_size == 0)
+    damaged.close()

@@ -1,11 +1,15 @@
-"""How fast ``chatcore logs list`` answers over a big log.
+"""How fast ``chatcore logs list`` and ``logs search`` answer over a big log.
 
-    python -m chatcore.adapters.conversation_log.benchmark            # 100,000 messages
+    python -m chatcore.adapters.conversation_log.benchmark            # 100,000 messages, SQLite
     python -m chatcore.adapters.conversation_log.benchmark --messages 1000000 --db big.sqlite3
+    python -m chatcore.adapters.conversation_log.benchmark --backend postgres   # a throwaway cluster
 
-Fills an SQLite log (in a temporary folder unless ``--db``) with conversations of
+Fills a log (an SQLite file in a temporary folder unless ``--db``; with ``--backend
+postgres`` a database in a throwaway PostgreSQL cluster) with conversations of
 ``--per-conversation`` messages each, then times ``ConversationStore.list_conversations``
-in this process and the whole ``chatcore logs list`` command in a fresh interpreter.
+and ``ConversationStore.search`` in this process, searches against a scan of every
+message in the same run (the peer the index is measured against), and, on SQLite,
+the whole ``chatcore logs list`` command in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ CLI_LAUNCHER = (
 )
 
 
+TOPICS = ("pizza", "music", "football", "gardening", "chess", "rain", "trains", "poetry", "coffee", "films",
+          "cats", "mountains", "bread", "jazz", "sailing", "physics", "painting", "birds", "tea", "history")
+# (label, text): a word in one message in twenty, one message, and no message (the worst case).
+SEARCHES = (("common", "sailing"), ("one hit", "message 4321 about"), ("no hit", "zebra crossing"))
+
+
 def populate(store: "object", messages: int, per_conversation: int, batch: int = 20_000) -> int:
     """Bulk-insert synthetic conversations; returns the number of conversations."""
     import sqlalchemy as sa
@@ -53,7 +63,8 @@ def populate(store: "object", messages: int, per_conversation: int, batch: int =
     for number in range(messages):
         conversation = number // per_conversation % conversations
         rows.append({"conversation_id": f"{conversation:032x}", "role": "user" if number % 2 == 0 else "bot",
-                     "text": f"message {number} about pizza, music and the weather", "interrupted": False,
+                     "text": f"message {number} about {TOPICS[number % len(TOPICS)]} and the weather",
+                     "interrupted": False,
                      "superseded": False,
                      "created": start + timedelta(minutes=conversation, seconds=number % per_conversation)})
         if len(rows) == batch:
@@ -66,48 +77,93 @@ def populate(store: "object", messages: int, per_conversation: int, batch: int =
     return conversations
 
 
+def time_search(store: "object", text: str, repeat: int) -> tuple[float, int]:
+    """The median seconds of ``store.search(text, limit=50)``, and its hit count."""
+    times, hits = [], 0
+    for _ in range(repeat):
+        started = time.perf_counter()
+        hits = len(store.search(text, limit=50))  # type: ignore[attr-defined]
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), hits
+
+
+def time_scan(store: "object", text: str, repeat: int) -> float:
+    """The median seconds of the same search as a scan of every message (no index): the peer."""
+    import sqlalchemy as sa
+
+    query = sa.text("SELECT id FROM messages WHERE instr(lower(text), lower(:wanted)) > 0 ORDER BY id DESC LIMIT 50"
+                    if store.is_sqlite else  # type: ignore[attr-defined]
+                    "SELECT id FROM messages WHERE strpos(lower(text), lower(:wanted)) > 0 ORDER BY id DESC LIMIT 50")
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        with store.db.connect() as connection:  # type: ignore[attr-defined]
+            connection.execute(query, {"wanted": text}).all()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def run(url: str, args: argparse.Namespace) -> None:
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+    store = ConversationStore(url)
+    started = time.perf_counter()
+    conversations = populate(store, args.messages, args.per_conversation)
+    if store.is_postgres:
+        with store.db.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.exec_driver_sql("VACUUM ANALYZE messages")
+    print(f"filled {store.display_url}: {store.count_messages():,} messages in {conversations:,} conversations "
+          f"in {time.perf_counter() - started:.1f} s (sqlite fts: {store.fts})")
+    times = []
+    for _ in range(args.repeat):
+        started = time.perf_counter()
+        store.list_conversations(limit=20)
+        times.append(time.perf_counter() - started)
+    print(f"list_conversations(limit=20): median {statistics.median(times) * 1000:.2f} ms, "
+          f"max {max(times) * 1000:.2f} ms over {args.repeat} runs")
+    for label, text in SEARCHES:
+        seconds, hits = time_search(store, text, args.repeat)
+        scan = time_scan(store, text, max(1, args.repeat // 4))
+        print(f"search({text!r}, limit=50) [{label}]: median {seconds * 1000:.2f} ms, {hits} hits; "
+              f"a scan of every message: {scan * 1000:.2f} ms ({scan / seconds:.1f}x)")
+    store.close()
+    if store.is_sqlite:
+        time_cli(url)
+
+
+def time_cli(url: str) -> None:
+    env = dict(os.environ, CHATCORE_PLUGINS="")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    completed = subprocess.run([sys.executable, "-c", CLI_LAUNCHER, "logs", "list", "--db", url],
+                               capture_output=True, text=True, env=env)
+    elapsed = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if completed.returncode != 0:
+        raise SystemExit(f"chatcore logs list failed: {completed.stderr.strip()}")
+    print(f"`chatcore logs list` (a new process, interpreter start-up and imports included): "
+          f"{elapsed:.2f} s wall, {cpu:.2f} s CPU, {len(completed.stdout.splitlines()) - 1} rows")
+
+
 def main(argv: list[str] | None = None) -> None:
     from chatcore.adapters.conversation_log.location import sqlite_url
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.adapters.conversation_log.pg_cluster import ThrowawayCluster
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--per-conversation", type=int, default=100)
+    parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--db", default=None, help="SQLite file to fill (default: a temporary one).")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args(argv)
 
+    if args.backend == "postgres":
+        with ThrowawayCluster() as cluster:
+            run(cluster.create_database("bench"), args)
+        return
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(args.db) if args.db else Path(folder) / "bench.sqlite3"
-        url = sqlite_url(path)
-        store = ConversationStore(url)
-        started = time.perf_counter()
-        conversations = populate(store, args.messages, args.per_conversation)
-        print(f"filled {url}: {store.count_messages():,} messages in {conversations:,} conversations "
-              f"in {time.perf_counter() - started:.1f} s (fts: {store.fts})")
-        times = []
-        for _ in range(args.repeat):
-            started = time.perf_counter()
-            store.list_conversations(limit=20)
-            times.append(time.perf_counter() - started)
-        print(f"list_conversations(limit=20): median {statistics.median(times) * 1000:.2f} ms, "
-              f"max {max(times) * 1000:.2f} ms over {args.repeat} runs")
-        started = time.perf_counter()
-        hits = store.search("pizza", limit=50)
-        print(f"search('pizza', limit=50): {(time.perf_counter() - started) * 1000:.2f} ms ({len(hits)} hits)")
-        store.close()
-        env = dict(os.environ, CHATCORE_PLUGINS="")
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        started = time.perf_counter()
-        completed = subprocess.run([sys.executable, "-c", CLI_LAUNCHER, "logs", "list", "--db", url],
-                                   capture_output=True, text=True, env=env)
-        elapsed = time.perf_counter() - started
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-        if completed.returncode != 0:
-            raise SystemExit(f"chatcore logs list failed: {completed.stderr.strip()}")
-        print(f"`chatcore logs list` (a new process, interpreter start-up and imports included): "
-              f"{elapsed:.2f} s wall, {cpu:.2f} s CPU, {len(completed.stdout.splitlines()) - 1} rows")
+        run(sqlite_url(Path(args.db) if args.db else Path(folder) / "bench.sqlite3"), args)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ def db_option(function: F) -> F:
 
 
 def open_store(ctx: click.Context, db_url: str | None) -> "ConversationStore":
+    """The log the command works on; never a new one (a mistyped path creates nothing)."""
     from chatcore.adapters.conversation_log.location import resolve_url
     from chatcore.adapters.conversation_log.store import ConversationStore
 
     group_url = (ctx.find_object(dict) or {}).get("db_url")
-    store = ConversationStore(resolve_url(db_url or group_url))
+    store = ConversationStore(resolve_url(db_url or group_url), create=False)
     ctx.call_on_close(store.close)
     return store
 
@@ -107,45 +108,69 @@ def search_command(ctx: click.Context, text: str, limit: int, as_json: bool, db_
               show_default=True, help="jsonl: one conversation per line, as JSON; markdown: transcripts.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write to this file instead of standard output.")
+@click.option("--author", "author_id", default=None, metavar="ID",
+              help="Only the messages written by this author (a Discord user id).")
+@click.option("--salvage", is_flag=True,
+              help="A damaged SQLite file: export every conversation and message that can still be read.")
 @db_option
 @click.pass_context
 def export_command(ctx: click.Context, conversation_ids: tuple[str, ...], export_format: str, output: str | None,
-                   db_url: str | None) -> None:
+                   author_id: str | None, salvage: bool, db_url: str | None) -> None:
     """Export the given conversations (all of them when no ID is given)."""
     from chatcore.adapters.conversation_log import formatting
 
+    if salvage and (conversation_ids or author_id):
+        raise click.UsageError("--salvage exports everything readable; it takes no ID or --author")
     store = open_store(ctx, db_url)
+    problems: list[str] = []
+    records = (store.salvage(problems) if salvage
+               else store.iter_conversations(conversation_ids or None, author_id=author_id))
     render = formatting.conversation_jsonl if export_format == "jsonl" else formatting.conversation_markdown
     separator = "\n" if export_format == "jsonl" else "\n---\n\n"
     stream = open(output, "w", encoding="utf-8") if output else sys.stdout
     count = 0
     try:
-        for record in store.iter_conversations(conversation_ids or None):
+        for record in records:
             stream.write((separator if count and export_format == "markdown" else "") + render(record) + "\n")
+            stream.flush()  # what was read is kept even if a later conversation cannot be
             count += 1
     finally:
         if output:
             stream.close()
-    if output:
-        click.echo(f"exported {count} conversation(s) to {output}", err=True)
+    for problem in problems:
+        click.echo(f"skipped: {formatting.one_line(problem, 200)}", err=True)
+    if output or salvage:
+        click.echo(f"exported {count} conversation(s)" + (f" to {output}" if output else ""), err=True)
 
 
 @logs.command("delete")
-@click.argument("conversation_id", metavar="ID")
+@click.argument("conversation_id", metavar="[ID]", required=False)
+@click.option("--author", "author_id", default=None, metavar="ID",
+              help="Delete every message written by this author (a deletion request) instead.")
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @db_option
 @click.pass_context
-def delete_command(ctx: click.Context, conversation_id: str, yes: bool, db_url: str | None) -> None:
-    """Delete one conversation and all its messages."""
+def delete_command(ctx: click.Context, conversation_id: str | None, author_id: str | None, yes: bool,
+                   db_url: str | None) -> None:
+    """Delete one conversation and all its messages, or every message of one author."""
     from chatcore.adapters.conversation_log import formatting
 
+    if (conversation_id is None) == (author_id is None):
+        raise click.UsageError("give a conversation ID or --author ID (one of them)")
     store = open_store(ctx, db_url)
+    if author_id is not None:
+        if not yes:
+            click.confirm(f"delete every message by author {formatting.field_text(author_id)}?", abort=True)
+        deleted = store.delete_author(author_id)
+        click.echo(f"deleted {deleted} message(s) by author {formatting.field_text(author_id)}")
+        return
     record = store.get_conversation(conversation_id)
     if not yes:
         title = formatting.one_line(record.title or "", 60)
-        click.confirm(f"delete conversation {record.id} ({title!r}, {len(record.messages)} messages)?", abort=True)
+        click.confirm(f"delete conversation {formatting.field_text(record.id)} ({title!r}, "
+                      f"{len(record.messages)} messages)?", abort=True)
     deleted = store.delete_conversation(record.id)
-    click.echo(f"deleted conversation {record.id} and its {deleted} message(s)")
+    click.echo(f"deleted conversation {formatting.field_text(record.id)} and its {deleted} message(s)")
 
 
 @logs.command("where")

@@ -1,8 +1,9 @@
 """Text views of logged conversations: tables, transcripts, Markdown and JSON lines.
 
-Everything shown on a terminal goes through :func:`display_safe`, because a model's
-reply (or a logged message) may contain escape sequences that would otherwise drive
-the terminal.
+Everything shown on a terminal goes through :func:`display_safe` (or :func:`one_line`),
+message text and every other field alike (titles, adapter, model, decoder and steerer
+names, channel keys, system prompts): any of them may hold escape sequences that
+would otherwise drive the terminal, or bidi controls that would reorder what it shows.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ SHORT_ID = 12
 ROLE_LABELS = {"user": "you", "bot": "bot"}
 
 
+# Explicit bidi embeddings, overrides and isolates, and the marks: they reorder a line.
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
 def display_safe(text: str) -> str:
-    """``text`` with control characters (ESC, BEL, ...) shown as ``\\x1b`` instead of acted on."""
+    """``text`` with control characters (ESC, BEL, bidi overrides ...) shown as ``\\x1b`` instead of acted on."""
     out = []
     for char in text:
-        if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cs"):
+        if char in "\n\t" or (unicodedata.category(char) not in ("Cc", "Cs") and char not in BIDI_CONTROLS):
             out.append(char)
         else:
             out.append(f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
@@ -43,6 +48,11 @@ def one_line(text: str, limit: int | None = None) -> str:
     return flat
 
 
+def field_text(value: object) -> str:
+    """A short field (a name, an id) on one line, safe to print; ``-`` when empty."""
+    return one_line(str(value)) if value not in (None, "") else "-"
+
+
 def local_time(moment: datetime, seconds: bool = False) -> str:
     return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M")
 
@@ -50,7 +60,7 @@ def local_time(moment: datetime, seconds: bool = False) -> str:
 def summary_table(summaries: Sequence["ConversationSummary"]) -> str:
     rows = [("ID", "LAST ACTIVE", "ADAPTER", "MSGS", "TITLE")]
     for summary in summaries:
-        rows.append((summary.id[:SHORT_ID], local_time(summary.updated), summary.adapter or "-",
+        rows.append((field_text(summary.id[:SHORT_ID]), local_time(summary.updated), field_text(summary.adapter),
                      str(summary.message_count), one_line(summary.title or "", 60)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(
@@ -63,9 +73,9 @@ def message_notes(message: "MessageRecord") -> str:
     notes: list[str] = []
     if message.role == "bot":
         decoder = (message.decoder or {}).get("name")
-        steerers = [s.get("name", "?") for s in message.steerers or [] if isinstance(s, dict)]
+        steerers = [field_text(s.get("name", "?")) for s in message.steerers or [] if isinstance(s, dict)]
         if decoder:
-            notes.append(" + ".join([decoder, *steerers]))
+            notes.append(" + ".join([field_text(decoder), *steerers]))
         if message.token_count is not None:
             notes.append(f"{message.token_count} tokens")
         if message.latency_s is not None:
@@ -80,11 +90,14 @@ def message_notes(message: "MessageRecord") -> str:
 
 
 def conversation_header(record: "ConversationSummary") -> list[str]:
-    lines = [f"conversation {record.id}"]
+    lines = [f"conversation {field_text(record.id)}"]
     if record.title:
         lines.append(f"title:    {one_line(record.title)}")
+    system = getattr(record, "system", None)
+    if system:
+        lines.append(f"system:   {one_line(system, 200)}")
     lines.append(f"started:  {local_time(record.created, seconds=True)}")
-    details = [f"adapter {record.adapter or '-'}", f"model {record.model or '-'}"]
+    details = [f"adapter {field_text(record.adapter)}", f"model {field_text(record.model)}"]
     if record.channel_key:
         details.append(f"channel {one_line(record.channel_key)}")
     lines.append("          " + ", ".join(details))
@@ -94,7 +107,7 @@ def conversation_header(record: "ConversationSummary") -> list[str]:
 def conversation_text(record: "ConversationRecord") -> str:
     lines = conversation_header(record) + [""]
     for message in record.messages:
-        label = ROLE_LABELS.get(message.role, message.role)
+        label = ROLE_LABELS.get(message.role) or field_text(message.role)
         stamp = message.created.astimezone().strftime("%H:%M:%S")
         lines.append(f"{stamp} {label}> {display_safe(message.text)}{message_notes(message)}")
     return "\n".join(lines)
@@ -108,9 +121,12 @@ def markdown_text(text: str) -> str:
 def conversation_markdown(record: "ConversationRecord") -> str:
     title = markdown_text(one_line(record.title or "")) or f"Conversation {record.id[:SHORT_ID]}"
     lines = [f"# {title}", ""]
-    lines.append(f"- id: `{record.id}`")
+    lines.append(f"- id: `{field_text(record.id)}`")
     lines.append(f"- started: {record.created.isoformat()}")
-    lines.append(f"- adapter: {record.adapter or '-'}; model: {record.model or '-'}")
+    lines.append(f"- adapter: {markdown_text(field_text(record.adapter))}; "
+                 f"model: {markdown_text(field_text(record.model))}")
+    if record.system:
+        lines.append(f"- system prompt: {markdown_text(one_line(record.system))}")
     if record.channel_key:
         lines.append(f"- channel: {one_line(record.channel_key)}")
     lines.append("")
@@ -134,8 +150,8 @@ def search_lines(hits: Sequence["SearchHit"]) -> str:
     lines = []
     for hit in hits:
         message = hit.message
-        label = ROLE_LABELS.get(message.role, message.role)
-        lines.append(f"{hit.conversation_id[:SHORT_ID]}  {local_time(message.created)}  {label}> "
+        label = ROLE_LABELS.get(message.role) or field_text(message.role)
+        lines.append(f"{field_text(hit.conversation_id[:SHORT_ID])}  {local_time(message.created)}  {label}> "
                      f"{one_line(message.text, 100)}")
     return "\n".join(lines)
 

@@ -99,7 +99,14 @@ class ConversationLogPlugin:
 
             journal_dir = user_data_path() / JOURNAL_FOLDER
         self.journal = SpillJournal(Path(journal_dir), store.url)
-        if len(self.journal):  # writes left by a process that ended before the database came back
+        # A damaged SQLite file is never written into: every write goes to the journal.
+        self.damaged = store.quick_check()
+        if self.damaged is not None:
+            self.failing = f"the log file is damaged ({self.damaged})"
+            self.notify(f"conversation log {store.display_url} is damaged ({self.damaged}); nothing is written "
+                        f"into it: turns are kept in {self.journal.folder}. `chatcore logs export --salvage` "
+                        "recovers the conversations it holds")
+        elif len(self.journal):  # writes left by a process that ended before the database came back
             with self._lock:
                 self._flush()
     # -- hooks ----------------------------------------------------------------------
@@ -179,6 +186,9 @@ class ConversationLogPlugin:
     # -- writing ----------------------------------------------------------------------
     def _submit(self, conversation: "Conversation", write: Write) -> None:
         with self._lock:
+            if self.damaged is not None:
+                self._spill(write)
+                return
             if len(self.journal) or len(self._pending) >= self.max_pending:
                 self._spill(write)  # behind what is journaled already, so the order holds
             else:
@@ -256,7 +266,8 @@ class ConversationLogPlugin:
     def flush(self) -> bool:
         """Try the waiting writes now, however recently they failed; True when none is left."""
         with self._lock:
-            self._flush()
+            if self.damaged is None:
+                self._flush()
             return not self._pending and not len(self.journal)
 
     def close(self) -> int:
@@ -266,7 +277,8 @@ class ConversationLogPlugin:
         process that logs to the same database.
         """
         with self._lock:
-            self._flush()
+            if self.damaged is None:
+                self._flush()
             while self._pending:
                 write = self._pending.pop(0)
                 try:

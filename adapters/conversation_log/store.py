@@ -510,16 +510,99 @@ class ConversationStore:
         return ConversationRecord(*summary, system=system, prompt_format=prompt_format, meta=dict(meta or {}),
                                   messages=messages)
 
-    def iter_conversations(self, conversation_ids: Sequence[str] | None = None) -> Iterator[ConversationRecord]:
-        """Each named conversation (or every one, oldest first), with its messages."""
+    def iter_conversations(self, conversation_ids: Sequence[str] | None = None,
+                           author_id: str | None = None) -> Iterator[ConversationRecord]:
+        """Each named conversation (or every one, oldest first), with its messages.
+
+        ``author_id``: only the conversations with messages by this author, holding
+        only those messages (what a person asking for their data gets).
+        """
         if conversation_ids:
             ids = [self.resolve_id(value) for value in conversation_ids]
         else:
+            query = sa.select(ConversationRow.id).order_by(ConversationRow.created, ConversationRow.id)
+            if author_id is not None:
+                query = query.where(ConversationRow.id.in_(
+                    sa.select(MessageRow.conversation_id).where(MessageRow.author_id == author_id)))
             with self._session("list conversations") as session:
-                ids = list(session.scalars(sa.select(ConversationRow.id)
-                                           .order_by(ConversationRow.created, ConversationRow.id)))
+                ids = list(session.scalars(query))
         for full_id in ids:
-            yield self.get_conversation(full_id)
+            record = self.get_conversation(full_id)
+            if author_id is not None:
+                record.messages = [m for m in record.messages if m.author_id == author_id]
+                record.message_count = len(record.messages)
+            yield record
+
+    # -- damaged files --------------------------------------------------------------
+    def quick_check(self) -> str | None:
+        """SQLite's ``PRAGMA quick_check``: None when the file is sound, else the first problem."""
+        if not self.is_sqlite:
+            return None
+        try:
+            with self.db.connect() as connection:
+                problems = [row[0] for row in connection.exec_driver_sql("PRAGMA quick_check(5)")]
+        except SQLAlchemyError as error:
+            return _reason(error)
+        return None if problems == ["ok"] else "; ".join(problems)
+
+    def salvage(self, problems: list[str]) -> Iterator[ConversationRecord]:
+        """Every conversation that can still be read from a damaged file, with its readable messages.
+
+        Unreadable parts are skipped and described in ``problems``. Ids are read by
+        scanning the tables forwards and backwards, each scan up to its first bad page,
+        so one damaged page hides only the rows it held.
+        """
+        ids: dict[str, None] = {}
+        for table, column in (("conversations", "id"), ("messages", "conversation_id")):
+            for order in ("ASC", "DESC"):
+                ids.update(dict.fromkeys(self._scan(
+                    f"SELECT {column} FROM {table} NOT INDEXED ORDER BY rowid {order}", problems)))
+        for conversation_id in ids:
+            try:
+                yield self.get_conversation(conversation_id)
+            except LogError:
+                record = self._salvage_one(conversation_id, problems)
+                if record is not None:
+                    yield record
+
+    def _scan(self, sql: str, problems: list[str]) -> Iterator[Any]:
+        try:
+            with self.db.connect() as connection:
+                for row in connection.exec_driver_sql(sql):
+                    yield row[0]
+        except SQLAlchemyError as error:
+            problems.append(f"{sql.split(' FROM ')[1].split()[0]}: {_reason(error)}")
+
+    def _salvage_one(self, conversation_id: str, problems: list[str]) -> ConversationRecord | None:
+        """A conversation whose full read failed: its row if readable, and each readable message."""
+        message_ids = list(self._scan(
+            f"SELECT id FROM messages INDEXED BY ix_messages_conversation_id WHERE conversation_id = "
+            f"'{conversation_id.replace(chr(39), chr(39) * 2)}' ORDER BY id", problems))
+        messages, lost = [], 0
+        for message_id in message_ids:
+            try:
+                with self._session("read a message") as session:
+                    row = session.get(MessageRow, message_id)
+                    if row is not None:
+                        messages.append(MessageRecord.from_row(row))
+            except LogError:
+                lost += 1
+        try:
+            with self._session("read a conversation") as session:
+                row = session.get(ConversationRow, conversation_id)
+                head = (row.created, row.updated, row.adapter, row.channel_key, row.model, row.title) if row else None
+        except LogError:
+            head = None
+        if head is None and not messages:
+            problems.append(f"conversation {conversation_id}: unreadable")
+            return None
+        if lost or head is None:
+            problems.append(f"conversation {conversation_id}: {lost} message(s) unreadable"
+                            + ("" if head else ", its own row too"))
+        if head is None:
+            moment = messages[0].created
+            head = (moment, messages[-1].created, None, None, None, None)
+        return ConversationRecord(conversation_id, *head, len(messages), messages=messages)
 
     def search(self, text: str, limit: int = 50) -> list[SearchHit]:
         """Messages containing ``text`` (case-insensitive), newest first."""
