@@ -281,3 +281,18 @@ def test_a_listener_that_fails_cancels_only_its_reply(serving_engine):
         assert orphan.wait(60) and other.wait(60)
     assert orphan.finish_reason == "cancelled" and len(orphan.token_ids) < 20
     assert other.token_ids == alone(serving_engine, "hello", OPTIONS[0])
+
+
+def test_eval_on_the_scheduler_gives_the_same_replies(serving_engine):
+    from chatcore.evaluation.prompts import EvalContext
+    from chatcore.evaluation.runner import evaluate
+
+    contexts = [EvalContext([p]) for p in PROMPTS] + [EvalContext(["hi", "hello!", "how are you?"])]
+    options = ReplyOptions(decoder="top-k", max_new_tokens=10, steerers=[("bow-bias", {"topic": "food"})])
+    alone_report = evaluate(serving_engine, contexts, options, seed=5)
+    with Scheduler(serving_engine) as scheduler:
+        batched_report = evaluate(serving_engine, contexts, options, seed=5, scheduler=scheduler)
+        assert scheduler.steps <= 10
+    assert batched_report.samples == alone_report.samples
+    assert batched_report.rows[0].perplexity == alone_report.rows[0].perplexity
+    assert batched_report.rows[0].tokens_per_s > 0
