@@ -50,7 +50,7 @@ DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
 class Request:
     """A submitted reply: what to reply to, how, and the caller's handle."""
 
-    source: "Conversation | Sequence[Message]"
+    messages: "list[Message]"
     options: "ReplyOptions"
     handle: Handle
     prompt_format: "PromptFormat | None" = None
@@ -96,10 +96,14 @@ class Scheduler:
                listener: Callable[[Event], None] | None = None, prompt_format: "PromptFormat | None" = None) -> Handle:
         """Queue a reply to a conversation or to messages (system first if any); raises
         ServerBusy when the queue is full. Starts the scheduler's thread if needed."""
+        from chatcore.conversation import Conversation
         from chatcore.engine import ReplyOptions
 
+        if isinstance(source, Conversation):
+            # Rendered from its messages as they are now: the caller's thread may add turns meanwhile.
+            source, prompt_format = source.messages(), self.engine.format_for(source)
         handle = Handle(listener)
-        request = Request(source, options or ReplyOptions(), handle, prompt_format)
+        request = Request(list(source), options or ReplyOptions(), handle, prompt_format)
         with self._lock:
             if self._stopping:
                 raise ChatcoreError("the scheduler has stopped")
@@ -193,7 +197,7 @@ class Scheduler:
             handle._end("cancelled")
             return
         try:
-            reply = self.engine.prepare_reply(request.source, request.options, request.prompt_format)
+            reply = self.engine.prepare_reply(request.messages, request.options, request.prompt_format)
             handle.provenance.update(reply.provenance)
             reply.provenance = handle.provenance
             handle.admitted = time.perf_counter()
