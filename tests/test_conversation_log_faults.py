@@ -344,3 +344,22 @@ def test_connections_dropped_by_the_server_are_replaced(chat_engine: Any, postgr
             "EXPLAIN SELECT id FROM messages WHERE text ILIKE '%%fixed rep%%'"))
     assert "ix_messages_text_trgm" in plan
     store.close()
+
+
+# -- reading where nothing can be written ------------------------------------------------------------
+def test_a_log_in_a_read_only_folder_can_be_read() -> None:
+    folder = Path(tempfile.mkdtemp())
+    path = folder / "log.sqlite3"
+    with ConversationStore(sqlite_url(path)) as store:
+        store.add_message("kept", "user", "a message about pizza", conversation={"title": "kept"})
+    path.chmod(0o644)
+    folder.chmod(0o555)  # no -shm file can be made here
+    other = NOBODY if os.geteuid() == 0 else None
+    try:
+        with as_user(other):
+            with ConversationStore(sqlite_url(path), create=False) as reader:
+                assert [s.id for s in reader.list_conversations()] == ["kept"]
+                assert [h.message.text for h in reader.search("pizza")] == ["a message about pizza"]
+    finally:
+        folder.chmod(0o755)
+    assert sorted(p.name for p in folder.iterdir()) == ["log.sqlite3"]

@@ -47,6 +47,23 @@ def lock(connection: sa.Connection) -> None:
         connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _POSTGRES_LOCK_KEY})
 
 
+def is_current(connection: sa.Connection) -> bool:
+    """Whether the log is at the newest schema, read without taking any lock or writing.
+
+    Most opens end here, so a read-only file or folder can be read, and opens of a
+    made log never queue behind each other.
+    """
+    from alembic.runtime.migration import MigrationContext
+
+    tables = set(sa.inspect(connection).get_table_names())
+    if "chatcore_schema" not in tables:
+        return False
+    if MigrationContext.configure(connection).get_current_revision() != _revision(SCHEMA_VERSION):
+        return False
+    versions = connection.execute(sa.text("SELECT version FROM chatcore_schema")).scalars().all()
+    return versions == [SCHEMA_VERSION]
+
+
 def prepare(connection: sa.Connection, display_url: str) -> None:
     """Bring the log on ``connection`` (in a transaction, holding :func:`lock`) to the newest schema."""
     from alembic import command
@@ -55,9 +72,6 @@ def prepare(connection: sa.Connection, display_url: str) -> None:
 
     tables = set(sa.inspect(connection).get_table_names())
     revision = MigrationContext.configure(connection).get_current_revision()
-    if revision == _revision(SCHEMA_VERSION) and "chatcore_schema" in tables:
-        _schema_version(connection, tables, revision, display_url)
-        return  # up to date: every open but the first ends here, without loading the revisions
     config = _alembic_config(connection)
     script = ScriptDirectory.from_config(config)  # type: ignore[arg-type]
     if revision is not None:

@@ -22,6 +22,7 @@ pg_trgm GIN index, and ``LIKE`` otherwise.
 
 from __future__ import annotations
 
+import os
 import re
 import sqlite3
 from collections.abc import Iterator, Sequence
@@ -218,7 +219,7 @@ class ConversationStore:
         self.is_postgres = parsed.get_backend_name() == "postgresql"
         connect_args: dict[str, Any] = {}
         if self.is_sqlite:
-            self._check_sqlite_location(parsed, create)
+            parsed = self._check_sqlite_location(parsed, create)
             # check_same_thread off: adapters may write from a worker thread; the
             # plugin serialises its writes.
             connect_args = {"timeout": timeout_s, "check_same_thread": False}
@@ -244,28 +245,40 @@ class ConversationStore:
             raise
 
     # -- opening ------------------------------------------------------------------
-    def _check_sqlite_location(self, parsed: sa.URL, create: bool) -> None:
+    def _check_sqlite_location(self, parsed: sa.URL, create: bool) -> sa.URL:
+        """The URL to open: checked, its folder made (``create``), or opened immutable (a read-only folder)."""
         database = parsed.database
         if not database or database == ":memory:" or database.startswith("file:"):
             if not create and (not database or database == ":memory:"):
                 raise LogError(f"{self.display_url} is an in-memory database: it holds no conversation log")
-            return
+            return parsed
         path = Path(database).expanduser()
         if not create:
             if not path.is_file():
                 raise LogError(f"no conversation log at {path} (a chat creates it; check the path or URL)")
-            return
+            wal = path.with_name(path.name + "-wal")
+            writable = os.access(path.parent, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+            if not writable and (not wal.exists() or wal.stat().st_size == 0):
+                # A WAL reader must create the -shm file; in a read-only folder it cannot, and
+                # no writer can be at work there either (it could not make its -wal): read it
+                # as an immutable file.
+                return parsed.set(database=f"file:{path}?mode=ro&immutable=1", query={"uri": "true"})
+            return parsed
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise LogError(f"cannot create the folder for the conversation log {database}: {error}") from None
+        return parsed
 
     def _prepare_schema(self) -> None:
         with self._errors("open"), self.db.connect() as connection:
-            connection.execution_options(**_WRITE)
             with connection.begin():
-                schema.lock(connection)
-                schema.prepare(connection, self.display_url)
+                current = schema.is_current(connection)
+            if not current:
+                connection.execution_options(**_WRITE)
+                with connection.begin():
+                    schema.lock(connection)
+                    schema.prepare(connection, self.display_url)  # checks again: another may have done it
             if self.is_sqlite:
                 found = connection.exec_driver_sql(
                     "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'messages_fts'").first()
