@@ -31,7 +31,8 @@ from chatcore.text import encode_text
 
 
 ADAPTERS = ("chatcore.adapters.conversation_log", "chatcore.adapters.repl")
-BUILTIN_TEST_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias")
+BUILTIN_TEST_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias",
+                        "chatcore.plugins.prompt_formats")
 
 
 @pytest.fixture
@@ -41,12 +42,34 @@ def store(tmp_path):
     opened.close()
 
 
-@pytest.fixture
-def state(engine, store):
+def logged_state(engine, store):
     chat = ChatState(engine, ReplyOptions(decoder="greedy", max_new_tokens=4), store=store)
     chat.log_plugin = ConversationLogPlugin(store, notify=chat.notify)
     engine.host.register(chat.log_plugin, "conversation-log")
     return chat
+
+
+@pytest.fixture
+def state(engine, store):
+    return logged_state(engine, store)
+
+
+@pytest.fixture(scope="module")
+def chat_loaded(tmp_path_factory):
+    """A tiny Qwen2 with a ChatML chat template: the chat-template format's real path."""
+    from chatcore.models import load_model
+    from chatcore.testing import CHATML_TEMPLATE, build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("tiny-chat"), architecture="qwen2",
+                              chat_template=CHATML_TEMPLATE, positions=256)
+    return load_model(str(folder))
+
+
+@pytest.fixture
+def chat_state(chat_loaded, host, store):
+    from chatcore.engine import Engine
+
+    return logged_state(Engine(chat_loaded, host=host), store)
 
 
 def run(state, line):
@@ -130,12 +153,69 @@ def test_every_slash_command(state, store):
     assert_one_line_error(command("/resume nope"), "no conversation 'nope'")
     assert_one_line_error(command("/resume"), "usage: /resume ID")
 
+    assert command("/system").output.startswith("no system prompt")
+    assert command("/system You are a patient  tutor.").output.startswith("system prompt:\n  You are a patient tutor.")
+    assert state.current.system == state.system == "You are a patient tutor."
+    assert "You are a patient tutor." in command("/settings").output
+    assert_one_line_error(command("/system " + "x" * 40_000), "the limit is 32,000")
+    assert command("/system clear").output == "system prompt cleared" and state.current.system is None
+    assert command("/system off").output == "no system prompt to clear"
+    assert command("/format").output == "format: dialogpt\navailable: auto, chat-template, dialogpt"
+    assert command("/format auto").output == "format: dialogpt (auto picked it)"
+    assert_one_line_error(command("/format nope"), "unknown prompt format 'nope' (available: auto, chat-template")
+    assert_one_line_error(command("/format chat-template"), "has no chat template")
+    assert state.format_name == "dialogpt"
+
     assert "multi-line on" in command("/multi").output and state.multiline
     assert "multi-line off" in command("/multi").output and not state.multiline
 
     assert command("/quit").quit and run(state, "/exit").quit and run(state, "/q").quit
     assert_one_line_error(run(state, "/nope"), "unknown command '/nope'")
     assert used == set(COMMANDS)
+
+
+def template_length(tokenizer, messages):
+    chat = [{"role": role, "content": text} for role, text in messages]
+    return len(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+
+
+def test_system_prompt_and_format_change_from_the_next_reply_on(chat_state, store):
+    state, tokenizer = chat_state, chat_state.engine.tokenizer
+    assert run(state, "/format").output.startswith("format: chat-template\n")
+    first = run(state, "hello")
+    assert first.reply.provenance["prompt_format"] == "chat-template"
+    assert first.reply.provenance["prompt_tokens"] == template_length(tokenizer, [("user", "hello")])
+
+    run(state, "/system You answer in French.")
+    second = run(state, "and now?")
+    history = [("user", "hello"), ("assistant", state.current.turns[1].text), ("user", "and now?")]
+    assert second.reply.provenance["prompt_tokens"] == template_length(
+        tokenizer, [("system", "You answer in French."), *history])
+
+    run(state, "/system clear")
+    retried = run(state, "/retry")  # the new reply to the same turns has no system prompt
+    assert retried.reply.provenance["prompt_tokens"] == template_length(tokenizer, history)
+
+    assert run(state, "/format dialogpt").output == "format: dialogpt"
+    assert run(state, "more").reply.provenance["prompt_format"] == "dialogpt"
+    assert "format: dialogpt" in toolbar_text(state) and "system prompt" not in toolbar_text(state)
+
+    run(state, "/system Be brief.")
+    run(state, "/new")  # a new conversation keeps the system prompt and the format
+    assert (state.current.system, state.format_name) == ("Be brief.", "dialogpt")
+    assert "system prompt" in toolbar_text(state)
+    assert run(state, "/format auto").output == "format: chat-template (auto picked it)"
+    assert run(state, "bonjour").reply.provenance["prompt_format"] == "chat-template"
+    logged_id = state.current.id
+    assert store.get_conversation(logged_id).system == "Be brief."
+
+    run(state, "/system off")
+    run(state, "/new")
+    assert state.current.system is None
+    resumed = run(state, f"/resume {logged_id}")  # the logged conversation brings its own system prompt
+    assert "(2 turns)" in resumed.output and state.system == state.current.system == "Be brief."
+    assert run(state, "/system").output == "system prompt:\n  Be brief."
 
 
 def test_why_shows_candidates_and_scores_of_a_logged_reply(state, store):
@@ -207,6 +287,10 @@ def test_completion_of_commands_names_and_settings(state, store):
     assert texts(state, "/steer ") == ["off", "bow-bias"]
     assert texts(state, "/steer bow-bias st") == ["strength="]
     assert texts(state, "/steer off ") == []
+    assert texts(state, "/form") == ["/format"] and texts(state, "/sys") == ["/system"]
+    assert texts(state, "/format ") == ["auto", "chat-template", "dialogpt"]
+    assert texts(state, "/format d") == ["dialogpt"]
+    assert texts(state, "/system ") == ["clear"] and texts(state, "/system Be ") == []
     state.options.steerers = [("bow-bias", {})]
     assert texts(state, "/steer off ") == ["bow-bias"]
     store.ensure_conversation("abc123", title="t")
@@ -244,6 +328,8 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
     out = io.StringIO()
     with create_pipe_input() as pipe:
         pipe.send_text("hello there\r"
+                       "/system Be kind.\r"
+                       "/format auto\r"
                        "/decoder top-k top_k=5\r"
                        "first line\x1b\rsecond line\r"  # Esc-Enter adds a line
                        "typed, then dropped\x03"  # Ctrl-C at the prompt clears the line
@@ -256,6 +342,8 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
     shown = out.getvalue()
     assert shown.count("bot> ") == 4 and "top_k=5" in shown
     assert "multi-line on" in shown and "multi-line off" in shown and not state.multiline
+    assert "system prompt:\n  Be kind.\n" in shown and "format: dialogpt (auto picked it)" in shown
+    assert state.current.system == "Be kind."
     assert [t.text for t in state.current.turns if t.role == "user"] == [
         "hello there", "first line second line", "line one line two"]
     assert "dropped" not in shown
@@ -297,6 +385,8 @@ def test_the_chat_command(cli, tiny_model_dir, tmp_path, monkeypatch):
     again = cli("chat", *model, "--continue", input="/history\n")
     assert again.exit_code == 0 and again.stdout.startswith("you> hello\nbot> ")
     assert "resumed" in again.stderr
+    persona = cli("chat", *model, "--continue", "--system", "Be new.", input="/system\n/history\n")
+    assert persona.stdout.startswith("system prompt:\n  Be new.\nyou> hello\n")  # given on resuming: it wins
 
     unlogged = cli("chat", *model, "--no-log", "--db", str(tmp_path / "other.db"), input="hi\n")
     assert unlogged.exit_code == 0 and "not logged (--no-log)" in unlogged.stderr
@@ -314,6 +404,35 @@ def test_the_chat_command(cli, tiny_model_dir, tmp_path, monkeypatch):
         failed = cli("chat", "--model", str(tiny_model_dir), *args, input="")
         assert failed.exit_code == 1 and failed.stderr.strip().splitlines()[-1].startswith("Error: ")
         assert needle in failed.stderr
+
+
+def test_chat_system_prompt_and_format_options(cli, tiny_model_dir, tmp_path):
+    model = ("--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "3", "--no-log")
+    persona = tmp_path / "persona.txt"
+    persona.write_text("You are a pirate.\nYou say arr.\n", encoding="utf-8")
+    chatted = cli("chat", *model, "--system-file", str(persona), "--format", "dialogpt",
+                  input="/system\n/format\nhello\n")
+    assert chatted.exit_code == 0, chatted.output
+    assert chatted.stdout.startswith("system prompt:\n  You are a pirate.\n  You say arr.\nformat: dialogpt\n")
+    assert "with a system prompt" in chatted.stderr and "bot> " in chatted.stdout
+    typed = cli("chat", *model, "--system", "  Be   brief. ", input="/system\n")
+    assert typed.exit_code == 0 and typed.stdout == "system prompt:\n  Be brief.\n\n"
+
+    (tmp_path / "empty.txt").write_text(" \n\n")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    missing_model = ("--model", str(tmp_path / "no-such-model"))  # option errors come before any loading
+    for args, needle in [(("--system-file", str(tmp_path / "nope.txt")), "does not exist"),
+                         (("--system-file", str(tmp_path)), "is not a file"),
+                         (("--system-file", str(tmp_path / "latin1.txt")), "is not UTF-8 text (bad byte at position 3)"),
+                         (("--system-file", str(tmp_path / "empty.txt")), "is empty"),
+                         (("--system", "x", "--system-file", str(persona)), "not both"),
+                         (("--format", "nope"), "unknown prompt format 'nope' (available: chat-template, dialogpt")]:
+        failed = cli("chat", *missing_model, "--no-log", *args, input="")
+        assert failed.exit_code == 1, failed.output
+        assert failed.stderr.count("\n") == 1 and failed.stderr.startswith("Error: ") and needle in failed.stderr
+        assert "loading" not in failed.stderr
+    wrong = cli("chat", "--model", str(tiny_model_dir), "--no-log", "--format", "chat-template", input="")
+    assert wrong.exit_code == 1 and "has no chat template" in wrong.stderr
 
 
 def test_building_the_cli_imports_no_heavy_module():
@@ -467,7 +586,7 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
             term.expect(answer)
             term.expect(r"you>")
 
-        term.expect(r"tiny-model0 \| decoder: greedy \| steer: none \| seed: 1 \| log: on")  # the toolbar
+        term.expect(r"tiny-model0 \| format: dialogpt \| decoder: greedy \| steer: none \| seed: 1 \| log: on")  # the toolbar
         line("hello there", r"bot> [^\n]*\n")
         line("/decoder top-k top_k=20", r"decoder: top-k [^\n]*top_k=20")
         term.expect(r"decoder: top-k top_k=20 \| steer: none \| seed: 2")
@@ -476,6 +595,18 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
         term.expect(r"steer: bow-bias \| seed: 3")
         line("and for dinner?", r"bot> [^\n]*\n")
         line("/steer off", r"steering off")
+        term.send("/sys")  # the menu offers the command as it is typed; Tab takes it ...
+        term.expect(r"/system +show, set or clear the system prompt")
+        term.send("\t")
+        term.expect(r"tem")  # the rest of the word, written after "/sys"
+        term.send(" Be kind.\r")
+        term.expect(r"system prompt:\n  Be kind.\n")
+        term.expect(r"system prompt \| seed: 4")  # ... and the toolbar shows it is set
+        term.send("/format d")  # ... and a format name
+        term.expect(r"dialogpt +turns joined by EOS")
+        term.send("\t")
+        term.expect(r"ialogpt")
+        line("", r"format: dialogpt\n")
         line("/retry", r"bot> [^\n]*\n")
         line("/steer slow delay=0.5", r"steering: slow")
         term.send("tell me a long story\r")

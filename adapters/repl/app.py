@@ -28,6 +28,8 @@ class ChatConfig:
     model: str = "chatcore-tiny"
     decoder_spec: str = "top-k"
     steer_specs: tuple[str, ...] = ()
+    system: str | None = None  # the system prompt; with a resumed conversation, it replaces the logged one
+    prompt_format: str = "auto"
     seed: int | None = None
     max_new_tokens: int = 64
     device: str | None = None
@@ -62,7 +64,8 @@ def load_engine(config: ChatConfig, host: "PluginHost | None", say: Callable[[st
     started = time.perf_counter()
     from chatcore.engine import Engine  # torch and transformers load here
 
-    engine = Engine(config.model, device=config.device, dtype=config.dtype, host=host)
+    engine = Engine(config.model, device=config.device, dtype=config.dtype, host=host,
+                    prompt_format=config.prompt_format)
     parameters = sum(p.numel() for p in engine.loaded.model.parameters())
     size = f"{parameters / 1e6:.1f}M" if parameters >= 1e6 else f"{parameters:,}"
     say(f"loaded {config.model}: {size} parameters on {engine.loaded.device} "
@@ -92,7 +95,9 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
     from chatcore.adapters.repl.state import ChatState
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import ReplyOptions
+    from chatcore.prompting import clean_system_prompt
 
+    system = clean_system_prompt(config.system)
     decoder, decoder_settings = parse_spec(config.decoder_spec)
     steerers = [parse_spec(spec) for spec in config.steer_specs]
     options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
@@ -104,10 +109,13 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
         engine.make_decoder(decoder, decoder_settings)  # bad settings fail before the first prompt
         for name, settings in steerers:
             engine.make_steerer(name, settings)
-        state = ChatState(engine, options, store=store, log_off_reason=off_reason, next_seed=config.seed)
+        state = ChatState(engine, options, store=store, log_off_reason=off_reason, next_seed=config.seed,
+                          system=system)
         if store is not None:
             if resume_id is not None:
                 state.switch_to(store.resume(engine, resume_id))
+                if system is not None:
+                    state.set_system(system)
             state.log_plugin = ConversationLogPlugin(store, notify=state.notify)
             engine.host.unregister(LOG_PLUGIN_NAME)  # a previous chat in this process
             if not engine.host.register(state.log_plugin, LOG_PLUGIN_NAME):
@@ -130,17 +138,19 @@ def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
 
 
 def banner(state: "ChatState") -> str:
-    from chatcore.adapters.repl.slash_commands import describe_steerers, format_turns
+    from chatcore.adapters.repl.slash_commands import count, describe_steerers, format_turns
 
     conversation = state.current
     log = f"logged to {state.store.display_url}" if state.store is not None else f"not logged ({state.log_off_reason})"
     lines = [f"chatcore chat: decoder {state.options.decoder}"
              + (f", steering {'; '.join(describe_steerers(state))}" if state.options.steerers else "")
+             + f", format {state.format_name}"
+             + (", with a system prompt (/system shows it)" if conversation.system else "")
              + f"; {log}",
              "/help lists the commands; Ctrl-C stops a reply; Ctrl-D or /quit exits."]
     if conversation.turns:
         title = one_line(str(conversation.meta.get("title") or ""), 60)
-        lines.append(f"resumed {conversation.id[:SHORT_ID]} ({len(conversation.turns)} turns)"
+        lines.append(f"resumed {conversation.id[:SHORT_ID]} ({count(len(conversation.turns), 'turn')})"
                      + (f": {title}" if title else ""))
         lines.append(format_turns(state, limit=6))
     return "\n".join(lines)

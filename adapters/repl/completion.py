@@ -70,20 +70,27 @@ def completions(state: "ChatState", text_before_cursor: str) -> list[Suggestion]
         except Exception:  # the log failing must not break typing
             summaries = []
         options = [(s.id, s.title or "") for s in summaries]
+    elif before[0] == "/format" and len(before) == 1:
+        options = [("auto", "the model's chat template if it has one, else dialogpt")]
+        options += _names(registry.prompt_formats)
+    elif before[0] == "/system" and len(before) == 1:
+        options = [("clear", "no system prompt")]
     elif before[0] == "/seed" and len(before) == 1:
         options = [("random", "a new random seed for every reply")]
     return [Suggestion(text, -len(word), meta) for text, meta in options if text.startswith(word)]
 
 
 def toolbar_text(state: "ChatState") -> str:
-    """The bottom toolbar: model, decoder, steerers, seed, log, multi-line."""
+    """The bottom toolbar: model, format, decoder, steerers, system prompt, seed, log, multi-line."""
     name = state.engine.loaded.name
     model = Path(name).name if Path(name).exists() else name
     decoder = state.options.decoder
     if state.options.decoder_settings:
         decoder += " " + " ".join(f"{k}={v}" for k, v in state.options.decoder_settings.items())
     steerers = ", ".join(name for name, _ in state.options.steerers) or "none"
-    parts = [model, f"decoder: {decoder}", f"steer: {steerers}"]
+    parts = [model, f"format: {state.format_name}", f"decoder: {decoder}", f"steer: {steerers}"]
+    if state.current.system:
+        parts.append("system prompt")
     if state.next_seed is not None:
         parts.append(f"seed: {state.next_seed}")
     parts.append(f"log: {state.log_status}")

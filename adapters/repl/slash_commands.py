@@ -85,7 +85,7 @@ def handle_line(state: "ChatState", line: str) -> Outcome:
 
 
 def run_command(state: "ChatState", line: str) -> Outcome:
-    name, _, rest = line.partition(" ")
+    name, rest = (line.split(maxsplit=1) + [""])[:2]  # "/system" then Esc-Enter and a text works too
     name = ALIASES.get(name.lower(), name.lower())
     found = COMMANDS.get(name)
     if found is None:
@@ -128,6 +128,28 @@ def available(table: dict[str, Any]) -> str:
     return ", ".join(sorted(table)) or "none"
 
 
+def count(number: int, noun: str) -> str:
+    """``1 turn``, ``2 turns``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def unquote_spec(rest: str) -> str:
+    """A spec typed as the command line wants it, ``"top-k top_k=20"``, is the spec inside the quotes."""
+    import shlex
+
+    try:
+        words = shlex.split(rest)
+    except ValueError:
+        return rest  # parse_spec reports the unbalanced quote
+    return words[0] if len(words) == 1 and len(words[0].split()) > 1 else rest
+
+
+def describe_system(text: str | None) -> str:
+    if not text:
+        return "no system prompt (/system TEXT sets one)"
+    return "system prompt:\n" + "\n".join(f"  {line}" for line in display_safe(text).splitlines())
+
+
 # -- the commands -----------------------------------------------------------------
 @command("/help", "/help", "this list")
 def help_command(state: "ChatState", rest: str) -> Outcome:
@@ -141,7 +163,7 @@ def decoder_command(state: "ChatState", rest: str) -> Outcome:
     if not rest:
         return Outcome(output=f"decoder: {describe_decoder(state)}\navailable: "
                               f"{available(state.engine.registry.decoders)}")
-    name, settings = parse_spec(rest)
+    name, settings = parse_spec(unquote_spec(rest))
     state.engine.make_decoder(name, settings)  # validates before anything changes
     state.options.decoder, state.options.decoder_settings = name, settings
     return Outcome(output=f"decoder: {describe_decoder(state)}")
@@ -154,7 +176,7 @@ def steer_command(state: "ChatState", rest: str) -> Outcome:
     if not rest:
         shown = "\n  ".join(describe_steerers(state)) or "none"
         return Outcome(output=f"steering: {shown}\navailable: {available(state.engine.registry.steerers)}")
-    words = rest.split()
+    words = unquote_spec(rest).split()
     if words[0].lower() == "off":
         names = words[1:]
         if not names:
@@ -166,7 +188,7 @@ def steer_command(state: "ChatState", rest: str) -> Outcome:
         state.options.steerers = [(n, s) for n, s in state.options.steerers if n not in names]
         left = ", ".join(n for n, _ in state.options.steerers) or "none"
         return Outcome(output=f"steering off: {', '.join(names)} (still on: {left})")
-    name, settings = parse_spec(rest)
+    name, settings = parse_spec(unquote_spec(rest))
     state.engine.make_steerer(name, settings)  # validates before anything changes
     if name in active:  # new settings, same place in the composition order
         state.options.steerers = [(n, settings if n == name else s) for n, s in state.options.steerers]
@@ -187,11 +209,41 @@ def settings_command(state: "ChatState", rest: str) -> Outcome:
         f"steerers:       {'; '.join(describe_steerers(state)) or 'none'}",
         f"seed:           {seed}",
         f"max new tokens: {state.options.max_new_tokens}",
+        f"format:         {state.format_name}",
+        f"system prompt:  {one_line(conversation.system, 60) if conversation.system else 'none'}",
         f"log:            {log}",
-        f"conversation:   {conversation.id} ({len(conversation.turns)} turns)",
+        f"conversation:   {conversation.id} ({count(len(conversation.turns), 'turn')})",
         f"multi-line:     {'on (Esc-Enter sends)' if state.multiline else 'off (Esc-Enter adds a line)'}",
     ]
     return Outcome(output="\n".join(lines))
+
+
+CLEAR_WORDS = ("clear", "off")
+
+
+@command("/system", "/system [TEXT | clear]", "show, set or clear the system prompt (from the next reply on)")
+def system_command(state: "ChatState", rest: str) -> Outcome:
+    if not rest:
+        return Outcome(output=describe_system(state.current.system))
+    if rest.lower() in CLEAR_WORDS:
+        had = state.current.system is not None
+        state.set_system(None)
+        return Outcome(output="system prompt cleared" if had else "no system prompt to clear")
+    state.set_system(rest)
+    return Outcome(output=describe_system(state.current.system) + "\n(used from the next reply on)")
+
+
+@command("/format", "/format [NAME | auto]", "show or switch the prompt format (how turns become the prompt)")
+def format_command(state: "ChatState", rest: str) -> Outcome:
+    names = available({"auto": None, **state.engine.registry.prompt_formats})
+    if not rest:
+        return Outcome(output=f"format: {state.format_name}\navailable: {names}")
+    name = rest.split()[0]
+    if name != "auto" and name not in state.engine.registry.prompt_formats:
+        return failure(f"unknown prompt format {one_line(name, 40)!r} (available: {names})")
+    chosen = state.set_format(name)
+    picked = " (auto picked it)" if name == "auto" else ""
+    return Outcome(output=f"format: {chosen}{picked}")
 
 
 @command("/new", "/new", "start a new conversation")
@@ -205,7 +257,7 @@ def format_turns(state: "ChatState", limit: int | None = None) -> str:
     shown = turns if limit is None else turns[-limit:]
     lines = []
     if len(shown) < len(turns):
-        lines.append(f"({len(turns) - len(shown)} earlier turns not shown; /history shows all)")
+        lines.append(f"({count(len(turns) - len(shown), 'earlier turn')} not shown; /history shows all)")
     for turn in shown:
         label = "you" if turn.role == "user" else "bot"
         mark = " [interrupted]" if turn.interrupted else ""
@@ -302,7 +354,8 @@ def resume_command(state: "ChatState", rest: str) -> Outcome:
     conversation = _store(state).resume(state.engine, rest.split()[0])
     state.switch_to(conversation)
     title = one_line(str(conversation.meta.get("title") or ""), 60)
-    header = f"resumed {conversation.id[:SHORT_ID]} ({len(conversation.turns)} turns){': ' + title if title else ''}"
+    header = (f"resumed {conversation.id[:SHORT_ID]} ({count(len(conversation.turns), 'turn')})"
+              f"{': ' + title if title else ''}")
     recent = format_turns(state, limit=6)
     return Outcome(output=header + ("\n" + recent if recent else ""))
 

@@ -23,6 +23,10 @@ class ChatState:
     ``next_seed``: the seed of the next reply, or None for a random one. A fixed seed
     advances by one per reply, so a conversation replays exactly from the same
     inputs while ``/retry`` still gives a different reply.
+
+    ``system`` and ``prompt_format`` (None: the engine's) carry over to the next
+    conversation (``/new``) like the decoder does; a resumed conversation brings its
+    own logged system prompt.
     """
 
     engine: "Engine"
@@ -34,6 +38,8 @@ class ChatState:
     next_seed: int | None = None
     last_response: "Response | None" = None
     multiline: bool = False
+    system: str | None = None
+    prompt_format: str | None = None
     notices: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -46,13 +52,33 @@ class ChatState:
         return self.conversation
 
     def new_conversation(self) -> "Conversation":
-        self.conversation = self.engine.conversation(adapter=ADAPTER)
+        self.conversation = self.engine.conversation(system=self.system, prompt_format=self.prompt_format,
+                                                     adapter=ADAPTER)
         self.last_response = None
         return self.conversation
 
     def switch_to(self, conversation: "Conversation") -> None:
         self.conversation = conversation
+        self.system = conversation.system
+        if conversation.prompt_format is None:
+            conversation.prompt_format = self.prompt_format
         self.last_response = None
+
+    def set_system(self, text: str | None) -> str | None:
+        """Set (or with None clear) the system prompt; the next reply is rendered with it."""
+        self.current.system = text  # validates and cleans
+        self.system = self.current.system
+        return self.system
+
+    def set_format(self, name: str) -> str:
+        """Switch the prompt format (``auto`` included); returns the name of the format chosen."""
+        chosen = self.engine.make_prompt_format(name).name  # an unknown or unusable format fails here
+        self.prompt_format = self.current.prompt_format = chosen
+        return chosen
+
+    @property
+    def format_name(self) -> str:
+        return self.engine.format_for(self.current).name
 
     def reply(self) -> "Response":
         """A lazy reply to the conversation so far, with the current options and seed."""
