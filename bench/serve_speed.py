@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--histories", default="0,200,400", help="History lengths in tokens, comma-separated.")
+    parser.add_argument("--only", choices=["throughput", "first-token"], default=None, help="Run one part.")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
@@ -50,8 +51,10 @@ def main() -> None:
     engine = Engine(args.model, device=args.device, host=plugin_host())
     print(f"model {args.model} on {engine.loaded.device}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
-    throughput(engine, args)
-    first_token(engine, args, Scheduler)
+    if args.only in (None, "throughput"):
+        throughput(engine, args)
+    if args.only in (None, "first-token"):
+        first_token(engine, args, Scheduler)
 
 
 def throughput(engine, args) -> None:

@@ -323,3 +323,20 @@ def test_chatcore_serve_answers_the_openai_client(tiny_model_dir, tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_failures_after_the_request_was_accepted_are_server_errors(serving, client):
+    name = model_name(client)
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.chat.completions.create(model=name, messages=hi, extra_body={"steer": ["failing-shared at_step=0"]})
+    assert caught.value.status_code == 500 and "failing-shared" in caught.value.message
+    stream = client.chat.completions.create(model=name, messages=hi, stream=True, max_tokens=10,
+                                            extra_body={"steer": ["failing-shared at_step=2"], "decoder": "greedy"})
+    with pytest.raises(openai.APIError, match="failing-shared"):
+        for _ in stream:
+            pass
+    # A system prompt that leaves the reply no room is the request's fault.
+    crowded = [{"role": "system", "content": "word " * 3000}] + hi
+    response = post(serving, {"model": name, "messages": crowded})
+    assert response.status_code == 400 and "system prompt" in response.json()["error"]["message"]

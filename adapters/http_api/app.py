@@ -80,18 +80,19 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         messages = to_messages(parsed, config.system)
         options = to_options(parsed, scheduler.engine.registry)
         completion = Completion.submit(scheduler, messages, options, parsed.stop_strings(), model)
+        # From here until the reply is sent, a client that goes away cancels it (queued or running).
+        watcher = asyncio.create_task(cancel_on_disconnect(request, completion))
         try:
             await completion.started()
+            if parsed.stream:
+                watcher.cancel()  # the streaming response watches the connection itself
+                usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+                return StreamingResponse(events(completion, usage), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            text = "".join([delta async for delta in completion.deltas()])
         except BaseException:
             completion.handle.cancel()
             raise
-        if parsed.stream:
-            usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-            return StreamingResponse(events(completion, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        watcher = asyncio.create_task(cancel_on_disconnect(request, completion))
-        try:
-            text = "".join([delta async for delta in completion.deltas()])
         finally:
             watcher.cancel()
         return JSONResponse(completion.body(text))

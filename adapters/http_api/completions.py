@@ -132,7 +132,7 @@ class Completion:
 
         self.first = await self.events.get()
         if isinstance(self.first, End) and self.first.error is not None:
-            raise api_error(self.first.error)
+            raise api_error(self.first.error, self.handle)
 
     @property
     def prompt_tokens(self) -> int:
@@ -163,7 +163,7 @@ class Completion:
                         return
                     continue
                 if event.error is not None:
-                    raise api_error(event.error)
+                    raise api_error(event.error, self.handle)
                 tail = stops.push(detokenizer.flush())
                 tail += stops.flush()
                 if tail:
@@ -203,13 +203,14 @@ def provenance_summary(provenance: dict[str, Any]) -> dict[str, Any]:
     return {key: provenance[key] for key in keys if key in provenance}
 
 
-def api_error(error: ChatcoreError) -> ApiError:
-    """A scheduler error as an HTTP error: bad options are the client's (400), the rest the server's (500)."""
-    from chatcore.errors import OptionError, UnknownNameError
+def api_error(error: ChatcoreError, handle: "Handle") -> ApiError:
+    """A reply's error as an HTTP error: one raised while the request was prepared (its options,
+    its messages against the context) is the client's, 400; a plugin or the model failing, 500."""
+    from chatcore.errors import PluginError
 
     if isinstance(error, ApiError):
         return error
-    if isinstance(error, (OptionError, UnknownNameError)) or "no turns" in str(error) or "budget" in str(error):
+    if handle.admitted is None and not isinstance(error, PluginError):
         return ApiError(400, str(error))
     return ApiError(500, str(error), None, "generation_failed")
 
