@@ -70,12 +70,16 @@ def throughput(engine, args) -> None:
     options = [ReplyOptions(decoder="top-k", seed=index, max_new_tokens=tokens, min_new_tokens=tokens)
                for index in range(n)]
 
+    replies: dict[str, list[list[int]]] = {}
+
     def one_at_a_time() -> float:
         start = time.perf_counter()
+        replies["alone"] = []
         for conversation, option in zip(conversations, options):
             response = conversation.reply(option)
             response.text()
             assert len(response.token_ids) == tokens
+            replies["alone"].append(response.token_ids)
             conversation.turns.pop()
         return time.perf_counter() - start
 
@@ -86,6 +90,7 @@ def throughput(engine, args) -> None:
         for handle in handles:
             handle.wait()
             assert handle.error is None and len(handle.token_ids) == tokens, handle.error
+        replies["batched"] = [handle.token_ids for handle in handles]
         return time.perf_counter() - start
 
     with Scheduler(engine, max_batch=n, max_waiting=n, prefix_cache_bytes=0) as scheduler:
@@ -98,6 +103,8 @@ def throughput(engine, args) -> None:
     batch_rate = n / statistics.median(batch_times)
     print(f"throughput, {n} conversations x {tokens} tokens: one at a time {alone_rate:.2f} replies/s   "
           f"batched {batch_rate:.2f} replies/s   ratio {batch_rate / alone_rate:.2f}x")
+    same = sum(a == b for a, b in zip(replies["alone"], replies["batched"]))
+    print(f"  batched replies token for token equal to the same replies decoded alone: {same}/{n}")
 
 
 def first_token(engine, args, Scheduler) -> None:
