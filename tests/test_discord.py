@@ -451,8 +451,11 @@ def answers(fake: Any) -> list[str]:
 
 
 async def slash(harness: Harness, name: str, user: Any, channel: Any, **arguments: Any) -> Any:
+    """Run ``/chat name`` (``name`` may be a subcommand path: "system set")."""
     fake = interaction(user, channel)
-    command = harness.bot.tree.get_command("chat").get_command(name)
+    command = harness.bot.tree.get_command("chat")
+    for part in name.split():
+        command = command.get_command(part)
     await command.callback(fake, **arguments)
     return fake
 
@@ -465,9 +468,17 @@ async def make_manager(harness: Harness, member: discord.Member, *, permissions:
 
 
 @pytest.mark.asyncio
-async def test_the_chat_group_has_the_five_commands_and_completes_names(harness: Harness):
+async def test_the_chat_group_has_the_six_commands_and_completes_names(harness: Harness):
     group = harness.bot.tree.get_command("chat")
-    assert sorted(c.name for c in group.commands) == ["decoder", "reset", "settings", "steer", "why"]
+    assert sorted(c.name for c in group.commands) == ["decoder", "reset", "settings", "steer", "system", "why"]
+    system = group.get_command("system")
+    assert sorted(c.name for c in system.commands) == ["clear", "default", "set", "show"]
+    # What Discord is sent: the scope is a choice of two, the text a required string.
+    payload = group.to_dict(harness.bot.tree)
+    (system_payload,) = [option for option in payload["options"] if option["name"] == "system"]
+    (set_payload,) = [option for option in system_payload["options"] if option["name"] == "set"]
+    assert [(o["name"], o["required"]) for o in set_payload["options"]] == [("text", True), ("scope", False)]
+    assert [c["value"] for c in set_payload["options"][1]["choices"]] == ["channel", "server"]
     complete = harness.bot.chat_commands.complete
     assert [c.value for c in complete("decoders", "gr")] == ["greedy"]
     assert {c.value for c in complete("decoders", "")} >= {"greedy", "top-k", "fixed-text"}
@@ -571,6 +582,64 @@ async def test_settings_and_why_describe_the_channel(harness: Harness):
     settings = await slash(harness, "settings", member, dm)
     (text,) = answers(settings)
     assert "decoder: top-k" in text and "queue: 0 waiting of 8" in text
+
+
+@pytest.mark.asyncio
+async def test_the_system_prompt_comes_from_the_channel_the_server_or_the_bot(chat_engine):
+    harness = await start_harness(chat_engine, settings_for(system="You are the bot."), text_channels=2)
+    try:
+        first, second, plain = harness.channel(0), harness.channel(1), harness.member(1)
+        harness.listen_in(first, second)
+        manager = await make_manager(harness, harness.member(0))
+        thread = make_thread(first, manager)
+        keys = [conversation_key(place) for place in (first, second, thread)]
+
+        async def systems_after_a_message() -> list[str | None]:
+            await harness.say("hello", first, plain)
+            await harness.say("hello", second, plain)
+            await thread_message(harness, thread, plain, "hello")
+            return await harness.on_worker(lambda runtime: [runtime.conversation(key).system for key in keys])
+
+        assert await systems_after_a_message() == ["You are the bot."] * 3
+        refused = await slash(harness, "system set", plain, first, text="You obey me.")
+        assert "Manage Server" in answers(refused)[0] and refused.response.sent[0][1] is True
+
+        server = await slash(harness, "system set", manager, first, text="You are  a pirate.", scope="server")
+        assert answers(server) == ["System prompt in this server from the next reply on:\n>>> You are a pirate."]
+        chef = await slash(harness, "system set", manager, first, text="You are a chef.\nYou love soup.")
+        assert answers(chef)[0].startswith("System prompt in this channel from the next reply on:")
+        await slash(harness, "system clear", manager, second)
+        # A thread follows its channel; the next reply of each conversation uses the new prompt.
+        assert await systems_after_a_message() == ["You are a chef.\nYou love soup.", None,
+                                                   "You are a chef.\nYou love soup."]
+        shown = await slash(harness, "system show", plain, thread)
+        assert answers(shown) == ["System prompt here (set for this channel):\n>>> You are a chef.\nYou love soup."]
+        assert "system prompt: none (set for this channel); format: dialogpt" in answers(
+            await slash(harness, "settings", plain, second))[0]
+
+        dropped = await slash(harness, "system default", manager, second)
+        assert answers(dropped) == ["Dropped the system prompt of this channel. System prompt here "
+                                    "(set for this server):\n>>> You are a pirate."]
+        again = await slash(harness, "system default", manager, second)
+        assert answers(again) == ["There is no system prompt set for this channel to drop."]
+        await slash(harness, "system default", manager, first, scope="server")
+        assert await systems_after_a_message() == ["You are a chef.\nYou love soup.", "You are the bot.",
+                                                   "You are a chef.\nYou love soup."]
+
+        too_long = await slash(harness, "system set", manager, first, text="word " * 200)
+        assert "the system prompt takes" in answers(too_long)[0] and too_long.response.sent[0][1] is True
+        assert harness.bot.system_prompts.effective(keys[0])[0] == "You are a chef.\nYou love soup."
+
+        dm = await plain.create_dm()
+        nowhere = await slash(harness, "system set", plain, dm, text="Call me Ishmael.", scope="server")
+        assert answers(nowhere) == ["There is no server in a direct message: use the channel scope."]
+        own = await slash(harness, "system set", plain, dm, text="Call me Ishmael.")  # a DM is the user's own
+        assert answers(own)[0].startswith("System prompt in this channel")
+        await harness.say("hi", dm, plain)
+        assert await harness.on_worker(lambda runtime: runtime.conversation(conversation_key(dm)).system) == (
+            "Call me Ishmael.")
+    finally:
+        await harness.close()
 
 
 @pytest.mark.asyncio
@@ -860,6 +929,31 @@ def test_settings_come_from_toml_or_json_with_options_on_top(tmp_path):
     assert settings.channels == (123456789012345678,) and settings.log is False
 
 
+def test_the_system_prompt_comes_from_the_settings_file_or_the_options(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "pirate.txt").write_text("You are a pirate.\n", encoding="utf-8")
+    (tmp_path / "chef.txt").write_text("You are a chef.", encoding="utf-8")
+    toml = tmp_path / "bot.toml"
+    toml.write_text('system_file = "prompts/pirate.txt"\nprompt_format = "dialogpt"\n', encoding="utf-8")
+    settings = load_settings(toml)  # a relative file is found next to the settings file
+    assert (settings.system, settings.prompt_format) == ("You are a pirate.", "dialogpt")
+    assert load_settings(toml, {"system": "You are a poet."}).system == "You are a poet."
+    assert load_settings(toml, {"system_file": str(tmp_path / "chef.txt")}).system == "You are a chef."
+    assert DiscordSettings(system="  ").system is None and DiscordSettings().prompt_format == "auto"
+
+    toml.write_text('system = "one"\nsystem_file = "chef.txt"\n', encoding="utf-8")
+    for path, overrides, message in [
+        (toml, {}, "give system or system_file, not both"),
+        (None, {"system_file": str(tmp_path / "none.txt")}, "does not exist"),
+        (None, {"system_file": str(tmp_path)}, "is not a file"),
+        (None, {"system": "x" * 40_000}, "`system`: the system prompt is 40,000 characters long"),
+        (None, {"prompt_format": ""}, "`prompt_format` must name a prompt format"),
+    ]:
+        with pytest.raises(ChatcoreError) as error:
+            load_settings(path, overrides)
+        assert message in str(error.value)
+
+
 @pytest.mark.parametrize("content, message", [
     ('queue_size = 0', "`queue_size` must be a positive integer, got 0"),
     ('chanels = [1]', "unknown setting"),
@@ -919,6 +1013,15 @@ def test_the_discord_command_checks_everything_without_printing_the_token(tiny_m
 
     result = runner.invoke(group, ["discord", "--check", "--no-log", "--decoder", "greedy"], env={"DISCORD_TOKEN": ""})
     assert result.exit_code != 0 and "no bot token" in str(result.exception or result.output)
+
+    persona = ["discord", "--check", "--no-log", "--model", str(tiny_model_dir), "--system", "Be kind."]
+    result = runner.invoke(group, [*persona, "--format", "dialogpt"], env={"DISCORD_TOKEN": secret})
+    assert result.exit_code == 0 and "format: dialogpt; system prompt: 8 characters" in result.output
+    # Checked before the token is read and the model loads:
+    for extra, message in [(["--format", "nope"], "unknown prompt format 'nope'"),
+                           (["--system-file", "x.txt"], "give --system or --system-file, not both")]:
+        result = runner.invoke(group, [*persona, *extra], env={"DISCORD_TOKEN": ""})
+        assert result.exit_code != 0 and message in str(result.exception)
 
 
 # -- serve: start, SIGTERM, stop --------------------------------------------------------

@@ -21,6 +21,7 @@ import discord
 from discord import app_commands
 
 from chatcore.adapters.discord_bot.routing import answer_reason, conversation_key, incoming_text, split_reply
+from chatcore.adapters.discord_bot.system_prompts import SystemPrompts
 from chatcore.adapters.discord_bot.worker import WorkerBusy, WorkerClosed
 from chatcore.cli.specs import parse_spec
 from chatcore.errors import ChatcoreError
@@ -106,9 +107,9 @@ class ChannelSetup:
                             [(name, dict(settings)) for name, settings in self.steerers])
 
 
-def _reply_job(key: str, text: str, options: "ReplyOptions", runtime: "ChatRuntime",
+def _reply_job(key: str, text: str, options: "ReplyOptions", system: str | None, runtime: "ChatRuntime",
                control: "JobControl") -> "ReplyResult":
-    return runtime.reply(key, text, options, control)
+    return runtime.reply(key, text, options, control, system=system)
 
 
 @contextlib.asynccontextmanager
@@ -149,6 +150,8 @@ class ChatBot(discord.Client):
         decoder, decoder_settings = parse_spec(settings.decoder)
         self.default_setup = ChannelSetup(decoder, decoder_settings, [parse_spec(spec) for spec in settings.steer])
         self.setups: dict[str, ChannelSetup] = {}
+        self.system_prompts = SystemPrompts(settings.system)
+        self.prompt_format = settings.prompt_format  # the name the engine resolved, once prepared
         self.cooldown = Cooldown(settings.cooldown_s)
         self.stats = BotStats()
         self.last_provenance: dict[str, dict[str, Any]] = {}
@@ -164,17 +167,19 @@ class ChatBot(discord.Client):
 
     # -- setup --------------------------------------------------------------------
     async def prepare(self) -> None:
-        """Check the configured decoder and steerers on the engine (bad settings fail
-        here, before connecting) and learn the names the slash commands offer."""
+        """Check the configured decoder, steerers and system prompt on the engine (bad
+        settings fail here, before connecting) and learn the names the slash commands offer."""
         setup = self.default_setup
+        system, max_new_tokens = self.settings.system, self.settings.max_new_tokens
 
-        def check(runtime: "ChatRuntime", control: "JobControl") -> dict[str, list[str]]:
+        def check(runtime: "ChatRuntime", control: "JobControl") -> tuple[dict[str, list[str]], str]:
             runtime.check_decoder(setup.decoder, setup.decoder_settings)
             for name, settings in setup.steerers:
                 runtime.check_steerer(name, settings)
-            return runtime.names()
+            runtime.check_system(system, max_new_tokens)
+            return runtime.names(), runtime.prompt_format
 
-        self.catalog = await self.worker.submit(check, control=True)
+        self.catalog, self.prompt_format = await self.worker.submit(check, control=True)
 
     async def setup_hook(self) -> None:
         """Sync the slash commands: to the listed guilds (at once), else globally."""
@@ -249,7 +254,8 @@ class ChatBot(discord.Client):
                 await self.send_reply(message, COOLDOWN_REPLY.format(seconds=self.settings.cooldown_s))
             return
         key = conversation_key(message.channel)
-        job = functools.partial(_reply_job, key, text, self.reply_options(key))
+        system, _ = self.system_prompts.effective(key)
+        job = functools.partial(_reply_job, key, text, self.reply_options(key), system)
         try:
             future = self.worker.submit(job, timeout_s=self.settings.reply_timeout_s)
         except WorkerBusy:

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from chatcore.adapters.discord_bot.config import TOKEN_ENV
+from chatcore.errors import ChatcoreError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -33,6 +34,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for inference.")
 @click.option("-d", "--decoder", default=None, help='Decoder and settings, e.g. "top-k top_k=20" [top-k].')
 @click.option("-s", "--steer", "steer", multiple=True, help="Steerer and settings. Repeatable; applied in order.")
+@click.option("--system", default=None, help="System prompt (persona) of every conversation; admins may override it.")
+@click.option("--system-file", default=None, type=click.Path(),
+              help="Read the system prompt from a UTF-8 text file.")
+@click.option("--format", "prompt_format", default=None,
+              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt ... [auto].")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="Longest reply [64].")
 @click.option("--queue-size", type=click.IntRange(1), default=None, help="Replies that may wait [8].")
 @click.option("--cooldown", "cooldown_s", type=click.FloatRange(0), default=None,
@@ -43,13 +49,14 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 def discord_command(settings_file: Path | None, token_file: Path | None, channels: tuple[int, ...],
                     guilds: tuple[int, ...], admin_roles: tuple[str, ...], model: str | None, device: str | None,
-                    threads: int | None, decoder: str | None, steer: tuple[str, ...], max_new_tokens: int | None,
+                    threads: int | None, decoder: str | None, steer: tuple[str, ...], system: str | None,
+                    system_file: str | None, prompt_format: str | None, max_new_tokens: int | None,
                     queue_size: int | None, cooldown_s: float | None, db: str | None, log: bool | None,
                     check: bool, log_level: str) -> None:
     """Run a Discord bot: it answers DMs, mentions and the listed channels.
 
     One conversation per channel, thread and DM, kept in the conversation log so a
-    restart resumes them. Slash commands: /chat reset, decoder, steer, settings, why.
+    restart resumes them. Slash commands: /chat reset, decoder, steer, system, settings, why.
     SIGTERM or Ctrl-C stops it cleanly. See docs/discord.md for setting up the
     application and its permissions.
     """
@@ -57,12 +64,17 @@ def discord_command(settings_file: Path | None, token_file: Path | None, channel
 
     from chatcore.adapters.discord_bot.config import load_settings, read_token
     from chatcore.adapters.discord_bot.run import guard_logging
+    from chatcore.prompting import validate_format_name
 
+    if system is not None and system_file is not None:
+        raise ChatcoreError("give --system or --system-file, not both")
     settings = load_settings(settings_file, {
         "channels": channels, "guilds": guilds, "admin_roles": admin_roles, "model": model, "device": device,
-        "threads": threads, "decoder": decoder, "steer": steer, "max_new_tokens": max_new_tokens,
-        "queue_size": queue_size, "cooldown_s": cooldown_s, "db": db, "log": log,
+        "threads": threads, "decoder": decoder, "steer": steer, "system": system, "system_file": system_file,
+        "prompt_format": prompt_format, "max_new_tokens": max_new_tokens, "queue_size": queue_size,
+        "cooldown_s": cooldown_s, "db": db, "log": log,
     })
+    validate_format_name(settings.prompt_format)  # before the token is read and the model loads
     token = read_token(token_file)
     guard_logging(token)
     level = getattr(logging, log_level.upper())

@@ -2,7 +2,9 @@
 
 The file holds the same keys as the options (``channels``, ``decoder``, ...), either at
 the top level or under a ``[discord]`` table. Unknown keys and bad values are refused
-with a message naming the key. The bot token is never part of the settings: it comes
+with a message naming the key. The system prompt is ``system`` (the text) or
+``system_file`` (a UTF-8 file, relative to the settings file); ``--system`` or
+``--system-file`` on the command line replaces either. The bot token is never part of the settings: it comes
 from ``DISCORD_TOKEN`` or a token file, so a settings file can be shared or committed.
 """
 
@@ -19,9 +21,11 @@ from typing import Any
 
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.options import parse_settings
+from chatcore.prompting import AUTO, clean_system_prompt, read_system_file
 
 TOKEN_ENV = "DISCORD_TOKEN"
 FILE_TABLE = "discord"
+SYSTEM_KEYS = {"system", "system_file"}
 
 logger = logging.getLogger("chatcore.discord")
 
@@ -52,6 +56,10 @@ class DiscordSettings:
     threads:           torch CPU threads for inference (default: torch's choice).
     decoder:           decoder spec, e.g. "top-k top_k=20 temperature=0.7".
     steer:             steerer specs applied to every conversation, in order.
+    system:            the system prompt (persona) of every conversation; admins may
+                       override it per server and per channel (/chat system).
+    prompt_format:     how turns become the prompt: auto (the model's chat template if
+                       it has one, else dialogpt), chat-template, dialogpt, or a plugin's.
     max_new_tokens:    the longest reply, in tokens.
     min_new_tokens:    replies are at least this many tokens.
     channels:          channel or thread ids where every message is answered (a thread
@@ -81,6 +89,8 @@ class DiscordSettings:
     threads: int | None = None
     decoder: str = "top-k"
     steer: tuple[str, ...] = ()
+    system: str | None = None
+    prompt_format: str = AUTO
     max_new_tokens: int = 64
     min_new_tokens: int = 1
     channels: tuple[int, ...] = ()
@@ -105,6 +115,12 @@ class DiscordSettings:
         for spec in self.steer:
             if not isinstance(spec, str) or not spec.strip():
                 raise ValueError(f"`steer` must list steerer specs such as 'bow-bias topic=food', got {spec!r}")
+        try:
+            self.system = clean_system_prompt(self.system)
+        except ChatcoreError as error:
+            raise ValueError(f"`system`: {error}") from None
+        if not isinstance(self.prompt_format, str) or not self.prompt_format.strip():
+            raise ValueError(f"`prompt_format` must name a prompt format such as 'auto', got {self.prompt_format!r}")
         _positive_int("max_new_tokens", self.max_new_tokens)
         if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
@@ -178,14 +194,25 @@ def load_settings(path: str | os.PathLike[str] | None = None,
     """Settings from ``path`` (if given) with ``overrides`` (command-line options) on top.
 
     Overrides whose value is ``None`` or an empty tuple mean "not given" and leave the
-    file's value in place.
+    file's value in place. A system prompt given as an override (``system`` or
+    ``system_file``) replaces the file's, whichever key the file used.
     """
     values: dict[str, Any] = read_settings_file(path) if path is not None else {}
-    for key, value in (overrides or {}).items():
-        if value is None or value == ():
-            continue
-        values[key] = value
+    given = {key: value for key, value in (overrides or {}).items() if value is not None and value != ()}
+    if SYSTEM_KEYS & set(given):
+        for key in SYSTEM_KEYS:
+            values.pop(key, None)
+    elif path is not None and isinstance(values.get("system_file"), str):
+        values["system_file"] = str(Path(path).parent / values["system_file"])
+    values.update(given)
     where = f"settings file {str(path)!r}" if path is not None else "the discord settings"
+    if "system_file" in values:
+        system_file = values.pop("system_file")
+        if "system" in values:
+            raise OptionError(f"give system or system_file, not both, in {where}")
+        if not isinstance(system_file, str) or not system_file.strip():
+            raise OptionError(f"`system_file` must be a file path, got {system_file!r} in {where}")
+        values["system"] = read_system_file(system_file)
     try:
         return parse_settings(DiscordSettings, values, owner=where)
     except OptionError:

@@ -75,10 +75,14 @@ class ChatRuntime:
         return key in self._open
 
     # -- replies ------------------------------------------------------------------
-    def reply(self, key: str, text: str, options: "ReplyOptions", control: "JobControl | None" = None) -> ReplyResult:
-        """Add ``text`` as the user's turn and generate the reply, stopping early when
-        ``control`` says so (the partial reply is kept, marked interrupted)."""
+    def reply(self, key: str, text: str, options: "ReplyOptions", control: "JobControl | None" = None,
+              system: str | None = None) -> ReplyResult:
+        """Add ``text`` as the user's turn and generate the reply with the system prompt
+        ``system`` (the one in effect for ``key`` now: a change applies from the next
+        reply on), stopping early when ``control`` says so (the partial reply is kept,
+        marked interrupted)."""
         conversation = self.conversation(key)
+        conversation.system = system
         response = conversation.send(text, options)
         stop_reason = None
         for _ in response:
@@ -110,6 +114,18 @@ class ChatRuntime:
     def check_steerer(self, name: str, settings: Mapping[str, Any]) -> None:
         self.engine.make_steerer(name, settings)
 
+    def check_system(self, text: str | None, max_new_tokens: int) -> None:
+        """Fail if ``text`` as the system prompt leaves no room for a message and a reply."""
+        from chatcore.prompting import Message, prompt_budget
+
+        if text:
+            budget = prompt_budget(self.engine.loaded.max_positions, max_new_tokens)
+            self.engine.prompt_format.fit([Message("system", text), Message("user", "")], budget)
+
+    @property
+    def prompt_format(self) -> str:
+        return self.engine.prompt_format.name
+
     def names(self) -> dict[str, list[str]]:
         registry = self.engine.registry
         return {"decoders": sorted(registry.decoders), "steerers": sorted(registry.steerers)}
@@ -126,6 +142,6 @@ def open_runtime(settings: "DiscordSettings", host: "PluginHost | None" = None) 
         import torch
 
         torch.set_num_threads(settings.threads)
-    engine = Engine(settings.model, device=settings.device, host=host)
+    engine = Engine(settings.model, device=settings.device, host=host, prompt_format=settings.prompt_format)
     persistence: ConversationPersistence = LogPersistence(engine, settings.db) if settings.log else MemoryPersistence()
     return ChatRuntime(engine, persistence, settings.max_conversations)

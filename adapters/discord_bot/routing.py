@@ -5,7 +5,7 @@
   webhooks or system messages.
 - :func:`conversation_key`: one conversation per channel, thread or DM, keyed
   ``guild/channel/thread`` (``@me`` for DMs, ``-`` when there is no thread), like the
-  paths of Discord's own links.
+  paths of Discord's own links; :func:`channel_of` and :func:`guild_of` read it back.
 - :func:`incoming_text`: the message as the model should read it: the bot's own
   mention removed, other mentions and custom emoji as plain names.
 - :func:`split_reply`: a reply cut into Discord-sized messages at line or word breaks.
@@ -36,6 +36,18 @@ def conversation_key(channel: object) -> str:
     if isinstance(channel, discord.Thread):
         return f"{guild.id}/{channel.parent_id}/{channel_id}"
     return f"{guild.id}/{channel_id}/-"
+
+
+def channel_of(key: str) -> str:
+    """The key of the channel a conversation key is in (a thread's parent; else the key itself)."""
+    guild, channel, _ = key.split("/")
+    return f"{guild}/{channel}/-"
+
+
+def guild_of(key: str) -> int | None:
+    """The guild id of a conversation key; None for a DM."""
+    guild = key.split("/")[0]
+    return None if guild == "@me" else int(guild)
 
 
 def _mentions_bot(message: discord.Message, bot_id: int) -> bool:

@@ -116,6 +116,8 @@ async def check(settings: "DiscordSettings", host: "PluginHost | None" = None) -
         lines = [
             f"model: {settings.model}",
             f"decoder: {settings.decoder}; steering: {', '.join(settings.steer) or 'none'}",
+            f"format: {started.bot.prompt_format}; system prompt: "
+            + (f"{len(settings.system):,} characters" if settings.system else "none"),
             "answers: DMs, mentions" + (f", channels {', '.join(map(str, settings.channels))}"
                                         if settings.channels else ""),
             "slash commands: " + (f"guilds {', '.join(map(str, settings.guilds))}" if settings.guilds

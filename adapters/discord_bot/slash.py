@@ -1,9 +1,11 @@
-"""``/chat reset | decoder | steer | settings | why``: the bot's slash commands.
+"""``/chat reset | decoder | steer | system | settings | why``: the bot's slash commands.
 
-Each command acts on the conversation of the channel, thread or DM it is used in.
-Changing anything in a guild (reset, decoder, steering) needs the Manage Server
-permission or one of the configured ``admin_roles``; in a DM the conversation is the
-user's own, so everyone may change theirs. Commands that need the engine run on the
+Each command acts on the conversation of the channel, thread or DM it is used in;
+``/chat system set | clear | default`` act on the channel or, with ``scope: server``,
+on the whole server (see :mod:`chatcore.adapters.discord_bot.system_prompts`).
+Changing anything in a guild (reset, decoder, steering, system prompt) needs the
+Manage Server permission or one of the configured ``admin_roles``; in a DM the
+conversation is the user's own, so everyone may change theirs. Commands that need the engine run on the
 inference worker, ahead of waiting replies; when one is not done within
 :data:`DEFER_AFTER_S` (the worker is finishing a reply), the interaction is deferred
 and the answer comes as a follow-up, since Discord drops interactions left
@@ -21,9 +23,11 @@ import discord
 from discord import app_commands
 
 from chatcore.adapters.discord_bot.routing import MESSAGE_LIMIT, conversation_key, split_reply
+from chatcore.adapters.discord_bot.system_prompts import Scope
 from chatcore.adapters.discord_bot.worker import WorkerBusy, WorkerClosed
 from chatcore.cli.specs import parse_spec
 from chatcore.errors import ChatcoreError
+from chatcore.prompting import clean_system_prompt
 
 if TYPE_CHECKING:
     from chatcore.adapters.discord_bot.bot import ChatBot, ChannelSetup
@@ -69,6 +73,21 @@ def format_provenance(provenance: dict[str, Any]) -> str:
     return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 1] + "…"
 
 
+SCOPE_NAMES = {"channel": "this channel", "server": "this server"}
+SOURCE_NAMES = {"channel": "set for this channel", "server": "set for this server", "bot": "the bot's default"}
+
+
+def quote(text: str) -> str:
+    """Text as a Discord block quote (every line after ``>>>``), markdown and all."""
+    return ">>> " + text
+
+
+def describe_system(text: str | None, source: str) -> str:
+    if text is None:
+        return f"No system prompt here ({SOURCE_NAMES[source]})."
+    return f"System prompt here ({SOURCE_NAMES[source]}):\n{quote(text)}"
+
+
 class ChatCommands:
     """The handlers behind the ``/chat`` group; ``group`` is what the command tree holds."""
 
@@ -94,6 +113,30 @@ class ChatCommands:
         @app_commands.describe(spec="a steerer and its settings, e.g. bow-bias topic=food strength=4; or off")
         async def steer(interaction: discord.Interaction, spec: str) -> None:
             await handlers.steer(interaction, spec)
+
+        system = app_commands.Group(name="system", description="The system prompt (persona) replies here use",
+                                    parent=group)
+
+        @system.command(name="show", description="Show the system prompt replies in this channel use")
+        async def system_show(interaction: discord.Interaction) -> None:
+            await handlers.system_show(interaction)
+
+        @system.command(name="set", description="Set the system prompt of this channel (or of the whole server)")
+        @app_commands.describe(text="the system prompt, e.g. You are a cheerful pirate who loves puns.",
+                               scope="this channel (the default) or the whole server")
+        async def system_set(interaction: discord.Interaction, text: str, scope: Scope = "channel") -> None:
+            await handlers.system_set(interaction, text, scope)
+
+        @system.command(name="clear", description="No system prompt in this channel (or server), whatever the default")
+        @app_commands.describe(scope="this channel (the default) or the whole server")
+        async def system_clear(interaction: discord.Interaction, scope: Scope = "channel") -> None:
+            await handlers.system_set(interaction, None, scope)
+
+        @system.command(name="default",
+                        description="Drop this channel's (or server's) own system prompt: the next level's applies")
+        @app_commands.describe(scope="this channel (the default) or the whole server")
+        async def system_default(interaction: discord.Interaction, scope: Scope = "channel") -> None:
+            await handlers.system_default(interaction, scope)
 
         @group.command(name="settings", description="Show the settings this channel's conversation uses")
         async def settings(interaction: discord.Interaction) -> None:
@@ -214,6 +257,59 @@ class ChatCommands:
             listed = ", ".join(f"`{describe_spec(n, s)}`" for n, s in setup.steerers)
             await respond(interaction, f"Steering in this channel: {listed}")
 
+    async def system_show(self, interaction: discord.Interaction) -> None:
+        text, source = self.bot.system_prompts.effective(conversation_key(interaction.channel))
+        await respond(interaction, describe_system(text, source), ephemeral=True)
+
+    async def system_set(self, interaction: discord.Interaction, text: str | None, scope: Scope) -> None:
+        """Set (``text``) or clear (None) the system prompt of this channel or server."""
+        if not self.may_change(interaction):
+            await self._refuse(interaction, "change the system prompt")
+            return
+        if not await self._scope_exists(interaction, scope):
+            return
+        key = conversation_key(interaction.channel)
+        try:
+            cleaned = clean_system_prompt(text)
+        except ChatcoreError as error:
+            await respond(interaction, f"Cannot use that: {error}", ephemeral=True)
+            return
+        max_new_tokens = self.bot.settings.max_new_tokens
+
+        def job(runtime: "ChatRuntime", control: "JobControl") -> None:
+            runtime.check_system(cleaned, max_new_tokens)  # it must leave room for a message and a reply
+
+        ok, _ = await self._run(interaction, job, ephemeral=False)
+        if ok:
+            self.bot.system_prompts.override(key, scope, cleaned)
+            where = SCOPE_NAMES[scope]
+            if cleaned is None:
+                await respond(interaction, f"No system prompt in {where} from the next reply on.")
+            else:
+                await respond(interaction, f"System prompt in {where} from the next reply on:\n{quote(cleaned)}")
+
+    async def system_default(self, interaction: discord.Interaction, scope: Scope) -> None:
+        if not self.may_change(interaction):
+            await self._refuse(interaction, "change the system prompt")
+            return
+        if not await self._scope_exists(interaction, scope):
+            return
+        key = conversation_key(interaction.channel)
+        if not self.bot.system_prompts.drop_override(key, scope):
+            await respond(interaction, f"There is no system prompt set for {SCOPE_NAMES[scope]} to drop.",
+                          ephemeral=True)
+            return
+        text, source = self.bot.system_prompts.effective(key)
+        await respond(interaction, f"Dropped the system prompt of {SCOPE_NAMES[scope]}. "
+                                   + describe_system(text, source))
+
+    async def _scope_exists(self, interaction: discord.Interaction, scope: Scope) -> bool:
+        if scope == "server" and interaction.guild is None:
+            await respond(interaction, "There is no server in a direct message: use the channel scope.",
+                          ephemeral=True)
+            return False
+        return True
+
     async def settings(self, interaction: discord.Interaction) -> None:
         bot = self.bot
         key = conversation_key(interaction.channel)
@@ -222,9 +318,12 @@ class ChatCommands:
         channel = interaction.channel
         listed = {getattr(channel, "id", None), getattr(channel, "parent_id", None)} & set(bot.settings.channels)
         where = "every message" if listed or interaction.guild is None else "mentions"
+        system, source = bot.system_prompts.effective(key)
+        system_line = "none" if system is None else repr(system if len(system) <= 80 else system[:79] + "…")
         lines = [
             f"decoder: {describe_spec(setup.decoder, setup.decoder_settings)}",
             f"steering: {steering}",
+            f"system prompt: {system_line} ({SOURCE_NAMES[source]}); format: {bot.prompt_format}",
             f"replies: up to {bot.settings.max_new_tokens} tokens; answers {where} here",
             f"cooldown: {bot.settings.cooldown_s:g} s per user",
             f"queue: {bot.worker.waiting} waiting of {bot.worker.queue_size}",
