@@ -111,7 +111,7 @@ def run(url: str, args: argparse.Namespace) -> None:
     conversations = populate(store, args.messages, args.per_conversation)
     if store.is_postgres:
         with store.db.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-            connection.exec_driver_sql("VACUUM ANALYZE messages")
+            connection.exec_driver_sql("VACUUM ANALYZE")
     print(f"filled {store.display_url}: {store.count_messages():,} messages in {conversations:,} conversations "
           f"in {time.perf_counter() - started:.1f} s (sqlite fts: {store.fts})")
     times = []
