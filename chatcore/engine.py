@@ -22,7 +22,7 @@ from chatcore.plugin_manager import PluginHost, get_plugin_host
 from chatcore.prompting import AUTO, Message, PromptFormat, PromptPlan, choose_format, prompt_budget
 from chatcore.registry import Registry
 from chatcore.response import Response
-from chatcore.steering import Steerer, failed_layer
+from chatcore.steering import Steerer, check_composition, failed_layer
 
 DEFAULT_DECODER = "top-k"
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -94,6 +94,7 @@ def validate_options(options: ReplyOptions, registry: Registry | None = None) ->
     ]:
         cls = registry.decoder(name) if kind == "decoder" else registry.steerer(name)
         build_plugin_object(host, registry, kind, name, lambda: cls.from_options(settings or {}))
+    check_composition([registry.steerer(name) for name, _ in options.steerers])
 
 
 class Engine:
@@ -204,6 +205,7 @@ class Engine:
         options = options or ReplyOptions()
         decoder = self.make_decoder(options.decoder, options.decoder_settings)
         steerers = [self.make_steerer(name, settings) for name, settings in options.steerers]
+        check_composition([type(steerer) for steerer in steerers])
         seed = options.seed if options.seed is not None else random.randrange(2**31)
         if isinstance(source, Conversation):
             prompt_format = self.format_for(source)

@@ -37,12 +37,40 @@ class Steerer(Configurable):
     # or reads hidden states (PPLM, CoCon, activation steering) keeps the default, and
     # its replies are decoded in a batch of their own.
     shares_batch: ClassVar[bool] = False
+    # What the steerer does to the model step, for the composition check
+    # (:func:`check_composition`), which refuses a combination that can never work when
+    # the steerers are chosen, before any message is sent:
+    # replaces_model     the steerer is the model step itself (CoCon runs the model in two
+    #                    halves with a cache of its own): it must come first, one per reply.
+    # needs_model_cache  the steerer edits the model's own key/value cache (PPLM): nothing
+    #                    inside it may replace the model step.
+    replaces_model: ClassVar[bool] = False
+    needs_model_cache: ClassVar[bool] = False
 
     def prepare(self, session: "GenerationSession") -> None:
         """Called once per response, before the first step."""
 
     def wrap(self, step: Step) -> Step:
         raise NotImplementedError
+
+
+def check_composition(steerers: Sequence[type[Steerer]]) -> None:
+    """Refuse steerer classes, in composition order, that can never work together (OptionError)."""
+    from chatcore.errors import OptionError
+
+    replacing = [index for index, cls in enumerate(steerers) if cls.replaces_model]
+    if len(replacing) > 1:
+        names = " and ".join(repr(steerers[index].name) for index in replacing)
+        raise OptionError(f"steerers {names} both replace the model step: give only one of them")
+    if replacing and replacing[0] > 0:
+        first = steerers[replacing[0]]
+        raise OptionError(f"steerer {first.name!r} replaces the model step, so it must come first "
+                          f"(give it before {steerers[0].name!r})")
+    if replacing:
+        for cls in steerers[1:]:
+            if cls.needs_model_cache:
+                raise OptionError(f"steerer {cls.name!r} edits the model's own key/value cache and cannot be "
+                                  f"combined with {steerers[0].name!r}, which replaces the model step")
 
 
 LAYER_ATTRIBUTE = "chatcore_step_layer"

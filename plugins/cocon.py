@@ -95,6 +95,7 @@ class CoconSteerer(Steerer):
     description = ("steers replies towards content texts with a trained CoCon block (`content`, `tau`); "
                    "replaces the model step, so it must come first among the steerers")
     Settings = CoconSettings
+    replaces_model = True
 
     def __init__(self, settings: CoconSettings | None = None) -> None:
         super().__init__(settings)

@@ -66,6 +66,7 @@ class PPLMSteerer(Steerer):
     name = "pplm"
     description = "gradient steps on the key/value cache towards a bag of words or a discriminator class (PPLM)"
     Settings = PPLMSettings
+    needs_model_cache = True
 
     def __init__(self, settings: PPLMSettings | None = None) -> None:
         super().__init__(settings)

@@ -259,12 +259,14 @@ def test_cocon_replies_under_every_decoder_and_composes_after(cocon_engine, tiny
 
 
 def test_cocon_must_come_first(cocon_engine, tiny_block_dir):
-    from chatcore.plugins.cocon import SteererOrderError
+    from chatcore.errors import OptionError
 
     options = ReplyOptions(steerers=[("bow-bias", {"words": "pizza"}),
                                      ("cocon", {"content": "pizza", "block": str(tiny_block_dir)})])
-    with pytest.raises(SteererOrderError, match="must come first"):
-        cocon_engine.conversation().send("hi", options).text()
+    conversation = cocon_engine.conversation()
+    conversation.add_user("hi")
+    with pytest.raises(OptionError, match="must come first"):  # refused before any decoding
+        conversation.reply(options)
 
 
 def test_cocon_decodes_several_rows_in_one_batch(cocon_engine, loaded, tiny_block_dir):

@@ -283,3 +283,23 @@ def test_steerers_see_the_documented_step_states(loaded, host, tokenizer):
         assert positions == [[p + index - 1]]
         assert not no_cache and step == index and prompt_length == p
         assert mask == [[1] * (p + index)]
+
+
+def test_steerer_combinations_that_cannot_work_are_refused_before_a_reply():
+    from chatcore.engine import ReplyOptions, validate_options
+    from chatcore.errors import OptionError
+    from chatcore.plugin_manager import get_plugin_host
+    from chatcore.registry import Registry
+
+    registry = Registry.build(get_plugin_host())
+    refused = [
+        ([("cocon", {"content": "pizza"}), ("pplm", {"topic": "food"})], "'pplm' edits the model's own key/value cache"),
+        ([("bow-bias", {"topic": "food"}), ("cocon", {"content": "pizza"})], "'cocon' replaces the model step, so it must"),
+        ([("cocon", {"content": "pizza"}), ("cocon", {"content": "dogs"})], "both replace the model step"),
+    ]
+    for steerers, needle in refused:
+        with pytest.raises(OptionError, match=needle):
+            validate_options(ReplyOptions(steerers=list(steerers)), registry)
+    for fine in ([("pplm", {"topic": "food"}), ("bow-bias", {"topic": "food"})],
+                 [("cocon", {"content": "pizza"}), ("bow-bias", {"topic": "food"})]):
+        validate_options(ReplyOptions(steerers=fine), registry)
