@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from typing import Any
 
 from chatcore.errors import ChatcoreError
 
 MAX_MESSAGE_CHARS = 8000
+
+# Terminal escape sequences (ECMA-48), removed whole: dropping only the ESC character
+# would leave "[31mred[0m" behind. In order: control strings (OSC, DCS, APC ...)
+# ended by BEL or ST; CSI sequences; two-part escapes ("ESC ( B"); one-character
+# escapes ("ESC 7"). An unterminated control string loses only its introducer, so
+# text after a stray "ESC ]" is kept.
+ESCAPE_SEQUENCE = re.compile(
+    r"(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"
+    r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|\x1b[ -/]+[0-~]"
+    r"|\x1b[0-~]"
+)
+
+
+def remove_escape_sequences(text: str) -> str:
+    """``text`` without terminal escape sequences (colours, cursor moves, window titles)."""
+    return ESCAPE_SEQUENCE.sub("", text)
 
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
@@ -19,7 +37,8 @@ def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
     """Normalise one incoming message, or raise ChatcoreError saying what is wrong.
 
     Line breaks and tabs become spaces (turns are separated by EOS, not newlines);
-    other control characters and lone surrogates are removed; whitespace is collapsed.
+    terminal escape sequences, other control characters and lone surrogates are
+    removed; whitespace is collapsed.
     """
     if isinstance(text, bytes):
         try:
@@ -31,7 +50,7 @@ def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
     if len(text) > max_chars:
         raise ChatcoreError(f"the message is {len(text):,} characters long; the limit is {max_chars:,}")
     kept = []
-    for char in text:
+    for char in remove_escape_sequences(text):
         if char.isspace():  # \n, \t, NEL, U+2028 ...: a line break separates words
             kept.append(" ")
         elif unicodedata.category(char) in ("Cc", "Cs"):

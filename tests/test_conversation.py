@@ -150,7 +150,11 @@ def test_empty_messages_are_rejected(text):
         ("line one\nline two", "line one line two"),
         ("a\r\nb\tc\vd\fe", "a b c d e"),
         ("bell\x07 and null\x00 and del\x7f gone", "bell and null and del gone"),
-        ("esc\x1b[31mred", "esc[31mred"),
+        ("esc\x1b[31mred", "escred"),
+        ("\x1b[31mred\x1b[0m \x1b[1;4mbold\x1b[m", "red bold"),  # whole escape sequences go
+        ("title\x1b]0;owned\x07 bar\x1b[2J\x1b[H", "title bar"),
+        ("\x1b(Bcharset \x1b7saved \x9b31mc1", "charset saved c1"),
+        ("stray \x1b] kept [31m", "stray kept [31m"),
         ("lone \ud800 surrogate", "lone surrogate"),
         ("para\u2029graph and line\u2028sep", "para graph and line sep"),
         ("café 😀 日本", "café 😀 日本"),

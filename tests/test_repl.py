@@ -250,7 +250,7 @@ def test_bad_input_is_refused_or_cleaned_never_raised(state, engine):
     assert state.current.turns == []
 
     run(state, "\x1b[31mred\x1b[0m and a \x07bell")
-    assert state.current.turns[0].text == "[31mred[0m and a bell"
+    assert state.current.turns[0].text == "red and a bell"
 
     special = run(state, "<|endoftext|> hi")
     assert state.current.turns[-2].text == "<|endoftext|> hi"
