@@ -104,9 +104,15 @@ def test_every_slash_command(state, store):
     assert_one_line_error(command("/decoder nope"), "unknown decoder 'nope'")
     assert_one_line_error(command("/decoder top-k bogus=1"), "unknown setting")
     assert state.options.decoder_settings == {"top_k": "5", "temperature": "0.5"}  # errors change nothing
+    # Quoted as the command line wants it, or not: the same spec.
+    assert "top_k=7" in command('/decoder "top-k top_k=7"').output and state.options.decoder_settings == {"top_k": "7"}
+    assert "top_k=5" in command("/decoder 'top-k' top_k=5 temperature=0.5").output
+    assert_one_line_error(command('/decoder "top-k top_k=7'), "cannot parse")
 
     assert "bow-bias" in command("/steer bow-bias words=pizza strength=3").output
     assert "strength=5.0" in command("/steer bow-bias words=pizza strength=5").output
+    assert state.options.steerers == [("bow-bias", {"words": "pizza", "strength": "5"})]
+    command('/steer "bow-bias words=pizza strength=5"')
     assert state.options.steerers == [("bow-bias", {"words": "pizza", "strength": "5"})]
     assert "bow-bias" in command("/steer").output
     assert_one_line_error(command("/steer bow-bias strength=abc"), "`strength` must be a number")
