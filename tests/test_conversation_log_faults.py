@@ -16,7 +16,7 @@ import signal
 import sqlite3
 import tempfile
 import time
-from collections.abc import Iterator, Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +24,15 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
-import chatcore
 from chatcore.adapters.conversation_log import ConversationLogPlugin
 from chatcore.adapters.conversation_log.location import sqlite_url
-from chatcore.adapters.conversation_log.pg_cluster import ThrowawayCluster, unavailable_reason
+from chatcore.adapters.conversation_log.pg_cluster import (
+    ThrowawayCluster,
+    unavailable_reason,
+)
 from chatcore.adapters.conversation_log.store import ConversationStore
+
+import chatcore
 from chatcore.decoding import Decoder, GenerationSession
 from chatcore.text import encode_text
 

@@ -60,9 +60,10 @@ class ThrowawayCluster:
     """Start with :meth:`start` (or ``with``); :meth:`stop` stops the server and deletes its folder."""
 
     def __init__(self) -> None:
-        self.binaries = find_binaries()
-        if self.binaries is None:
+        binaries = find_binaries()
+        if binaries is None:
             raise LogError(unavailable_reason() or "PostgreSQL is not installed")
+        self.binaries: Path = binaries
         # Directly under the temporary folder: the server user must reach it.
         self.folder = Path(tempfile.mkdtemp(prefix="chatcore-pg-"))
         self.data = self.folder / "data"

@@ -18,7 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import sqlalchemy as sa
-
 from chatcore.adapters.conversation_log.errors import LogError
 from chatcore.adapters.conversation_log.models import SCHEMA_VERSION
 

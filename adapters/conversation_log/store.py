@@ -520,8 +520,8 @@ class ConversationStore:
             if not include_superseded:
                 query = query.where(MessageRow.superseded.is_(False))
             messages = [MessageRecord.from_row(row) for row in session.scalars(query)]
-        return ConversationRecord(*summary, system=system, prompt_format=prompt_format, meta=dict(meta or {}),
-                                  messages=messages)
+        return ConversationRecord(**asdict(ConversationSummary(*summary)), system=system,
+                                  prompt_format=prompt_format, meta=dict(meta or {}), messages=messages)
 
     def iter_conversations(self, conversation_ids: Sequence[str] | None = None,
                            author_id: str | None = None) -> Iterator[ConversationRecord]:
@@ -612,10 +612,11 @@ class ConversationStore:
         if lost or head is None:
             problems.append(f"conversation {conversation_id}: {lost} message(s) unreadable"
                             + ("" if head else ", its own row too"))
-        if head is None:
-            moment = messages[0].created
-            head = (moment, messages[-1].created, None, None, None, None)
-        return ConversationRecord(conversation_id, *head, len(messages), messages=messages)
+        created, updated, adapter, channel_key, model, title = head or (
+            messages[0].created, messages[-1].created, None, None, None, None)
+        return ConversationRecord(id=conversation_id, created=created, updated=updated, adapter=adapter,
+                                  channel_key=channel_key, model=model, title=title, message_count=len(messages),
+                                  messages=messages)
 
     def search(self, text: str, limit: int = 50) -> list[SearchHit]:
         """Messages containing ``text`` (case-insensitive), newest first."""
