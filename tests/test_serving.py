@@ -296,3 +296,23 @@ def test_eval_on_the_scheduler_gives_the_same_replies(serving_engine):
     assert batched_report.samples == alone_report.samples
     assert batched_report.rows[0].perplexity == alone_report.rows[0].perplexity
     assert batched_report.rows[0].tokens_per_s > 0
+
+
+def test_the_chat_command_decodes_on_the_scheduler(tiny_model_dir, host):
+    from chatcore.adapters.repl.app import ChatConfig, build_state, close_state
+    from chatcore.adapters.repl.state import ChatState
+
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="top-k", max_new_tokens=8, seed=1, no_log=True)
+    state = build_state(config, host, say=lambda message: None)
+    plain = ChatState(state.engine, state.options, next_seed=1)
+    try:
+        assert state.scheduler is not None
+        for text in ("hi there, how are you doing today?", "what did you do this weekend?"):
+            reply = state.send(text)
+            assert reply.text() == plain.send(text).text()
+        assert reply.provenance["prefix_cached_tokens"] > 10
+        interrupted = state.send("and tomorrow?")
+        interrupted.interrupt()  # never read: its reply stops being decoded
+        assert state.scheduler.in_flight() == 0
+    finally:
+        close_state(state)

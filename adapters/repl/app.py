@@ -96,6 +96,7 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import ReplyOptions
     from chatcore.prompting import clean_system_prompt
+    from chatcore.serving import Scheduler
 
     system = clean_system_prompt(config.system)
     decoder, decoder_settings = parse_spec(config.decoder_spec)
@@ -110,7 +111,7 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
         for name, settings in steerers:
             engine.make_steerer(name, settings)
         state = ChatState(engine, options, store=store, log_off_reason=off_reason, next_seed=config.seed,
-                          system=system)
+                          system=system, scheduler=Scheduler(engine, max_batch=1))
         if store is not None:
             if resume_id is not None:
                 state.switch_to(store.resume(engine, resume_id))
@@ -128,6 +129,8 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
 
 
 def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
+    if state.scheduler is not None:
+        state.scheduler.close()
     if state.log_plugin is not None:
         state.engine.host.unregister(LOG_PLUGIN_NAME)
         if state.log_plugin.pending and not state.log_plugin.flush():

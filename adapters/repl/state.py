@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from chatcore.conversation import Conversation
     from chatcore.engine import Engine, ReplyOptions
     from chatcore.response import Response
+    from chatcore.serving import Scheduler
 
 ADAPTER = "repl"
 
@@ -41,6 +42,9 @@ class ChatState:
     system: str | None = None
     prompt_format: str | None = None
     notices: list[str] = field(default_factory=list)
+    # Decodes the replies when set (the chat command sets one): the next turn then runs only
+    # its new tokens, the earlier ones coming from the scheduler's prefix cache.
+    scheduler: "Scheduler | None" = None
 
     def __post_init__(self) -> None:
         if self.conversation is None:
@@ -83,7 +87,10 @@ class ChatState:
     def reply(self) -> "Response":
         """A lazy reply to the conversation so far, with the current options and seed."""
         options = dataclasses.replace(self.options, seed=self.next_seed)
-        response = self.current.reply(options)
+        if self.scheduler is not None:
+            response = self.scheduler.respond(self.current, options)
+        else:
+            response = self.current.reply(options)
         if self.next_seed is not None:
             self.next_seed += 1
         self.last_response = response

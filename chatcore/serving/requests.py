@@ -115,7 +115,9 @@ class Handle:
         ``interrupt()`` cancels); ``finalize`` runs when it ends (a conversation records it)."""
         from chatcore.response import Response
 
-        return Response(self.tokens, tokenizer, self.provenance, finalize=finalize)
+        response = Response(self.tokens, tokenizer, self.provenance, finalize=finalize)
+        response.on_done(lambda _: self.cancel())  # interrupted before it was read: stop decoding it
+        return response
 
     # -- the scheduler's side --------------------------------------------------------
     def _push(self, token_id: int) -> None:
