@@ -91,16 +91,17 @@ class PPLMSteerer(Steerer):
         session.details["pplm"] = self.perturbation.summary
 
     def _runner(self, session: "GenerationSession") -> Any:
-        """The lean GPT-2 forward for the perturbed passes, if it computes what the inner step
-        does: a GPT-2 model, and no other steerer between PPLM and the model (steerers
-        listed before this one are inside it, and their edits must take part)."""
-        from chatcore.pplm import gpt2
+        """The lean forward for the perturbed passes, if it computes what the inner step
+        does: a GPT-2 or Llama-family model (:func:`chatcore.pplm.runner.supports`), and no
+        other steerer between PPLM and the model (steerers listed before this one are inside
+        it, and their edits must take part)."""
+        from chatcore.pplm import runner
 
         steerers = list(session.steerers)
         innermost = bool(steerers) and steerers[0] is self
-        if not innermost or not gpt2.supports(session.model.model):
+        if not innermost or not runner.supports(session.model.model):
             return None
-        return gpt2.GPT2Runner(session.model.model)
+        return runner.Runner(session.model.model)
 
     def wrap(self, step: Step) -> Step:
         if self.perturbation is None:

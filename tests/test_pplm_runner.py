@@ -1,4 +1,6 @@
-"""PPLM's lean GPT-2 forward and low-rank deltas: the same numbers as the model's own forward."""
+"""PPLM's lean forward and low-rank deltas: the same numbers as the model's own forward, on
+chatcore-tiny (GPT-2) and tiny random Llama-family models (rotary positions, grouped-query
+attention, RMSNorm)."""
 
 from __future__ import annotations
 
@@ -7,14 +9,39 @@ import torch
 
 from chatcore.decoding import GenerationSession
 from chatcore.plugins.pplm import PPLMSteerer
-from chatcore.pplm.gpt2 import GPT2Runner, LowRankDeltas, supports
+from chatcore.pplm.runner import LowRankDeltas, Runner, supports
 from chatcore.pplm.kv import GrowingPast, fresh_cache, past_of
 from chatcore.pplm.perturb import apply_deltas
 from chatcore.steering import Steerer
+from chatcore.testing import build_tiny_model
 from chatcore.step import StepOutput, StepState
 from chatcore.text import encode_text
 
 FOOD = "pizza,cheese,dinner,hungry,delicious,hamburger,spaghetti"
+RUNNER_MODELS = ("gpt2", "llama", "qwen2", "gemma", "mistral", "phi3")
+
+
+@pytest.fixture(scope="module")
+def tiny_family(tmp_path_factory):
+    """A function: architecture -> a tiny random model of it (4 heads over 2 key/value heads
+    for the Llama family), loaded once per module; "gpt2" is the bundled chatcore-tiny."""
+    from chatcore.models import load_model
+
+    built = {}
+
+    def get(architecture: str):
+        if architecture not in built:
+            folder = build_tiny_model(tmp_path_factory.mktemp(architecture), architecture=architecture, heads=4,
+                                      seed=3)
+            built[architecture] = load_model(str(folder), device="cpu", dtype="float32")
+        return built[architecture]
+
+    return get
+
+
+@pytest.fixture(params=RUNNER_MODELS)
+def any_model(request, tiny_family):
+    return request.getfixturevalue("loaded") if request.param == "gpt2" else tiny_family(request.param)
 
 
 def padded_batch(loaded, texts: list[str]):
@@ -54,7 +81,8 @@ def model_pass(model, ids, mask, positions, past, dense=None):
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("with_deltas", [False, True])
-def test_runner_matches_the_model_forward(loaded, padded, with_deltas):
+def test_runner_matches_the_model_forward(any_model, padded, with_deltas):
+    loaded = model = any_model
     model = loaded.model
     assert supports(model)
     texts = ["hi, what did you have for dinner?", "do you like rain?" if padded else "do you like the rain today?"]
@@ -66,7 +94,7 @@ def test_runner_matches_the_model_forward(loaded, padded, with_deltas):
                              use_cache=True).past_key_values)
         deltas = random_low_rank(past, window=4, rank=2) if with_deltas else None
         reference = model_pass(model, ids, mask, positions, past, None if deltas is None else deltas.dense())
-        mine = GPT2Runner(model).forward(past, positions[:, -1:], input_ids=ids[:, -1:],
+        mine = Runner(model).forward(past, positions[:, -1:], input_ids=ids[:, -1:],
                                          key_mask=mask.bool() if padded else None, deltas=deltas, hidden_states=True)
     assert padded == bool((mask == 0).any())
     assert torch.allclose(mine.logits, reference.logits[:, -1].float(), atol=1e-5)
@@ -79,13 +107,14 @@ def test_runner_matches_the_model_forward(loaded, padded, with_deltas):
         assert torch.allclose(values, layer.values[:, :, -1:], atol=1e-5)
 
 
-def test_runner_from_a_layer_reuses_what_lies_below(loaded):
+def test_runner_from_a_layer_reuses_what_lies_below(any_model):
     """Deltas on the top layer only: a pass from that layer, reusing the first pass's start,
     computes what the model's forward does from the past with those deltas."""
+    loaded = any_model
     model = loaded.model
     ids, mask, positions = padded_batch(loaded, ["hi, what did you have for dinner?", "do you like rain?"])
-    top = model.config.n_layer - 1
-    runner = GPT2Runner(model)
+    top = model.config.num_hidden_layers - 1
+    runner = Runner(model)
     with torch.no_grad():
         past = past_of(model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
                              use_cache=True).past_key_values)
@@ -109,11 +138,13 @@ def test_runner_from_a_layer_reuses_what_lies_below(loaded):
         assert torch.allclose(keys, layer.keys[:, :, -1:], atol=1e-5)
         assert torch.allclose(values, layer.values[:, :, -1:], atol=1e-5)
     with pytest.raises(ValueError, match="from_layer"):
-        runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], from_layer=model.config.n_layer)
+        runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], from_layer=top + 1)
 
 
-def test_probe_gradients_are_the_dense_delta_gradients(loaded):
-    """The deltas' gradients from the probes (outer products) equal autograd's on dense deltas."""
+def test_probe_gradients_are_the_dense_delta_gradients(any_model):
+    """The deltas' gradients from the probes (sums of outer products over the query heads of
+    each key/value head) equal autograd's on dense deltas."""
+    loaded = any_model
     model = loaded.model
     ids, mask, positions = padded_batch(loaded, ["what should we cook tonight?", "hello there!"])
     with torch.no_grad():
@@ -131,14 +162,15 @@ def test_probe_gradients_are_the_dense_delta_gradients(loaded):
     dense = deltas.dense().clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(loss_of(model_pass(model, ids, mask, positions, past, dense).logits[:, -1]),
                                       dense)
+    runner = Runner(model)
     layers, (batch, heads, _, head_dim) = len(past), past[0][0].shape
-    probes = (torch.zeros((layers, batch, heads, 1, window), requires_grad=True),
-              torch.zeros((layers, batch, heads, 1, head_dim), requires_grad=True))
-    output = GPT2Runner(model).forward(past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(),
-                                       deltas=deltas, probes=probes)
+    probes = (torch.zeros((layers, batch, heads, runner.group, window), requires_grad=True),
+              torch.zeros((layers, batch, heads, runner.group, head_dim), requires_grad=True))
+    output = runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(), deltas=deltas,
+                            probes=probes)
     score_grad, output_grad = torch.autograd.grad(loss_of(output.logits), probes)
-    key_grad = score_grad.squeeze(3).unsqueeze(-1) * output.queries.unsqueeze(-2)  # (layers, B, H, W, D)
-    value_grad = output.window_probs.unsqueeze(-1) * output_grad.squeeze(3).unsqueeze(-2)
+    key_grad = score_grad.transpose(-1, -2) @ output.queries  # (layers, B, H_kv, W, D)
+    value_grad = output.window_probs.transpose(-1, -2) @ output_grad
     got = torch.stack([key_grad, value_grad], dim=1).flatten(0, 1)
     assert expected.abs().max() > 0
     assert torch.allclose(got, expected, atol=1e-6, rtol=1e-4)
@@ -221,6 +253,17 @@ def steered_run(loaded, settings: dict, inner: bool, rows: int = 1, tokens: int 
     {"stepsize": 0.4, "gm_scale": 0.6, "steer_every": 2, "carry": False},
 ])
 def test_the_lean_path_computes_what_the_generic_path_does(loaded, settings):
+    check_lean_equals_generic(loaded, settings)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "gemma"])
+@pytest.mark.parametrize("settings", [{"stepsize": 0.3, "carry": True, "window_length": 3, "decay": True},
+                                      {"stepsize": 0.3, "carry": False}])
+def test_the_lean_path_computes_what_the_generic_path_does_on_llama_family(tiny_family, architecture, settings):
+    check_lean_equals_generic(tiny_family(architecture), settings)
+
+
+def check_lean_equals_generic(loaded, settings):
     lean_scores, lean_tokens, lean = steered_run(loaded, settings, inner=False)
     generic_scores, generic_tokens, generic = steered_run(loaded, settings, inner=True)
     assert lean.perturbation.runner is not None and generic.perturbation.runner is None

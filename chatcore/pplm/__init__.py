@@ -7,8 +7,8 @@ of one-token forward (and backward) passes, whatever the history's length.
 - :mod:`chatcore.pplm.attribute`  what to steer towards: a bag of words or a
   discriminator head (the attribute model contract, saving and loading heads);
 - :mod:`chatcore.pplm.perturb`    the perturbation of the past, one decoding step at a time;
-- :mod:`chatcore.pplm.gpt2`       a lean one-token forward for GPT-2 models, from the past as
-  tensors, and low-rank key/value deltas;
+- :mod:`chatcore.pplm.runner`     a lean one-token forward for GPT-2 and Llama-family models,
+  from the past as tensors, and low-rank key/value deltas;
 - :mod:`chatcore.pplm.kv`         key/value caches as plain tensors and back, a growing past;
 - :mod:`chatcore.pplm.train_discriminator`  training a head on a frozen model.
 

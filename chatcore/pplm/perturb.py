@@ -20,12 +20,12 @@ For every new token the wrapped step does (B rows at once; x = the token fed now
 
 Two ways to run the passes, with the same results (tests/test_pplm_runner.py):
 
-- **lean** (GPT-2 models, PPLM the innermost steerer): the passes run through
-  :class:`chatcore.pplm.gpt2.GPT2Runner` from the past as tensors, and the deltas are
-  kept as low-rank factors (:class:`chatcore.pplm.gpt2.LowRankDeltas`): with one query
-  per row the gradient w.r.t. a layer's deltas is an outer product, recovered from the
-  gradients of two small probes, so neither the deltas nor their gradients are built at
-  full size. When the perturbation starts from the plain past (no carried perturbation,
+- **lean** (GPT-2 and Llama-family models, PPLM the innermost steerer): the passes run
+  through :class:`chatcore.pplm.runner.Runner` from the past as tensors, and the deltas
+  are kept as low-rank factors (:class:`chatcore.pplm.runner.LowRankDeltas`): with one
+  query per row and head the gradient w.r.t. a layer's deltas is a sum of outer products
+  (one per query head of a key/value head), recovered from the gradients of two small
+  probes, so neither the deltas nor their gradients are built at full size. When the perturbation starts from the plain past (no carried perturbation,
   every row writing) the plain pass is the first iteration's forward.
 - **generic** (any other model, or other steerers inside PPLM, whose edits must take
   part): every pass is the inner step on a fresh ``DynamicCache`` built from past +
@@ -60,7 +60,7 @@ import torch
 
 from chatcore.pplm.attribute import AttributeInputs, AttributeModel
 from chatcore.pplm.config import PerturbConfig
-from chatcore.pplm.gpt2 import LowRankDeltas, RunOutput, Start
+from chatcore.pplm.runner import LowRankDeltas, RunOutput, Start
 from chatcore.pplm.kv import GrowingPast, Past, fresh_cache, normal, past_length, past_of, select_rows
 from chatcore.step import Step, StepOutput, StepState
 
@@ -162,7 +162,7 @@ class _Setup:
 class Perturbation:
     """PPLM's state for one response, and the wrapped step (see the module docstring).
 
-    ``runner``: a :class:`chatcore.pplm.gpt2.GPT2Runner` for the model, used for the
+    ``runner``: a :class:`chatcore.pplm.runner.Runner` for the model, used for the
     perturbed passes when the inner step is the model's own (no other steerer inside
     PPLM); without it every pass goes through the inner step with a fresh cache.
 
@@ -271,8 +271,8 @@ class Perturbation:
         return self._finish(state, plain.replace(logits=self._fuse(plain.logits, perturbed.logits)))
 
     def _lean_step(self, inner: Step, state: StepState, past_len: int, optimise: bool) -> StepOutput:
-        """The passes from the past as tensors, through the GPT-2 runner (see chatcore.pplm.gpt2),
-        with the deltas kept as low-rank factors (:class:`chatcore.pplm.gpt2.LowRankDeltas`).
+        """The passes from the past as tensors, through the runner (see chatcore.pplm.runner),
+        with the deltas kept as low-rank factors (:class:`chatcore.pplm.runner.LowRankDeltas`).
 
         When the perturbation starts from the plain past with every row writing, the plain
         pass *is* the first iteration's forward (its deltas are zero): one pass fewer.
@@ -482,13 +482,14 @@ class Perturbation:
             return None, None, None
         keys = setup.base[0][0]
         layers, batch, heads, head_dim = len(setup.base) - setup.first_layer, keys.size(0), keys.size(1), keys.size(3)
+        group = self.runner.group
         needs_hidden = self.attribute.needs_hidden
         deltas: LowRankDeltas | None = None
         first: RunOutput | None = None
         for iteration in range(self.config.num_iterations):
             with torch.enable_grad():
-                probes = (keys.new_zeros((layers, batch, heads, 1, setup.window), requires_grad=True),
-                          keys.new_zeros((layers, batch, heads, 1, head_dim), requires_grad=True))
+                probes = (keys.new_zeros((layers, batch, heads, group, setup.window), requires_grad=True),
+                          keys.new_zeros((layers, batch, heads, group, head_dim), requires_grad=True))
                 output = forward(setup.state, setup.base, deltas, probes,
                                  needs_hidden or (first_hidden and iteration == 0))
                 log_probs = torch.log_softmax(output.logits.float(), dim=-1)  # (b, V)
@@ -496,8 +497,8 @@ class Perturbation:
                     first, setup.reference = output, log_probs.detach()
                 score_grad, output_grad = torch.autograd.grad(self._loss(setup, log_probs, output), probes)
             assert output.queries is not None and output.window_probs is not None
-            deltas, norms = self._step_low_rank(deltas, score_grad.squeeze(3).float(), output.queries.float(),
-                                                output.window_probs.float(), output_grad.squeeze(3).float(),
+            deltas, norms = self._step_low_rank(deltas, score_grad.float(), output.queries.float(),
+                                                output.window_probs.float(), output_grad.float(),
                                                 setup.weights, setup.rows)
             if setup.record is not None:
                 setup.record["grad_norm"].append(norms.tolist())
@@ -510,20 +511,26 @@ class Perturbation:
                        rows: torch.Tensor | None) -> tuple[LowRankDeltas, torch.Tensor]:
         """The step of :meth:`_step_deltas` on low-rank deltas; returns them and the (b,) mean of n.
 
-        Per layer, row and head the key deltas' gradient is score_grad (W) x query (D) and
-        the value deltas' gradient is window_probs (W) x output_grad (D), so the norm of
-        w * g is sqrt(sum over heads of |w score_grad|^2 |query|^2 + |w probs|^2 |output_grad|^2)
-        and the step adds one outer product. Shapes: (layers, b, H, W) and (layers, b, H, D).
+        Per layer, row and key/value head the key deltas' gradient is score_grad^T @ query,
+        (W, G) @ (G, D), a sum over the G query heads reading that key/value head, and the
+        value deltas' gradient is window_probs^T @ output_grad. The squared norm of a
+        product A^T B is sum((A A^T) * (B B^T)) (G x G matrices), so the norm of w * g
+        needs no (W, D) tensor, and the step adds G outer products.
+        Shapes: (layers, b, H_kv, G, W) and (layers, b, H_kv, G, D).
         """
         config = self.config
         if weights is not None:
             score_grad, window_probs = score_grad * weights, window_probs * weights
-        squares = (score_grad.square().sum(-1) * queries.square().sum(-1)
-                   + window_probs.square().sum(-1) * output_grad.square().sum(-1)).sum(-1)  # (layers, b)
+
+        def squared_norm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return ((a @ a.transpose(-1, -2)) * (b @ b.transpose(-1, -2))).sum((-1, -2))  # (layers, b, H_kv)
+
+        squares = (squared_norm(score_grad, queries) + squared_norm(window_probs, output_grad)).sum(-1)  # (layers, b)
         norms = self._running_norm_max(squares.sqrt().t() + NORM_EPSILON, rows)  # (b, layers)
-        scales = (-config.stepsize / norms.pow(config.gamma)).t()[:, :, None, None]  # (layers, b, 1, 1)
-        step = (score_grad * scales, queries, window_probs * scales, output_grad)
-        deltas = LowRankDeltas.outer(*step) if deltas is None else deltas.plus(*step)
+        scales = (-config.stepsize / norms.pow(config.gamma)).t()[:, :, None, None, None]  # (layers, b, 1, 1, 1)
+        step = ((score_grad * scales).transpose(-1, -2), queries, (window_probs * scales).transpose(-1, -2),
+                output_grad)
+        deltas = LowRankDeltas(*step) if deltas is None else deltas.plus(*step)
         return deltas, norms.mean(1)
 
     def _running_norm_max(self, norms: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -578,7 +585,7 @@ class Perturbation:
                 soft = (probs.to(embeddings.dtype) @ embeddings[:vocab]).unsqueeze(1)  # (b, 1, C)
                 mask = torch.cat([mask, mask.new_ones((mask.size(0), 1))], dim=1)
                 position = position + 1
-                if cache is None:  # the GPT-2 runner, as for the other passes
+                if cache is None:  # the runner, as for the other passes
                     self.summary["runner_passes"] += 1
                     future = self.runner.forward(past, position, inputs_embeds=soft, key_mask=key_mask_of(mask),
                                                  hidden_states=True)
