@@ -87,6 +87,8 @@ def open_and_write(url: str, barrier: Any, number: int) -> None:
     store = ConversationStore(url, timeout_s=30)
     store.add_message(f"conversation-{number}", "user", f"hello from process {number}",
                       conversation={"adapter": "test", "title": f"process {number}"})
+    # Every process adds the same new conversation too: one row, and no write refused.
+    store.add_message("shared", "user", f"process {number} in the shared room", conversation={"title": "shared"})
     store.close()
 
 
@@ -107,8 +109,9 @@ def test_processes_opening_a_new_log_at_once_all_log(backend: Backend) -> None:
             process.join(60)
         assert [p.exitcode for p in processes] == [0] * OPENERS, f"trial {trial}"
         with ConversationStore(url) as store:
-            assert store.count_messages() == OPENERS and store.count_conversations() == OPENERS
+            assert store.count_messages() == 2 * OPENERS and store.count_conversations() == OPENERS + 1
             assert len(store.search("hello from process")) == OPENERS
+            assert len(store.get_conversation("shared").messages) == OPENERS
 
 
 # -- 2. SIGKILL during the first open ------------------------------------------------------------

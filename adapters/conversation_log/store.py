@@ -350,16 +350,29 @@ class ConversationStore:
             raise
 
     def _ensure(self, session: Session, conversation_id: str, fields: dict[str, Any]) -> bool:
+        """Insert the conversation's row unless it exists; True if this call inserted it.
+
+        On SQLite and PostgreSQL the insert itself skips an existing row (``ON CONFLICT
+        DO NOTHING``), so two processes adding the same conversation at once never fail.
+        """
         if session.get(ConversationRow, conversation_id) is not None:
             return False
         created = fields.get("created") or utc_now()
         title = fields.get("title") or None
-        session.add(ConversationRow(
-            id=conversation_id, created=created, updated=created, adapter=fields.get("adapter"),
+        values = dict(
+            id=conversation_id, created=created, updated=created, adapter=self._storable(fields.get("adapter")),
             channel_key=self._storable(fields.get("channel_key")), model=self._storable(fields.get("model")),
             title=title and self._storable(title[:255]), system=self._storable(fields.get("system")),
             prompt_format=fields.get("prompt_format"), meta=self._storable(dict(fields.get("meta") or {})),
-        ))
+        )
+        if self.is_sqlite or self.is_postgres:
+            if self.is_sqlite:
+                from sqlalchemy.dialects.sqlite import insert
+            else:
+                from sqlalchemy.dialects.postgresql import insert  # type: ignore[assignment]
+            inserted = session.execute(insert(ConversationRow).values(**values).on_conflict_do_nothing())
+            return bool(inserted.rowcount)  # type: ignore[attr-defined]
+        session.add(ConversationRow(**values))
         session.flush()
         return True
 
