@@ -30,9 +30,12 @@ from chatcore.errors import ChatcoreError
 @click.option("--format", "prompt_format", default="auto", show_default=True,
               help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...")
 @click.option("--json", "json_path", default=None, help="Also write the full report (with every reply) to this file.")
+@click.option("--batch", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Replies decoded at once by the serving scheduler (the same replies; tok/s is then the set's).")
 def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], prompts: str, limit: int, seed: int,
                  max_new_tokens: int, attribute: str | None, samples: int, device: str | None,
-                 system_text: str | None, system_file: str | None, prompt_format: str, json_path: str | None) -> None:
+                 system_text: str | None, system_file: str | None, prompt_format: str, json_path: str | None,
+                 batch: int) -> None:
     """Measure a decoder and steerer configuration over a prompt set.
 
     Prints perplexity of the replies under the plain model, distinct-1/2/3, mean
@@ -63,7 +66,14 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
     contexts = contexts[:limit]
     vocabulary = load_vocabulary(attribute) if attribute else None
     label = " + ".join([decoder] + [name for name, _ in steerers])
-    report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed, system=system)
+    if batch > 1:
+        from chatcore.serving import Scheduler
+
+        with Scheduler(engine, max_batch=batch, max_waiting=len(contexts)) as scheduler:
+            report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed,
+                              system=system, scheduler=scheduler)
+    else:
+        report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed, system=system)
     click.echo(report.table())
     shown = [s for s in report.samples if "reply" in s][:samples]
     for sample in shown:

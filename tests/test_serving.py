@@ -316,3 +316,23 @@ def test_the_chat_command_decodes_on_the_scheduler(tiny_model_dir, host):
         assert state.scheduler.in_flight() == 0
     finally:
         close_state(state)
+
+
+def test_eval_command_batches_with_the_same_replies(tiny_model_dir, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from chatcore.cli import build_cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi there\nwhat do you do for fun?\ndo you like pizza?\nok\n", encoding="utf-8")
+    reports = []
+    for batch in ("1", "3"):
+        out = tmp_path / f"report-{batch}.json"
+        result = CliRunner().invoke(build_cli(), ["eval", "--model", str(tiny_model_dir), "--prompts", str(prompts),
+                                                  "-n", "8", "--batch", batch, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        reports.append(json.loads(out.read_text()))
+    assert [s["reply"] for s in reports[0]["samples"]] == [s["reply"] for s in reports[1]["samples"]]
+    assert len(reports[0]["samples"]) == 4
