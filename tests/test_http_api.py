@@ -340,3 +340,15 @@ def test_failures_after_the_request_was_accepted_are_server_errors(serving, clie
     crowded = [{"role": "system", "content": "word " * 3000}] + hi
     response = post(serving, {"model": name, "messages": crowded})
     assert response.status_code == 400 and "system prompt" in response.json()["error"]["message"]
+
+
+def test_content_parts_developer_and_several_system_messages(engine, client):
+    model = model_name(client)
+    messages = [{"role": "developer", "content": "Be kind."}, {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+                {"role": "assistant", "content": "hello!"}, {"role": "user", "content": "how are you?"}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8, seed=2)
+    expected = engine.reply_to(["hi there", "hello!", "how are you?"], ReplyOptions(seed=2, max_new_tokens=8),
+                               system="Be kind.\nBe brief.")
+    assert reply.choices[0].message.content == expected.text()
+    assert reply.usage.prompt_tokens == expected.provenance["prompt_tokens"]

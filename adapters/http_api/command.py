@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -46,6 +48,9 @@ def serve(host: str, port: int, model: str, api_key: str | None, system_text: st
         raise OptionError("`--api-key` is empty")
     validate_format_name(prompt_format)
     system = system_prompt_option(system_text, system_file)
+    if api_key is None and host not in LOOPBACK:
+        click.echo(f"chatcore: warning: listening on {host} without --api-key: anyone who can reach this "
+                   "address can use the model", err=True)
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
     with Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting,
                    prefix_cache_bytes=prefix_cache_mb * 2**20) as scheduler:
