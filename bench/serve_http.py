@@ -91,7 +91,8 @@ def main() -> None:
     tokens = sum(r["tokens"] for r in results)
     for label, values in (("first token", [r["first"] for r in results if r["first"] is not None]),
                           ("whole reply", [r["total"] for r in results])):
-        print(f"{label:12s} p50 {percentile(values, 0.5) * 1000:8.1f} ms   p99 {percentile(values, 0.99) * 1000:8.1f} ms")
+        p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
+        print(f"{label:12s} p50 {p50 * 1000:8.1f} ms   p99 {p99 * 1000:8.1f} ms")
     print(f"every request answered exactly once: {len(answered)}/{args.clients}; "
           f"{same}/{args.clients} replies equal to the same request sent alone; {tokens} tokens")
     print(f"throughput: concurrent {args.clients / together:.2f} replies/s   one after another "

@@ -160,7 +160,8 @@ class GenerationSession:
                 next_position = next_position + 1
 
 
-def restrict_scores(scores: "torch.Tensor", banned: "torch.Tensor", stops: "torch.Tensor", early: bool) -> "torch.Tensor":
+def restrict_scores(scores: "torch.Tensor", banned: "torch.Tensor", stops: "torch.Tensor",
+                    early: bool) -> "torch.Tensor":
     """Ban the ``banned`` tokens, and the ``stops`` too while it is ``early`` (before min_new_tokens):
     too early to stop, as an empty reply helps no one."""
     if early or banned.numel():

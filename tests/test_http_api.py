@@ -245,7 +245,7 @@ def test_a_busy_server_says_so(serving, client):
 
 @pytest.mark.slow
 def test_many_concurrent_requests_are_each_answered_once(serving, client, engine):
-    from chatcore.adapters.http_api.app import ServeConfig, build_app
+    from chatcore.adapters.http_api.app import build_app
     from chatcore.adapters.http_api.server import start_in_thread
     from chatcore.serving import Scheduler
 

@@ -128,6 +128,7 @@ class DecodingBatch:
 
     def join(self, row: BatchRow, cache: Any) -> None:
         """Add a started row and its cache (of its ``cached`` columns) to the batch."""
+        import torch
         import torch.nn.functional as F
 
         if self.cache is None:
@@ -140,7 +141,7 @@ class DecodingBatch:
                 old, new = getattr(mine, name), getattr(theirs, name)  # (B, H, T, D)
                 old = F.pad(old, (0, 0, width - old.shape[2], 0))
                 new = F.pad(new, (0, 0, width - new.shape[2], 0))
-                setattr(mine, name, torch_cat([old, new]))
+                setattr(mine, name, torch.cat([old, new], dim=0))
         self.width = width
         self.rows.append(row)
 
@@ -208,15 +209,6 @@ class DecodingBatch:
             for processor in decoder.processors():
                 scores = processor(history, scores)
             return int(decoder.select(scores, session.generator)[0])
-
-    def is_stop(self, row: BatchRow, token: int) -> bool:
-        return token in row.session.stop_ids
-
-
-def torch_cat(tensors: list["torch.Tensor"]) -> "torch.Tensor":
-    import torch
-
-    return torch.cat(tensors, dim=0)
 
 
 def blame(engine: "Engine", reply: "PreparedReply", error: Exception) -> ChatcoreError:
