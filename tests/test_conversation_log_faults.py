@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import tempfile
@@ -217,9 +218,7 @@ def test_a_file_read_only_at_the_start_is_written_once_it_is_writable(chat_engin
             assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
             store.close()
     finally:
-        path.chmod(0o666)
-        for leftover in folder.rglob("*"):
-            leftover.unlink() if leftover.is_file() else None
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- a database that fails, and comes back ------------------------------------------------------
