@@ -86,9 +86,14 @@ class Conversation:
     def system(self, text: str | None) -> None:
         self._system = clean_system_prompt(text)
 
-    def add_user(self, text: Any) -> Turn:
-        """Append a user turn (validated and normalised) and fire ``on_user_message``."""
-        turn = Turn("user", clean_message(text))
+    def add_user(self, text: Any, meta: dict[str, Any] | None = None) -> Turn:
+        """Append a user turn (validated and normalised) and fire ``on_user_message``.
+
+        ``meta``: facts about the turn that adapters record, e.g. ``{"author_id": "123"}``
+        (the conversation log stores the author so that an operator can export or delete
+        one person's messages).
+        """
+        turn = Turn("user", clean_message(text), meta=dict(meta or {}))
         self.turns.append(turn)
         self.engine.host.call_each("on_user_message", conversation=self, turn=turn)
         return turn

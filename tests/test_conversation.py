@@ -398,3 +398,18 @@ def test_conversation_ids_and_meta(engine):
     first, second = engine.conversation(channel="x"), engine.conversation()
     assert first.id != second.id and first.meta == {"channel": "x"}
     assert isinstance(first, Conversation)
+
+
+def test_a_user_turn_carries_its_meta_to_the_hooks(engine):
+    seen = []
+
+    class Plugin:
+        @chatcore.hookimpl
+        def on_user_message(self, conversation, turn):
+            seen.append(dict(turn.meta))
+
+    engine.host.register(Plugin(), "meta-watcher")
+    conversation = engine.conversation()
+    conversation.add_user("hi", meta={"author_id": "42"})
+    conversation.add_user("again")
+    assert seen == [{"author_id": "42"}, {}]
