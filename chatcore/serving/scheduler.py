@@ -16,6 +16,10 @@ and then advances every reply by one token:
 - the others (MMI, PPLM, CoCon ...) each run their own decoding loop
   (:meth:`Engine.reply_tokens`), one token per turn, beside the batch.
 
+A batched reply's prompt starts from the longest prefix the prefix cache holds
+(:mod:`chatcore.serving.prefix_cache`); when it ends, what it fed the model is stored
+there for the conversation's next turn.
+
 Past ``max_batch`` replies in flight and ``max_waiting`` waiting, ``submit`` raises
 :class:`ServerBusy`. A reply whose plugin fails ends with that error alone; the model
 failing ends every reply in the batch.
