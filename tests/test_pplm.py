@@ -528,3 +528,70 @@ def test_the_settings_table_shows_every_knob_with_its_default():
         default = field.default
         shown = str(default).lower() if isinstance(default, bool) else str(default)
         assert f"| `{field.name}` | {shown} |" in docs, f"docs/pplm.md: no row `{field.name}` with default {shown}"
+
+
+# -- Llama-family models ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma"])
+def llama_family(request, tmp_path_factory):
+    """(folder, loaded) of a tiny random Llama-family model: 4 query heads over 2 key/value heads."""
+    from chatcore.models import load_model
+    from chatcore.testing import build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), architecture=request.param, heads=4,
+                              layers=4, seed=5)
+    return folder, load_model(str(folder), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "top-k", "mmi"])
+def test_pplm_steers_llama_family_models_under_every_decoder(llama_family, decoder):
+    """The steerer runs on the lean runner under each decoder (MMI: a batch of candidates,
+    reranked by a reverse model) and changes the reply's scores."""
+    folder, loaded = llama_family
+    host = PluginHost()
+    host.load_modules(PLUGINS + ("chatcore.plugins.mmi",))
+    engine = Engine(loaded, host=host)
+    settings = {"candidates": 3, "reverse_model": str(folder)} if decoder == "mmi" else {}
+
+    def reply(steerers):
+        response = engine.reply_to(["what should we have for dinner?"], ReplyOptions(
+            decoder=decoder, decoder_settings=settings, seed=3, max_new_tokens=6, min_new_tokens=6,
+            steerers=steerers))
+        response.text()
+        return response
+
+    steered = reply([("pplm", {"words": ",".join(FOOD)})])
+    plain = reply([])
+    details = steered.provenance["details"]["pplm"]
+    assert details["optimised_steps"] >= 6 and details["runner_passes"] > 0  # the lean path ran
+    assert len(steered.token_ids) == len(plain.token_ids) == 6
+    assert steered.provenance["steerers"][0]["name"] == "pplm"
+
+
+def test_pplm_raises_the_topic_probability_on_llama_family_models(llama_family):
+    _, loaded = llama_family
+    steerer = PPLMSteerer.from_options({"words": ",".join(FOOD), "stepsize": 0.5})
+    steered, plain = first_step(loaded, steerer, prompt_for(loaded, "hi! what did you do today?"))
+    assert steerer.perturbation.runner is not None
+    targets = steerer.perturbation.attribute.start_mask
+    share = lambda logits: float(torch.softmax(logits[0], -1)[targets].sum())  # noqa: E731
+    assert share(steered.logits) > 1.2 * share(plain.logits)
+
+
+def test_train_discriminator_command_on_a_llama_model(llama_family, tmp_path):
+    folder, loaded = llama_family
+    data = tmp_path / "data.tsv"
+    data.write_text("\n".join(f"{e.label}\t{e.text}" for e in synthetic_examples()), encoding="utf-8")
+    group = click.Group("chatcore")
+    pplm_plugin.register_commands(group)
+    out = tmp_path / "head.safetensors"
+    result = CliRunner().invoke(group, ["train", "discriminator", "--model", str(folder), "--data", str(data),
+                                        "--out", str(out), "--epochs", "50", "--per-class", "10"])
+    assert result.exit_code == 0, result.output
+    head = read_head_config(out)
+    assert (head.hidden_size, head.num_layers) == model_shape(loaded.model)
+    steerer = PPLMSteerer.from_options({"discriminator": str(out), "class_label": head.classes[0], "stepsize": 0.3})
+    tokens, session = decode(loaded, prompt_for(loaded, "how was your day?"), [steerer], tokens=3)
+    assert tokens.shape == (1, 3) and steerer.perturbation.runner is not None
+    assert steerer.perturbation.summary["optimised_steps"] == 3

@@ -9,9 +9,10 @@ For every new token the wrapped step does (B rows at once; x = the token fed now
 2. the **perturbation**: key/value deltas per perturbed layer (zeros to start) over the most recent
    ``window_length`` positions of the *perturbed past*; ``num_iterations`` times: run x
    from past + deltas, take loss = attribute loss + kl_scale * KL(p~ || p) per row,
-   differentiate w.r.t. the deltas only, and step ``delta -= stepsize * w * g / n ** gamma``,
-   with ``w`` the window's (decay) weights and ``n`` the largest norm of ``w * g`` so far
-   in the reply, per row and layer (keys and values together);
+   differentiate w.r.t. the deltas only, and step ``delta -= step * w * g / n ** gamma``,
+   with ``step`` from :meth:`PerturbConfig.step_size`, ``w`` the window's (decay) weights
+   and ``n`` the largest norm of ``w * g`` so far in the reply, per row and layer (keys
+   and values together);
 3. the **perturbed pass**: x from past + final deltas; with ``carry`` its keys and values,
    with the deltas baked in, make the perturbed past of the next step;
 4. the **fusion**: scores = plain logits + gm_scale * (log p~ - log p), i.e. the
@@ -453,7 +454,7 @@ class Perturbation:
     @torch.no_grad()
     def _step_deltas(self, delta: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor | None,
                      rows: torch.Tensor | None) -> torch.Tensor:
-        """delta -= stepsize * w * g / n ** gamma, per row and layer; returns the (b,) mean of n.
+        """delta -= step * w * g / n ** gamma, per row and layer; returns the (b,) mean of n.
 
         n is the largest norm of w * g seen so far in this reply (per row and layer, keys
         and values together), as the paper's code does for bags of words: once the loss
@@ -466,7 +467,7 @@ class Perturbation:
         squares = grad.square().sum((2, 3, 4))  # (2 * layers, b)
         norms = squares.view(layers, 2, -1).sum(1).sqrt().t() + NORM_EPSILON  # (b, layers)
         norms = self._running_norm_max(norms, rows)
-        scales = (config.stepsize / norms.pow(config.gamma)).t().repeat_interleave(2, dim=0)  # (2 * layers, b)
+        scales = (config.step_size(layers) / norms.pow(config.gamma)).t().repeat_interleave(2, dim=0)  # (2 * layers, b)
         delta.sub_(grad * scales.view(*scales.shape, 1, 1, 1))
         return norms.mean(1)
 
@@ -527,7 +528,7 @@ class Perturbation:
 
         squares = (squared_norm(score_grad, queries) + squared_norm(window_probs, output_grad)).sum(-1)  # (layers, b)
         norms = self._running_norm_max(squares.sqrt().t() + NORM_EPSILON, rows)  # (b, layers)
-        scales = (-config.stepsize / norms.pow(config.gamma)).t()[:, :, None, None, None]  # (layers, b, 1, 1, 1)
+        scales = (-config.step_size(norms.size(1)) / norms.pow(config.gamma)).t()[:, :, None, None, None]
         step = ((score_grad * scales).transpose(-1, -2), queries, (window_probs * scales).transpose(-1, -2),
                 output_grad)
         deltas = LowRankDeltas(*step) if deltas is None else deltas.plus(*step)
