@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from serving_steerers import serving_engine  # noqa: F401  (a fixture)
 
@@ -33,25 +35,26 @@ def alone(engine, prompt: str, options: ReplyOptions) -> list[int]:
     return response.token_ids
 
 
-def test_batched_rows_equal_replies_decoded_alone(serving_engine):
+@pytest.mark.parametrize("prefill_chunk", [256, 5])
+def test_batched_rows_equal_replies_decoded_alone(serving_engine, prefill_chunk):
     expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS, OPTIONS)]
-    with Scheduler(serving_engine, max_batch=8) as scheduler:
+    with Scheduler(serving_engine, max_batch=8, prefill_chunk=prefill_chunk) as scheduler:
         handles = [scheduler.submit([Message("user", p)], o) for p, o in zip(PROMPTS, OPTIONS)]
         for handle in handles:
             assert handle.wait(60)
     for handle, ids in zip(handles, expected):
         assert handle.error is None
         assert handle.token_ids == ids
-    # One shared forward pass per step, not one per reply.
+    # One shared forward pass per step, not one per reply (long prompts read in chunks add a few).
     assert scheduler.steps < sum(len(ids) for ids in expected) - len(expected)
-    assert scheduler.steps <= max(len(ids) for ids in expected)
+    assert scheduler.steps <= max(len(ids) for ids in expected) + (8 if prefill_chunk < 10 else 0)
 
 
 def test_replies_join_a_running_batch_between_steps(serving_engine):
     long = ReplyOptions(decoder="top-k", seed=7, max_new_tokens=40, min_new_tokens=40)
     expected_long = alone(serving_engine, PROMPTS[1], long)
     expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS[2:], OPTIONS[2:])]
-    with Scheduler(serving_engine, max_batch=4) as scheduler:
+    with Scheduler(serving_engine, max_batch=4, prefill_chunk=4) as scheduler:
         first = scheduler.submit([Message("user", PROMPTS[1])], long)
         tokens = first.tokens()
         for _ in range(5):
@@ -336,3 +339,17 @@ def test_eval_command_batches_with_the_same_replies(tiny_model_dir, tmp_path):
         reports.append(json.loads(out.read_text()))
     assert [s["reply"] for s in reports[0]["samples"]] == [s["reply"] for s in reports[1]["samples"]]
     assert len(reports[0]["samples"]) == 4
+
+
+def test_a_reply_cancelled_while_its_prompt_is_read_frees_its_slot(serving_engine):
+    slow = ReplyOptions(decoder="greedy", max_new_tokens=5, steerers=[("slow", {})])
+    with Scheduler(serving_engine, max_batch=1, max_waiting=0, prefill_chunk=1) as scheduler:
+        handle = scheduler.submit([Message("user", " ".join(PROMPTS))], slow)
+        deadline = time.monotonic() + 10
+        while not scheduler.prefilling and time.monotonic() < deadline:
+            time.sleep(0.001)
+        handle.cancel()
+        assert handle.wait(10) and handle.finish_reason == "cancelled" and not handle.token_ids
+        after = scheduler.submit([Message("user", "hi")], OPTIONS[0])
+        assert after.wait(60) and after.token_ids == alone(serving_engine, "hi", OPTIONS[0])
+    assert not scheduler.prefilling

@@ -119,6 +119,18 @@ class DecodingBatch:
         row.tokens.append(self.choose(row, output.logits))
         return row, output.cache
 
+    def run_chunk(self, prompt: list[int], done: int, cache: Any, size: int) -> Any:
+        """Run ``prompt[done:done + size]`` after the ``done`` tokens held in ``cache`` (None for
+        none), alone and without steerers (its scores are not used); returns the grown cache."""
+        import torch
+
+        ids = torch.tensor([prompt[:done + size]], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            output = self.model(input_ids=ids[:, done:], attention_mask=torch.ones_like(ids),
+                                position_ids=torch.arange(done, done + size, device=self.device)[None],
+                                past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return output.past_key_values
+
     def layers_of(self, row: BatchRow) -> "Layers":
         """The key/values of every token ``row`` has fed the model: (1, H, cached, D) per layer."""
         index = self.rows.index(row)

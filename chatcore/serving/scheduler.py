@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.serving.batch import BatchRow, DecodingBatch, batchable, blame, mergeable_cache
-from chatcore.serving.prefix_cache import PrefixCache
+from chatcore.serving.prefix_cache import Layers, PrefixCache, cache_from_layers
 from chatcore.serving.requests import Event, Handle, ServerBusy
 
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation
+    from chatcore.decoding import GenerationSession
     from chatcore.engine import Engine, PreparedReply, ReplyOptions
     from chatcore.prompting import Message, PromptFormat
     from chatcore.response import Response
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_WAITING = 64
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -58,6 +60,17 @@ class Request:
     options: "ReplyOptions"
     handle: Handle
     prompt_format: "PromptFormat | None" = None
+
+
+@dataclass
+class Prefill:
+    """A batched reply whose long prompt is run a chunk per turn before it joins the batch."""
+
+    handle: Handle
+    reply: "PreparedReply"
+    session: "GenerationSession"
+    done: int  # prompt tokens in ``cache``
+    cache: Any = field(repr=False)
 
 
 @dataclass
@@ -73,15 +86,21 @@ class Scheduler:
     """Decodes every submitted reply on one thread, batching those that can share a step."""
 
     def __init__(self, engine: "Engine", max_batch: int = DEFAULT_MAX_BATCH,
-                 max_waiting: int = DEFAULT_MAX_WAITING, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES) -> None:
+                 max_waiting: int = DEFAULT_MAX_WAITING, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise OptionError(f"`max_batch` must be a positive integer, got {max_batch!r}")
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise OptionError(f"`max_waiting` must be a non-negative integer, got {max_waiting!r}")
         if not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
             raise OptionError(f"`prefix_cache_bytes` must be a non-negative integer, got {prefix_cache_bytes!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise OptionError(f"`prefill_chunk` must be a positive integer, got {prefill_chunk!r}")
         self.engine = engine
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # A longer new prompt is run this many tokens per turn, so the batch never waits long for it.
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: list[Prefill] = []
         self.max_batch = max_batch
         self.max_waiting = max_waiting
         self.batch = DecodingBatch(engine)
@@ -130,7 +149,7 @@ class Scheduler:
 
     def in_flight(self) -> int:
         """Replies being decoded; a cancelled one no longer counts, so its slot is free at once."""
-        return sum(not row.handle.cancelled for row in [*self.batch.rows, *self.solo])
+        return sum(not row.handle.cancelled for row in [*self.batch.rows, *self.prefilling, *self.solo])
 
     def start(self) -> None:
         with self._lock:
@@ -166,7 +185,7 @@ class Scheduler:
         while True:
             self._drop_cancelled()
             with self._lock:
-                while not self._stopping and not self.waiting and not (self.batch.rows or self.solo):
+                while not self._stopping and not self.waiting and not self._rows():
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -176,20 +195,26 @@ class Scheduler:
             try:
                 for request in admitted:
                     self._admit(request)
+                for prefill in list(self.prefilling):
+                    self._step_prefill(prefill)
                 if len(self.batch):
                     self._step_batch()
                 for row in list(self.solo):
                     self._step_solo(row)
             except Exception as error:  # a bug here must not leave callers waiting forever
                 self._fail_all(ChatcoreError(f"the scheduler failed: {type(error).__name__}: {error}"))
-        for row in self.batch.rows + self.solo:  # type: ignore[operator]
+        for row in self._rows():
             row.handle._end("cancelled")
         for request in self.waiting:
             request.handle._end("cancelled")
 
+    def _rows(self) -> list[Any]:
+        """Every reply the thread holds: batched, prefilling and decoded alone."""
+        return [*self.batch.rows, *self.prefilling, *self.solo]
+
     def _fail_all(self, error: ChatcoreError) -> None:
-        rows = list(self.batch.rows)
-        self.batch = DecodingBatch(self.engine)
+        rows = [*self.batch.rows, *self.prefilling]
+        self.batch, self.prefilling = DecodingBatch(self.engine), []
         for row in rows:
             row.handle._end("error", error)
         for solo in list(self.solo):
@@ -207,19 +232,48 @@ class Scheduler:
             handle.admitted = time.perf_counter()
             if batchable(reply) and self._merging():
                 session = self.engine.start_session(reply)
-                prefix = self.prefix_cache.lookup(reply.plan.token_ids)
-                handle.provenance["prefix_cached_tokens"] = prefix[0]
-                try:
-                    row, cache = self.batch.start_row(handle, reply, session, prefix)
-                except Exception as error:
-                    raise blame(self.engine, reply, error) from error
-                self._advance(row, cache)
+                reused, layers = self.prefix_cache.lookup(reply.plan.token_ids)
+                handle.provenance["prefix_cached_tokens"] = reused
+                if len(reply.plan.token_ids) - reused > self.prefill_chunk:
+                    cache = cache_from_layers(layers, self.engine.loaded.model.config) if layers else None
+                    self.prefilling.append(Prefill(handle, reply, session, reused, cache))
+                else:
+                    self._start_row(handle, reply, session, (reused, layers))
             else:
                 self.solo.append(SoloRow(handle, reply, self.engine.reply_tokens(reply)))
         except ChatcoreError as error:
             handle._end("error", error)
         except Exception as error:  # never let one request take the thread down
             handle._end("error", ChatcoreError(f"the reply failed to start: {type(error).__name__}: {error}"))
+
+    def _start_row(self, handle: Handle, reply: "PreparedReply", session: "GenerationSession",
+                   prefix: "tuple[int, Layers | None]") -> None:
+        """Run the rest of the prompt through the row's steerers, choose its first token, join the batch."""
+        try:
+            row, cache = self.batch.start_row(handle, reply, session, prefix)
+        except Exception as error:
+            raise blame(self.engine, reply, error) from error
+        self._advance(row, cache)
+
+    def _step_prefill(self, prefill: Prefill) -> None:
+        """One more chunk of a long prompt; the last one starts the row."""
+        prompt = prefill.reply.plan.token_ids
+        try:
+            if len(prompt) - prefill.done > self.prefill_chunk:
+                try:
+                    prefill.cache = self.batch.run_chunk(prompt, prefill.done, prefill.cache, self.prefill_chunk)
+                except Exception as error:
+                    raise ChatcoreError(f"the model failed while reading the prompt: {type(error).__name__}: "
+                                        f"{error}") from error
+                prefill.done += self.prefill_chunk
+                return
+            self.prefilling.remove(prefill)
+            layers = [(layer.keys, layer.values) for layer in prefill.cache.layers]
+            self._start_row(prefill.handle, prefill.reply, prefill.session, (prefill.done, layers))
+        except ChatcoreError as error:
+            if prefill in self.prefilling:
+                self.prefilling.remove(prefill)
+            prefill.handle._end("error", error)
 
     def _merging(self) -> bool:
         """Whether the model's caches can be stacked (checked once, on a one-token pass)."""
@@ -264,6 +318,9 @@ class Scheduler:
         self.batch.drop(gone)
         for row in gone:
             row.handle._end("cancelled")
+        for prefill in [p for p in self.prefilling if p.handle.cancelled]:
+            self.prefilling.remove(prefill)
+            prefill.handle._end("cancelled")
         for solo in [row for row in self.solo if row.handle.cancelled]:
             self._close_solo(solo, "cancelled")
 
