@@ -1,11 +1,14 @@
 """PPLM's effect and cost in quality, on held-out chitchat contexts, same seeds.
 
-    python bench/pplm_quality.py [--topics food,weather,music] [--limit 100] [--pplm "stepsize=0.5"]
-                                 [--rank ""] [--rank-only] [--sentiment] [--json report.json]
+    python bench/pplm_quality.py [--model chatcore-tiny] [--format auto] [--topics food,weather,music]
+                                 [--limit 100] [--pplm "stepsize=0.5"] [--rank ""] [--rank-only]
+                                 [--sentiment] [--json report.json]
 
 For each topic: unsteered top-k vs ``pplm topic=...`` through chatcore.evaluation's
 ``evaluate`` (reply perplexity under the plain model, distinct-2, degenerate share, and
-the share of replies containing a word of the topic). With --sentiment: unsteered vs
+the share of replies containing a word of the topic). The contexts are rendered in the
+model's prompt format (``--format``; auto: the tokenizer's chat template where it has one,
+as for SmolLM2, else dialogpt). With --sentiment: unsteered vs
 ``pplm discriminator=sentiment`` towards each class, judged by AFINN (a word-list scorer,
 not VADER, whose labels trained the head); needs the ``afinn`` package.
 """
@@ -18,7 +21,8 @@ import json
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="chatcore-tiny")
+    parser.add_argument("--model", default="chatcore-tiny", help="a model name, folder or GGUF file (e.g. smollm2)")
+    parser.add_argument("--format", dest="prompt_format", default="auto", help="the prompt format")
     parser.add_argument("--topics", default="food,weather,music")
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
@@ -54,7 +58,7 @@ def main() -> None:
     host = PluginHost()
     host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias",
                        "chatcore.plugins.mmi", "chatcore.plugins.rank", "chatcore.plugins.pplm"))
-    engine = Engine(args.model, host=host)
+    engine = Engine(args.model, host=host, prompt_format=args.prompt_format)
     contexts = chitchat_heldout()[: args.limit]
     decoder, decoder_settings = parse_spec(args.decoder)
     base = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, max_new_tokens=args.max_new_tokens)
@@ -72,7 +76,8 @@ def main() -> None:
     plain_replies = [s["reply"] for s in plain.samples if "reply" in s]
     plain_row = plain.rows[0]
     last_seed = args.seed + len(contexts) - 1
-    print(f"{len(contexts)} held-out contexts, decoder {args.decoder}, seeds {args.seed}..{last_seed}")
+    print(f"model {args.model}, prompt format {engine.prompt_format.name}, {len(contexts)} held-out contexts, "
+          f"decoder {args.decoder}, seeds {args.seed}..{last_seed}")
     header = f"{'configuration':38s} {'attr':>6s} {'ppl':>7s} {'dist-2':>7s} {'degen':>6s} {'tok/s':>6s}"
     if not args.skip_topics:
         print(header)
