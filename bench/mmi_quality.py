@@ -1,6 +1,11 @@
 """MMI reranking quality: ``mmi`` vs ``top-k`` on the same held-out chitchat contexts.
 
     python bench/mmi_quality.py [--limit 100] [--candidates 8] [--max-new-tokens 40] [--json out.json]
+    python bench/mmi_quality.py --model smollm2 --reverse-model /path/to/smollm2-reverse/best --threads 1
+
+``--model`` is any model chatcore loads (a chat-template model too: the reverse model
+reads plain turns, see docs/mmi.md) and ``--reverse-model`` a reverse model with the
+same tokenizer or another one (replies are then re-encoded from their text).
 
 Runs chatcore's eval harness (chatcore.evaluation.runner.evaluate, what ``chatcore
 eval`` runs) for ``top-k``, ``top-k`` with the 3-gram blocking ``mmi`` samples its
@@ -8,7 +13,8 @@ candidates with, and ``mmi``, with the same contexts and seeds, and adds one col
 the mean reverse score, log P(source | reply) under the reverse model, of the replies
 each configuration gave (and of the human replies). Every reply is scored the same
 way, from its text, whichever decoder made it. MMI should raise the reverse score
-without raising the share of degenerate replies.
+without raising the share of degenerate replies. The seconds per reply of each
+configuration, and their ratio to plain top-k, are the cost of reranking.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ def main() -> None:
         return statistics.mean(reverse_score_list(pairs))
 
     per_context: dict[str, dict[int, float]] = {}
+    seconds: dict[str, float] = {}
 
     print(f"{len(contexts)} contexts from {args.prompts}, model {args.model}, reverse {args.reverse_model}, "
           f"max_new_tokens {args.max_new_tokens}, seeds {args.seed}..{args.seed + len(contexts) - 1}")
@@ -84,7 +91,8 @@ def main() -> None:
     for label, options in configurations.items():
         started = time.perf_counter()
         report = evaluate(engine, contexts, options, label=label, seed=args.seed, include_reference=not rows)
-        print(f"  {label}: {time.perf_counter() - started:.0f} s")
+        seconds[label] = time.perf_counter() - started
+        print(f"  {label}: {seconds[label]:.0f} s")
         reports[label] = report
         replied = [(i, s) for i, s in enumerate(report.samples) if "reply" in s]
         scores = reverse_score_list([(s["context"], s["reply"]) for _, s in replied])
@@ -102,6 +110,10 @@ def main() -> None:
         error = statistics.stdev(gains) / len(gains) ** 0.5
         print(f"{mmi_label} vs top-k, same contexts and seeds: reverse score {statistics.mean(gains):+.2f} nats per "
               f"context (standard error {error:.2f}), higher in {sum(g > 0 for g in gains)} of {len(gains)} contexts")
+    plain = seconds["top-k"] / max(1, len(contexts))
+    for label, total in seconds.items():
+        per_reply = total / max(1, len(contexts))
+        print(f"cost {label}: {per_reply:.2f} s per reply, {per_reply / plain:.2f}x top-k")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2, ensure_ascii=False))
 

@@ -141,12 +141,17 @@ class LoadedModel:
 
     @property
     def max_positions(self) -> int:
-        config = self.model.config
-        for attribute in ("n_positions", "max_position_embeddings", "n_ctx"):
-            value = getattr(config, attribute, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return 1024
+        return max_positions_of(self.model.config)
+
+
+def max_positions_of(config: Any) -> int:
+    """The longest sequence a model's config allows, whatever the architecture names it
+    (GPT-2's ``n_positions``, Llama's ``max_position_embeddings``, ``n_ctx``); 1024 if none."""
+    for attribute in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1024
 
 
 def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None) -> LoadedModel:

@@ -1,8 +1,12 @@
 """Scoring candidate replies for reranking: forward and reverse (MMI) log-probabilities.
 
 The reverse model is a causal LM trained on dialogues with their turns in reverse
-order (``chatcore train model --reverse``), so after ``reply EOS`` it predicts the turn
-that came before the reply. Its log-probability of the source given a candidate,
+order (``chatcore train model --reverse``, from scratch or from any causal LM), each
+turn ended by the reverse model's EOS, so after ``EOS reply EOS`` it predicts the turn
+that came before the reply. It reads plain turns whatever prompt format the forward
+model uses: the source is taken from the conversation's messages as text (never by
+cutting a chat template's ids), and the candidates are the replies' tokens without
+their stop token. Its log-probability of the source given a candidate,
 log P(source | candidate), is the MMI score of the DialoGPT paper: it rewards replies
 that are specific to what was said and penalises replies that fit anything.
 
@@ -21,6 +25,7 @@ from typing import Any
 
 from chatcore.errors import ModelLoadError
 from chatcore.models import DEFAULT_REVERSE_MODEL, LoadedModel, load_model
+from chatcore.prompting import Message
 from chatcore.text import encode_text
 
 
@@ -116,6 +121,20 @@ def reverse_rows(
     return [([eos, *candidate, eos], source) for candidate in candidates]
 
 
+def source_texts(messages: Sequence[Message], count: int) -> list[str]:
+    """The texts of the latest ``count`` user and assistant turns, newest first: what the
+    reverse model is asked to predict after a candidate. The system prompt is not part
+    of it (the reverse model is trained on dialogue turns alone)."""
+    turns = [message.text for message in messages if message.role != "system"]
+    return list(reversed(turns[-count:])) if count > 0 else []
+
+
+def encode_source(reverse: LoadedModel, texts: Sequence[str]) -> list[list[int]]:
+    """Source turns as the reverse model's token ids; text that looks like a special
+    token stays text, as it does everywhere a user's words are encoded."""
+    return [encode_text(reverse.tokenizer, text) for text in texts]
+
+
 def reverse_scores(
     reverse: LoadedModel, candidates: Sequence[Sequence[int]], source_turns: Sequence[Sequence[int]]
 ) -> list[ContinuationScore]:
@@ -188,7 +207,8 @@ def retokenize(source: Any, target: Any, sequences: Sequence[Sequence[int]]) -> 
 
 
 def split_turns(prompt_ids: Sequence[int], eos: int) -> list[list[int]]:
-    """The turns of a DialoGPT prompt (each followed by EOS), oldest first."""
+    """The turns of a DialoGPT prompt (each followed by EOS), oldest first: the source
+    of a session that carries no messages (one built from prompt ids alone)."""
     turns: list[list[int]] = []
     current: list[int] = []
     for token in prompt_ids:

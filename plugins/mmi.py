@@ -9,7 +9,11 @@ reverse model scores all of them in one batched forward pass.
 Each candidate's forward score, log P(reply EOS | prompt), is summed during that same
 pass from the scores the model and its steerers give (before temperature and top-k),
 so it costs no second forward pass; with no steerer it is the plain model's
-log-probability. A candidate cut off at ``max_new_tokens`` has no EOS term.
+log-probability. A candidate cut off at ``max_new_tokens`` has no stop-token term.
+
+The reverse model reads ``EOS candidate EOS source_1 EOS ... source_n EOS`` (its own
+EOS; source turns newest first, from the conversation's messages as text), as
+``chatcore train model --reverse`` trains it, so it works beside any prompt format.
 """
 
 from __future__ import annotations
@@ -166,16 +170,17 @@ class CandidateDecoder(Decoder):
     def sample_candidates(
         self, session: GenerationSession,
     ) -> "tuple[list[list[int]], list[ContinuationScore], list[bool]]":
-        """``candidates`` replies from one batched decoding pass, each cut at its own EOS,
-        with their forward log-probabilities taken from the same pass, and whether each
-        ended (at EOS) before the pass stopped: when ``quorum_rows()`` of them had ended,
+        """``candidates`` replies from one batched decoding pass, each cut at its own stop
+        token (EOS, or any of the prompt format's, such as ``<|im_end|>``), with their
+        forward log-probabilities taken from the same pass, and whether each ended (at a
+        stop token) before the pass stopped: when ``quorum_rows()`` of them had ended,
         or at ``max_new_tokens``."""
         import torch
 
         from chatcore.reranking import ContinuationScore
 
         sampler = self.sampler()
-        eos = session.eos_token_id
+        stops = session.stop_ids
         rows = self.settings.candidates
         recorder = StepLogProbabilities()
         # The recorder wraps outermost, so it sees the scores every steerer has made.
@@ -186,17 +191,18 @@ class CandidateDecoder(Decoder):
         counts = torch.zeros(rows, dtype=torch.long, device=device)
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         quorum = self.settings.quorum_rows()
+        stop_tensor = torch.tensor(sorted(stops), dtype=torch.long, device=device)
         for tokens in candidate_session.run(sampler.processors(), self.select, rows=rows):
             picked = recorder.log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
             totals += torch.where(finished, torch.zeros_like(picked), picked).double()
             counts += (~finished).long()
-            finished |= tokens == eos
+            finished |= torch.isin(tokens, stop_tensor)
             steps.append(tokens)
             # An empty reply (EOS first, when min_new_tokens allows it) does not count.
             if int((finished & (counts > 1)).sum()) >= quorum:
                 break  # closing the generator ends the batch here
         generated = torch.stack(steps, dim=1).tolist()  # (B, T)
-        replies = [row[: row.index(eos)] if eos in row else row for row in generated]
+        replies = [row[: next((i for i, t in enumerate(row) if t in stops), len(row))] for row in generated]
         forward = [ContinuationScore(float(t), int(c)) for t, c in zip(totals.tolist(), counts.tolist())]
         return replies, forward, finished.tolist()
 
@@ -220,12 +226,19 @@ class MMIDecoder(CandidateDecoder):
         timings["candidates_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        history = reranking.split_turns(session.prompt_ids, session.eos_token_id)
-        source = list(reversed(history[-settings.source_turns :]))  # newest first, as the reverse model reads
         retokenized = not reranking.same_tokenizer(forward_model.tokenizer, reverse_model.tokenizer)
+        if session.messages:
+            # Newest first, as the reverse model reads; encoded as text, so the prompt
+            # format (DialoGPT turns, a chat template's headers) does not matter.
+            source = reranking.encode_source(
+                reverse_model, reranking.source_texts(session.messages, settings.source_turns))
+        else:
+            history = reranking.split_turns(session.prompt_ids, session.eos_token_id)
+            source = list(reversed(history[-settings.source_turns :]))
+            if retokenized:
+                source = reranking.retokenize(forward_model.tokenizer, reverse_model.tokenizer, source)
         if retokenized:
             token_ids_for_reverse = reranking.retokenize(forward_model.tokenizer, reverse_model.tokenizer, token_ids)
-            source = reranking.retokenize(forward_model.tokenizer, reverse_model.tokenizer, source)
         else:
             token_ids_for_reverse = token_ids
         reverse = reranking.reverse_scores(reverse_model, token_ids_for_reverse, source)

@@ -163,6 +163,8 @@ def train_filter(corpus: str, filter_config: str | None, filter_disable: str, fi
 @click.option("--lr", "learning_rate", type=click.FloatRange(1e-8, 1.0), default=1e-3, show_default=True)
 @click.option("--warmup-steps", type=click.IntRange(0, 10**9), default=100, show_default=True)
 @click.option("--eval-every", type=click.IntRange(1, 10**9), default=200, show_default=True)
+@click.option("--eval-blocks", type=click.IntRange(1, 10**9), default=None,
+              help="Evaluate only the first N held-out blocks (default: all).")
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--device", default=None, help="cpu, cuda ... (default: cuda when present).")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True)
@@ -173,11 +175,12 @@ def train_filter(corpus: str, filter_config: str | None, filter_disable: str, fi
 def train_model(corpus: str, heldout: float, out_dir: str, reverse: bool, tokenizer_path: str | None,
                 init_from: str | None, vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_positions: int,
                 dropout: float, epochs: float, batch_size: int, grad_accum: int, block_size: int,
-                learning_rate: float, warmup_steps: int, eval_every: int, seed: int, device: str | None,
-                precision: str, save_dtype: str, resume: bool, quiet: bool, no_filter: bool,
+                learning_rate: float, warmup_steps: int, eval_every: int, eval_blocks: int | None, seed: int,
+                device: str | None, precision: str, save_dtype: str, resume: bool, quiet: bool, no_filter: bool,
                 filter_config: str | None, filter_disable: str, filter_set: tuple[str, ...],
                 filter_report: str | None) -> None:
-    """Train a GPT-2-architecture dialogue model from scratch, or fine-tune one.
+    """Train a GPT-2-architecture dialogue model from scratch, or fine-tune any causal LM
+    (--init-from: GPT-2, Llama, Qwen2, Gemma ..., a folder, GGUF file or known name).
 
     On several GPUs (or CPU processes, with --device cpu), launch it with torchrun:
 
@@ -192,8 +195,8 @@ def train_model(corpus: str, heldout: float, out_dir: str, reverse: bool, tokeni
         shape = ModelShape(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, dropout=dropout)
         config = TrainConfig(out_dir=out_dir, epochs=epochs, batch_size=batch_size, block_size=block_size,
                              learning_rate=learning_rate, warmup_steps=warmup_steps, eval_every=eval_every,
-                             seed=seed, device=device, precision=precision, save_dtype=save_dtype,
-                             grad_accum=grad_accum)
+                             eval_blocks=eval_blocks, seed=seed, device=device, precision=precision,
+                             save_dtype=save_dtype, grad_accum=grad_accum)
     except ValueError as error:
         raise OptionError(str(error)) from None
     filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
