@@ -46,7 +46,9 @@ def register_steerers(register: Callable[[type], None]) -> None:
     Called once, when the registry is built. ``SteererClass`` subclasses
     :class:`chatcore.steering.Steerer`: a unique ``name``, a ``Settings`` dataclass,
     ``prepare(session)`` (once per response) and ``wrap(step)`` (returns a new step
-    function). Name clashes are resolved as for :func:`register_decoders`.
+    function), and optionally ``shares_batch = True`` when its step only edits the
+    logits its inner step returns (chatcore.serving may then batch its replies with
+    others). Name clashes are resolved as for :func:`register_decoders`.
     The return value is ignored.
     """
 
