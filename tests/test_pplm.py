@@ -595,3 +595,23 @@ def test_train_discriminator_command_on_a_llama_model(llama_family, tmp_path):
     tokens, session = decode(loaded, prompt_for(loaded, "how was your day?"), [steerer], tokens=3)
     assert tokens.shape == (1, 3) and steerer.perturbation.runner is not None
     assert steerer.perturbation.summary["optimised_steps"] == 3
+
+
+@pytest.mark.slow
+def test_the_defaults_steer_smollm2(smollm2):
+    """On a real 30-layer chat model, with nothing but a topic: the bag of words builds for
+    its tokenizer, the lean runner takes it, and the first reply token's topic probability
+    rises (the default step is spread over its 15 perturbed layers)."""
+    from chatcore.prompting import Message
+
+    engine = Engine(smollm2, host=PluginHost())
+    assert engine.prompt_format.name == "chat-template"
+    prompt = engine.prompt_format.render([Message("user", "hi! what did you do today?")])
+    steerer = PPLMSteerer.from_options({"topic": "food"})
+    steered, plain = first_step(smollm2, steerer, prompt)
+    perturbation = steerer.perturbation
+    assert perturbation.runner is not None and perturbation.config.step_size(15) == pytest.approx(0.2)
+    targets = perturbation.attribute.start_mask
+    assert int(targets.sum()) > 20
+    share = lambda logits: float(torch.softmax(logits[0].float(), -1)[targets].sum())  # noqa: E731
+    assert share(steered.logits) > 2 * share(plain.logits)
