@@ -170,6 +170,8 @@ def test_requests_without_the_key_get_401(serving):
     ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "temperature": "hot"}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "model": "M"}, 400,
      "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}], "model": "M"}, 400, "messages.[0].role"),

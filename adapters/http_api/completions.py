@@ -68,6 +68,8 @@ def to_options(request: ChatCompletionRequest, registry: Any) -> "ReplyOptions":
 
     if request.n != 1:
         raise ApiError(400, f"only n=1 is supported, got n={request.n}", "n")
+    if request.stream_options is not None and not request.stream:
+        raise ApiError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
     stops = request.stop_strings()
     if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise ApiError(400, f"`stop` takes up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
