@@ -365,6 +365,41 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
     assert repl_host.pm.get_plugin("conversation-log:repl") is None  # unregistered at exit
 
 
+@pytest.mark.slow
+def test_a_long_paste_is_refused_at_once_and_kept_out_of_the_history(repl_host, tiny_model_dir, tmp_path):
+    import threading
+
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2, no_log=True,
+                        history_file=tmp_path / "history")
+    out = io.StringIO()
+    # Pasted without bracketed paste: the characters come as keys, 1,024 to a read.
+    keys = ("y" * 100_000 + "\r"
+            + "hello\r"
+            + "y" * 9_000 + "\x03"  # Ctrl-C clears an over-long line too
+            + "/system " + "s" * 33_000 + "\r"
+            + "\x04")
+    with create_pipe_input() as pipe:
+        sender = threading.Thread(target=pipe.send_text, args=(keys,))  # more than a pipe holds
+        sender.start()
+        started = time.perf_counter()
+        state = start_chat(config, out=out, err=io.StringIO(), input=pipe, output=DummyOutput())
+        elapsed = time.perf_counter() - started
+        sender.join()
+    assert out.getvalue().splitlines() == [
+        "error: the message is 100,000 characters long; the limit is 8,000; nothing was sent",
+        out.getvalue().splitlines()[1],
+        "error: the command is 33,008 characters long; the limit is 32,100; nothing was sent",
+        "",
+    ]
+    assert out.getvalue().splitlines()[1].startswith("bot> ")
+    assert [t.text for t in state.current.turns if t.role == "user"] == ["hello"] and state.system is None
+    assert elapsed < 30, elapsed  # it took 146 s before pastes were read whole
+    assert (tmp_path / "history").read_text().count("\n+") == 1  # only "hello"
+
+
 # -- the `chat` command (plain lines when stdin is not a terminal) --------------------------------
 @pytest.fixture
 def cli(repl_host):

@@ -29,6 +29,8 @@ ReadLine = Callable[[], str]
 HISTORY_FILENAME = "repl_history"
 PROMPT = "you> "
 REPLY_PREFIX = "bot> "
+# More plain characters than this in one read of the terminal is a paste, not typing.
+PASTE_RUN = 32
 
 
 def debug_enabled() -> bool:
@@ -64,6 +66,10 @@ def show_notices(state: "ChatState", out: IO[str]) -> None:
     out.flush()
 
 
+class InputTooLong(ChatcoreError):
+    """A line longer than the chat accepts; it was dropped as it arrived."""
+
+
 def run_loop(state: "ChatState", read_line: ReadLine, out: IO[str]) -> None:
     """Read lines until /quit or end of input, answering each."""
     while True:
@@ -75,6 +81,9 @@ def run_loop(state: "ChatState", read_line: ReadLine, out: IO[str]) -> None:
         except EOFError:
             out.write("\n")
             break
+        except InputTooLong as error:
+            out.write(f"error: {error}\n")
+            continue
         try:
             outcome = handle_line(state, line)
             if outcome.output:
@@ -110,6 +119,60 @@ def plain_reader(stream: IO[bytes] | None = None) -> ReadLine:
     return read_line
 
 
+def coalesce_pastes(keys: list[Any]) -> list[Any]:
+    """Runs of plain characters in one read become one paste (a ``BracketedPaste`` key press).
+
+    A terminal without bracketed paste delivers a paste as key presses, and
+    prompt-toolkit matches every one against every key binding: 100,000 characters
+    took minutes. As one paste they are inserted at once. Enter, Tab and escape
+    sequences in the run stay keys, so a pasted "line\\r" is still sent.
+    """
+    from prompt_toolkit.key_binding import KeyPress
+    from prompt_toolkit.keys import Keys
+
+    def plain(press: Any) -> bool:
+        return type(press.key) is str and len(press.key) == 1 and press.key.isprintable()
+
+    result: list[Any] = []
+    run: list[Any] = []
+    for press in [*keys, None]:
+        if press is not None and plain(press):
+            run.append(press)
+            continue
+        if len(run) > PASTE_RUN:
+            text = "".join(p.data for p in run)
+            result.append(KeyPress(Keys.BracketedPaste, text))
+        else:
+            result.extend(run)
+        run = []
+        if press is not None:
+            result.append(press)
+    return result
+
+
+def paste_aware(terminal_input: Any) -> Any:
+    """``terminal_input`` (a prompt-toolkit Input) reading pastes whole (see :func:`coalesce_pastes`)."""
+    read_keys = terminal_input.read_keys
+    terminal_input.read_keys = lambda: coalesce_pastes(read_keys())
+    return terminal_input
+
+
+def longest_line(line: str) -> tuple[int, str]:
+    """The most characters a line that starts like ``line`` may have, and what it is."""
+    from chatcore.prompting import MAX_SYSTEM_CHARS
+    from chatcore.text import MAX_MESSAGE_CHARS
+
+    start = line.lstrip()
+    if start.startswith("/") and not start.startswith("//"):
+        return MAX_SYSTEM_CHARS + 100, "command"  # a command may carry a system prompt (/system TEXT)
+    return MAX_MESSAGE_CHARS, "message"
+
+
+def fits_a_line(line: str) -> bool:
+    """Whether the chat accepts a line this long (one that does not stays out of the input history)."""
+    return len(line) <= longest_line(line)[0]
+
+
 def history_path() -> Path:
     from chatcore.adapters.conversation_log.location import user_data_path
 
@@ -124,7 +187,19 @@ def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, 
     from prompt_toolkit.completion import Completer, Completion
     from prompt_toolkit.filters import Condition
     from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+    from prompt_toolkit.input import create_input
     from prompt_toolkit.key_binding import KeyBindings
+    from prompt_toolkit.keys import Keys
+
+    class BoundedFileHistory(FileHistory):
+        def append_string(self, string: str) -> None:
+            if fits_a_line(string):
+                super().append_string(string)
+
+    class BoundedMemoryHistory(InMemoryHistory):
+        def append_string(self, string: str) -> None:
+            if fits_a_line(string):
+                super().append_string(string)
 
     class SlashCompleter(Completer):
         def get_completions(self, document: Any, complete_event: Any) -> Any:
@@ -136,10 +211,10 @@ def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(exist_ok=True)
-        history = FileHistory(str(path))
+        history = BoundedFileHistory(str(path))
     except OSError as error:
         state.notify(f"input history is not saved ({path}: {error.strerror or error})")
-        history = InMemoryHistory()
+        history = BoundedMemoryHistory()
 
     multiline = Condition(lambda: state.multiline)
     bindings = KeyBindings()
@@ -159,19 +234,56 @@ def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, 
         # Even in multi-line mode a one-line slash command runs on Enter (/multi, /quit).
         event.current_buffer.validate_and_handle()
 
+    # A paste that makes the line longer than the chat accepts is not inserted (laying
+    # out 100,000 characters on every redraw froze the terminal for minutes): what
+    # follows is counted and dropped until Enter, which reports the length.
+    dropped = [0]
+    overflowing = Condition(lambda: dropped[0] > 0)
+
+    @bindings.add(Keys.BracketedPaste)
+    def _paste(event: Any) -> None:
+        data = event.data.replace("\r\n", "\n").replace("\r", "\n")
+        if dropped[0] or not fits_a_line(event.current_buffer.text + data):
+            dropped[0] += len(data)
+        else:
+            event.current_buffer.insert_text(data)
+
+    @bindings.add(Keys.Any, filter=overflowing)
+    def _drop(event: Any) -> None:
+        dropped[0] += len(event.data)
+
+    @bindings.add("c-c", filter=overflowing)
+    def _clear(event: Any) -> None:
+        event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
+
+    @bindings.add("enter", filter=overflowing)
+    @bindings.add("escape", "enter", filter=overflowing)
+    def _refuse(event: Any) -> None:
+        text = event.current_buffer.text
+        limit, kind = longest_line(text)
+        length = len(text) + dropped[0]
+        event.app.exit(exception=InputTooLong(
+            f"the {kind} is {length:,} characters long; the limit is {limit:,}; nothing was sent"))
+
+    def toolbar() -> str:
+        if dropped[0]:
+            return f"too long: {len(session.default_buffer.text) + dropped[0]:,} characters; Enter drops it"
+        return toolbar_text(state)
+
     session: Any = PromptSession(
         history=history,
         completer=SlashCompleter(),
         complete_while_typing=True,
-        bottom_toolbar=lambda: toolbar_text(state),
+        bottom_toolbar=toolbar,
         key_bindings=bindings,
         multiline=multiline,
         prompt_continuation=lambda width, line_number, wrap_count: "." * (width - 1) + " ",
-        input=input,
+        input=paste_aware(input if input is not None else create_input()),
         output=output,
     )
 
     def read_line() -> str:
+        dropped[0] = 0
         return str(session.prompt(PROMPT))
 
     return read_line
