@@ -138,6 +138,16 @@ def test_layer_share_picks_the_top_layers(share, layers, first):
     assert PerturbConfig(layer_share=share).first_perturbed_layer(layers) == first
 
 
+def test_the_default_step_is_spread_over_the_perturbed_layers(loaded):
+    config = PerturbConfig()
+    layers = loaded.model.config.n_layer
+    perturbed = layers - config.first_perturbed_layer(layers)
+    assert config.step_size(perturbed) == 1.0  # chatcore-tiny: the step its defaults were measured with
+    assert config.step_size(15) == pytest.approx(0.2) and config.step_size(1) == 3.0
+    assert PerturbConfig(stepsize=0.5).step_size(15) == 0.5  # a given step is kept on every layer
+    assert not PerturbConfig(stepsize=0.0).optimises(0) and PerturbConfig().optimises(0)
+
+
 def test_settings_parse_from_strings():
     steerer = PPLMSteerer.from_options({"topic": "food", "stepsize": "0.1", "window_length": "5", "decay": "true"})
     assert steerer.settings.stepsize == 0.1 and steerer.settings.window_length == 5 and steerer.settings.decay is True
