@@ -138,9 +138,9 @@ def test_layer_share_picks_the_top_layers(share, layers, first):
     assert PerturbConfig(layer_share=share).first_perturbed_layer(layers) == first
 
 
-def test_the_default_step_is_spread_over_the_perturbed_layers(loaded):
+def test_the_default_step_is_spread_over_the_perturbed_layers(bundled):
     config = PerturbConfig()
-    layers = loaded.model.config.n_layer
+    layers = bundled.model.config.n_layer
     perturbed = layers - config.first_perturbed_layer(layers)
     assert config.step_size(perturbed) == 1.0  # chatcore-tiny: the step its defaults were measured with
     assert config.step_size(15) == pytest.approx(0.2) and config.step_size(1) == 3.0
