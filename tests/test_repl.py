@@ -649,7 +649,14 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
         term.expect(r"ialogpt")
         line("", r"format: dialogpt\n")
         line("/retry", r"bot> [^\n]*\n")
-        line("/steer slow delay=0.5", r"steering: slow")
+        line("/steer slow delay=0.25", r"steering: slow")
+        term.send("one more question\r")
+        term.expect(r"bot> ")
+        term.send("/steer slow delay=0.5\r")  # typed while the reply streams: not mixed into it ...
+        reply = term.expect(r"([^\n]*)\n").group(1)
+        assert "steer" not in reply and "delay" not in reply, reply
+        term.expect(r"steering: slow delay=0.5")  # ... but run once the reply is done
+        term.expect(r"you>")
         term.send("tell me a long story\r")
         term.expect(r"bot> ")
         time.sleep(1.6)  # a few slow steps into the reply
@@ -670,13 +677,15 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
     assert shown.exit_code == 0, shown.output
     lines = [line for line in shown.stdout.splitlines() if "> " in line]
     users = [line.split("you> ", 1)[1] for line in lines if " you> " in line]
-    assert users == ["hello there", "what do you like to eat?", "and for dinner?", "tell me a long story"]
+    assert users == ["hello there", "what do you like to eat?", "and for dinner?", "one more question",
+                     "tell me a long story"]
     bots = [line for line in lines if " bot> " in line]
-    assert len(bots) == 5
+    assert len(bots) == 6
     assert "[greedy, " in bots[0] and "[top-k, " in bots[1]
     assert "top-k + bow-bias" in bots[2] and "superseded by a retry" in bots[2]
     assert "[top-k, " in bots[3] and "superseded" not in bots[3]
-    assert "top-k + slow" in bots[4] and "interrupted" in bots[4]
+    assert "top-k + slow" in bots[4] and "interrupted" not in bots[4]
+    assert "top-k + slow" in bots[5] and "interrupted" in bots[5]
     with ConversationStore(url) as store:
         last = store.get_conversation(listed[0]["id"]).messages[-1]
     assert last.interrupted and 1 <= last.token_count < 12

@@ -11,8 +11,10 @@ interrupted, which keeps its partial text in the conversation marked interrupted
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -70,8 +72,32 @@ class InputTooLong(ChatcoreError):
     """A line longer than the chat accepts; it was dropped as it arrived."""
 
 
-def run_loop(state: "ChatState", read_line: ReadLine, out: IO[str]) -> None:
-    """Read lines until /quit or end of input, answering each."""
+@contextlib.contextmanager
+def typing_held(fd: int) -> Iterator[None]:
+    """While a reply streams, keys typed on the terminal ``fd`` are not echoed into it.
+
+    Echo and line editing are off meanwhile (Ctrl-C still interrupts); what was typed
+    stays in the terminal's input queue and shows up at the next prompt, as type-ahead
+    does in a shell. Ctrl-C discards it with the rest of the reply.
+    """
+    import termios
+    import tty
+
+    try:
+        saved = termios.tcgetattr(fd)
+    except termios.error:  # not a terminal after all
+        yield
+        return
+    tty.setcbreak(fd, termios.TCSANOW)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)  # TCSANOW: keep what was typed ahead
+
+
+def run_loop(state: "ChatState", read_line: ReadLine, out: IO[str],
+             while_streaming: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+    """Read lines until /quit or end of input, answering each; ``while_streaming`` wraps each reply."""
     while True:
         show_notices(state, out)
         try:
@@ -89,7 +115,8 @@ def run_loop(state: "ChatState", read_line: ReadLine, out: IO[str]) -> None:
             if outcome.output:
                 out.write(outcome.output + "\n")
             if outcome.reply is not None:
-                stream_reply(outcome.reply, out)
+                with while_streaming():
+                    stream_reply(outcome.reply, out)
         except KeyboardInterrupt:
             out.write("^C\n")  # between reading and streaming (e.g. while the log writes)
             continue
@@ -295,8 +322,12 @@ def run_terminal(state: "ChatState", out: IO[str] | None = None, interactive: bo
     out = out if out is not None else sys.stdout
     if interactive is None:
         interactive = input is not None or (sys.stdin.isatty() and sys.stdout.isatty())
+    while_streaming: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
     if interactive:
         read_line = prompt_toolkit_reader(state, history_file, input=input, output=output)
+        if input is None and sys.platform != "win32":
+            fd = sys.stdin.fileno()
+            while_streaming = lambda: typing_held(fd)  # noqa: E731
     else:
         read_line = plain_reader()
-    run_loop(state, read_line, out)
+    run_loop(state, read_line, out, while_streaming)
