@@ -129,6 +129,24 @@ class Configurable:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "settings": settings_dict(self.settings)}
 
+    @classmethod
+    def setting_choices(cls, name: str) -> list[str]:
+        """The values setting ``name`` may take when they are a short list, for completion
+        (the REPL offers them after ``name=``); empty when any value of its type goes.
+
+        The default reads ``Literal[...]`` and ``bool`` annotations. A plugin whose
+        setting is checked against a list only at run time (a topic name) overrides it.
+        """
+        kind = settings_fields(cls.Settings).get(name)
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+            kind = options[0] if len(options) == 1 else None
+        if typing.get_origin(kind) is typing.Literal:
+            return [str(value) for value in typing.get_args(kind)]
+        if kind is bool:
+            return ["true", "false"]
+        return []
+
 
 def parse_key_values(pairs: Iterable[str]) -> dict[str, str]:
     """``["top_k=40", "temperature=0.7"]`` -> ``{"top_k": "40", "temperature": "0.7"}``."""

@@ -87,6 +87,10 @@ class BowBiasSteerer(Steerer):
     Settings = BowBiasSettings
     shares_batch = True  # only adds a bias to the logits its inner step returns
 
+    @classmethod
+    def setting_choices(cls, name: str) -> list[str]:
+        return builtin_topics() if name == "topic" else super().setting_choices(name)
+
     def __init__(self, settings: BowBiasSettings | None = None) -> None:
         super().__init__(settings)
         if not self.settings.all_words():

@@ -15,7 +15,7 @@ import click
 
 import chatcore
 from chatcore.errors import OptionError
-from chatcore.plugins.bow_bias import check_word_sources, collect_words
+from chatcore.plugins.bow_bias import builtin_topics, check_word_sources, collect_words
 from chatcore.pplm.config import PerturbConfig
 from chatcore.steering import Steerer
 from chatcore.step import Step
@@ -67,6 +67,10 @@ class PPLMSteerer(Steerer):
     description = "gradient steps on the key/value cache towards a bag of words or a discriminator class (PPLM)"
     Settings = PPLMSettings
     needs_model_cache = True
+
+    @classmethod
+    def setting_choices(cls, name: str) -> list[str]:
+        return builtin_topics() if name == "topic" else super().setting_choices(name)
 
     def __init__(self, settings: PPLMSettings | None = None) -> None:
         super().__init__(settings)

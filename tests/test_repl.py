@@ -289,7 +289,7 @@ def test_completion_of_commands_names_and_settings(state, store):
     assert {"greedy", "top-k"} <= set(texts(state, "/decoder "))
     assert set(texts(state, "/decoder top-k t")) == {"top_k=", "top_p=", "temperature="}
     assert "top_k=" not in texts(state, "/decoder top-k top_k=3 ")
-    assert texts(state, "/decoder top-k top_k=") == []
+    assert texts(state, "/decoder top-k top_k=") == []  # any number goes: nothing to offer
     assert texts(state, "/steer ") == ["off", "bow-bias"]
     assert texts(state, "/steer bow-bias st") == ["strength="]
     assert texts(state, "/steer off ") == []
@@ -302,6 +302,23 @@ def test_completion_of_commands_names_and_settings(state, store):
     store.ensure_conversation("abc123", title="t")
     assert texts(state, "/resume ab") == ["abc123"]
     assert completions(state, "/decoder to")[0].start == -2
+
+
+def test_completion_offers_the_values_a_setting_takes(loaded):
+    from chatcore.engine import Engine
+    from chatcore.plugins.bow_bias import builtin_topics
+    from chatcore.testing import plugin_host
+
+    host = plugin_host("chatcore.plugins.bow_bias", "chatcore.plugins.pplm", "chatcore.plugins.mmi")
+    state = ChatState(Engine(loaded, host=host), ReplyOptions(decoder="greedy"))
+    topics = builtin_topics()
+    assert "food" in topics and len(topics) > 1
+    assert texts(state, "/steer pplm topic=") == [f"topic={topic}" for topic in topics]
+    assert texts(state, "/steer bow-bias strength=2 topic=fo") == ["topic=food"]
+    assert texts(state, "/decoder mmi selection=") == ["selection=argmax", "selection=sample"]
+    assert texts(state, "/decoder mmi length_normalize=t") == ["length_normalize=true"]
+    assert texts(state, "/steer pplm words=") == [] and texts(state, "/steer nope topic=") == []
+    assert completions(state, "/steer pplm topic=fo")[0].start == -len("topic=fo")
 
 
 def test_toolbar_shows_model_decoder_steerers_and_log(state):

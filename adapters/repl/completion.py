@@ -33,6 +33,14 @@ def _setting_keys(entry: Any, given: list[str]) -> list[tuple[str, str]]:
     return [(f"{name}=", getattr(kind, "__name__", str(kind))) for name, kind in fields.items() if name not in used]
 
 
+def _setting_values(entry: Any, key: str) -> list[tuple[str, str]]:
+    try:
+        choices = entry.value.setting_choices(key.replace("-", "_"))
+    except Exception:  # a plugin's odd override must not break typing
+        return []
+    return [(f"{key}={choice}", "") for choice in choices]
+
+
 def _names(table: dict[str, Any]) -> list[tuple[str, str]]:
     return [(name, getattr(entry.value, "description", "") or "") for name, entry in sorted(table.items())]
 
@@ -45,10 +53,14 @@ def completions(state: "ChatState", text_before_cursor: str) -> list[Suggestion]
         return []
     words = text_before_cursor.split(" ")
     word, before = words[-1], [w for w in words[:-1] if w]
-    if "=" in word:
-        return []  # a value: nothing sensible to offer
     options: list[tuple[str, str]] = []
     registry = state.engine.registry
+    if "=" in word:
+        tables = {"/decoder": registry.decoders, "/steer": registry.steerers}
+        table = tables.get(before[0]) if len(before) >= 2 else None
+        if table is not None and before[1] in table:
+            options = _setting_values(table[before[1]], word.split("=", 1)[0])
+        return [Suggestion(text, -len(word), meta) for text, meta in options if text.startswith(word)]
     if not before:
         options = [(c.name, c.summary) for c in COMMANDS.values()]
     elif before[0] == "/decoder":
