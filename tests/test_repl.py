@@ -15,8 +15,12 @@ import textwrap
 import time
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import pytest
 from click.testing import CliRunner
+
+import chatcore
 
 import chatcore.plugin_manager as plugin_manager
 from chatcore.adapters.conversation_log import ConversationLogPlugin
@@ -26,6 +30,8 @@ from chatcore.adapters.repl.app import ChatConfig, start_chat
 from chatcore.adapters.repl.completion import completions, toolbar_text
 from chatcore.adapters.repl.slash_commands import COMMANDS, handle_line
 from chatcore.adapters.repl.state import ChatState
+from chatcore.adapters.repl.terminal import run_loop
+from chatcore.steering import Steerer
 from chatcore.engine import ReplyOptions
 from chatcore.text import encode_text
 
@@ -278,6 +284,64 @@ def test_a_failing_log_is_reported_once_and_the_chat_goes_on(state, store):
     assert "log: failing" in toolbar_text(state)
 
 
+@dataclass
+class BrokenSettings:
+    after: int = 0
+
+
+class BrokenSteerer(Steerer):
+    name = "broken"
+    description = "fails while generating"
+    Settings = BrokenSettings
+
+    def wrap(self, step):
+        def broken(state):
+            raise RuntimeError("boom")
+        return broken
+
+
+class BrokenSteererPlugin:
+    @chatcore.hookimpl
+    def register_steerers(self, register):
+        register(BrokenSteerer)
+
+
+class FailingHookPlugin:
+    @chatcore.hookimpl
+    def on_user_message(self, conversation, turn):
+        raise RuntimeError("hook down")
+
+
+def chat_lines(state, *lines):
+    """``lines`` through the terminal loop; what it printed."""
+    pending = list(lines)
+
+    def read_line():
+        if not pending:
+            raise EOFError
+        return pending.pop(0)
+
+    out = io.StringIO()
+    run_loop(state, read_line, out)
+    return out.getvalue()
+
+
+def test_a_plugin_failure_is_shown_once(loaded, caplog):
+    from chatcore.engine import Engine
+    from chatcore.testing import plugin_host
+
+    host = plugin_host(BrokenSteererPlugin())
+    state = ChatState(Engine(loaded, host=host), ReplyOptions(decoder="greedy", max_new_tokens=3))
+    shown = chat_lines(state, "/steer broken", "hello")
+    assert shown.count("boom") == 1 and "\nerror: plugin 'BrokenSteererPlugin': steerer 'broken'" in shown
+    assert not [record for record in caplog.records if record.name == "chatcore.plugins"]
+
+    # A failure the chat does not show as its error (a hook's) comes as a note instead.
+    assert host.register(FailingHookPlugin(), "failing-hook")
+    shown = chat_lines(state, "/steer off", "hello again")
+    assert shown.count("hook down") == 1 and "note: plugin 'failing-hook' failed at hook on_user_message" in shown
+
+
 # -- completion and toolbar ----------------------------------------------------------------------
 def texts(state, typed):
     return [s.text for s in completions(state, typed)]
@@ -350,7 +414,7 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
                         history_file=tmp_path / "history")
     out = io.StringIO()
     with create_pipe_input() as pipe:
-        pipe.send_text("hello there\r"
+        pipe.send_text("hello \x00there\r"  # Ctrl-Space (NUL) does nothing
                        "/system Be kind.\r"
                        "/format auto\r"
                        "/decoder top-k top_k=5\r"

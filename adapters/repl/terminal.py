@@ -33,6 +33,7 @@ PROMPT = "you> "
 REPLY_PREFIX = "bot> "
 # More plain characters than this in one read of the terminal is a paste, not typing.
 PASTE_RUN = 32
+PLUGIN_LOGGER = "chatcore.plugins"  # where the plugin host reports plugin problems
 
 
 def debug_enabled() -> bool:
@@ -41,10 +42,12 @@ def debug_enabled() -> bool:
     return enabled()
 
 
-def stream_reply(response: "Response", out: IO[str]) -> None:
-    """Print a reply as it is generated; Ctrl-C stops it and keeps what came so far."""
+def stream_reply(response: "Response", out: IO[str]) -> str:
+    """Print a reply as it is generated; Ctrl-C stops it and keeps what came so far.
+    Returns the error shown, if the reply failed."""
     out.write(REPLY_PREFIX)
     out.flush()
+    shown = ""
     try:
         for delta in response:
             out.write(display_safe(delta))
@@ -53,13 +56,38 @@ def stream_reply(response: "Response", out: IO[str]) -> None:
         response.interrupt()
         out.write(" [interrupted]")
     except ChatcoreError as error:
-        out.write(f"\nerror: {error}")
+        shown = f"error: {error}"
     except Exception as error:
         if debug_enabled():
             raise
-        out.write(f"\nerror: unexpected {type(error).__name__}: {error} (CHATCORE_DEBUG=1 shows a traceback)")
-    out.write("\n")
+        shown = f"error: unexpected {type(error).__name__}: {error} (CHATCORE_DEBUG=1 shows a traceback)"
+    out.write(f"\n{shown}\n" if shown else "\n")
     out.flush()
+    return shown
+
+
+@contextlib.contextmanager
+def plugin_problems_held() -> Iterator[list[Any]]:
+    """Plugin problems reported while one line is handled, held back from the log output.
+
+    A plugin failing in a reply is reported by the plugin host (a log line) and raised
+    as the error the chat shows: the person should read it once. The caller shows the
+    held problems that its error did not already name (a failing hook, say).
+    """
+    import logging
+
+    held: list[Any] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record.args[0] if isinstance(record.args, tuple) and record.args else record.getMessage())
+        return False
+
+    logger = logging.getLogger(PLUGIN_LOGGER)
+    logger.addFilter(hold)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(hold)
 
 
 def show_notices(state: "ChatState", out: IO[str]) -> None:
@@ -111,12 +139,17 @@ def run_loop(state: "ChatState", read_line: ReadLine, out: IO[str],
             out.write(f"error: {error}\n")
             continue
         try:
-            outcome = handle_line(state, line)
-            if outcome.output:
-                out.write(outcome.output + "\n")
-            if outcome.reply is not None:
-                with while_streaming():
-                    stream_reply(outcome.reply, out)
+            with plugin_problems_held() as problems:
+                outcome = handle_line(state, line)
+                if outcome.output:
+                    out.write(outcome.output + "\n")
+                shown = outcome.output if outcome.error else ""
+                if outcome.reply is not None:
+                    with while_streaming():
+                        shown += stream_reply(outcome.reply, out)
+            for problem in problems:
+                if f"'{getattr(problem, 'plugin', '')}'" not in shown:
+                    state.notify(str(problem))
         except KeyboardInterrupt:
             out.write("^C\n")  # between reading and streaming (e.g. while the log writes)
             continue
@@ -251,6 +284,12 @@ def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, 
         # Single-line mode: Esc-Enter (Alt-Enter) adds a line and Enter sends. In
         # multi-line mode prompt-toolkit's own bindings swap the two.
         event.current_buffer.insert_text("\n")
+
+    @bindings.add("c-@")  # Ctrl-Space
+    def _no_mark(event: Any) -> None:
+        # Emacs mode sets a mark here, and typing with a mark set inserts nothing: easy to
+        # press by accident (it switches input methods elsewhere), so it does nothing.
+        pass
 
     def typing_a_command() -> bool:
         text = get_app().current_buffer.text
