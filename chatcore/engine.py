@@ -218,6 +218,8 @@ class Engine:
         provenance: dict[str, Any] = {
             "model": self.loaded.name,
             "prompt_format": prompt_format.name,
+            # The system prompt the reply was made with, so that each logged reply can be reproduced.
+            "system": plan.messages[0].text if plan.messages and plan.messages[0].role == "system" else None,
             "decoder": decoder.describe(),
             "steerers": [s.describe() for s in steerers],
             "seed": seed,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar, Literal
 
-from chatcore.errors import ChatcoreError
+from chatcore.errors import ChatcoreError, UnknownNameError
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
@@ -74,6 +74,9 @@ class PromptFormat:
         self.tokenizer = tokenizer
         self.generation_config = generation_config
         self.model_name = model_name
+        # The system prompt the format puts in by itself when a conversation has none
+        # (SmolLM2's template does), for adapters to show; None if it adds nothing.
+        self.default_system: str | None = None
 
     @classmethod
     def supports(cls, tokenizer: Any) -> bool:
@@ -264,7 +267,9 @@ def validate_format_name(name: str, registry: Any = None) -> None:
         from chatcore.registry import Registry
 
         registry = Registry.build(get_plugin_host())
-    registry.prompt_format(name)
+    if name not in registry.prompt_formats:
+        known = ", ".join([AUTO] + sorted(registry.prompt_formats))
+        raise UnknownNameError(f"unknown prompt format {name!r} (available: {known})")
 
 
 def choose_format(registry: Any, tokenizer: Any, name: str = AUTO) -> type[PromptFormat]:

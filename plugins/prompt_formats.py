@@ -78,6 +78,7 @@ class ChatTemplateFormat(PromptFormat):
         self.folds_system = self._system_refused()
         self._template(probe)  # a template that cannot render a plain user turn fails here, naming the model
         self._end_of_turn = self._find_end_of_turn()
+        self.default_system = None if self.folds_system else self._find_default_system()
 
     @classmethod
     def supports(cls, tokenizer: Any) -> bool:
@@ -120,6 +121,19 @@ class ChatTemplateFormat(PromptFormat):
             if self.tokenizer.convert_ids_to_tokens(int(token)) in self.specials:
                 return {int(token)}
         return set()
+
+    def _find_default_system(self) -> str | None:
+        """The system text the template writes when given none: what stands where a given one would."""
+        user = {"role": "user", "content": _HOLE.format(0)}
+        try:
+            bare = self._template([user])
+            given = self._template([{"role": "system", "content": _HOLE.format(1)}, user])
+        except ChatcoreError:
+            return None
+        prefix, _, suffix = given.partition(_HOLE.format(1))
+        if len(bare) > len(prefix) + len(suffix) and bare.startswith(prefix) and bare.endswith(suffix):
+            return bare[len(prefix):len(bare) - len(suffix)].strip() or None
+        return None
 
     def end_of_turn_ids(self) -> set[int]:
         return set(self._end_of_turn)

@@ -247,3 +247,29 @@ def test_a_reply_budget_beyond_the_context_is_capped(chat_engine, chat_loaded):
     room = chat_loaded.max_positions - response.provenance["prompt_tokens"]
     assert response.provenance["max_new_tokens"] == room
     assert len(response.token_ids) == room
+
+
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful bot.<|im_end|>\\n' }}{% endif %}"
+    + CHATML_TEMPLATE
+)
+
+
+def test_the_templates_own_default_system_prompt_is_known(tmp_path, chat_engine):
+    folder = build_tiny_model(tmp_path / "default-system", architecture="llama", chat_template=DEFAULT_SYSTEM_TEMPLATE)
+    engine = make_engine(str(folder))
+    assert engine.prompt_format.default_system == "You are a helpful bot."
+    assert chat_engine.prompt_format.default_system is None  # plain ChatML adds none
+
+
+def test_a_reply_records_the_system_prompt_it_was_made_with(chat_engine):
+    conversation = chat_engine.conversation(system="first persona")
+    first = conversation.send("hi", max_new_tokens=2, seed=0)
+    first.text()
+    conversation.system = "second persona"
+    second = conversation.send("and now?", max_new_tokens=2, seed=0)
+    second.text()
+    conversation.system = None
+    third = conversation.send("bye", max_new_tokens=2, seed=0)
+    third.text()
+    assert [r.provenance["system"] for r in (first, second, third)] == ["first persona", "second persona", None]
