@@ -170,6 +170,9 @@ def test_every_slash_command(state, store):
     assert state.current.system == state.system == "You are a patient tutor."
     assert "You are a patient tutor." in command("/settings").output
     assert_one_line_error(command("/system " + "x" * 40_000), "the limit is 32,000")
+    # Refused when set, not with the next message: 128 positions leave no room for this one.
+    assert_one_line_error(command("/system " + "be kind " * 100), "the system prompt takes")
+    assert state.current.system == "You are a patient tutor."
     assert command("/system clear").output == "system prompt cleared" and state.current.system is None
     assert command("/system off").output == "no system prompt to clear"
     assert command("/format").output == "format: dialogpt\navailable: auto, chat-template, dialogpt"
@@ -548,13 +551,15 @@ def test_chat_system_prompt_and_format_options(cli, tiny_model_dir, tmp_path):
                          (("--system-file", str(tmp_path / "latin1.txt")), "is not UTF-8 text (bad byte at position 3)"),
                          (("--system-file", str(tmp_path / "empty.txt")), "is empty"),
                          (("--system", "x", "--system-file", str(persona)), "not both"),
-                         (("--format", "nope"), "unknown prompt format 'nope' (available: chat-template, dialogpt")]:
+                         (("--format", "nope"), "unknown prompt format 'nope' (available: ")]:
         failed = cli("chat", *missing_model, "--no-log", *args, input="")
         assert failed.exit_code == 1, failed.output
         assert failed.stderr.count("\n") == 1 and failed.stderr.startswith("Error: ") and needle in failed.stderr
         assert "loading" not in failed.stderr
     wrong = cli("chat", "--model", str(tiny_model_dir), "--no-log", "--format", "chat-template", input="")
     assert wrong.exit_code == 1 and "has no chat template" in wrong.stderr
+    too_long = cli("chat", *model, "--system", "be kind " * 100, input="hello\n")  # 128 positions
+    assert too_long.exit_code == 1 and "the system prompt takes" in too_long.stderr and "bot>" not in too_long.stdout
 
 
 def test_building_the_cli_imports_no_heavy_module():

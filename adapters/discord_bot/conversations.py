@@ -118,7 +118,7 @@ class ChatRuntime:
         """Fail if ``text`` as the system prompt leaves no room for a message and a reply."""
         from chatcore.prompting import Message, prompt_budget
 
-        if text:
+        if text:  # the format's own truncation says "the system prompt takes N tokens ..."
             budget = prompt_budget(self.engine.loaded.max_positions, max_new_tokens)
             self.engine.prompt_format.fit([Message("system", text), Message("user", "")], budget)
 

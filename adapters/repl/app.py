@@ -111,12 +111,12 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
         for name, settings in steerers:
             engine.make_steerer(name, settings)
         state = ChatState(engine, options, store=store, log_off_reason=off_reason, next_seed=config.seed,
-                          system=system, scheduler=Scheduler(engine, max_batch=1))
+                          scheduler=Scheduler(engine, max_batch=1))
+        if store is not None and resume_id is not None:
+            state.switch_to(store.resume(engine, resume_id))
+        if system is not None:  # given on resuming too: it replaces the logged one
+            state.set_system(system)  # one that leaves no room fails here, before the first prompt
         if store is not None:
-            if resume_id is not None:
-                state.switch_to(store.resume(engine, resume_id))
-                if system is not None:
-                    state.set_system(system)
             state.log_plugin = ConversationLogPlugin(store, notify=state.notify)
             engine.host.unregister(LOG_PLUGIN_NAME)  # a previous chat in this process
             if not engine.host.register(state.log_plugin, LOG_PLUGIN_NAME):

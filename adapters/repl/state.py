@@ -69,10 +69,18 @@ class ChatState:
         self.last_response = None
 
     def set_system(self, text: str | None) -> str | None:
-        """Set (or with None clear) the system prompt; the next reply is rendered with it."""
-        self.current.system = text  # validates and cleans
-        self.system = self.current.system
-        return self.system
+        """Set (or with None clear) the system prompt; the next reply is rendered with it.
+
+        One that leaves no room in the context for a message and a reply is refused now,
+        before a message is sent that could not be answered."""
+        from chatcore.prompting import Message, clean_system_prompt, prompt_budget
+
+        cleaned = clean_system_prompt(text)
+        if cleaned:  # the format's own truncation says "the system prompt takes N tokens ..."
+            budget = prompt_budget(self.engine.loaded.max_positions, self.options.max_new_tokens)
+            self.engine.format_for(self.current).fit([Message("system", cleaned), Message("user", "")], budget)
+        self.current.system = self.system = cleaned
+        return cleaned
 
     def set_format(self, name: str) -> str:
         """Switch the prompt format (``auto`` included); returns the name of the format chosen."""
