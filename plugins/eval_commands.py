@@ -45,6 +45,7 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
     from pathlib import Path
 
     from chatcore.cli.specs import parse_spec
+    from chatcore.cli.files import check_output_path, open_output
     from chatcore.engine import Engine, ReplyOptions, validate_options
     from chatcore.evaluation.prompts import load_prompt_file
     from chatcore.evaluation.runner import evaluate
@@ -57,6 +58,8 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
     # Everything that needs no model fails before the model loads.
     validate_options(options)
     validate_format_name(prompt_format)
+    if json_path:
+        check_output_path(json_path)
     system = system_prompt_option(system_text, system_file)
     engine = Engine(model, device=device, prompt_format=prompt_format)
     if Path(prompts).is_file():
@@ -82,7 +85,8 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
     if errors:
         click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+        with open_output(json_path) as stream:
+            stream.write(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     if errors and len(errors) == len(report.samples):
         raise ChatcoreError(f"every context failed ({len(errors)}): nothing was measured")
 

@@ -193,3 +193,16 @@ def test_generate_from_stdin_refuses_bytes_that_are_not_utf8(run, tiny_model_dir
                input="hello there\n\nhi! how are you?\nfine, thanks\n".encode())
     assert good.exit_code == 0, good.output
     assert json.loads(good.output)["history_turns_used"] == 3
+
+
+def test_output_files_in_missing_folders_fail_before_the_work(run, tiny_model_dir, tmp_path):
+    missing = tmp_path / "no-such-folder" / "report.json"
+    assert_clean_failure(run("eval", "--model", "does-not-matter", "--json", str(missing)),
+                         "the folder", "does not exist")
+    from chatcore.adapters.conversation_log.location import sqlite_url
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+    ConversationStore(sqlite_url(tmp_path / "log.sqlite3")).close()
+    assert_clean_failure(run("logs", "--db", str(tmp_path / "log.sqlite3"), "export", "-o", str(missing)),
+                         "the folder", "does not exist")
+    assert_clean_failure(run("eval", "--model", str(tiny_model_dir), "--json", str(tmp_path)), "it is a folder")

@@ -288,6 +288,16 @@ def test_serve_refuses_bad_options_before_loading_the_model():
     assert result.exit_code != 0 and "no-such-format" in result.output and "Traceback" not in result.output
     result = runner.invoke(build_cli(), ["serve", "--api-key", " "])
     assert result.exit_code != 0 and "--api-key" in result.output
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # "nope" would fail to load: the port is refused first, before any model.
+        result = runner.invoke(build_cli(), ["serve", "--port", str(port), "--model", "nope"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.output
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from chatcore.cli.files import open_output
+
 if TYPE_CHECKING:
     from chatcore.adapters.conversation_log.store import ConversationStore
 
@@ -127,7 +129,7 @@ def export_command(ctx: click.Context, conversation_ids: tuple[str, ...], export
                else store.iter_conversations(conversation_ids or None, author_id=author_id))
     render = formatting.conversation_jsonl if export_format == "jsonl" else formatting.conversation_markdown
     separator = "\n" if export_format == "jsonl" else "\n---\n\n"
-    stream = open(output, "w", encoding="utf-8") if output else sys.stdout
+    stream = open_output(output) if output else sys.stdout
     count = 0
     try:
         for record in records:

@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
+if TYPE_CHECKING:
+    import socket
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def bind_listener(host: str, port: int) -> "socket.socket":
+    """A listening socket on ``host:port``, or one line saying why there cannot be one."""
+    import socket
+
+    from chatcore.errors import ChatcoreError
+
+    try:
+        family, kind, protocol, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, protocol)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(2048)
+    except OSError as error:
+        raise ChatcoreError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return listener
 
 
 @click.command("serve")
@@ -51,9 +73,11 @@ def serve(host: str, port: int, model: str, api_key: str | None, system_text: st
     if api_key is None and host not in LOOPBACK:
         click.echo(f"chatcore: warning: listening on {host} without --api-key: anyone who can reach this "
                    "address can use the model", err=True)
+    listener = bind_listener(host, port)  # a port in use fails now, not after the model has loaded
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
     with Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting,
                    prefix_cache_bytes=prefix_cache_mb * 2**20) as scheduler:
         app = build_app(scheduler, ServeConfig(api_key=api_key, system=system))
         click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
-        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        server.run(sockets=[listener])
