@@ -187,6 +187,18 @@ def prompt_budget(max_positions: int, max_new_tokens: int) -> int:
     return max(max_positions - max_new_tokens, max_positions // 2)
 
 
+def check_system_fits(prompt_format: PromptFormat, system: str | None, max_positions: int,
+                      max_new_tokens: int) -> None:
+    """Fail (ChatcoreError: "the system prompt takes N tokens ...") if ``system`` leaves no room
+    for a message and a reply of ``max_new_tokens``.
+
+    Adapters check a system prompt when it is set, so that the error comes then and not
+    with the next message (whose turn would be left without a reply).
+    """
+    if system:
+        prompt_format.fit([Message("system", system), Message("user", "")], prompt_budget(max_positions, max_new_tokens))
+
+
 def special_token_ids(tokenizer: Any) -> set[int]:
     """Ids of the tokenizer's special tokens (named ones and added tokens marked special)."""
     ids = {int(i) for i in getattr(tokenizer, "all_special_ids", []) if i is not None}

@@ -116,11 +116,9 @@ class ChatRuntime:
 
     def check_system(self, text: str | None, max_new_tokens: int) -> None:
         """Fail if ``text`` as the system prompt leaves no room for a message and a reply."""
-        from chatcore.prompting import Message, prompt_budget
+        from chatcore.prompting import check_system_fits
 
-        if text:  # the format's own truncation says "the system prompt takes N tokens ..."
-            budget = prompt_budget(self.engine.loaded.max_positions, max_new_tokens)
-            self.engine.prompt_format.fit([Message("system", text), Message("user", "")], budget)
+        check_system_fits(self.engine.prompt_format, text, self.engine.loaded.max_positions, max_new_tokens)
 
     @property
     def prompt_format(self) -> str:

@@ -73,12 +73,11 @@ class ChatState:
 
         One that leaves no room in the context for a message and a reply is refused now,
         before a message is sent that could not be answered."""
-        from chatcore.prompting import Message, clean_system_prompt, prompt_budget
+        from chatcore.prompting import check_system_fits, clean_system_prompt
 
         cleaned = clean_system_prompt(text)
-        if cleaned:  # the format's own truncation says "the system prompt takes N tokens ..."
-            budget = prompt_budget(self.engine.loaded.max_positions, self.options.max_new_tokens)
-            self.engine.format_for(self.current).fit([Message("system", cleaned), Message("user", "")], budget)
+        check_system_fits(self.engine.format_for(self.current), cleaned, self.engine.loaded.max_positions,
+                          self.options.max_new_tokens)
         self.current.system = self.system = cleaned
         return cleaned
 
