@@ -281,6 +281,15 @@ def test_the_system_prompt_is_stored_and_restored_on_resume(engine, store, log_p
     plain.send("no persona", decoder="greedy", max_new_tokens=2).text()
     assert store.resume(engine, plain.id).system is None
 
+    # Changed mid-conversation: the log holds the prompt as it is now, each reply the one it was made with.
+    conversation.system = "You are a calm librarian."
+    conversation.send("and now?", decoder="greedy", max_new_tokens=2).text()
+    record = store.get_conversation(conversation.id)
+    assert record.system == "You are a calm librarian."
+    assert store.resume(engine, conversation.id).system == "You are a calm librarian."
+    replies = [m for m in record.messages if m.role == "bot"]
+    assert [m.provenance.get("system") for m in replies] == ["You are a terse pirate.", "You are a calm librarian."]
+
 
 def test_a_locked_database_keeps_the_chat_going_and_catches_up(engine, db_path):
     store = ConversationStore(sqlite_url(db_path), timeout_s=0.05)

@@ -430,8 +430,10 @@ class ConversationStore:
             )
             session.add(row)
             session.flush()
-            session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id)
-                            .values(updated=created))
+            current: dict[str, Any] = {"updated": created}
+            if conversation is not None:  # a system prompt or format changed mid-conversation is kept as it is now
+                current.update(system=clean(conversation.get("system")), prompt_format=conversation.get("prompt_format"))
+            session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
             return row.id
 
     def _supersede_replies(self, session: Session, conversation_id: str, keep: int) -> None:
