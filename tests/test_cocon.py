@@ -677,3 +677,29 @@ def test_dialogues_are_rendered_as_chat_prompts_with_the_reply_starts(tmp_path):
     last = prompt_format.render(scripted_messages(turns[7:8]))
     assert stream[int(starts[3]) - len(last) : int(starts[3])].tolist() == last
     assert stream[-1] == prompt_format.end_of_reply_id
+
+
+@pytest.mark.slow
+def test_cocon_on_smollm2_splits_exactly_and_replies_with_a_fresh_block(smollm2, tmp_path):
+    """SmolLM2 (a Llama, 30 blocks, width 576, 9 heads of 64): alpha then beta gives its own
+    logits on a chat prompt, and a block of its shape replies through its chat template."""
+    from chatcore.testing import make_engine
+
+    split = SplitModel(smollm2.model, 10)
+    ids = torch.tensor([smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "hi, how are you?"}],
+                                                              add_generation_prompt=True, return_dict=False)])
+    with torch.no_grad():
+        embeddings = split.embed(torch.arange(ids.size(1))[None], input_ids=ids)
+        inputs = split.pass_inputs(embeddings)
+        mine = split.head(split.beta(split.alpha(embeddings, inputs), inputs))
+        torch.testing.assert_close(mine, smollm2.model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    block = CoconBlock(CoconConfig(split.n_embd, split.n_head, 10, dropout=0.0))
+    assert block.head_dim == 64
+    save_block(block, tmp_path, {"name": "smollm2", "fingerprint": model_fingerprint(smollm2.model,
+                                                                                     smollm2.tokenizer)})
+    engine = make_engine(smollm2, *COCON_PLUGINS[2:])
+    response = engine.conversation().send("what should we eat?", ReplyOptions(
+        decoder="greedy", max_new_tokens=4, min_new_tokens=4,
+        steerers=[("cocon", {"content": "pizza", "block": str(tmp_path)})]))
+    assert response.text() and len(response.token_ids) == 4
+    assert response.provenance["details"]["cocon"]["split_layer"] == 10
