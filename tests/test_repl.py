@@ -125,6 +125,30 @@ def test_every_slash_command(state, store):
     assert_one_line_error(command("/steer off nope"), "steerer 'nope' is not on")
     assert "still on: none" in command("/steer off bow-bias").output and state.options.steerers == []
     command("/steer bow-bias topic=food")
+    # A steerer that replaces the model step (as CoCon does) could never work after bow-bias: refused now.
+    from chatcore.registry import Registry
+
+    @dataclass
+    class NoSettings:
+        pass
+
+    class WholeModel(Steerer):
+        name = "whole-model-test"
+        Settings = NoSettings
+        replaces_model = True
+
+        def wrap(self, step):  # pragma: no cover - refused before any reply
+            return step
+
+    class Plugin:
+        @chatcore.hookimpl
+        def register_steerers(self, register):
+            register(WholeModel)
+
+    state.engine.host.register(Plugin(), "whole-model")
+    state.engine.registry = Registry.build(state.engine.host)
+    assert_one_line_error(command("/steer whole-model-test"), "'whole-model-test' replaces the model step, so it must")
+    assert state.options.steerers == [("bow-bias", {"topic": "food"})]
     assert command("/steer off").output == "steering off" and state.options.steerers == []
 
     assert_one_line_error(command("/why"), "no reply yet")
@@ -175,6 +199,10 @@ def test_every_slash_command(state, store):
     assert state.current.system == "You are a patient tutor."
     assert command("/system clear").output == "system prompt cleared" and state.current.system is None
     assert command("/system off").output == "no system prompt to clear"
+    state.engine.prompt_format.default_system = "You are a helpful bot."  # as SmolLM2's template has one
+    assert "the model's chat template adds its default" in command("/system").output
+    assert "You are a helpful bot." in command("/system").output
+    state.engine.prompt_format.default_system = None
     assert command("/format").output == "format: dialogpt\navailable: auto, chat-template, dialogpt"
     assert command("/format auto").output == "format: dialogpt (auto picked it)"
     assert_one_line_error(command("/format nope"), "unknown prompt format 'nope' (available: auto, chat-template")
@@ -819,3 +847,31 @@ def test_a_killed_chat_keeps_every_completed_turn(tiny_model_dir, tmp_path):
     assert [m.role for m in messages] == ["user", "bot"] * turns
     assert [m.text for m in messages if m.role == "user"] == [f"message number {n}" for n in range(turns)]
     assert all(m.token_count and not m.interrupted for m in messages if m.role == "bot")
+
+
+def test_writes_the_log_cannot_take_at_exit_wait_in_its_journal(engine, tmp_path):
+    import sqlite3
+
+    from chatcore.adapters.repl.app import close_state
+
+    db_path = tmp_path / "locked.sqlite3"
+    store = ConversationStore(sqlite_url(db_path), timeout_s=0.05)
+    chat = ChatState(engine, ReplyOptions(decoder="greedy", max_new_tokens=3), store=store)
+    chat.log_plugin = ConversationLogPlugin(store, notify=chat.notify, retry_after_s=0.0,
+                                            journal_dir=tmp_path / "journal")
+    engine.host.register(chat.log_plugin, "conversation-log")
+    blocker = sqlite3.connect(str(db_path), isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # another process holds the write lock until after the exit
+    said = []
+    try:
+        run(chat, "hello there")
+        close_state(chat, say=said.append)
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert len(said) == 1 and "2 write(s) could not be saved" in said[0] and "written by the next chat" in said[0]
+    # The next process that logs there writes them.
+    reopened = ConversationStore(sqlite_url(db_path))
+    ConversationLogPlugin(reopened, journal_dir=tmp_path / "journal").close()
+    assert [m.text for m in reopened.get_conversation(chat.current.id).messages][0] == "hello there"
+    reopened.close()

@@ -104,8 +104,11 @@ class LogPersistence:
 
     def close(self) -> None:
         try:
-            if not self.plugin.flush():
-                logger.warning("conversation log: %d write(s) could not be saved", self.plugin.pending)
+            journaled = self.plugin.close()  # what the log cannot take now waits in its journal
+            if journaled:
+                logger.warning("conversation log: %d write(s) kept in the journal for the next start", journaled)
+            if self.plugin.pending > journaled:
+                logger.warning("conversation log: %d write(s) could not be saved", self.plugin.pending - journaled)
         finally:
             self.host.unregister(LOG_PLUGIN_NAME)
             self.store.close()

@@ -133,9 +133,14 @@ def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
         state.scheduler.close()
     if state.log_plugin is not None:
         state.engine.host.unregister(LOG_PLUGIN_NAME)
-        if state.log_plugin.pending and not state.log_plugin.flush():
-            say(f"note: {state.log_plugin.pending} write(s) could not be saved to the conversation log "
-                f"({state.log_plugin.failing})")
+        failing = state.log_plugin.failing
+        journaled = state.log_plugin.close()  # what the log cannot take now waits in its journal
+        if journaled:
+            say(f"note: {journaled} write(s) could not be saved to the conversation log ({failing}); they are kept "
+                f"in {state.log_plugin.journal.folder} and written by the next chat that logs there")
+        lost = state.log_plugin.pending - journaled
+        if lost > 0:
+            say(f"note: {lost} write(s) to the conversation log were lost ({failing})")
     if state.store is not None:
         state.store.close()
 

@@ -144,7 +144,10 @@ def unquote_spec(rest: str) -> str:
     return words[0] if len(words) == 1 and len(words[0].split()) > 1 else rest
 
 
-def describe_system(text: str | None) -> str:
+def describe_system(text: str | None, default: str | None = None) -> str:
+    if not text and default:
+        return ("no system prompt of its own: the model's chat template adds its default (/system TEXT replaces it):\n"
+                + "\n".join(f"  {line}" for line in display_safe(default).splitlines()))
     if not text:
         return "no system prompt (/system TEXT sets one)"
     return "system prompt:\n" + "\n".join(f"  {line}" for line in display_safe(text).splitlines())
@@ -188,12 +191,16 @@ def steer_command(state: "ChatState", rest: str) -> Outcome:
         state.options.steerers = [(n, s) for n, s in state.options.steerers if n not in names]
         left = ", ".join(n for n, _ in state.options.steerers) or "none"
         return Outcome(output=f"steering off: {', '.join(names)} (still on: {left})")
+    from chatcore.steering import check_composition
+
     name, settings = parse_spec(unquote_spec(rest))
     state.engine.make_steerer(name, settings)  # validates before anything changes
     if name in active:  # new settings, same place in the composition order
-        state.options.steerers = [(n, settings if n == name else s) for n, s in state.options.steerers]
+        steerers = [(n, settings if n == name else s) for n, s in state.options.steerers]
     else:
-        state.options.steerers = [*state.options.steerers, (name, settings)]
+        steerers = [*state.options.steerers, (name, settings)]
+    check_composition([state.engine.registry.steerer(n) for n, _ in steerers])  # a combination that cannot work
+    state.options.steerers = steerers
     return Outcome(output="steering: " + "; ".join(describe_steerers(state)))
 
 
@@ -224,13 +231,15 @@ CLEAR_WORDS = ("clear", "off")
 @command("/system", "/system [TEXT | clear]", "show, set or clear the system prompt (from the next reply on)")
 def system_command(state: "ChatState", rest: str) -> Outcome:
     if not rest:
-        return Outcome(output=describe_system(state.current.system))
+        return Outcome(output=describe_system(state.current.system,
+                                              state.engine.format_for(state.current).default_system))
     if rest.lower() in CLEAR_WORDS:
         had = state.current.system is not None
         state.set_system(None)
         return Outcome(output="system prompt cleared" if had else "no system prompt to clear")
     state.set_system(rest)
-    return Outcome(output=describe_system(state.current.system) + "\n(used from the next reply on)")
+    return Outcome(output=describe_system(state.current.system, state.engine.format_for(state.current).default_system)
+                   + "\n(used from the next reply on)")
 
 
 @command("/format", "/format [NAME | auto]", "show or switch the prompt format (how turns become the prompt)")
