@@ -845,6 +845,7 @@ async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log
         messages = store.get_conversation(summary.id).messages
     assert [m.role for m in messages] == ["user", "bot"]
     assert messages[1].interrupted is interrupted and messages[1].text.strip() == sent[first_dm.id]
+    assert messages[0].author_id == str(first.id)  # an operator can export or delete one person's messages
 
 
 # -- the worker on its own -------------------------------------------------------------

@@ -107,9 +107,9 @@ class ChannelSetup:
                             [(name, dict(settings)) for name, settings in self.steerers])
 
 
-def _reply_job(key: str, text: str, options: "ReplyOptions", system: str | None, runtime: "ChatRuntime",
-               control: "JobControl") -> "ReplyResult":
-    return runtime.reply(key, text, options, control, system=system)
+def _reply_job(key: str, text: str, options: "ReplyOptions", system: str | None, author_id: str,
+               runtime: "ChatRuntime", control: "JobControl") -> "ReplyResult":
+    return runtime.reply(key, text, options, control, system=system, author_id=author_id)
 
 
 @contextlib.asynccontextmanager
@@ -255,7 +255,7 @@ class ChatBot(discord.Client):
             return
         key = conversation_key(message.channel)
         system, _ = self.system_prompts.effective(key)
-        job = functools.partial(_reply_job, key, text, self.reply_options(key), system)
+        job = functools.partial(_reply_job, key, text, self.reply_options(key), system, str(message.author.id))
         try:
             future = self.worker.submit(job, timeout_s=self.settings.reply_timeout_s)
         except WorkerBusy:

@@ -76,14 +76,16 @@ class ChatRuntime:
 
     # -- replies ------------------------------------------------------------------
     def reply(self, key: str, text: str, options: "ReplyOptions", control: "JobControl | None" = None,
-              system: str | None = None) -> ReplyResult:
-        """Add ``text`` as the user's turn and generate the reply with the system prompt
-        ``system`` (the one in effect for ``key`` now: a change applies from the next
+              system: str | None = None, author_id: str | None = None) -> ReplyResult:
+        """Add ``text`` as the user's turn (by ``author_id``, which the log keeps so that one
+        person's messages can be exported or deleted) and generate the reply with the system
+        prompt ``system`` (the one in effect for ``key`` now: a change applies from the next
         reply on), stopping early when ``control`` says so (the partial reply is kept,
         marked interrupted)."""
         conversation = self.conversation(key)
         conversation.system = system
-        response = conversation.send(text, options)
+        conversation.add_user(text, meta={"author_id": author_id} if author_id is not None else None)
+        response = conversation.reply(options)
         stop_reason = None
         for _ in response:
             if control is not None and control.should_stop():
