@@ -66,6 +66,8 @@ class Response:
             # error is kept in ``self.error`` too.
             if not isinstance(error, (KeyboardInterrupt, GeneratorExit)):
                 self.error = error
+                # Cut by an error, not by the reader: the log and /history tell the two apart.
+                self.provenance["error"] = f"{type(error).__name__}: {error}"
             self._finish(interrupted=True)
             raise
         tail = self._flush()

@@ -269,7 +269,10 @@ def format_turns(state: "ChatState", limit: int | None = None) -> str:
         lines.append(f"({count(len(turns) - len(shown), 'earlier turn')} not shown; /history shows all)")
     for turn in shown:
         label = "you" if turn.role == "user" else "bot"
-        mark = " [interrupted]" if turn.interrupted else ""
+        if turn.meta.get("provenance", {}).get("error"):
+            mark = " [cut short by an error]"
+        else:
+            mark = " [interrupted]" if turn.interrupted else ""
         lines.append(f"{label}> {display_safe(turn.text)}{mark}")
     return "\n".join(lines)
 
