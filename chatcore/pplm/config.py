@@ -101,9 +101,9 @@ class PerturbConfig:
         token add up: a model with five times the perturbed layers moves five times as far
         for the same step per layer. On SmolLM2-135M (15 perturbed layers of 30) a step of
         1.0 per layer overshoots (the attribute loss and the KL term swing from one iteration
-        to the next) and the replies keep none of the topic; a total of 3 spread over the
-        layers steers it as 1.0 on each of chatcore-tiny's 3 perturbed layers steers that
-        model (docs/pplm.md, "Across models").
+        to the next); a total of 3 spread over the layers makes its iterations go down as
+        1.0 on each of chatcore-tiny's 3 perturbed layers does there (docs/pplm.md,
+        "Across models").
         """
         if self.stepsize is not None:
             return self.stepsize
