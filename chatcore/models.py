@@ -196,7 +196,8 @@ def hub_failure(name: str, error: BaseException) -> str:
 
 @contextlib.contextmanager
 def quiet_loading() -> Iterator[None]:
-    """Hide transformers' "Loading weights" progress bars, which would land in the middle of a chat.
+    """Hide transformers' "Loading weights" progress bars, which would land in the middle of a chat,
+    and the hub client's warnings about failed requests (the load's own error tells them once).
 
     Only transformers' own bars are silenced (through its tqdm hook): a hub download keeps
     its progress bar, which is worth seeing.
@@ -209,8 +210,16 @@ def quiet_loading() -> Iterator[None]:
     def silent(factory: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return factory(*args, **{**kwargs, "disable": True})
 
+    import logging
+
+    # The hub client logs each failed request as a warning; chatcore's own one-line error
+    # says the same once, so the client's lines are held back while chatcore loads.
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)
     previous = hf_logging.set_tqdm_hook(silent)
     try:
         yield
     finally:
         hf_logging.set_tqdm_hook(previous)
+        hub_logger.setLevel(level)
