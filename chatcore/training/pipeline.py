@@ -118,12 +118,13 @@ def train_model_command(
     if init_from:
         from transformers import AutoModelForCausalLM
 
-        from chatcore.models import resolve_model_path
+        from chatcore.models import quiet_loading, resolve_model_path
 
         source = resolve_model_path(init_from)
         tokenizer = _load_tokenizer(tokenizer_path or source)
         try:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
+            with quiet_loading():
+                model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"cannot load {init_from!r} to fine-tune: {error}") from error
     else:
