@@ -24,3 +24,24 @@ def long_conversation(engine: Any, history_tokens: int, reply_tokens: int) -> An
             conversation.add_user(LINES[0])
         if len(conversation.prompt(reply_tokens).token_ids) <= before:
             return conversation  # the model's context is full
+
+
+def add_model_arguments(parser: Any) -> None:
+    """``--model``, ``--device`` and ``--threads``, as every benchmark takes them."""
+    parser.add_argument("--model", default="chatcore-tiny")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+
+
+def load_engine(args: Any, *plugins: str) -> Any:
+    """The engine the arguments name, quiet, on ``--threads`` threads, with greedy, top-k and ``plugins`` only."""
+    import torch
+    import transformers
+
+    from chatcore.engine import Engine
+    from chatcore.testing import plugin_host
+
+    transformers.logging.set_verbosity_error()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Engine(args.model, device=args.device, host=plugin_host(*plugins))

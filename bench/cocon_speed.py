@@ -14,33 +14,25 @@ import argparse
 import statistics
 import time
 
-from benchlib import long_conversation
+from benchlib import add_model_arguments, load_engine, long_conversation
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="chatcore-tiny")
+    add_model_arguments(parser)
     parser.add_argument("--block", default=None, help="CoCon block (default: the bundled one for the model)")
     parser.add_argument("--content", default="music")
     parser.add_argument("--history", type=int, default=200, help="prompt length in tokens (about)")
     parser.add_argument("--tokens", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
 
     import torch
     import transformers
 
-    from chatcore.engine import Engine, ReplyOptions
-    from chatcore.plugin_manager import PluginHost
+    from chatcore.engine import ReplyOptions
 
-    transformers.logging.set_verbosity_error()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    host = PluginHost()
-    host.load_modules(("chatcore.plugins.top_k", "chatcore.plugins.cocon"))
-    engine = Engine(args.model, device=args.device, host=host)
+    engine = load_engine(args, "chatcore.plugins.cocon")
     device = engine.loaded.device
     n = args.tokens
 

@@ -14,30 +14,22 @@ import argparse
 import statistics
 import time
 
-from benchlib import long_conversation
+from benchlib import add_model_arguments, load_engine, long_conversation
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="chatcore-tiny")
+    add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
 
     import torch
     import transformers
 
-    from chatcore.engine import Engine, ReplyOptions
-    from chatcore.plugin_manager import PluginHost
+    from chatcore.engine import ReplyOptions
 
-    transformers.logging.set_verbosity_error()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    host = PluginHost()
-    host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k"))
-    engine = Engine(args.model, device=args.device, host=host)
+    engine = load_engine(args)
     model = engine.loaded.model
     device = engine.loaded.device
     eos = engine.eos_token_id

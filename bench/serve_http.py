@@ -16,6 +16,8 @@ import concurrent.futures
 import statistics
 import time
 
+from benchlib import add_model_arguments, load_engine
+
 
 def percentile(values: list[float], share: float) -> float:
     ordered = sorted(values)
@@ -24,28 +26,20 @@ def percentile(values: list[float], share: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="chatcore-tiny")
+    add_model_arguments(parser)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
 
     import openai
     import torch
-    import transformers
 
     from chatcore.adapters.http_api.app import build_app
     from chatcore.adapters.http_api.server import start_in_thread
-    from chatcore.engine import Engine
     from chatcore.serving import Scheduler
-    from chatcore.testing import plugin_host
 
-    transformers.logging.set_verbosity_error()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = Engine(args.model, device=args.device, host=plugin_host())
+    engine = load_engine(args)
     print(f"model {args.model} on {engine.loaded.device}, threads {torch.get_num_threads()}, "
           f"{args.clients} streaming clients x {args.tokens} tokens, max batch {args.max_batch}")
     with Scheduler(engine, max_batch=args.max_batch, max_waiting=args.clients) as scheduler:

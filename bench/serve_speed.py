@@ -19,7 +19,7 @@ import argparse
 import statistics
 import time
 
-from benchlib import long_conversation
+from benchlib import add_model_arguments, load_engine, long_conversation
 
 QUESTIONS = ("what did you do this weekend?", "do you like cooking?", "what music do you listen to?",
              "where would you like to travel?", "what is your favourite film?", "do you have any pets?",
@@ -28,27 +28,20 @@ QUESTIONS = ("what did you do this weekend?", "do you like cooking?", "what musi
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="chatcore-tiny")
+    add_model_arguments(parser)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--histories", default="0,200,400", help="History lengths in tokens, comma-separated.")
     parser.add_argument("--only", choices=["throughput", "first-token"], default=None, help="Run one part.")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = parser.parse_args()
 
     import torch
     import transformers
 
-    from chatcore.engine import Engine
     from chatcore.serving import Scheduler
-    from chatcore.testing import plugin_host
 
-    transformers.logging.set_verbosity_error()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = Engine(args.model, device=args.device, host=plugin_host())
+    engine = load_engine(args)
     print(f"model {args.model} on {engine.loaded.device}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
     if args.only in (None, "throughput"):

@@ -219,17 +219,11 @@ def clean_system_prompt(text: Any) -> str | None:
     """A system prompt as given (line breaks kept), or None for empty; ChatcoreError if unusable."""
     import unicodedata
 
+    from chatcore.text import checked_text, remove_escape_sequences
+
     if text is None:
         return None
-    if isinstance(text, bytes):
-        try:
-            text = text.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ChatcoreError(f"the system prompt is not UTF-8 text (bad byte at position {error.start})") from None
-    if not isinstance(text, str):
-        raise ChatcoreError(f"a system prompt must be text, got {type(text).__name__}")
-    if len(text) > MAX_SYSTEM_CHARS:
-        raise ChatcoreError(f"the system prompt is {len(text):,} characters long; the limit is {MAX_SYSTEM_CHARS:,}")
+    text = remove_escape_sequences(checked_text(text, "system prompt", MAX_SYSTEM_CHARS))
     kept = "".join(
         char for char in text.replace("\r\n", "\n").replace("\t", " ")
         if char == "\n" or unicodedata.category(char) not in ("Cc", "Cs")

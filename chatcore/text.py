@@ -33,6 +33,20 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
+def checked_text(text: Any, what: str, max_chars: int) -> str:
+    """``text`` as str (UTF-8 bytes decoded), or ChatcoreError naming ``what`` is wrong with it."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ChatcoreError(f"the {what} is not UTF-8 text (bad byte at position {error.start})") from None
+    if not isinstance(text, str):
+        raise ChatcoreError(f"a {what} must be text, got {type(text).__name__}")
+    if len(text) > max_chars:
+        raise ChatcoreError(f"the {what} is {len(text):,} characters long; the limit is {max_chars:,}")
+    return text
+
+
 def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
     """Normalise one incoming message, or raise ChatcoreError saying what is wrong.
 
@@ -40,15 +54,7 @@ def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
     terminal escape sequences, other control characters and lone surrogates are
     removed; whitespace is collapsed.
     """
-    if isinstance(text, bytes):
-        try:
-            text = text.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ChatcoreError(f"the message is not UTF-8 text (bad byte at position {error.start})") from None
-    if not isinstance(text, str):
-        raise ChatcoreError(f"a message must be text, got {type(text).__name__}")
-    if len(text) > max_chars:
-        raise ChatcoreError(f"the message is {len(text):,} characters long; the limit is {max_chars:,}")
+    text = checked_text(text, "message", max_chars)
     kept = []
     for char in remove_escape_sequences(text):
         if char.isspace():  # \n, \t, NEL, U+2028 ...: a line break separates words

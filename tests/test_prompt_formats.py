@@ -225,6 +225,7 @@ def test_dialogpt_needs_an_eos_token(chat_loaded):
 def test_system_prompt_cleaning_and_files(tmp_path):
     assert clean_system_prompt("  You are\ta pirate.\r\n\n Be\x00 brief.  ") == "You are a pirate.\n\nBe brief."
     assert clean_system_prompt("  \n ") is None and clean_system_prompt(None) is None
+    assert clean_system_prompt("be \x1b[31mred\x1b[0m, please") == "be red, please"
     with pytest.raises(ChatcoreError, match="limit"):
         clean_system_prompt("x" * 40_000)
     (tmp_path / "persona.txt").write_text("You are calm.\n", encoding="utf-8")
