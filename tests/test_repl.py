@@ -484,8 +484,8 @@ def test_a_long_paste_is_refused_at_once_and_kept_out_of_the_history(repl_host, 
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 
-    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2, no_log=True,
-                        history_file=tmp_path / "history")
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2,
+                        db_url=sqlite_url(tmp_path / "chat.sqlite3"), history_file=tmp_path / "history")
     out = io.StringIO()
     # Pasted without bracketed paste: the characters come as keys, 1,024 to a read.
     keys = ("y" * 100_000 + "\r"
@@ -510,6 +510,19 @@ def test_a_long_paste_is_refused_at_once_and_kept_out_of_the_history(repl_host, 
     assert [t.text for t in state.current.turns if t.role == "user"] == ["hello"] and state.system is None
     assert elapsed < 30, elapsed  # it took 146 s before pastes were read whole
     assert (tmp_path / "history").read_text().count("\n+") == 1  # only "hello"
+
+
+def test_no_log_keeps_the_typed_lines_off_the_disk_too(repl_host, tiny_model_dir, tmp_path):
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2, no_log=True,
+                        history_file=tmp_path / "history")
+    with create_pipe_input() as pipe:
+        pipe.send_text("a secret\r\x04")
+        state = start_chat(config, out=io.StringIO(), err=io.StringIO(), input=pipe, output=DummyOutput())
+    assert [t.text for t in state.current.turns if t.role == "user"] == ["a secret"]
+    assert not (tmp_path / "history").exists()
 
 
 # -- the `chat` command (plain lines when stdin is not a terminal) --------------------------------

@@ -187,7 +187,7 @@ def start_chat(config: ChatConfig, host: "PluginHost | None" = None, out: IO[str
     try:
         say(banner(state))
         run_terminal(state, out=stream, interactive=interactive, history_file=config.history_file,
-                     input=input, output=output)
+                     input=input, output=output, keep_history=not config.no_log)
     finally:
         close_state(state, say)
     return state

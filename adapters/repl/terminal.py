@@ -240,7 +240,7 @@ def history_path() -> Path:
 
 
 def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, input: Any = None,
-                          output: Any = None) -> ReadLine:
+                          output: Any = None, keep_history: bool = True) -> ReadLine:
     """A prompt-toolkit session: history file, completion, toolbar, multi-line."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.application.current import get_app
@@ -266,15 +266,15 @@ def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, 
             for suggestion in completions(state, document.text_before_cursor):
                 yield Completion(suggestion.text, start_position=suggestion.start, display_meta=suggestion.meta)
 
-    history: History
+    history: History = BoundedMemoryHistory()  # --no-log: the lines typed leave no trace on disk either
     path = history_file if history_file is not None else history_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(exist_ok=True)
-        history = BoundedFileHistory(str(path))
-    except OSError as error:
-        state.notify(f"input history is not saved ({path}: {error.strerror or error})")
-        history = BoundedMemoryHistory()
+    if keep_history:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(exist_ok=True)
+            history = BoundedFileHistory(str(path))
+        except OSError as error:
+            state.notify(f"input history is not saved ({path}: {error.strerror or error})")
 
     multiline = Condition(lambda: state.multiline)
     bindings = KeyBindings()
@@ -356,14 +356,15 @@ def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, 
 
 
 def run_terminal(state: "ChatState", out: IO[str] | None = None, interactive: bool | None = None,
-                 history_file: Path | None = None, input: Any = None, output: Any = None) -> None:
+                 history_file: Path | None = None, input: Any = None, output: Any = None,
+                 keep_history: bool = True) -> None:
     """Chat until /quit or Ctrl-D, with prompt-toolkit when on a terminal."""
     out = out if out is not None else sys.stdout
     if interactive is None:
         interactive = input is not None or (sys.stdin.isatty() and sys.stdout.isatty())
     while_streaming: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
     if interactive:
-        read_line = prompt_toolkit_reader(state, history_file, input=input, output=output)
+        read_line = prompt_toolkit_reader(state, history_file, input=input, output=output, keep_history=keep_history)
         if input is None and sys.platform != "win32":
             fd = sys.stdin.fileno()
             while_streaming = lambda: typing_held(fd)  # noqa: E731
