@@ -888,3 +888,29 @@ def test_writes_the_log_cannot_take_at_exit_wait_in_its_journal(engine, tmp_path
     ConversationLogPlugin(reopened, journal_dir=tmp_path / "journal").close()
     assert [m.text for m in reopened.get_conversation(chat.current.id).messages][0] == "hello there"
     reopened.close()
+
+
+def test_a_log_that_cannot_be_opened_at_the_start_is_used_once_it_can(repl_host, tiny_model_dir, tmp_path):
+    from chatcore.adapters.repl.app import build_state, close_state
+
+    folder = tmp_path / "not-yet"
+    folder.write_text("a file where the log's folder should be")  # refused at the start, as by a full disk
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=3,
+                        db_url=sqlite_url(folder / "log.sqlite3"))
+    said = []
+    state = build_state(config, repl_host, said.append)
+    assert state.store is None and any("chatting without the conversation log" in line for line in said)
+    run(state, "first message")
+    assert state.store is None  # still missing: tried again, and it waits before the next try
+    folder.unlink()
+    folder.mkdir()
+    run(state, "second message")
+    assert state.store is None  # not before the retry interval
+    state.next_log_try = 0.0
+    run(state, "third message")
+    assert state.store is not None and "logged from its first turn" in " ".join(state.take_notices())
+    close_state(state, said.append)
+    with ConversationStore(sqlite_url(folder / "log.sqlite3")) as store:
+        messages = store.get_conversation(state.current.id).messages
+    assert [m.text for m in messages if m.role == "user"] == ["first message", "second message", "third message"]
+    assert [m.role for m in messages] == ["user", "bot"] * 3

@@ -134,6 +134,19 @@ class ConversationLogPlugin:
         }
         self._submit(conversation, self._message_write(conversation, "bot", turn, fields))
 
+    def log_conversation(self, conversation: "Conversation") -> None:
+        """Write every turn the conversation holds now (for a log that became available
+        after the conversation started); each reply with the provenance it was made with."""
+        for index, turn in enumerate(conversation.turns):
+            if turn.role == "user":
+                fields: dict[str, Any] = {"token_count": self._count_tokens(conversation, turn.text)}
+            else:
+                provenance = json_safe(turn.meta.get("provenance") or {})
+                fields = {"provenance": provenance, "decoder": provenance.get("decoder"),
+                          "steerers": provenance.get("steerers"), "seed": provenance.get("seed"),
+                          "prompt_tokens": provenance.get("prompt_tokens")}
+            self._submit(conversation, self._message_write(conversation, turn.role, turn, fields))
+
     # -- what to write ---------------------------------------------------------------
     @staticmethod
     def _count_tokens(conversation: "Conversation", text: str) -> int | None:

@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from chatcore.engine import Engine
     from chatcore.plugin_manager import PluginHost
 
-LOG_PLUGIN_NAME = "conversation-log:repl"
-
 
 @dataclass
 class ChatConfig:
@@ -91,7 +89,8 @@ def find_resume_id(config: ChatConfig, store: "ConversationStore | None", say: C
 def build_state(config: ChatConfig, host: "PluginHost | None" = None,
                 say: Callable[[str], None] = print) -> "ChatState":
     """Everything up to the first prompt: options checked, log opened, model loaded, conversation ready."""
-    from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
+    from chatcore.adapters.conversation_log.location import resolve_url
+    from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.adapters.repl.state import ChatState
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import ReplyOptions
@@ -117,10 +116,9 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
         if system is not None:  # given on resuming too: it replaces the logged one
             state.set_system(system)  # one that leaves no room fails here, before the first prompt
         if store is not None:
-            state.log_plugin = ConversationLogPlugin(store, notify=state.notify)
-            engine.host.unregister(LOG_PLUGIN_NAME)  # a previous chat in this process
-            if not engine.host.register(state.log_plugin, LOG_PLUGIN_NAME):
-                raise ChatcoreError("the conversation log plugin could not be registered")
+            state.attach_log(store)
+        elif off_reason == "unavailable":  # tried again before each message: a fault may pass
+            state.log_opener = lambda: ConversationStore(resolve_url(config.db_url))
     except BaseException:
         if store is not None:
             store.close()
@@ -132,6 +130,8 @@ def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
     if state.scheduler is not None:
         state.scheduler.close()
     if state.log_plugin is not None:
+        from chatcore.adapters.repl.state import LOG_PLUGIN_NAME
+
         state.engine.host.unregister(LOG_PLUGIN_NAME)
         failing = state.log_plugin.failing
         journaled = state.log_plugin.close()  # what the log cannot take now waits in its journal

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
     from chatcore.serving import Scheduler
 
 ADAPTER = "repl"
+
+
+LOG_PLUGIN_NAME = "conversation-log:repl"
+LOG_RETRY_S = 30.0
 
 
 @dataclass
@@ -45,6 +50,10 @@ class ChatState:
     # Decodes the replies when set (the chat command sets one): the next turn then runs only
     # its new tokens, the earlier ones coming from the scheduler's prefix cache.
     scheduler: "Scheduler | None" = None
+    # Opens the log when it could not be opened at the start (a full disk, a folder not yet
+    # there): tried again before a message, at most every LOG_RETRY_S seconds.
+    log_opener: "Callable[[], ConversationStore] | None" = None
+    next_log_try: float = 0.0
 
     def __post_init__(self) -> None:
         if self.conversation is None:
@@ -104,8 +113,39 @@ class ChatState:
         return response
 
     def send(self, text: Any) -> "Response":
+        self.retry_log()
         self.current.add_user(text)
         return self.reply()
+
+    def retry_log(self) -> None:
+        """Start logging if the log that could not be opened at the start can be now (this
+        conversation's earlier turns are written too)."""
+        import time
+
+        from chatcore.errors import ChatcoreError
+
+        if self.log_plugin is not None or self.log_opener is None or time.monotonic() < self.next_log_try:
+            return
+        try:
+            store = self.log_opener()
+        except ChatcoreError:
+            self.next_log_try = time.monotonic() + LOG_RETRY_S
+            return
+        self.attach_log(store)
+        self.log_plugin.log_conversation(self.current)  # type: ignore[union-attr]
+        self.log_opener = None
+        self.notify("the conversation log can be written now: this conversation is logged from its first turn")
+
+    def attach_log(self, store: "ConversationStore") -> None:
+        """Log to ``store`` from now on."""
+        from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
+        from chatcore.errors import ChatcoreError
+
+        self.store = store
+        self.log_plugin = ConversationLogPlugin(store, notify=self.notify)
+        self.engine.host.unregister(LOG_PLUGIN_NAME)  # a previous chat in this process
+        if not self.engine.host.register(self.log_plugin, LOG_PLUGIN_NAME):
+            raise ChatcoreError("the conversation log plugin could not be registered")
 
     def notify(self, message: str) -> None:
         """Queue a message for the person (shown between turns, never mid-reply)."""
