@@ -57,6 +57,10 @@ def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs:
     options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
                            seed=seed, max_new_tokens=max_new_tokens)
     # Everything that needs no model fails before the model loads.
+    from chatcore.text import clean_message
+
+    for turn in turns:
+        clean_message(turn)
     validate_options(options)
     validate_format_name(prompt_format)
     system = system_prompt_option(system_text, system_file)
