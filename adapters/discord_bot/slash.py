@@ -261,12 +261,16 @@ class ChatCommands:
         text, source = self.bot.system_prompts.effective(conversation_key(interaction.channel))
         await respond(interaction, describe_system(text, source), ephemeral=True)
 
-    async def system_set(self, interaction: discord.Interaction, text: str | None, scope: Scope) -> None:
-        """Set (``text``) or clear (None) the system prompt of this channel or server."""
+    async def _may_change_system(self, interaction: discord.Interaction, scope: Scope) -> bool:
+        """Whether this person may change the system prompt of ``scope`` here (they are told why not)."""
         if not self.may_change(interaction):
             await self._refuse(interaction, "change the system prompt")
-            return
-        if not await self._scope_exists(interaction, scope):
+            return False
+        return await self._scope_exists(interaction, scope)
+
+    async def system_set(self, interaction: discord.Interaction, text: str | None, scope: Scope) -> None:
+        """Set (``text``) or clear (None) the system prompt of this channel or server."""
+        if not await self._may_change_system(interaction, scope):
             return
         key = conversation_key(interaction.channel)
         try:
@@ -289,10 +293,7 @@ class ChatCommands:
                 await respond(interaction, f"System prompt in {where} from the next reply on:\n{quote(cleaned)}")
 
     async def system_default(self, interaction: discord.Interaction, scope: Scope) -> None:
-        if not self.may_change(interaction):
-            await self._refuse(interaction, "change the system prompt")
-            return
-        if not await self._scope_exists(interaction, scope):
+        if not await self._may_change_system(interaction, scope):
             return
         key = conversation_key(interaction.channel)
         if not self.bot.system_prompts.drop_override(key, scope):
