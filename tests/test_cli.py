@@ -206,3 +206,8 @@ def test_output_files_in_missing_folders_fail_before_the_work(run, tiny_model_di
     assert_clean_failure(run("logs", "--db", str(tmp_path / "log.sqlite3"), "export", "-o", str(missing)),
                          "the folder", "does not exist")
     assert_clean_failure(run("eval", "--model", str(tiny_model_dir), "--json", str(tmp_path)), "it is a folder")
+
+
+def test_chat_refuses_an_empty_cid_and_cid_with_continue(run):
+    assert_clean_failure(run("chat", "--cid", ""), "`--cid` is empty")
+    assert_clean_failure(run("chat", "--cid", "abc", "--continue"), "give --cid ID or --continue, not both")

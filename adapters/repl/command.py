@@ -34,8 +34,9 @@ from chatcore.adapters.conversation_log.commands import DB_HELP
 @click.option("--history-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Input history file (default: repl_history in the user data folder).")
 def chat(model: str, decoder_spec: str, steer_specs: tuple[str, ...], system_text: str | None,
-         system_file: str | None, prompt_format: str, seed: int | None, max_new_tokens: int, device: str | None, dtype: str, continue_last: bool, conversation_id: str | None, no_log: bool,
-         db_url: str | None, history_file: Path | None) -> None:
+         system_file: str | None, prompt_format: str, seed: int | None, max_new_tokens: int, device: str | None,
+         dtype: str, continue_last: bool, conversation_id: str | None, no_log: bool, db_url: str | None,
+         history_file: Path | None) -> None:
     """Talk with a model in the terminal.
 
     Replies stream as they are generated. Ctrl-C stops a reply (the partial reply is
@@ -46,7 +47,13 @@ def chat(model: str, decoder_spec: str, steer_specs: tuple[str, ...], system_tex
     from chatcore.adapters.repl.app import ChatConfig, start_chat
     from chatcore.prompting import system_prompt_option, validate_format_name
 
+    from chatcore.errors import OptionError
+
     # A bad file or format name fails before the log opens and the model loads.
+    if conversation_id is not None and not conversation_id.strip():
+        raise OptionError("`--cid` is empty: give a conversation id (`chatcore logs list` shows them)")
+    if conversation_id is not None and continue_last:
+        raise OptionError("give --cid ID or --continue, not both")
     validate_format_name(prompt_format)
     system = system_prompt_option(system_text, system_file)
     start_chat(ChatConfig(
