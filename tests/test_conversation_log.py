@@ -401,6 +401,8 @@ def test_logs_export_jsonl_and_markdown(logs_cli, filled, tmp_path):
     records = [json.loads(line) for line in exported.stdout.splitlines()]
     assert [r["id"] for r in records] == ["0123456789abcdef", "fedcba9876543210"]
     assert [m["text"] for m in records[0]["messages"]] == ["do you like pizza?", "I love pizza"]
+    twice = logs_cli("export", "0123", "0123456789abcdef", "--db", filled.url)
+    assert [json.loads(line)["id"] for line in twice.stdout.splitlines()] == ["0123456789abcdef"]
 
     target = tmp_path / "one.md"
     written = logs_cli("export", "fedc", "--format", "markdown", "-o", str(target), "--db", filled.url)

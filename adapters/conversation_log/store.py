@@ -546,7 +546,8 @@ class ConversationStore:
         only those messages (what a person asking for their data gets).
         """
         if conversation_ids:
-            ids = [self.resolve_id(value) for value in conversation_ids]
+            # The same conversation named twice (or by two prefixes) is exported once.
+            ids = list(dict.fromkeys(self.resolve_id(value) for value in conversation_ids))
         else:
             query = sa.select(ConversationRow.id).order_by(ConversationRow.created, ConversationRow.id)
             if author_id is not None:
