@@ -19,7 +19,8 @@ from chatcore.decoding import Decoder, GenerationSession
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
 from chatcore.plugin_manager import PluginHost, get_plugin_host
-from chatcore.prompting import AUTO, Message, PromptFormat, PromptPlan, choose_format, prompt_budget
+from chatcore.prompting import (AUTO, Message, PromptFormat, PromptPlan, choose_format, prompt_budget,
+                                scripted_messages, validate_format_name)
 from chatcore.registry import Registry
 from chatcore.response import Response
 from chatcore.steering import Steerer, check_composition, failed_layer
@@ -115,8 +116,7 @@ class Engine:
             # programs) gets the built-in ones, as the entry-point host always has them.
             self.host.load_modules((BUILTIN_FORMATS,))
             self.registry = Registry.build(self.host)
-        if prompt_format != AUTO:
-            self.registry.prompt_format(prompt_format)  # an unknown name fails before the model loads
+        validate_format_name(prompt_format, self.registry)  # an unknown name fails before the model loads
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self._formats: dict[str, PromptFormat] = {}
         self.prompt_format = self.make_prompt_format(prompt_format)
@@ -158,9 +158,6 @@ class Engine:
     def _construct(self, build: Any, kind: str, name: str) -> Any:
         return build_plugin_object(self.host, self.registry, kind, name, build)
 
-    def _plugin_of(self, kind: str, name: str) -> str:
-        return self.registry.plugin_of(kind, name)
-
     # -- conversations ----------------------------------------------------------
     def conversation(self, system: str | None = None, prompt_format: str | None = None, **meta: Any) -> Conversation:
         """A new conversation, with an optional system prompt and prompt format name."""
@@ -173,11 +170,11 @@ class Engine:
         from chatcore.text import clean_message
 
         conversation = self.conversation(system=system)
-        for index, text in enumerate(turns):
-            if (len(turns) - index) % 2 == 1:
-                conversation.add_user(text)
+        for message in scripted_messages(turns):
+            if message.role == "user":
+                conversation.add_user(message.text)
             else:
-                conversation.add_bot_text(clean_message(text))
+                conversation.add_bot_text(clean_message(message.text))
         return conversation
 
     def reply_to(self, turns: Sequence[str], options: ReplyOptions | None = None, system: str | None = None,
@@ -276,7 +273,7 @@ class Engine:
             raise
         except Exception as error:
             kind = "decoder" if isinstance(plugin_object, Decoder) else "steerer"
-            plugin = self._plugin_of(kind, plugin_object.name)
+            plugin = self.registry.plugin_of(kind, plugin_object.name)
             self.host.report(plugin, f"{kind} {plugin_object.name} {what}", error)
             raise PluginError(plugin, f"{kind} {plugin_object.name!r} failed in {what}: {type(error).__name__}: {error}") from error
 
@@ -303,6 +300,6 @@ class Engine:
             kind, name = "steerer", layer.split(":", 1)[1]
         else:
             kind, name = "decoder", decoder.name
-        plugin = self._plugin_of(kind, name)
+        plugin = self.registry.plugin_of(kind, name)
         self.host.report(plugin, f"{kind} {name}", error)
         return PluginError(plugin, f"{kind} {name!r} failed while generating: {type(error).__name__}: {error}")
