@@ -1,9 +1,13 @@
 """Discord load: N channels message the bot at the same moment, in one process.
 
-    python bench/discord_load.py [--model chatcore-tiny] [--channels 20] [--queue-size 8]
-                                 [--rounds 3] [--max-new-tokens 32] [--threads 1] [--db FILE]
+    python bench/discord_load.py [--model chatcore-tiny] [--channels 20] [--max-batch 1,8]
+                                 [--queue-size 20] [--rounds 3] [--max-new-tokens 32]
+                                 [--threads 1] [--db FILE]
 
-The real ChatBot and inference worker run against dpytest's fake Discord (no network):
+The real ChatBot, its worker and the serving scheduler run against dpytest's fake
+Discord (no network), once per batch size in ``--max-batch``: 1 decodes one reply at a
+time (as the bot did before it used the scheduler), larger sizes batch the channels.
+The last line gives each size's replies per second as a ratio to the first size's.
 each round, every channel gets one message at once (from its own member, so the
 per-user cooldown does not apply). Checked every round: each message gets exactly one
 reply, in its own channel; replies that did not fit the queue are the bot's "busy"
@@ -20,7 +24,7 @@ import time
 from collections import Counter
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, max_batch: int) -> float:
     import discord.ext.test as dpytest
 
     from chatcore.adapters.discord_bot.bot import BUSY_REPLY, ChatBot, bot_intents
@@ -38,14 +42,14 @@ async def run(args: argparse.Namespace) -> None:
     host = PluginHost()
     host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k"))
     engine = Engine(args.model, host=host)
-    settings = DiscordSettings(model=args.model, queue_size=args.queue_size, cooldown_s=0,
+    settings = DiscordSettings(model=args.model, max_batch=max_batch, queue_size=args.queue_size, cooldown_s=0,
                                max_new_tokens=args.max_new_tokens, log=args.db is not None, db=args.db)
 
     def open_runtime() -> ChatRuntime:
         persistence = LogPersistence(engine, args.db) if args.db else MemoryPersistence()
-        return ChatRuntime(engine, persistence)
+        return ChatRuntime(engine, persistence, max_batch=max_batch, queue_size=args.queue_size)
 
-    worker: InferenceWorker[ChatRuntime] = InferenceWorker(open_runtime, queue_size=settings.queue_size,
+    worker: InferenceWorker[ChatRuntime] = InferenceWorker(open_runtime, queue_size=max_batch + args.queue_size,
                                                            close_resource=ChatRuntime.close)
     worker.start()
     await worker.ready()
@@ -69,7 +73,7 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.010)
             lags.append(loop.time() - expected)
 
-    print(f"model {args.model}, {args.channels} channels at once, queue {args.queue_size}, "
+    print(f"model {args.model}, {args.channels} channels at once, batch {max_batch}, queue {args.queue_size}, "
           f"up to {args.max_new_tokens} tokens per reply, {args.rounds} round(s)")
     ticks = asyncio.ensure_future(ticker())
     totals: Counter[str] = Counter()
@@ -104,13 +108,25 @@ async def run(args: argparse.Namespace) -> None:
           f"median {statistics.median(rates):.1f} replies/s")
     print(f"event loop lag over {len(lags)} ticks: max {lags[-1] * 1000:.1f} ms, "
           f"p99 {lags[max(0, int(len(lags) * 0.99) - 1)] * 1000:.1f} ms")
+    return statistics.median(rates)
+
+
+async def run_all(args: argparse.Namespace) -> None:
+    sizes = [int(size) for size in args.max_batch.split(",")]
+    rates = []
+    for size in sizes:
+        rates.append(await run(args, size))
+        print()
+    print("replies/s: " + ", ".join(f"batch {size}: {rate:.1f} ({rate / rates[0]:.2f}x)"
+                                    for size, rate in zip(sizes, rates)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="chatcore-tiny")
     parser.add_argument("--channels", type=int, default=20)
-    parser.add_argument("--queue-size", type=int, default=8)
+    parser.add_argument("--max-batch", default="1,8", help="batch sizes to compare, the first is the peer")
+    parser.add_argument("--queue-size", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -119,7 +135,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(run(args))
+    asyncio.run(run_all(args))
 
 
 if __name__ == "__main__":

@@ -135,8 +135,8 @@ async def start_harness(engine: Any, settings: DiscordSettings, persistence: Any
                         text_channels: int = 2, members: int = 2) -> Harness:
     """``persistence()`` runs on the worker thread, as in the real bot."""
     worker: InferenceWorker[ChatRuntime] = InferenceWorker(
-        lambda: ChatRuntime(engine, persistence()),
-        queue_size=settings.queue_size, close_resource=ChatRuntime.close,
+        lambda: ChatRuntime(engine, persistence(), max_batch=settings.max_batch, queue_size=settings.queue_size),
+        queue_size=settings.max_batch + settings.queue_size, close_resource=ChatRuntime.close,
     )
     worker.start()
     await worker.ready()
@@ -581,7 +581,7 @@ async def test_settings_and_why_describe_the_channel(harness: Harness):
     assert why.response.sent[0][1] is True  # only the asker sees it
     settings = await slash(harness, "settings", member, dm)
     (text,) = answers(settings)
-    assert "decoder: top-k" in text and "queue: 0 waiting of 8" in text
+    assert "decoder: top-k" in text and "replies in progress: 0 (batch of 8, queue of 8)" in text
 
 
 @pytest.mark.asyncio
@@ -720,7 +720,7 @@ async def test_twenty_channels_at_once_each_get_exactly_one_reply(chat_engine, q
         if queue_size == 20:
             assert busy == 0
         else:
-            assert busy > 0  # 20 arrive together: 1 running + 6 waiting is all there is room for
+            assert busy == 20 - 8 - 6  # 20 arrive together: a batch of 8 and 6 waiting is all there is room for
         assert_pings_no_one(harness.payloads)
         print(f"\nqueue_size={queue_size}: 20 channels, {stats.replies} model replies + {busy} busy replies "
               f"in {elapsed:.2f} s = {20 / elapsed:.1f} replies/s ({stats.replies / elapsed:.1f} model replies/s)")
@@ -806,6 +806,63 @@ async def wait_until(condition: Any, timeout_s: float = 5.0) -> None:
 
 
 @pytest.mark.asyncio
+async def test_twenty_channels_are_decoded_in_one_batch_and_equal_replies_decoded_alone(chat_engine):
+    from chatcore.engine import ReplyOptions
+
+    harness = await start_harness(chat_engine, settings_for(decoder="greedy", queue_size=20, max_new_tokens=16),
+                                  text_channels=20, members=20)
+    try:
+        channels = harness.config.channels[:20]
+        harness.listen_in(*channels)
+        steps_before = await harness.on_worker(lambda runtime: runtime.scheduler.steps)
+        sent, _ = await burst(harness, channels)
+        steps = await harness.on_worker(lambda runtime: runtime.scheduler.steps) - steps_before
+        by_channel = {m.channel.id: m.content for m in sent}
+        assert len(sent) == 20 and harness.bot.stats.replies == 20
+        tokens = 0
+        for index, channel in enumerate(channels):
+            alone = chat_engine.conversation()
+            alone.add_user(f"hello from channel {index}")
+            response = alone.reply(ReplyOptions(decoder="greedy", max_new_tokens=16))
+            expected = "\n".join(split_reply(response.text())) or bot_module.EMPTY_REPLY
+            tokens += len(response.token_ids)
+            assert by_channel[channel.id] == expected, index
+        # Batched: far fewer forward passes than tokens (one pass advances up to 8 replies).
+        assert steps <= tokens / 3, (steps, tokens)
+    finally:
+        await harness.close()
+
+
+@pytest.mark.asyncio
+async def test_a_reply_past_its_timeout_is_cut_and_frees_its_place_at_once(loaded, host):
+    from chatcore.engine import Engine
+
+    host.register(SlowTextPlugin(), "slow-text-test")
+    engine = Engine(loaded, host=host)
+    harness = await start_harness(engine, settings_for(decoder="slow-text words=400 delay_s=0.02",
+                                                       reply_timeout_s=0.3, max_batch=1, queue_size=1))
+    try:
+        member, other = harness.member(0), harness.member(1)
+        dm, other_dm = await member.create_dm(), await other.create_dm()
+        started = time.perf_counter()
+        first = asyncio.ensure_future(dpytest.message("a long story please", channel=dm, member=member))
+        await asyncio.sleep(0.05)
+        await asyncio.gather(first, dpytest.message("and me", channel=other_dm, member=other))
+        elapsed = time.perf_counter() - started
+        sent = {m.channel.id: m.content for m in harness.drain()}
+        assert sent[dm.id].startswith("word0") and sent[dm.id].count("word") < 400
+        # The second waited for the first's timeout only, not for its 400 words (8 s); it is cut
+        # by its own timeout in turn (or, on a slow machine, told the bot is busy if that came
+        # before it had a place).
+        assert sent[other_dm.id].startswith("word0") or sent[other_dm.id] == bot_module.BUSY_REPLY
+        assert elapsed < 4
+        assert harness.bot.stats.interrupted + harness.bot.stats.busy == 2
+        assert await harness.on_worker(lambda runtime: runtime.scheduler.in_flight()) == 0
+    finally:
+        await harness.close()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("grace_s, interrupted", [(0.1, True), (5.0, False)])
 async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log(
         loaded, host, tmp_path, grace_s, interrupted):
@@ -815,15 +872,22 @@ async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log
     host.register(SlowTextPlugin(), "slow-text-test")
     engine = Engine(loaded, host=host)
     db = str(tmp_path / "log.sqlite3")
+    # A batch of one: the second reply waits for a place.
     harness = await start_harness(engine, settings_for(decoder="slow-text words=40 delay_s=0.02",
-                                                       shutdown_grace_s=grace_s),
+                                                       shutdown_grace_s=grace_s, max_batch=1),
                                   lambda: LogPersistence(engine, db))
     first, second = harness.member(0), harness.member(1)
     first_dm, second_dm = await first.create_dm(), await second.create_dm()
+
+    def admitted() -> list[bool]:
+        return [flight.pending is not None and flight.pending.handle.admitted is not None
+                for flight in harness.bot.in_flight]
+
     in_flight = asyncio.ensure_future(dpytest.message("tell me a story", channel=first_dm, member=first))
-    await wait_until(lambda: harness.worker.running)
+    await wait_until(lambda: admitted() == [True])
     queued = asyncio.ensure_future(dpytest.message("me too", channel=second_dm, member=second))
-    await wait_until(lambda: harness.worker.waiting == 1)
+    await wait_until(lambda: sorted(admitted()) == [False, True] and all(
+        flight.pending is not None for flight in harness.bot.in_flight))
 
     harness.bot.ws = None  # dpytest's fake gateway has no socket to close
     await harness.bot.shutdown()
@@ -1068,3 +1132,42 @@ async def test_a_refused_token_is_a_clear_error_without_the_token(tiny_model_dir
     with pytest.raises(ChatcoreError) as error:
         await run.serve(settings_for(model=str(tiny_model_dir)), secret)
     assert "Discord refused the bot token" in str(error.value) and secret not in str(error.value)
+
+
+# -- sharding -----------------------------------------------------------------------
+@pytest.mark.parametrize("changes, message", [
+    ({"shard_ids": (0,)}, "`shard_ids` needs `shard_count`"),
+    ({"shard_count": 2, "shard_ids": (0, 2)}, "`shard_ids` must be shard numbers from 0 to 1, got 2"),
+    ({"shard_count": 4, "shard_ids": (1, 1)}, "`shard_ids` lists a shard twice: [1, 1]"),
+    ({"shard_count": -1}, "`shard_count` must be a non-negative integer"),
+])
+def test_bad_shard_settings_are_one_line(changes, message):
+    with pytest.raises(ValueError) as caught:
+        DiscordSettings(**changes)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_shard_ids_from_the_command_line():
+    from click.testing import CliRunner
+
+    from chatcore.adapters.discord_bot.cli import discord_command, parse_shard_ids
+
+    assert parse_shard_ids("0, 2") == (0, 2) and parse_shard_ids(None) is None
+    result = CliRunner().invoke(discord_command, ["--shard-count", "2", "--shard-ids", "0,5", "--check"],
+                                env={"DISCORD_TOKEN": ""})
+    assert result.exit_code != 0 and "`shard_ids` must be shard numbers from 0 to 1, got 5" in str(result.exception)
+    result = CliRunner().invoke(discord_command, ["--shard-ids", "zero"])
+    assert "--shard-ids must list shard numbers" in str(result.exception)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("count, ids", [(4, (1, 3)), (0, ())])
+async def test_a_sharded_bot_is_discord_pys_auto_sharded_client_with_its_shard_ids(count, ids):
+    from chatcore.adapters.discord_bot.bot import ShardedChatBot, make_bot
+
+    worker: InferenceWorker[None] = InferenceWorker(lambda: None, queue_size=1)
+    bot = make_bot(settings_for(shard_count=count, shard_ids=ids), worker)
+    assert isinstance(bot, ShardedChatBot) and isinstance(bot, discord.AutoShardedClient)
+    # What discord.py itself will connect: these shards of this many (None: Discord's recommendation).
+    assert bot.shard_ids == (list(ids) or None) and bot.shard_count == (count or None)
+    assert not isinstance(make_bot(settings_for(), worker), discord.AutoShardedClient)

@@ -2,8 +2,11 @@
 
 Every message the bot sends goes out with ``AllowedMentions.none()`` (also set as
 the client's default), so nothing the model writes (``@everyone``, a role, a user id)
-pings anyone. The model runs on the inference worker's thread; a message handler
-only submits a job and awaits its future, with the typing indicator on meanwhile.
+pings anyone. Nothing slow runs on the event loop: a message handler asks the worker
+thread (which owns the conversations and the log) to start the reply, awaits the end
+of its decoding on the serving scheduler (many channels in one batch) with the typing
+indicator on, and asks the worker to record it. Messages of one channel are answered in
+order, one after the other; different channels are answered at once.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from chatcore.adapters.discord_bot.system_prompts import SystemPrompts
 from chatcore.adapters.discord_bot.worker import WorkerBusy, WorkerClosed
 from chatcore.cli.specs import parse_spec
 from chatcore.errors import ChatcoreError
+from chatcore.serving.requests import End, ServerBusy
 
 if TYPE_CHECKING:
     from chatcore.adapters.discord_bot.config import DiscordSettings
-    from chatcore.adapters.discord_bot.conversations import ChatRuntime, ReplyResult
+    from chatcore.adapters.discord_bot.conversations import ChatRuntime, PendingReply, ReplyResult
     from chatcore.adapters.discord_bot.worker import InferenceWorker, JobControl
     from chatcore.engine import ReplyOptions
 
@@ -107,9 +111,29 @@ class ChannelSetup:
                             [(name, dict(settings)) for name, settings in self.steerers])
 
 
-def _reply_job(key: str, text: str, options: "ReplyOptions", system: str | None, author_id: str,
-               runtime: "ChatRuntime", control: "JobControl") -> "ReplyResult":
-    return runtime.reply(key, text, options, control, system=system, author_id=author_id)
+def _start_job(key: str, text: str, options: "ReplyOptions", system: str | None, author_id: str,
+               listener: Any, runtime: "ChatRuntime", control: "JobControl") -> "PendingReply":
+    return runtime.start_reply(key, text, options, system, author_id, listener)
+
+
+def _finish_job(pending: "PendingReply", stop_reason: str | None, runtime: "ChatRuntime",
+                control: "JobControl") -> "ReplyResult":
+    return runtime.finish_reply(pending, stop_reason)
+
+
+@dataclass(eq=False)
+class InFlight:
+    """A reply being decoded, as the event loop sees it."""
+
+    ended: "asyncio.Future[None]"
+    pending: "PendingReply | None" = None
+    stop_reason: str | None = None
+
+    def stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        if self.pending is not None:
+            self.pending.handle.cancel()  # thread-safe; the slot is free at once
 
 
 @contextlib.asynccontextmanager
@@ -137,13 +161,14 @@ class ChatBot(discord.Client):
         *,
         intents: discord.Intents | None = None,
         raise_errors: bool | None = None,
+        **client_options: Any,
     ) -> None:
         from chatcore.cli import debug_enabled
 
         # A text bot has no use for voice: skip discord.py's warnings about voice libraries.
         discord.VoiceClient.warn_nacl = False
         discord.VoiceClient.warn_dave = False
-        super().__init__(intents=intents or bot_intents(), allowed_mentions=NO_MENTIONS)
+        super().__init__(intents=intents or bot_intents(), allowed_mentions=NO_MENTIONS, **client_options)
         self.settings = settings
         self.worker = worker
         self.raise_errors = debug_enabled() if raise_errors is None else raise_errors
@@ -158,6 +183,9 @@ class ChatBot(discord.Client):
         self.catalog: dict[str, list[str]] = {"decoders": [], "steerers": []}
         self.closing = False
         self._handlers: set[asyncio.Task[Any]] = set()
+        self.in_flight: set[InFlight] = set()
+        # A channel's lock and how many handlers use it (dropped when none does).
+        self._channel_locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._shutdown_task: asyncio.Task[None] | None = None
         self.tree = app_commands.CommandTree(self)
         from chatcore.adapters.discord_bot.slash import ChatCommands
@@ -254,38 +282,98 @@ class ChatBot(discord.Client):
                 await self.send_reply(message, COOLDOWN_REPLY.format(seconds=self.settings.cooldown_s))
             return
         key = conversation_key(message.channel)
-        system, _ = self.system_prompts.effective(key)
-        job = functools.partial(_reply_job, key, text, self.reply_options(key), system, str(message.author.id))
+        # One reply at a time per channel, in the order the messages came.
+        lock, users = self._channel_locks.get(key) or (asyncio.Lock(), 0)
+        self._channel_locks[key] = (lock, users + 1)
         try:
-            future = self.worker.submit(job, timeout_s=self.settings.reply_timeout_s)
-        except WorkerBusy:
-            self.stats.busy += 1
-            await self.send_reply(message, BUSY_REPLY)
-            return
-        except WorkerClosed:
-            return
-        try:
-            async with typing_indicator(message.channel):
-                result = await future
-        except WorkerClosed:
-            await self.send_reply(message, RESTARTING_REPLY)
-            return
-        except ChatcoreError as error:
-            self.stats.errors += 1
-            await self.send_reply(message, f"Sorry, I can't answer that: {error}")
-            return
-        except Exception:
-            self.stats.errors += 1
-            logger.exception("replying in %s failed", key)
-            await self.send_reply(message, ERROR_REPLY)
-            if self.raise_errors:
-                raise
+            async with lock:
+                if self.closing:
+                    return
+                system, _ = self.system_prompts.effective(key)
+                result = await self._generate(message, key, text, system)
+        finally:
+            lock, users = self._channel_locks[key]
+            if users == 1:
+                del self._channel_locks[key]
+            else:
+                self._channel_locks[key] = (lock, users - 1)
+        if result is None:
             return
         self.remember_provenance(key, result.provenance)
         if result.interrupted:
             self.stats.interrupted += 1
         await self.send_reply(message, result.text)
         self.stats.replies += 1
+
+    async def _generate(self, message: discord.Message, key: str, text: str,
+                        system: str | None) -> "ReplyResult | None":
+        """Decode one reply on the scheduler; None when the user was already answered
+        (busy, restarting, an error)."""
+        loop = asyncio.get_running_loop()
+        flight = InFlight(loop.create_future())
+
+        def ended() -> None:
+            if not flight.ended.done():
+                flight.ended.set_result(None)
+
+        def listener(event: Any) -> None:  # on the scheduler's thread
+            if isinstance(event, End):
+                loop.call_soon_threadsafe(ended)
+
+        start = functools.partial(_start_job, key, text, self.reply_options(key), system,
+                                  str(message.author.id), listener)
+        self.in_flight.add(flight)
+        try:
+            try:
+                flight.pending = await self.worker.submit(start)
+            except (WorkerBusy, ServerBusy):
+                self.stats.busy += 1
+                await self.send_reply(message, BUSY_REPLY)
+                return None
+            except WorkerClosed:
+                return None
+            except ChatcoreError as error:
+                self.stats.errors += 1
+                await self.send_reply(message, f"Sorry, I can't answer that: {error}")
+                return None
+            if flight.stop_reason is not None:  # shutdown began while it was being submitted
+                flight.stop(flight.stop_reason)
+            try:
+                async with typing_indicator(message.channel):
+                    await asyncio.wait_for(asyncio.shield(flight.ended), timeout=self.settings.reply_timeout_s)
+            except asyncio.TimeoutError:
+                flight.stop("timeout")
+            except asyncio.CancelledError:
+                flight.stop("cancelled")
+                raise
+        finally:
+            self.in_flight.discard(flight)
+        pending = flight.pending
+        if flight.stop_reason is not None and pending.handle.admitted is None:
+            # Cut while it waited for a place in the batch: the model never saw it.
+            with contextlib.suppress(WorkerClosed):
+                await self.worker.submit(functools.partial(_finish_job, pending, flight.stop_reason), control=True)
+            if flight.stop_reason == "shutdown":
+                await self.send_reply(message, RESTARTING_REPLY)
+            else:
+                self.stats.busy += 1
+                await self.send_reply(message, BUSY_REPLY)
+            return None
+        try:
+            return await self.worker.submit(functools.partial(_finish_job, pending, flight.stop_reason),
+                                            control=True)
+        except WorkerClosed:
+            await self.send_reply(message, RESTARTING_REPLY)
+        except ChatcoreError as error:
+            self.stats.errors += 1
+            await self.send_reply(message, f"Sorry, I can't answer that: {error}")
+        except Exception:
+            self.stats.errors += 1
+            logger.exception("replying in %s failed", key)
+            await self.send_reply(message, ERROR_REPLY)
+            if self.raise_errors:
+                raise
+        return None
 
     async def send_reply(self, message: discord.Message, text: str) -> list[discord.Message]:
         """Send ``text`` in answer to ``message``: split to Discord's size, never empty,
@@ -330,9 +418,34 @@ class ChatBot(discord.Client):
         # `shutdown_grace_s`), close the log, send what is left, close the connection.
         self.closing = True
         logger.info("shutting down (%d message(s) in hand)", len(self._handlers))
-        await self.worker.stop(self.settings.shutdown_grace_s)
+        flights = list(self.in_flight)
+        for flight in flights:  # waiting for a place in the batch: dropped, the user is told
+            if flight.pending is None or flight.pending.handle.admitted is None:
+                flight.stop("shutdown")
+        running = [flight.ended for flight in flights if flight.stop_reason is None]
+        if running:
+            await asyncio.wait(running, timeout=self.settings.shutdown_grace_s)
+        for flight in list(self.in_flight):
+            if not flight.ended.done():
+                logger.info("interrupting a reply in flight")
+                flight.stop("shutdown")
         handlers = [task for task in self._handlers if not task.done()]
         if handlers:
             await asyncio.wait(handlers, timeout=10)
+        await self.worker.stop(self.settings.shutdown_grace_s)
         await self.close()
         logger.info("stopped: %s", self.stats)
+
+
+class ShardedChatBot(ChatBot, discord.AutoShardedClient):
+    """The bot on several gateway shards (discord.py's ``AutoShardedClient``): all of
+    them in this process, or the ``shard_ids`` it was given, so that several processes
+    share one bot."""
+
+
+def make_bot(settings: "DiscordSettings", worker: "InferenceWorker[ChatRuntime]", **options: Any) -> ChatBot:
+    """The client the settings ask for: one connection, or the sharded client."""
+    if not settings.sharded:
+        return ChatBot(settings, worker, **options)
+    return ShardedChatBot(settings, worker, shard_count=settings.shard_count or None,
+                          shard_ids=list(settings.shard_ids) or None, **options)

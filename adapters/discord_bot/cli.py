@@ -18,6 +18,19 @@ from chatcore.errors import ChatcoreError
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def parse_shard_ids(text: str | None) -> tuple[int, ...] | None:
+    """``"0,2"`` -> ``(0, 2)``; None when not given."""
+    if text is None:
+        return None
+    try:
+        ids = tuple(int(part) for part in text.replace(" ", "").split(","))
+    except ValueError:
+        raise ChatcoreError(f"--shard-ids must list shard numbers separated by commas, e.g. 0,2; got {text!r}") from None
+    if not ids:
+        raise ChatcoreError("--shard-ids is empty")
+    return ids
+
+
 @click.command("discord")
 @click.option("--settings", "settings_file", type=click.Path(dir_okay=False, path_type=Path),
               help="A TOML or JSON settings file (options below override it).")
@@ -40,7 +53,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 @click.option("--format", "prompt_format", default=None,
               help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt ... [auto].")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="Longest reply [64].")
-@click.option("--queue-size", type=click.IntRange(1), default=None, help="Replies that may wait [8].")
+@click.option("--max-batch", type=click.IntRange(1), default=None,
+              help="Replies decoded together, from different channels [8].")
+@click.option("--queue-size", type=click.IntRange(1), default=None, help="Replies that may wait for the batch [8].")
+@click.option("--shard-count", type=click.IntRange(0), default=None,
+              help="Run the bot as this many gateway shards (0: as many as Discord recommends).")
+@click.option("--shard-ids", default=None,
+              help='The shards this process runs, e.g. "0,2" (with --shard-count; default: all of them).')
 @click.option("--cooldown", "cooldown_s", type=click.FloatRange(0), default=None,
               help="Seconds between two answered messages of one user [2].")
 @click.option("--db", default=None, help="Conversation log: SQLAlchemy URL or SQLite file [$CHATCORE_DB or user data].")
@@ -51,7 +70,8 @@ def discord_command(settings_file: Path | None, token_file: Path | None, channel
                     guilds: tuple[int, ...], admin_roles: tuple[str, ...], model: str | None, device: str | None,
                     threads: int | None, decoder: str | None, steer: tuple[str, ...], system: str | None,
                     system_file: str | None, prompt_format: str | None, max_new_tokens: int | None,
-                    queue_size: int | None, cooldown_s: float | None, db: str | None, log: bool | None,
+                    max_batch: int | None, queue_size: int | None, shard_count: int | None,
+                    shard_ids: str | None, cooldown_s: float | None, db: str | None, log: bool | None,
                     check: bool, log_level: str) -> None:
     """Run a Discord bot: it answers DMs, mentions and the listed channels.
 
@@ -71,7 +91,8 @@ def discord_command(settings_file: Path | None, token_file: Path | None, channel
     settings = load_settings(settings_file, {
         "channels": channels, "guilds": guilds, "admin_roles": admin_roles, "model": model, "device": device,
         "threads": threads, "decoder": decoder, "steer": steer, "system": system, "system_file": system_file,
-        "prompt_format": prompt_format, "max_new_tokens": max_new_tokens, "queue_size": queue_size,
+        "prompt_format": prompt_format, "max_new_tokens": max_new_tokens, "max_batch": max_batch,
+        "queue_size": queue_size, "shard_count": shard_count, "shard_ids": parse_shard_ids(shard_ids),
         "cooldown_s": cooldown_s, "db": db, "log": log,
     })
     validate_format_name(settings.prompt_format)  # before the token is read and the model loads

@@ -69,8 +69,18 @@ class DiscordSettings:
                        none: sync globally (can take up to an hour to appear).
     admin_roles:       role ids or names that may change the decoder and steering in a
                        guild, besides members with the Manage Server permission.
-    queue_size:        replies waiting for the model; beyond it the bot says it is busy.
+    max_batch:         replies decoded together in one batch (the serving scheduler's
+                       batch size); channels beyond it wait in the queue.
+    queue_size:        replies waiting for a place in the batch; beyond it the bot says
+                       it is busy.
     cooldown_s:        seconds a user waits between two messages the bot answers.
+    shard_count:       split the bot's gateway connection into this many shards
+                       (discord.py's ``AutoShardedClient``); none: one connection, or
+                       as many shards as Discord recommends when ``shard_ids`` is empty
+                       and ``shard_count`` is 0.
+    shard_ids:         the shards this process runs (with ``shard_count``); several
+                       processes, each with its own ids, then share one bot, and
+                       ``db`` on PostgreSQL gives them one log. Empty: every shard.
     reply_timeout_s:   a reply still generating after this long is cut short.
     shutdown_grace_s:  on SIGTERM / Ctrl-C, how long the reply in flight may finish.
     max_conversations: conversations kept in memory; older ones resume from the log.
@@ -96,8 +106,11 @@ class DiscordSettings:
     channels: tuple[int, ...] = ()
     guilds: tuple[int, ...] = ()
     admin_roles: tuple[int | str, ...] = ()
+    max_batch: int = 8
     queue_size: int = 8
     cooldown_s: float = 2.0
+    shard_count: int | None = None
+    shard_ids: tuple[int, ...] = ()
     reply_timeout_s: float = 120.0
     shutdown_grace_s: float = 10.0
     max_conversations: int = 1000
@@ -132,14 +145,36 @@ class DiscordSettings:
         for role in self.admin_roles:
             if isinstance(role, bool) or not (isinstance(role, int) and role > 0 or isinstance(role, str) and role.strip()):
                 raise ValueError(f"`admin_roles` must list role ids or names, got {role!r}")
+        _positive_int("max_batch", self.max_batch)
         _positive_int("queue_size", self.queue_size)
         _positive_int("max_conversations", self.max_conversations)
+        self._check_shards()
         for name in ("cooldown_s", "reply_timeout_s", "shutdown_grace_s"):
             _non_negative_number(name, getattr(self, name))
         if self.reply_timeout_s == 0:
             raise ValueError("`reply_timeout_s` must be a positive number, got 0")
         if self.db is not None and (not isinstance(self.db, str) or not self.db.strip()):
             raise ValueError(f"`db` must be a database URL or file path, got {self.db!r}")
+
+    def _check_shards(self) -> None:
+        if self.shard_count is not None:
+            if not isinstance(self.shard_count, int) or isinstance(self.shard_count, bool) or self.shard_count < 0:
+                raise ValueError(f"`shard_count` must be a non-negative integer (0: as Discord recommends), "
+                                 f"got {self.shard_count!r}")
+        if not self.shard_ids:
+            return
+        if not self.shard_count:
+            raise ValueError("`shard_ids` needs `shard_count`: how many shards the bot has in all")
+        for shard_id in self.shard_ids:
+            if not isinstance(shard_id, int) or isinstance(shard_id, bool) or not 0 <= shard_id < self.shard_count:
+                raise ValueError(f"`shard_ids` must be shard numbers from 0 to {self.shard_count - 1}, "
+                                 f"got {shard_id!r}")
+        if len(set(self.shard_ids)) != len(self.shard_ids):
+            raise ValueError(f"`shard_ids` lists a shard twice: {list(self.shard_ids)}")
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_count is not None
 
     def refused_setting(self, settings: Mapping[str, Any]) -> str | None:
         """Why a decoder or steerer setting given from Discord is refused, if it is.

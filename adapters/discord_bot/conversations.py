@@ -4,24 +4,31 @@ A :class:`ChatRuntime` is created on, and used only from, the inference worker's
 thread (see :mod:`chatcore.adapters.discord_bot.worker`): it holds the engine, the
 conversations most recently used (the rest resume from the log when next needed) and
 their persistence. The event loop never touches a Conversation.
+
+Replies are decoded by the serving scheduler (:mod:`chatcore.serving`), many channels in
+one batch: the worker only starts a reply (adds the user's turn, submits it) and, once
+the scheduler has ended it, finishes it (records the reply, which the log writes). Both
+are short jobs, so the worker thread never waits for the model.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chatcore.adapters.discord_bot.persistence import ConversationPersistence, LogPersistence, MemoryPersistence
+from chatcore.adapters.discord_bot.worker import WorkerBusy
 
 if TYPE_CHECKING:
     from chatcore.adapters.discord_bot.config import DiscordSettings
-    from chatcore.adapters.discord_bot.worker import JobControl
     from chatcore.conversation import Conversation
     from chatcore.engine import Engine, ReplyOptions
     from chatcore.plugin_manager import PluginHost
+    from chatcore.serving import Handle, Scheduler
+    from chatcore.serving.requests import Event
 
 logger = logging.getLogger("chatcore.discord")
 
@@ -35,14 +42,30 @@ class ReplyResult:
     provenance: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class PendingReply:
+    """A reply the scheduler is decoding: its conversation (worker thread only) and handle."""
+
+    key: str
+    conversation: "Conversation" = field(repr=False)
+    handle: "Handle" = field(repr=False)
+
+
 class ChatRuntime:
-    """The engine, the open conversations (least recently used dropped first) and their storage."""
+    """The engine, its scheduler, the open conversations (least recently used dropped
+    first) and their storage.
+
+    ``max_batch`` replies are decoded at once and ``queue_size`` more may wait for a place.
+    """
 
     def __init__(self, engine: "Engine", persistence: ConversationPersistence | None = None,
-                 max_conversations: int = 1000) -> None:
+                 max_conversations: int = 1000, *, max_batch: int = 8, queue_size: int = 8) -> None:
+        from chatcore.serving import Scheduler
+
         self.engine = engine
         self.persistence: ConversationPersistence = persistence or MemoryPersistence()
         self.max_conversations = max_conversations
+        self.scheduler: "Scheduler" = Scheduler(engine, max_batch=max_batch, max_waiting=queue_size)
         self._open: OrderedDict[str, "Conversation"] = OrderedDict()
 
     # -- conversations --------------------------------------------------------------
@@ -71,34 +94,56 @@ class ChatRuntime:
         while len(self._open) > self.max_conversations:
             self._open.popitem(last=False)
 
-    def is_open(self, key: str) -> bool:
-        return key in self._open
-
     # -- replies ------------------------------------------------------------------
-    def reply(self, key: str, text: str, options: "ReplyOptions", control: "JobControl | None" = None,
-              system: str | None = None, author_id: str | None = None) -> ReplyResult:
+    def start_reply(self, key: str, text: str, options: "ReplyOptions", system: str | None = None,
+                    author_id: str | None = None,
+                    listener: "Callable[[Event], None] | None" = None) -> PendingReply:
         """Add ``text`` as the user's turn (by ``author_id``, which the log keeps so that one
-        person's messages can be exported or deleted) and generate the reply with the system
+        person's messages can be exported or deleted) and submit the reply with the system
         prompt ``system`` (the one in effect for ``key`` now: a change applies from the next
-        reply on), stopping early when ``control`` says so (the partial reply is kept,
-        marked interrupted)."""
+        reply on). ``listener`` is called on the scheduler's thread with each event.
+
+        Raises WorkerBusy, before the turn is added, when the batch and its queue are full
+        (only this thread submits, so the check cannot go stale before the submit)."""
+        if self.scheduler.full:
+            raise WorkerBusy("every place in the batch and its queue is taken")
         conversation = self.conversation(key)
         conversation.system = system
         conversation.add_user(text, meta={"author_id": author_id} if author_id is not None else None)
-        response = conversation.reply(options)
-        stop_reason = None
-        for _ in response:
-            if control is not None and control.should_stop():
-                stop_reason = control.stop_reason
-                response.interrupt()
-                break
+        handle = self.scheduler.submit(conversation, options, listener=listener)
+        return PendingReply(key, conversation, handle)
+
+    def finish_reply(self, pending: PendingReply, stop_reason: str | None = None) -> ReplyResult:
+        """Record the reply the scheduler ended (or that was cut: ``stop_reason`` is "timeout",
+        "cancelled" or "shutdown"; the partial reply is kept, marked interrupted)."""
+        handle, conversation = pending.handle, pending.conversation
+        if stop_reason is not None:
+            handle.cancel()
+
+        def record(response: Any) -> None:
+            if handle.admitted is None:
+                return  # cut while it waited for a place: the model never saw it, no reply to keep
+            if handle.finish_reason == "cancelled":
+                response.interrupted = True
+                response.provenance["interrupted"] = True
+            conversation._record(response)
+
+        response = handle.response(self.engine.tokenizer, finalize=record)
+        text = response.text()  # the reply has ended (or ends at the next step): its tokens are in hand
         return ReplyResult(
-            text=response.text(),
+            text=text,
             conversation_id=conversation.id,
             interrupted=response.interrupted,
             stop_reason=stop_reason,
             provenance=dict(response.provenance),
         )
+
+    def reply(self, key: str, text: str, options: "ReplyOptions", system: str | None = None,
+              author_id: str | None = None) -> ReplyResult:
+        """Start a reply and wait for it (for scripts and tests; the bot awaits it instead)."""
+        pending = self.start_reply(key, text, options, system, author_id)
+        pending.handle.wait()
+        return self.finish_reply(pending)
 
     def last_provenance(self, key: str) -> dict[str, Any] | None:
         """The provenance of the newest reply in ``key``'s conversation (resumed ones too)."""
@@ -131,6 +176,7 @@ class ChatRuntime:
         return {"decoders": sorted(registry.decoders), "steerers": sorted(registry.steerers)}
 
     def close(self) -> None:
+        self.scheduler.close()
         self.persistence.close()
 
 
@@ -144,4 +190,5 @@ def open_runtime(settings: "DiscordSettings", host: "PluginHost | None" = None) 
         torch.set_num_threads(settings.threads)
     engine = Engine(settings.model, device=settings.device, host=host, prompt_format=settings.prompt_format)
     persistence: ConversationPersistence = LogPersistence(engine, settings.db) if settings.log else MemoryPersistence()
-    return ChatRuntime(engine, persistence, settings.max_conversations)
+    return ChatRuntime(engine, persistence, settings.max_conversations,
+                       max_batch=settings.max_batch, queue_size=settings.queue_size)

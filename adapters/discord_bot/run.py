@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from chatcore.errors import ChatcoreError
 
 if TYPE_CHECKING:
-    from chatcore.adapters.discord_bot.bot import ChatBot
+    from chatcore.adapters.discord_bot.bot import make_bot
     from chatcore.adapters.discord_bot.config import DiscordSettings
     from chatcore.adapters.discord_bot.conversations import ChatRuntime
     from chatcore.adapters.discord_bot.worker import InferenceWorker
@@ -57,17 +57,18 @@ class StartedBot:
 
 async def start_bot(settings: "DiscordSettings", host: "PluginHost | None" = None) -> StartedBot:
     """The worker (model loaded, log open) and a prepared client, not yet connected."""
-    from chatcore.adapters.discord_bot.bot import ChatBot
+    from chatcore.adapters.discord_bot.bot import make_bot
     from chatcore.adapters.discord_bot.conversations import ChatRuntime, open_runtime
     from chatcore.adapters.discord_bot.worker import InferenceWorker
 
     worker: InferenceWorker[ChatRuntime] = InferenceWorker(
-        lambda: open_runtime(settings, host), queue_size=settings.queue_size, close_resource=ChatRuntime.close,
+        lambda: open_runtime(settings, host), queue_size=settings.max_batch + settings.queue_size,
+        close_resource=ChatRuntime.close,
     )
     worker.start()
     logger.info("loading %s ...", settings.model)
     await worker.ready()
-    bot = ChatBot(settings, worker)
+    bot = make_bot(settings, worker)
     try:
         await bot.prepare()
     except BaseException:
@@ -123,6 +124,10 @@ async def check(settings: "DiscordSettings", host: "PluginHost | None" = None) -
             "slash commands: " + (f"guilds {', '.join(map(str, settings.guilds))}" if settings.guilds
                                   else "global"),
             f"conversation log: {settings.db or 'default location'}" if settings.log else "conversation log: off",
+            f"batch: {settings.max_batch} replies at once, {settings.queue_size} more may wait",
+            "shards: " + ("one connection" if not settings.sharded else
+                          f"{', '.join(map(str, settings.shard_ids)) or 'all'} of "
+                          f"{settings.shard_count or 'as many as Discord recommends'}"),
             f"decoders available: {', '.join(catalog['decoders'])}",
             f"steerers available: {', '.join(catalog['steerers'])}",
         ]

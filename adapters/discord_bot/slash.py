@@ -327,7 +327,8 @@ class ChatCommands:
             f"system prompt: {system_line} ({SOURCE_NAMES[source]}); format: {bot.prompt_format}",
             f"replies: up to {bot.settings.max_new_tokens} tokens; answers {where} here",
             f"cooldown: {bot.settings.cooldown_s:g} s per user",
-            f"queue: {bot.worker.waiting} waiting of {bot.worker.queue_size}",
+            f"replies in progress: {len(bot.in_flight)} (batch of {bot.settings.max_batch}, "
+            f"queue of {bot.settings.queue_size})",
             f"conversation log: {'on' if bot.settings.log else 'off'} (key {key})",
         ]
         await respond(interaction, "\n".join(lines), ephemeral=True)

@@ -1,9 +1,11 @@
-"""The inference worker: one thread owns the model and serves a bounded queue.
+"""The bot's worker: one thread owns the conversations and the log, and runs short jobs.
 
-The Discord gateway lives on an asyncio event loop that must answer heartbeats while
-the model thinks, so nothing slow runs on it. The worker thread builds its resource
-(the engine and the conversations, whose SQLite connection then belongs to that same
-thread) and runs jobs one at a time. ``submit`` is called on the event loop and gives
+The Discord gateway lives on an asyncio event loop that must answer heartbeats, so
+nothing slow runs on it. The worker thread builds its resource (the engine, its serving
+scheduler and the conversations, whose SQLite connection then belongs to that same
+thread) and runs jobs one at a time: starting a reply (the scheduler decodes it, batched
+with other channels' replies, on its own thread), recording it once it has ended, and
+the slash commands' reads and changes. ``submit`` is called on the event loop and gives
 back an asyncio future; the worker hands each result back to the loop with
 ``loop.call_soon_threadsafe``.
 

@@ -147,6 +147,12 @@ class Scheduler:
         handle = self.submit(conversation, options)
         return handle.response(self.engine.tokenizer, finalize=conversation._record)
 
+    @property
+    def full(self) -> bool:
+        """True when ``submit`` would raise ServerBusy now."""
+        with self._lock:
+            return self._stopping or len(self._accepted) >= self.max_batch + self.max_waiting
+
     def in_flight(self) -> int:
         """Replies being decoded; a cancelled one no longer counts, so its slot is free at once."""
         return sum(not row.handle.cancelled for row in [*self.batch.rows, *self.prefilling, *self.solo])
