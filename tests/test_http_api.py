@@ -364,3 +364,75 @@ def test_content_parts_developer_and_several_system_messages(engine, client):
                                system="Be kind.\nBe brief.")
     assert reply.choices[0].message.content == expected.text()
     assert reply.usage.prompt_tokens == expected.provenance["prompt_tokens"]
+
+
+# -- the conversation log -------------------------------------------------------------
+@pytest.fixture
+def logged(serving_engine, tmp_path):
+    """A server whose answered requests go to an SQLite log."""
+    from chatcore.adapters.http_api.app import ServeConfig, build_app
+    from chatcore.adapters.http_api.request_log import RequestLog
+    from chatcore.adapters.http_api.server import start_in_thread
+    from chatcore.serving import Scheduler
+
+    db = tmp_path / "log.sqlite3"
+    request_log = RequestLog(str(db), engine=serving_engine)
+    scheduler = Scheduler(serving_engine, max_batch=2, max_waiting=2)
+    server = start_in_thread(build_app(scheduler, ServeConfig(api_key=API_KEY, log=request_log)))
+    client = openai.OpenAI(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60)
+    yield client, request_log, db
+    server.stop()
+    scheduler.close()
+    request_log.close()
+
+
+def read_log(db) -> list:
+    from chatcore.adapters.conversation_log.store import ConversationStore
+
+    with ConversationStore(f"sqlite:///{db}") as store:
+        return [store.get_conversation(summary.id) for summary in store.list_conversations(adapter="http")]
+
+
+def test_answered_requests_are_logged_and_a_follow_up_continues_its_conversation(logged):
+    client, request_log, db = logged
+    model = model_name(client)
+    first = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi there"}]
+    reply = client.chat.completions.create(model=model, messages=first, max_tokens=6, seed=3)
+    answer = reply.choices[0].message.content
+    # The next turn, streamed, as a chat client sends it: the history, the reply, a new message.
+    follow_up = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+    stream = client.chat.completions.create(model=model, messages=follow_up, max_tokens=6, seed=4, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    # Another client's conversation, with a history the log has not seen: a conversation of its own.
+    other = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hey"},
+             {"role": "user", "content": "how are you?"}]
+    client.chat.completions.create(model=model, messages=other, max_tokens=4)
+    request_log.close()  # writes what is queued
+
+    by_first_text = {c.messages[0].text: c for c in read_log(db)}
+    assert set(by_first_text) == {"hi there", "hello"}
+    continued = by_first_text["hi there"]
+    assert continued.system == "You are terse."
+    assert [(m.role, m.text) for m in continued.messages] == [
+        ("user", "hi there"), ("bot", answer), ("user", "and then?"), ("bot", streamed)]
+    bot = continued.messages[3]
+    assert bot.seed == 4 and bot.decoder and not bot.interrupted
+    assert bot.provenance["usage"]["completion_tokens"] == bot.token_count >= 1
+    assert [(m.role, m.text) for m in by_first_text["hello"].messages][:3] == [
+        ("user", "hello"), ("bot", "hey"), ("user", "how are you?")]
+
+
+def test_serve_refuses_a_log_it_cannot_open_before_loading_the_model(tmp_path):
+    from click.testing import CliRunner
+
+    from chatcore.cli import build_cli
+
+    runner = CliRunner()
+    result = runner.invoke(build_cli(), ["serve", "--port", "0", "--db", "x.db", "--no-log"])
+    assert result.exit_code != 0 and "give --db or --no-log, not both" in result.output
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    # "nope" would fail to load: the log is refused first, in one line.
+    result = runner.invoke(build_cli(), ["serve", "--port", "0", "--model", "nope", "--db", str(blocked / "log.db")])
+    assert result.exit_code != 0 and "Traceback" not in result.output and "nope" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output

@@ -134,17 +134,21 @@ class ConversationLogPlugin:
         }
         self._submit(conversation, self._message_write(conversation, "bot", turn, fields))
 
-    def log_conversation(self, conversation: "Conversation") -> None:
-        """Write every turn the conversation holds now (for a log that became available
-        after the conversation started); each reply with the provenance it was made with."""
-        for index, turn in enumerate(conversation.turns):
+    def log_conversation(self, conversation: "Conversation", start: int = 0) -> None:
+        """Write the turns the conversation holds now from index ``start`` on (all of them
+        for a log that became available after the conversation started; the new ones for an
+        adapter that hands whole conversations over); each reply with its provenance."""
+        for turn in conversation.turns[start:]:
             if turn.role == "user":
                 fields: dict[str, Any] = {"token_count": self._count_tokens(conversation, turn.text)}
             else:
                 provenance = json_safe(turn.meta.get("provenance") or {})
+                timings = provenance.get("timings") or {}
                 fields = {"provenance": provenance, "decoder": provenance.get("decoder"),
                           "steerers": provenance.get("steerers"), "seed": provenance.get("seed"),
-                          "prompt_tokens": provenance.get("prompt_tokens")}
+                          "prompt_tokens": provenance.get("prompt_tokens"),
+                          "token_count": timings.get("new_tokens"), "latency_s": timings.get("total_s"),
+                          "first_token_s": timings.get("first_token_s")}
             self._submit(conversation, self._message_write(conversation, turn.role, turn, fields))
 
     # -- what to write ---------------------------------------------------------------

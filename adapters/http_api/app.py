@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from chatcore.adapters.http_api.schema import ChatCompletionRequest
 from chatcore.errors import ChatcoreError
 
 if TYPE_CHECKING:
+    from chatcore.adapters.http_api.request_log import RequestLog
     from chatcore.serving import Scheduler
 
 DEFAULT_MAX_BODY = 1_000_000  # bytes
@@ -36,11 +37,13 @@ DEFAULT_MAX_BODY = 1_000_000  # bytes
 @dataclass
 class ServeConfig:
     """api_key: required as ``Authorization: Bearer KEY`` when set. system: the system prompt of
-    requests that bring none. max_body: the largest request body accepted, in bytes."""
+    requests that bring none. max_body: the largest request body accepted, in bytes. log: the
+    conversation log answered requests go to (see :mod:`.request_log`)."""
 
     api_key: str | None = None
     system: str | None = None
     max_body: int = DEFAULT_MAX_BODY
+    log: "RequestLog | None" = None  # where answered requests are logged; None: nowhere
 
 
 def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Starlette:
@@ -87,15 +90,22 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             if parsed.stream:
                 watcher.cancel()  # the streaming response watches the connection itself
                 usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-                return StreamingResponse(events(completion, usage), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            text = "".join([delta async for delta in completion.deltas()])
+                return StreamingResponse(events(completion, usage, lambda: log(messages, completion)),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            try:
+                text = "".join([delta async for delta in completion.deltas()])
+            finally:
+                log(messages, completion)
         except BaseException:
             completion.handle.cancel()
             raise
         finally:
             watcher.cancel()
         return JSONResponse(completion.body(text))
+
+    def log(messages: list[Any], completion: Completion) -> None:
+        if config.log is not None:
+            config.log.record(completion.exchange(messages))
 
     async def api_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, ApiError)
@@ -170,9 +180,10 @@ def validation_error(error: ValidationError) -> ApiError:
     return ApiError(400, f"Invalid value for {param!r}: {first['msg']}", param)
 
 
-async def events(completion: Completion, usage: bool) -> AsyncIterator[str]:
+async def events(completion: Completion, usage: bool, ended: Callable[[], None] | None = None) -> AsyncIterator[str]:
     """Server-sent events as OpenAI sends them: a role chunk, content chunks, a finish chunk,
-    the usage chunk when asked for, then ``[DONE]``. A failure mid-reply is an error event."""
+    the usage chunk when asked for, then ``[DONE]``. A failure mid-reply is an error event.
+    ``ended()`` runs once the reply has ended, however it ended."""
     yield sse(completion.chunk({"role": "assistant", "content": ""}, usage=usage))
     try:
         async for delta in completion.deltas():
@@ -180,6 +191,9 @@ async def events(completion: Completion, usage: bool) -> AsyncIterator[str]:
     except ApiError as error:
         yield sse(error.body())
         return
+    finally:
+        if ended is not None:
+            ended()
     yield sse(completion.chunk({}, completion.finish_reason, usage=usage))
     if usage:
         yield sse(completion.usage_chunk())

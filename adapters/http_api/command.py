@@ -46,17 +46,21 @@ def bind_listener(host: str, port: int) -> "socket.socket":
               help="Requests queued beyond those; past it requests get 429 (busy).")
 @click.option("--prefix-cache-mb", type=click.IntRange(0, 1_000_000), default=256, show_default=True,
               help="Memory for the key/values of earlier prompts that new ones start with (0: off).")
+@click.option("--log/--no-log", "log", default=None,
+              help="Keep the conversations served in the conversation log [off; on when --db is given].")
+@click.option("--db", default=None, help="Conversation log: SQLAlchemy URL or SQLite file [$CHATCORE_DB or user data].")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               show_default=True)
 def serve(host: str, port: int, model: str, api_key: str | None, system_text: str | None, system_file: str | None,
-          prompt_format: str, max_batch: int, max_waiting: int, prefix_cache_mb: int, device: str | None,
-          dtype: str) -> None:
+          prompt_format: str, max_batch: int, max_waiting: int, prefix_cache_mb: int, log: bool | None,
+          db: str | None, device: str | None, dtype: str) -> None:
     """Serve the model over an OpenAI-compatible HTTP API.
 
     GET /v1/models and POST /v1/chat/completions (streaming or not), with chatcore's
     own `decoder` and `steer` fields. Concurrent requests are decoded together in one
-    batch. See docs/serving.md.
+    batch. With --log (or --db), the conversations served are kept in the conversation
+    log (`chatcore logs`). See docs/serving.md.
     """
     import uvicorn
 
@@ -73,11 +77,25 @@ def serve(host: str, port: int, model: str, api_key: str | None, system_text: st
     if api_key is None and host not in LOOPBACK:
         click.echo(f"chatcore: warning: listening on {host} without --api-key: anyone who can reach this "
                    "address can use the model", err=True)
+    if log is False and db is not None:
+        raise OptionError("give --db or --no-log, not both")
     listener = bind_listener(host, port)  # a port in use fails now, not after the model has loaded
-    engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
-    with Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting,
-                   prefix_cache_bytes=prefix_cache_mb * 2**20) as scheduler:
-        app = build_app(scheduler, ServeConfig(api_key=api_key, system=system))
-        click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        server.run(sockets=[listener])
+    request_log = None
+    if log or db is not None:  # a log that cannot be opened fails now too
+        from chatcore.adapters.http_api.request_log import RequestLog
+
+        request_log = RequestLog(db)
+    try:
+        engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+        if request_log is not None:
+            request_log.engine = engine
+            click.echo(f"chatcore: logging conversations to {request_log.display_url}", err=True)
+        with Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting,
+                       prefix_cache_bytes=prefix_cache_mb * 2**20) as scheduler:
+            app = build_app(scheduler, ServeConfig(api_key=api_key, system=system, log=request_log))
+            click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+            server.run(sockets=[listener])
+    finally:
+        if request_log is not None:
+            request_log.close()

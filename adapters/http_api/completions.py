@@ -16,6 +16,7 @@ from chatcore.adapters.http_api.schema import MAX_STOP_CHARS, MAX_STOPS, ChatCom
 from chatcore.errors import ChatcoreError
 
 if TYPE_CHECKING:
+    from chatcore.adapters.http_api.request_log import Exchange
     from chatcore.engine import Engine, ReplyOptions
     from chatcore.prompting import Message
     from chatcore.serving import Event, Handle, Scheduler
@@ -113,6 +114,22 @@ class Completion:
     completion_tokens: int = 0
     finish_reason: str | None = None
     first: "Event | None" = None
+    text: str = ""  # what was sent so far
+    error: str | None = None  # why the reply ended early, when it failed
+
+    def exchange(self, messages: list["Message"]) -> "Exchange":
+        """What the conversation log keeps of this request: its messages and the reply as sent
+        (marked interrupted when it did not end by itself: client gone, an error)."""
+        from chatcore.adapters.http_api.request_log import Exchange
+
+        provenance = dict(self.handle.provenance)
+        timings = dict(provenance.get("timings") or {})
+        timings.update(new_tokens=self.completion_tokens,
+                       total_s=round(time.perf_counter() - self.handle.submitted, 4))
+        provenance.update(timings=timings, usage=self.usage(), finish_reason=self.finish_reason)
+        if self.error is not None:
+            provenance["error"] = self.error
+        return Exchange(list(messages), self.text, provenance, interrupted=self.finish_reason is None)
 
     @classmethod
     def submit(cls, scheduler: "Scheduler", messages: list["Message"], options: "ReplyOptions",
@@ -159,16 +176,19 @@ class Completion:
                     self.completion_tokens += 1
                     text = stops.push(detokenizer.push(event.token_id))
                     if text:
+                        self.text += text
                         yield text
                     if stops.hit:
                         self.finish_reason = "stop"
                         return
                     continue
                 if event.error is not None:
+                    self.error = str(event.error)
                     raise api_error(event.error, self.handle)
                 tail = stops.push(detokenizer.flush())
                 tail += stops.flush()
                 if tail:
+                    self.text += tail
                     yield tail
                 self.finish_reason = "stop" if stops.hit or event.reason != "length" else "length"
                 return

@@ -1,0 +1,135 @@
+"""The exchanges ``chatcore serve`` answers, written to the conversation log.
+
+An HTTP client sends the whole conversation with every request, so a request becomes
+a conversation in the log (adapter ``http``) the first time its history is seen: its
+system prompt, the turns it brings and the reply. A later request whose messages are
+exactly an earlier request's messages plus that reply, then a new user message (what a
+chat client sends for the next turn), continues the same conversation: only its new
+user message and the reply are written. Continuations are recognised in memory for the
+newest ``MAX_THREADS`` conversations; after a restart the next turn starts a new one.
+
+Writing never slows or fails a request: the log and its store live on a thread of
+their own, the handler only queues the exchange, and a database that fails keeps its
+writes in the log's journal (see :mod:`chatcore.adapters.conversation_log.plugin`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
+    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.engine import Engine
+    from chatcore.prompting import Message
+
+logger = logging.getLogger("chatcore.serve")
+
+ADAPTER = "http"
+MAX_THREADS = 10_000
+
+
+@dataclass
+class Exchange:
+    """One answered request: the messages it sent and the reply it got."""
+
+    messages: "list[Message]"
+    reply: str
+    provenance: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False
+
+
+def thread_key(messages: "Sequence[Message]") -> str:
+    """A digest of a conversation's messages (roles and texts, system prompt included)."""
+    data = json.dumps([[message.role, message.text] for message in messages], ensure_ascii=False)
+    return hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class RequestLog:
+    """Queues exchanges for the conversation log, written on the log's own thread."""
+
+    def __init__(self, db: str | None = None, engine: "Engine | None" = None) -> None:
+        self.engine = engine  # set before the first exchange (the log is opened before the model loads)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-http-log")
+        self._threads: OrderedDict[str, str] = OrderedDict()  # thread key -> conversation id
+        self._closed = False
+        self.store: "ConversationStore | None" = None
+        self.plugin: "ConversationLogPlugin | None" = None
+        # Opened on the log's thread, which then owns the connection; a log that cannot be
+        # opened fails here, at start, in one line.
+        self._executor.submit(self._open, db).result()
+
+    def _open(self, db: str | None) -> None:
+        from chatcore.adapters.conversation_log.location import resolve_url
+        from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
+        from chatcore.adapters.conversation_log.store import ConversationStore
+
+        self.store = ConversationStore(resolve_url(db))
+        self.plugin = ConversationLogPlugin(self.store, notify=lambda message: logger.warning("%s", message))
+
+    @property
+    def display_url(self) -> str:
+        assert self.store is not None
+        return self.store.display_url
+
+    def record(self, exchange: Exchange) -> None:
+        """Queue ``exchange``; returns at once and never raises."""
+        try:
+            self._executor.submit(self._write, exchange)
+        except RuntimeError:  # closed: the server is stopping
+            logger.warning("the conversation log is closed: an exchange was not logged")
+
+    def _write(self, exchange: Exchange) -> None:
+        from chatcore.conversation import Conversation, Turn
+
+        try:
+            assert self.plugin is not None and self.engine is not None
+            system = next((m.text for m in exchange.messages if m.role == "system"), None)
+            turns = [Turn("user" if m.role == "user" else "bot", m.text)
+                     for m in exchange.messages if m.role != "system"]
+            turns.append(Turn("bot", exchange.reply, interrupted=exchange.interrupted,
+                              meta={"provenance": exchange.provenance}))
+            history = exchange.messages[:-1]
+            continued = self._threads.pop(thread_key(history), None) if history else None
+            conversation = Conversation(self.engine, id=continued, turns=turns, system=system, adapter=ADAPTER)
+            # A continued conversation has its earlier turns in the log already.
+            self.plugin.log_conversation(conversation, start=len(turns) - 2 if continued else 0)
+            self._remember(thread_key([*exchange.messages, _assistant(exchange.reply)]), conversation.id)
+        except Exception:  # the log must never take the server down
+            logger.exception("logging an exchange failed")
+
+    def _remember(self, key: str, conversation_id: str) -> None:
+        self._threads[key] = conversation_id
+        while len(self._threads) > MAX_THREADS:
+            self._threads.popitem(last=False)
+
+    def close(self) -> None:
+        """Write what is queued (what the database cannot take waits in the journal) and close.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def close_log() -> None:
+            if self.plugin is not None:
+                journaled = self.plugin.close()
+                if journaled:
+                    logger.warning("conversation log: %d write(s) kept in the journal for the next start", journaled)
+            if self.store is not None:
+                self.store.close()
+
+        self._executor.submit(close_log).result()
+        self._executor.shutdown()
+
+
+def _assistant(text: str) -> "Message":
+    from chatcore.prompting import Message
+
+    return Message("assistant", text)
