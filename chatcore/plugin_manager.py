@@ -29,6 +29,7 @@ from chatcore import hookspecs
 ENTRY_POINT_GROUP = "chatcore"
 BUILTIN_PREFIX = "chatcore."
 ENV_PLUGINS = "CHATCORE_PLUGINS"
+LOAD_STAGES = ("import", "register", "validate")
 
 logger = logging.getLogger("chatcore.plugins")
 
@@ -81,7 +82,12 @@ class PluginHost:
         if problem in self.problems:
             return  # e.g. the same name clash seen again when another registry is built
         self.problems.append(problem)
-        logger.warning("%s", problem)
+        # Problems found while loading plugins and collecting their names are kept quiet
+        # (every command, `--help` included, loads them): `chatcore plugins` lists them,
+        # an unknown name points there, and the chat shows their count. A hook failing
+        # while the program runs is said at once.
+        loading = stage in LOAD_STAGES or stage.startswith("hook register_")
+        logger.log(logging.DEBUG if loading else logging.WARNING, "%s", problem)
 
     def register(self, plugin: Any, name: str, info: PluginInfo | None = None) -> bool:
         """Register one plugin object or module; False (and a recorded problem) if refused."""

@@ -1,6 +1,17 @@
 """The names every plugin registered: decoders, steerers, prompt formats and eval prompt sets.
 
 The CLI, the REPL and the Discord bot list and validate names here, in one place.
+
+Name clashes follow one rule, whatever order the plugins were discovered in:
+
+- chatcore's built-in names are reserved: a plugin that registers one (``greedy``,
+  ``pplm``, ``chat-template`` ...) is refused that registration, and the problem names
+  that plugin;
+- when two or more other plugins register the same name, none of them gets the bare
+  name: each is reachable as ``PLUGIN/NAME`` (e.g. ``acme-steer:acme/vectors``), and
+  the bare name fails with a message naming every plugin that wants it. A user picks
+  one by writing its qualified name, or keeps one plugin out with ``CHATCORE_PLUGINS``.
+- the same plugin registering a name twice keeps its first registration.
 """
 
 from __future__ import annotations
@@ -11,6 +22,8 @@ from typing import Any
 
 from chatcore.errors import UnknownNameError
 from chatcore.plugin_manager import PluginHost
+
+QUALIFIER = "/"
 
 
 @dataclass
@@ -26,6 +39,10 @@ class Registry:
     steerers: dict[str, Entry] = field(default_factory=dict)
     prompt_sets: dict[str, Entry] = field(default_factory=dict)
     prompt_formats: dict[str, Entry] = field(default_factory=dict)
+    # Bare names more than one plugin registered -> those plugins (their entries are qualified).
+    ambiguous: dict[str, list[str]] = field(default_factory=dict)
+    # Plugins that failed to load (mentioned when a name is not found).
+    broken: list[str] = field(default_factory=list)
 
     @classmethod
     def build(cls, host: PluginHost) -> "Registry":
@@ -33,10 +50,15 @@ class Registry:
         from chatcore.prompting import PromptFormat
         from chatcore.steering import Steerer
 
-        registry = cls()
+        registry = cls(broken=sorted({p.plugin for p in host.problems if not p.stage.startswith("hook ")}))
+
+        def builtin(plugin: str) -> bool:
+            info = host.infos.get(plugin)
+            return info is not None and info.builtin
 
         def collect(hook: str, table: dict[str, Entry], base: type | None) -> None:
             current = {"plugin": "?"}
+            claims: dict[str, list[Entry]] = {}
 
             def register(item: Any, loader: Callable[[], Any] | None = None) -> None:
                 if loader is not None:  # register(name, loader) for prompt sets
@@ -47,19 +69,42 @@ class Registry:
                     name, value = getattr(item, "name", ""), item
                 if not isinstance(name, str) or not name:
                     raise TypeError(f"{hook}: {item!r} has no name")
-                if name in table:
+                if QUALIFIER in name:
+                    raise TypeError(f"{hook}: {name!r}: names cannot contain {QUALIFIER!r}")
+                entries = claims.setdefault(name, [])
+                if any(entry.plugin == current["plugin"] for entry in entries):
                     host.report(current["plugin"], f"hook {hook}",
-                                f"{name!r} is already registered by {table[name].plugin!r}; ignored")
+                                f"{name!r} is registered twice by this plugin; the first is kept")
                     return
-                table[name] = Entry(name, value, current["plugin"])
+                entries.append(Entry(name, value, current["plugin"]))
 
             caller = getattr(host.pm.hook, hook)
-            for impl in reversed(caller.get_hookimpls()):
+            for impl in caller.get_hookimpls():
                 current["plugin"] = impl.plugin_name
                 try:
                     impl.function(register=register)
                 except Exception as error:
                     host.report(impl.plugin_name, f"hook {hook}", error)
+
+            for name, entries in sorted(claims.items()):
+                owners = [entry for entry in entries if builtin(entry.plugin)]
+                if owners:
+                    table[name] = owners[0]
+                    for entry in entries:
+                        if entry is not owners[0]:
+                            host.report(entry.plugin, f"hook {hook}",
+                                        f"{name!r} is a built-in name (of {owners[0].plugin!r}); "
+                                        "register it under another name")
+                elif len(entries) == 1:
+                    table[name] = entries[0]
+                else:
+                    plugins = sorted(entry.plugin for entry in entries)
+                    registry.ambiguous[name] = plugins
+                    for entry in entries:
+                        table[f"{entry.plugin}{QUALIFIER}{name}"] = entry
+                    host.report(" and ".join(repr(p) for p in plugins), f"hook {hook}",
+                                f"{name!r} is registered by each of them, so by none: use "
+                                + " or ".join(f"{p}{QUALIFIER}{name}" for p in plugins))
 
         collect("register_decoders", registry.decoders, Decoder)
         collect("register_steerers", registry.steerers, Steerer)
@@ -67,11 +112,15 @@ class Registry:
         collect("register_prompt_formats", registry.prompt_formats, PromptFormat)
         return registry
 
-    @staticmethod
-    def _lookup(table: dict[str, Entry], kind: str, name: str) -> Any:
+    def _lookup(self, table: dict[str, Entry], kind: str, name: str) -> Any:
         if name not in table:
+            if name in self.ambiguous:
+                choices = " or ".join(f"{p}{QUALIFIER}{name}" for p in self.ambiguous[name])
+                raise UnknownNameError(f"{kind} {name!r} is registered by several plugins: name one, {choices}")
             known = ", ".join(sorted(table)) or "none"
-            raise UnknownNameError(f"unknown {kind} {name!r} (available: {known})")
+            hint = (f"; plugin(s) {', '.join(self.broken)} failed to load: `chatcore plugins` says why"
+                    if self.broken else "")
+            raise UnknownNameError(f"unknown {kind} {name!r} (available: {known}){hint}")
         return table[name].value
 
     def decoder(self, name: str) -> Any:

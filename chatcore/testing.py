@@ -106,10 +106,19 @@ def plugin_host(*plugins: Any) -> PluginHost:
 
 
 def make_engine(model: "str | LoadedModel", *plugins: Any) -> "Engine":
-    """An Engine on ``model`` whose registry holds greedy, top-k and ``plugins`` only."""
-    from chatcore.engine import Engine
+    """An Engine on ``model`` whose registry holds greedy, top-k and ``plugins`` only.
 
-    return Engine(model, host=plugin_host(*plugins))
+    A plugin problem (a hook that raises, a registration that is refused: not a Steerer,
+    a name clash) fails here, naming the plugin: a plugin under test must load cleanly.
+    """
+    from chatcore.engine import Engine
+    from chatcore.errors import PluginError
+
+    engine = Engine(model, host=plugin_host(*plugins))
+    if engine.host.problems:
+        first = engine.host.problems[0]
+        raise PluginError(first.plugin, f"failed at {first.stage}: {first.message}")
+    return engine
 
 
 def build_conversation(engine: "Engine", *turns: str) -> "Conversation":

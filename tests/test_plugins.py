@@ -153,7 +153,7 @@ def test_registering_the_same_name_twice_is_reported(host):
 # -- registration rules ------------------------------------------------------------------------
 
 
-def test_duplicate_names_first_registration_wins_and_the_other_is_reported(host):
+def test_a_plugin_registering_one_name_twice_keeps_the_first(host):
     class Twice:
         @chatcore.hookimpl
         def register_decoders(self, register):
@@ -164,40 +164,56 @@ def test_duplicate_names_first_registration_wins_and_the_other_is_reported(host)
     registry = Registry.build(host)
     assert registry.decoders["echo"].value is EchoDecoder
     assert problems_of(host) == [("twice", "hook register_decoders")]
-    assert "'echo' is already registered by 'twice'" in host.problems[0].message
+    assert "'echo' is registered twice by this plugin" in host.problems[0].message
 
 
-def test_a_third_party_decoder_shadows_the_trylast_builtin(host):
-    """pluggy calls non-trylast plugins before the built-ins, so theirs is the first registration."""
-
+def test_built_in_names_are_reserved_and_the_plugin_taking_one_is_named(host):
     class Shadow:
-        @chatcore.hookimpl
+        @chatcore.hookimpl(tryfirst=True)
         def register_decoders(self, register):
             register(OtherGreedy)
 
     host.register(Shadow(), "shadow")
     registry = Registry.build(host)
-    assert registry.decoder("greedy") is OtherGreedy
-    assert problems_of(host) == [("chatcore.plugins.greedy", "hook register_decoders")]
-    assert "already registered by 'shadow'" in host.problems[0].message
+    assert registry.decoder("greedy") is not OtherGreedy
+    assert registry.decoders["greedy"].plugin == "chatcore.plugins.greedy"
+    # The culprit is the plugin that took the name, not the built-in.
+    assert problems_of(host) == [("shadow", "hook register_decoders")]
+    assert "'greedy' is a built-in name" in host.problems[0].message
 
 
-def test_between_two_third_party_plugins_the_later_registered_is_called_first(host):
-    class First:
-        @chatcore.hookimpl
-        def register_decoders(self, register):
-            register(type("FirstEcho", (GreedyDecoder,), {"name": "echo"}))
+@pytest.mark.parametrize("order", [("first", "second"), ("second", "first")])
+def test_a_name_two_plugins_register_is_neither_plugins_and_both_are_reachable_qualified(host, order):
+    classes = {
+        "first": type("FirstEcho", (GreedyDecoder,), {"name": "echo"}),
+        "second": EchoDecoder,
+    }
 
-    class Second:
-        @chatcore.hookimpl
-        def register_decoders(self, register):
-            register(EchoDecoder)
+    def plugin_for(decoder):
+        class Plugin:
+            @chatcore.hookimpl
+            def register_decoders(self, register):
+                register(decoder)
 
-    host.register(First(), "first")
-    host.register(Second(), "second")
+        return Plugin()
+
+    for name in order:  # discovery order must not matter
+        host.register(plugin_for(classes[name]), name)
     registry = Registry.build(host)
-    assert registry.decoders["echo"].plugin == "second"
-    assert problems_of(host) == [("first", "hook register_decoders")]
+    assert "echo" not in registry.decoders
+    assert registry.decoder("first/echo") is classes["first"]
+    assert registry.decoder("second/echo") is classes["second"]
+    with pytest.raises(UnknownNameError, match="registered by several plugins: name one, first/echo or second/echo"):
+        registry.decoder("echo")
+    ((plugins, stage),) = problems_of(host)
+    assert plugins == "'first' and 'second'" and stage == "hook register_decoders"
+
+
+def test_an_unknown_name_mentions_plugins_that_failed_to_load(host):
+    host.load_modules(("chatcore.plugins.does_not_exist",))
+    registry = Registry.build(host)
+    with pytest.raises(UnknownNameError, match="chatcore.plugins.does_not_exist failed to load: `chatcore plugins`"):
+        registry.steerer("vectors")
 
 
 @pytest.mark.parametrize("plugin", [NotADecoderPlugin(), InstancePlugin()])
@@ -598,3 +614,21 @@ def test_the_process_wide_host_loads_entry_points_once():
     assert get_plugin_host() is replacement
     set_plugin_host(None)
     assert get_plugin_host() is not replacement
+
+
+def test_a_broken_plugin_is_not_reported_by_every_command_only_where_it_matters(third_party):
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(third_party)}
+    env.pop("CHATCORE_PLUGINS", None)
+
+    def chatcore(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "chatcore.cli", *args], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    quiet = chatcore("--help")
+    assert quiet.returncode == 0 and "broken" not in quiet.stderr + quiet.stdout
+    listed = chatcore("plugins")
+    assert "chatcore-third:broken" in listed.stdout + listed.stderr
+    assert "a plugin must not exit the program" in listed.stdout + listed.stderr

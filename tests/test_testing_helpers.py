@@ -86,6 +86,28 @@ def test_plugin_host_refuses_a_broken_plugin_loudly(plugin, message) -> None:
         plugin_host(plugin)
 
 
+class RaisingRegistration:
+    @chatcore.hookimpl
+    def register_steerers(self, register):
+        raise RuntimeError("cannot build my steerer")
+
+
+class NotASteerer:
+    @chatcore.hookimpl
+    def register_steerers(self, register):
+        register(dict)
+
+
+@pytest.mark.parametrize("plugin, message", [
+    (RaisingRegistration(), "'RaisingRegistration': failed at hook register_steerers: RuntimeError: cannot build"),
+    (NotASteerer(), "'NotASteerer': failed at hook register_steerers: TypeError: register_steerers: expected a "
+                    "Steerer subclass"),
+])
+def test_the_engine_factory_fails_on_a_plugin_that_does_not_register_cleanly(tiny, plugin, message) -> None:
+    with pytest.raises(PluginError, match=message):
+        make_engine(tiny, plugin)
+
+
 def test_make_engine_registers_nothing_installed(bow_engine) -> None:
     assert sorted(bow_engine.registry.decoders) == ["greedy", "top-k"]
     assert sorted(bow_engine.registry.steerers) == ["bow-bias"]

@@ -156,6 +156,10 @@ def banner(state: "ChatState") -> str:
              + (", with a system prompt (/system shows it)" if conversation.system else "")
              + f"; {log}",
              "/help lists the commands; Ctrl-C stops a reply; Ctrl-D or /quit exits."]
+    broken = sorted({p.plugin for p in state.engine.host.problems})
+    if broken:
+        lines.append(f"note: {count(len(broken), 'plugin')} had problems ({', '.join(broken)}): "
+                     "`chatcore plugins` says what")
     if conversation.turns:
         title = one_line(str(conversation.meta.get("title") or ""), 60)
         lines.append(f"resumed {conversation.id[:SHORT_ID]} ({count(len(conversation.turns), 'turn')})"
