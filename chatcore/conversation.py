@@ -129,8 +129,10 @@ class Conversation:
         return self.reply(options, **overrides)
 
     def _record(self, response: "Response") -> None:
-        if response.error is not None and not response.token_ids:
-            return  # a reply that failed before its first token is not a turn
+        if not response.token_ids and (response.error is not None or response.interrupted):
+            # A reply that failed or was stopped before its first token (Ctrl-C while MMI
+            # ranks its candidates, say) is not a turn: the user's message waits for one.
+            return
         text = "".join(response._chunks)
         self.add_bot_text(text, interrupted=response.interrupted, meta={"provenance": response.provenance})
         self.engine.host.call_each("on_response", conversation=self, response=response)

@@ -67,3 +67,25 @@ def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
     if not cleaned:
         raise ChatcoreError("the message is empty")
     return cleaned
+
+
+# Explicit bidi embeddings, overrides and isolates, and the marks: they reorder a line.
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def display_safe(text: str) -> str:
+    """``text`` with control characters (ESC, BEL, bidi overrides ...) shown as ``\\x1b`` instead of acted on."""
+    out = []
+    for char in text:
+        if char in "\n\t" or (unicodedata.category(char) not in ("Cc", "Cs") and char not in BIDI_CONTROLS):
+            out.append(char)
+        else:
+            out.append(f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
+    return "".join(out)
+
+
+def one_line(text: str, limit: int | None = None) -> str:
+    flat = " ".join(display_safe(text).split())
+    if limit is not None and len(flat) > limit:
+        return flat[: limit - 1] + "…"
+    return flat

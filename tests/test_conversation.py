@@ -386,12 +386,18 @@ def test_interrupting_while_the_stream_is_still_held(engine):
     assert [t.role for t in conversation.turns] == ["user", "bot", "user", "bot"]
 
 
-def test_interrupt_before_iterating_records_an_empty_interrupted_reply(engine):
+def test_a_reply_interrupted_before_its_first_token_is_not_a_turn(engine):
+    recorder = Recorder()
+    engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
     response = conversation.send("hi", ReplyOptions(decoder="greedy"))
     response.interrupt()
     assert response.interrupted and response.text() == "" and response.token_ids == []
-    assert conversation.turns[-1].role == "bot" and conversation.turns[-1].interrupted
+    # Nothing was said: no empty bot turn, none logged; the user's message waits for a reply.
+    assert [t.role for t in conversation.turns] == ["user"]
+    assert not [e for e in recorder.events if e[0] == "response"]
+    follow_up = conversation.send("are you there?", ReplyOptions(decoder="greedy", max_new_tokens=4))
+    assert follow_up.text() and [t.role for t in conversation.turns] == ["user", "user", "bot"]
 
 
 def test_conversation_ids_and_meta(engine):

@@ -251,9 +251,13 @@ def test_a_regenerated_reply_supersedes_the_old_one_and_resume_matches(engine, s
     conversation.reply(decoder="top-k", max_new_tokens=4, seed=2).text()
     conversation.reply(decoder="greedy", max_new_tokens=3).text()  # a second reply in a row is a real turn
 
-    messages = store.get_conversation(conversation.id).messages
-    assert [(m.role, m.superseded) for m in messages] == [
+    record = store.get_conversation(conversation.id)
+    assert [(m.role, m.superseded) for m in record.messages] == [
         ("user", False), ("bot", False), ("user", False), ("bot", True), ("bot", False), ("bot", False)]
+    # Counts (`logs list`, /conversations) are of the turns a reader sees.
+    assert record.message_count == len(conversation.turns) == 5
+    (summary,) = store.list_conversations()
+    assert summary.message_count == 5
 
     resumed = store.resume(engine, conversation.id[:10])
     assert resumed.id == conversation.id and resumed.meta["adapter"] == "repl"
@@ -521,3 +525,21 @@ def test_a_damaged_file_is_salvaged_and_never_written_into(logs_cli, engine, db_
     assert plugin.journaled == 2  # kept aside, and the file (with its write-ahead log) untouched
     assert db_path.read_bytes() == before and (not wal.exists() or wal.stat().st_size == 0)
     damaged.close()
+
+
+def test_a_log_file_deleted_mid_chat_is_said_once_and_the_conversation_written_anew(
+        engine, store, log_plugin, notices, db_path):
+    conversation = engine.conversation(adapter="repl")
+    conversation.send("my name is ada", decoder="greedy", max_new_tokens=4).text()
+    for path in db_path.parent.glob(db_path.name + "*"):  # the file and its -wal / -shm
+        path.unlink()
+    conversation.send("what is my name?", decoder="greedy", max_new_tokens=4).text()
+    conversation.send("thanks", decoder="greedy", max_new_tokens=4).text()
+
+    assert len(notices) == 1 and "was deleted: a new one was created there" in notices[0]
+    assert db_path.exists()
+    with ConversationStore(sqlite_url(db_path)) as fresh:
+        messages = fresh.get_conversation(conversation.id).messages
+    # Nothing of this conversation is lost, nothing doubled.
+    assert [(m.role, m.text) for m in messages] == [(t.role, t.text) for t in conversation.turns]
+    assert len(messages) == 6

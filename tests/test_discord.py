@@ -576,7 +576,7 @@ async def test_settings_and_why_describe_the_channel(harness: Harness):
     why = await slash(harness, "why", member, dm)
     (text,) = answers(why)
     seed = harness.bot.last_provenance[conversation_key(dm)]["seed"]
-    assert "decoder: top-k " in text and "top_k=40" in text and f"seed: {seed}" in text
+    assert text.startswith("decoder top-k ") and "top_k=40" in text and f"seed {seed}" in text
     assert "1 turn(s) used" in text
     assert why.response.sent[0][1] is True  # only the asker sees it
     settings = await slash(harness, "settings", member, dm)

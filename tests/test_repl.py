@@ -277,6 +277,18 @@ def test_why_shows_candidates_and_scores_of_a_logged_reply(state, store):
     assert why[3].startswith(" * 2  forward=-1.000  reverse=-0.500")
 
 
+def test_why_after_a_reply_interrupted_before_its_first_token_says_so(state):
+    run(state, "/decoder greedy")
+    outcome = handle_line(state, "hello there")
+    outcome.reply.interrupt()  # Ctrl-C before any token (as while MMI ranks its candidates)
+    why = run(state, "/why").output
+    assert "interrupted before the decoder had chosen anything" in why and "no candidates or steering" not in why
+    assert [t.role for t in state.current.turns] == ["user"]  # no empty reply kept
+    with state.store as store:
+        (summary,) = store.list_conversations(limit=1)
+        assert [m.role for m in store.get_conversation(summary.id).messages] == ["user"]
+
+
 def test_why_shows_steering(state):
     run(state, "/steer bow-bias words=pizza,pasta strength=2")
     run(state, "what do you like?")

@@ -9,10 +9,13 @@ would otherwise drive the terminal, or bidi controls that would reorder what it 
 from __future__ import annotations
 
 import json
-import unicodedata
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
+
+from chatcore.text import BIDI_CONTROLS, display_safe, one_line
+
+__all__ = ["BIDI_CONTROLS", "display_safe", "one_line"]  # shared with the REPL and the "why"
 
 if TYPE_CHECKING:
     from chatcore.adapters.conversation_log.store import (
@@ -24,28 +27,6 @@ if TYPE_CHECKING:
 
 SHORT_ID = 12
 ROLE_LABELS = {"user": "you", "bot": "bot"}
-
-
-# Explicit bidi embeddings, overrides and isolates, and the marks: they reorder a line.
-BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def display_safe(text: str) -> str:
-    """``text`` with control characters (ESC, BEL, bidi overrides ...) shown as ``\\x1b`` instead of acted on."""
-    out = []
-    for char in text:
-        if char in "\n\t" or (unicodedata.category(char) not in ("Cc", "Cs") and char not in BIDI_CONTROLS):
-            out.append(char)
-        else:
-            out.append(f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
-    return "".join(out)
-
-
-def one_line(text: str, limit: int | None = None) -> str:
-    flat = " ".join(display_safe(text).split())
-    if limit is not None and len(flat) > limit:
-        return flat[: limit - 1] + "…"
-    return flat
 
 
 def field_text(value: object) -> str:

@@ -139,17 +139,21 @@ class ConversationLogPlugin:
         for a log that became available after the conversation started; the new ones for an
         adapter that hands whole conversations over); each reply with its provenance."""
         for turn in conversation.turns[start:]:
-            if turn.role == "user":
-                fields: dict[str, Any] = {"token_count": self._count_tokens(conversation, turn.text)}
-            else:
-                provenance = json_safe(turn.meta.get("provenance") or {})
-                timings = provenance.get("timings") or {}
-                fields = {"provenance": provenance, "decoder": provenance.get("decoder"),
-                          "steerers": provenance.get("steerers"), "seed": provenance.get("seed"),
-                          "prompt_tokens": provenance.get("prompt_tokens"),
-                          "token_count": timings.get("new_tokens"), "latency_s": timings.get("total_s"),
-                          "first_token_s": timings.get("first_token_s")}
-            self._submit(conversation, self._message_write(conversation, turn.role, turn, fields))
+            self._submit(conversation, self._turn_write(conversation, turn))
+
+    def _turn_write(self, conversation: "Conversation", turn: "Turn") -> Write:
+        if turn.role == "user":
+            fields: dict[str, Any] = {"token_count": self._count_tokens(conversation, turn.text)}
+        else:
+            provenance = json_safe(turn.meta.get("provenance") or {})
+            timings = provenance.get("timings") or {}
+            fields = {"provenance": provenance, "decoder": provenance.get("decoder"),
+                      "steerers": provenance.get("steerers"), "seed": provenance.get("seed"),
+                      "prompt_tokens": provenance.get("prompt_tokens"),
+                      "candidates": provenance.pop("candidates", None),
+                      "token_count": timings.get("new_tokens"), "latency_s": timings.get("total_s"),
+                      "first_token_s": timings.get("first_token_s")}
+        return self._message_write(conversation, turn.role, turn, fields)
 
     # -- what to write ---------------------------------------------------------------
     @staticmethod
@@ -203,6 +207,8 @@ class ConversationLogPlugin:
     # -- writing ----------------------------------------------------------------------
     def _submit(self, conversation: "Conversation", write: Write) -> None:
         with self._lock:
+            if self.damaged is None and self._reopened_after_loss(conversation):
+                return  # this write was part of the conversation written again
             if self.damaged is not None:
                 self._spill(write)
                 return
@@ -212,6 +218,32 @@ class ConversationLogPlugin:
                 self._pending.append(write)
             if self.failing is None or time.monotonic() - self._failed_at >= self.retry_after_s:
                 self._flush()
+
+    def _reopened_after_loss(self, conversation: "Conversation") -> bool:
+        """A log file deleted (or replaced) under a running chat would take every later
+        write into the unlinked file, out of sight. Found before a write: say so once,
+        open a new file at the path, and write this conversation into it from its first
+        turn (the turns of other conversations in the lost file are not recovered)."""
+        try:
+            gone = self.store.file_gone()
+            if gone is None:
+                return False
+            self.store.reopen()
+        except (OSError, LogError) as error:
+            if self.failing is None:
+                self.failing = str(error)
+                self._failed_at = time.monotonic()
+                self.notify(f"conversation log {self.store.display_url}: {error}; turns are kept and written "
+                            "when it works again")
+            return False
+        self.notify(f"{gone}: a new one was created there and this conversation is written into it again "
+                    "from its first turn")
+        # Writes still waiting go to the new file; this conversation's are replaced by all its turns.
+        self._pending = [w for w in self._pending if w["conversation_id"] != conversation.id]
+        for turn in conversation.turns:
+            self._pending.append(self._turn_write(conversation, turn))
+        self._flush()
+        return True
 
     def _spill(self, write: Write) -> None:
         try:

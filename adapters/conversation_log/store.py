@@ -235,6 +235,7 @@ class ConversationStore:
         if self.is_sqlite:
             sa.event.listen(self.db, "connect", _sqlite_connect)
             sa.event.listen(self.db, "begin", _sqlite_begin)
+        self._parsed = parsed
         self._sessions = sessionmaker(self.db, expire_on_commit=False)
         self._write_sessions = sessionmaker(self.db.execution_options(**_WRITE), expire_on_commit=False)
         self.fts = False
@@ -243,6 +244,40 @@ class ConversationStore:
         except BaseException:
             self.db.dispose()
             raise
+        self._file_identity = self._identity()
+
+    # -- the file under it ----------------------------------------------------------
+    def _file_path(self) -> Path | None:
+        """The SQLite file written to (None for servers, memory and read-only URIs)."""
+        database = self._parsed.database if self.is_sqlite else None
+        if not database or database == ":memory:" or database.startswith("file:"):
+            return None
+        return Path(database).expanduser()
+
+    def _identity(self) -> tuple[int, int] | None:
+        path = self._file_path()
+        try:
+            found = path.stat() if path is not None else None
+        except OSError:
+            return None
+        return (found.st_dev, found.st_ino) if found is not None else None
+
+    def file_gone(self) -> str | None:
+        """Why the SQLite file this store opened is no longer the one at its path (deleted,
+        or replaced by another file), or None. Writes would go to the old, unlinked file."""
+        if self._file_identity is None:
+            return None
+        now = self._identity()
+        if now == self._file_identity:
+            return None
+        return f"the log file {self._file_path()} was {'deleted' if now is None else 'replaced'}"
+
+    def reopen(self) -> None:
+        """Open the file at the path afresh (creating it, with its schema, when it is gone)."""
+        self.db.dispose()
+        self._check_sqlite_location(self._parsed, create=True)
+        self._prepare_schema()
+        self._file_identity = self._identity()
 
     # -- opening ------------------------------------------------------------------
     def _check_sqlite_location(self, parsed: sa.URL, create: bool) -> sa.URL:
@@ -490,8 +525,9 @@ class ConversationStore:
         return matches[0]
 
     def _summary_columns(self) -> list[Any]:
+        # The turns a reader sees: replies replaced by a retry (superseded) are not counted.
         count = (sa.select(sa.func.count(MessageRow.id))
-                 .where(MessageRow.conversation_id == ConversationRow.id)
+                 .where(MessageRow.conversation_id == ConversationRow.id, MessageRow.superseded.is_(False))
                  .correlate(ConversationRow).scalar_subquery())
         return [ConversationRow.id, ConversationRow.created, ConversationRow.updated, ConversationRow.adapter,
                 ConversationRow.channel_key, ConversationRow.model, ConversationRow.title, count.label("n")]

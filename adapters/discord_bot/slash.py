@@ -15,7 +15,6 @@ unanswered for three seconds.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -46,30 +45,9 @@ def describe_spec(name: str, settings: dict[str, Any]) -> str:
 
 def format_provenance(provenance: dict[str, Any]) -> str:
     """The "why" of one reply, short enough for one message."""
-    decoder = provenance.get("decoder") or {}
-    timings = provenance.get("timings") or {}
-    lines = [
-        f"model: {provenance.get('model', '?')}",
-        f"decoder: {describe_spec(decoder.get('name', '?'), decoder.get('settings') or {})}",
-    ]
-    steerers = provenance.get("steerers") or []
-    lines.append("steering: " + (", ".join(describe_spec(s.get("name", "?"), s.get("settings") or {})
-                                          for s in steerers) or "none"))
-    lines.append(f"seed: {provenance.get('seed', '?')}")
-    lines.append(f"context: {provenance.get('prompt_tokens', '?')} tokens, "
-                 f"{provenance.get('history_turns_used', '?')} turn(s) used, "
-                 f"{provenance.get('history_turns_dropped', 0)} older turn(s) left out")
-    if timings:
-        lines.append(f"reply: {timings.get('new_tokens', '?')} tokens in {timings.get('total_s', '?')} s "
-                     f"(first token after {timings.get('first_token_s', '?')} s)")
-    if provenance.get("interrupted"):
-        lines.append("the reply was cut short")
-    candidates = provenance.get("candidates") or []
-    if candidates:
-        chosen = next((c for c in candidates if c.get("chosen")), None)
-        scores = json.dumps(chosen.get("scores", {})) if chosen else "?"
-        lines.append(f"candidates: {len(candidates)}; the chosen one scored {scores}")
-    text = "\n".join(lines)
+    from chatcore.explain import explain
+
+    text = "\n".join(explain(provenance, every_candidate=False))
     return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 1] + "…"
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from chatcore.adapters.conversation_log.formatting import SHORT_ID, display_safe, one_line, summary_table
 from chatcore.cli.specs import parse_spec
 from chatcore.errors import ChatcoreError, OptionError
+from chatcore.explain import explain, format_settings
 
 if TYPE_CHECKING:
     from chatcore.adapters.repl.state import ChatState
@@ -97,16 +98,6 @@ def run_command(state: "ChatState", line: str) -> Outcome:
 
 
 # -- showing settings ---------------------------------------------------------------
-def format_settings(settings: dict[str, Any]) -> str:
-    """``key=value`` pairs, leaving out unset values (None, empty text or lists)."""
-    parts = []
-    for key, value in settings.items():
-        if value is None or value == "" or value == [] or value == ():
-            continue
-        if isinstance(value, (list, tuple)):
-            value = ",".join(str(item) for item in value)
-        parts.append(f"{key}={value}")
-    return " ".join(parts)
 
 
 def describe_decoder(state: "ChatState") -> str:
@@ -305,38 +296,12 @@ def _last_provenance(state: "ChatState") -> dict[str, Any] | None:
     return None
 
 
-def _format_scores(scores: dict[str, Any]) -> str:
-    return "  ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
-                     for key, value in scores.items())
-
-
 @command("/why", "/why", "how the last reply was chosen: MMI candidates and scores, steering details")
 def why_command(state: "ChatState", rest: str) -> Outcome:
     provenance = _last_provenance(state)
     if not provenance:
         return failure("no reply yet")
-    decoder = provenance.get("decoder") or {}
-    lines = [f"decoder {decoder.get('name', '?')} {format_settings(decoder.get('settings') or {})}".rstrip()
-             + f", seed {provenance.get('seed')}"]
-    candidates = provenance.get("candidates") or []
-    if candidates:
-        lines.append(f"{len(candidates)} candidates (* = chosen):")
-        for index, candidate in enumerate(candidates, 1):
-            mark = "*" if candidate.get("chosen") else " "
-            scores = _format_scores(candidate.get("scores") or {})
-            lines.append(f" {mark}{index:>2}  {scores}  {one_line(candidate.get('text', ''), 70)!r}")
-    for steerer in provenance.get("steerers") or []:
-        lines.append(f"steerer {steerer.get('name')}: {format_settings(steerer.get('settings') or {})}")
-    details = provenance.get("details") or {}
-    for key, value in details.items():
-        lines.append(f"{key}: {one_line(str(value), 200)}")
-    if not candidates and not provenance.get("steerers") and not details:
-        lines.append("no candidates or steering: the decoder chose every token itself")
-    timings = provenance.get("timings") or {}
-    if timings:
-        lines.append(f"{timings.get('new_tokens')} tokens in {timings.get('total_s')} s"
-                     + (" (interrupted)" if provenance.get("interrupted") else ""))
-    return Outcome(output="\n".join(lines))
+    return Outcome(output="\n".join(explain(provenance)))
 
 
 def _store(state: "ChatState") -> Any:
