@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from chatcore.steering import Steerer, check_composition, failed_layer
 DEFAULT_DECODER = "top-k"
 DEFAULT_MAX_NEW_TOKENS = 64
 BUILTIN_FORMATS = "chatcore.plugins.prompt_formats"
+MAX_SHARED_SETUPS = 32  # Steerer.setup results kept per engine
 
 
 @dataclass
@@ -119,6 +121,7 @@ class Engine:
         validate_format_name(prompt_format, self.registry)  # an unknown name fails before the model loads
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self._formats: dict[str, PromptFormat] = {}
+        self._setups: OrderedDict[tuple[type, str], Any] = OrderedDict()  # Steerer.setup results
         self.prompt_format = self.make_prompt_format(prompt_format)
 
     # -- model -------------------------------------------------------------------
@@ -153,7 +156,24 @@ class Engine:
 
     def make_steerer(self, name: str, settings: Mapping[str, Any] | None = None) -> Steerer:
         cls = self.registry.steerer(name)
-        return self._construct(lambda: cls.from_options(settings or {}), "steerer", name)
+        steerer = self._construct(lambda: cls.from_options(settings or {}), "steerer", name)
+        steerer.shared = self._shared_setup(steerer)
+        return steerer
+
+    def _shared_setup(self, steerer: Steerer) -> Any:
+        """``setup(model, settings)`` of the steerer's class, run once per settings and kept."""
+        cls = type(steerer)
+        if cls.setup.__func__ is Steerer.setup.__func__:  # type: ignore[attr-defined]
+            return None
+        key = (cls, repr(steerer.settings))
+        if key in self._setups:
+            self._setups.move_to_end(key)
+            return self._setups[key]
+        shared = self._construct(lambda: cls.setup(self.loaded, steerer.settings), "steerer", steerer.name)
+        self._setups[key] = shared
+        while len(self._setups) > MAX_SHARED_SETUPS:
+            self._setups.popitem(last=False)
+        return shared
 
     def _construct(self, build: Any, kind: str, name: str) -> Any:
         return build_plugin_object(self.host, self.registry, kind, name, build)
@@ -203,6 +223,10 @@ class Engine:
         decoder = self.make_decoder(options.decoder, options.decoder_settings)
         steerers = [self.make_steerer(name, settings) for name, settings in options.steerers]
         check_composition([type(steerer) for steerer in steerers])
+        seen: dict[str, int] = {}
+        for steerer in steerers:  # the second instance of a steerer notes as "name#2", and so on
+            seen[steerer.name] = seen.get(steerer.name, 0) + 1
+            steerer.details_key = steerer.name if seen[steerer.name] == 1 else f"{steerer.name}#{seen[steerer.name]}"
         seed = options.seed if options.seed is not None else random.randrange(2**31)
         if isinstance(source, Conversation):
             prompt_format = self.format_for(source)

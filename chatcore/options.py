@@ -10,8 +10,10 @@ and the value; they are reported as :class:`~chatcore.errors.OptionError`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
+from pathlib import Path
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -80,7 +82,51 @@ def _convert(field_name: str, annotation: Any, raw: Any) -> Any:
         if not isinstance(raw, str):
             raise OptionError(f"`{field_name}` must be text, got {raw!r}")
         return raw
-    return raw
+    if annotation is Path:
+        if isinstance(raw, Path):
+            return raw
+        if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:
+            raise OptionError(f"`{field_name}` must be a file path, got {raw!r}")
+        return Path(raw).expanduser()
+    if annotation is dict or origin is dict:
+        value = raw
+        if isinstance(raw, str):
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                raise OptionError(f"`{field_name}` must be a JSON object such as {{\"a\": 1}}, got {raw!r}") from None
+        if not isinstance(value, dict):
+            raise OptionError(f"`{field_name}` must be a JSON object such as {{\"a\": 1}}, got {raw!r}")
+        return value
+    if annotation is Any:
+        return raw
+    raise OptionError(f"`{field_name}`: chatcore cannot convert settings of type {annotation!r}")
+
+
+def check_settings_class(settings_cls: type) -> None:
+    """Refuse (TypeError) a Settings class with a field of a type the conversion rules
+    do not cover, when its plugin registers it rather than when someone sets it."""
+    if settings_cls is object:  # no settings
+        return
+    if not dataclasses.is_dataclass(settings_cls):
+        raise TypeError(f"Settings must be a dataclass, got {settings_cls!r}")
+    for name, annotation in settings_fields(settings_cls).items():
+        if not _convertible(annotation):
+            raise TypeError(f"setting `{name}` of {settings_cls.__name__}: chatcore cannot convert "
+                            f"{annotation!r} (use int, float, bool, str, Literal, Path, dict, a list or "
+                            "tuple of those, or one of them | None)")
+
+
+def _convertible(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return all(_convertible(a) for a in args if a is not type(None))
+    if origin is typing.Literal or annotation in (bool, int, float, str, Path, dict, Any) or origin is dict:
+        return True
+    if origin in (tuple, list):
+        return not args or all(_convertible(a) for a in args if a is not Ellipsis)
+    return False
 
 
 def settings_fields(settings_cls: type) -> dict[str, Any]:

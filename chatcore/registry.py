@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatcore.errors import UnknownNameError
+from chatcore.options import Configurable, check_settings_class
 from chatcore.plugin_manager import PluginHost
 
 QUALIFIER = "/"
@@ -66,6 +67,8 @@ class Registry:
                 else:
                     if base is not None and not (isinstance(item, type) and issubclass(item, base)):
                         raise TypeError(f"{hook}: expected a {base.__name__} subclass, got {item!r}")
+                    if base is not None and issubclass(item, Configurable):
+                        check_settings_class(item.Settings)
                     name, value = getattr(item, "name", ""), item
                 if not isinstance(name, str) or not name:
                     raise TypeError(f"{hook}: {item!r} has no name")

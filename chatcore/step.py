@@ -23,14 +23,21 @@ class StepState:
     """What one step sees.
 
     input_ids:       (B, T_in)  tokens to feed now: the whole prompt at step 0, then one.
-    sequences:       (B, T)     every token so far (left-padded prompt + generated),
-                                ending with ``input_ids``.
-    attention_mask:  (B, T)     1 for real tokens, 0 for left padding.
-    position_ids:    (B, T_in)  positions of ``input_ids``.
+    sequences:       (B, T)     every token so far, one row per reply being decoded
+                                together (MMI's candidates, a batch): the prompt,
+                                left-padded to the longest row, then the tokens
+                                generated so far; it ends with ``input_ids``. Read it to
+                                see what was written (``sequences[:, prompt_length:]``
+                                is the reply so far).
+    attention_mask:  (B, T)     over ``sequences``: 1 for real tokens, 0 for the left
+                                padding of shorter prompts. Pass it on unchanged to a
+                                model forward of your own.
+    position_ids:    (B, T_in)  positions of ``input_ids`` (padding not counted).
     cache:           the model's key/value cache for ``sequences[:, :-T_in]``
                      (None at step 0). Model forward passes update a cache in place.
     step:            0 for the prompt, then 1, 2, ...
-    prompt_length:   T of the padded prompt.
+    prompt_length:   T of the padded prompt: the number of columns of ``sequences``
+                     that belong to the prompt (the same for every row).
     output_hidden_states: ask the model for hidden states (a steerer that needs them
                      sets it on the state it passes inward).
     """
@@ -52,7 +59,12 @@ class StepState:
 class StepOutput:
     """What one step returns.
 
-    logits:         (B, V) float32 next-token scores (log-probabilities or raw logits).
+    logits:         (B, V) float32 next-token scores in log space: the model's raw
+                    logits, or log-probabilities from a steerer that normalises (PPLM).
+                    The two differ by a constant per row, which the softmax ignores, so
+                    an additive edit means one thing either way: adding ``b`` to a
+                    token's score multiplies its probability by ``e**b`` relative to
+                    the other tokens. ``-inf`` bans a token.
     cache:          the cache to use for the next step.
     hidden_states:  per layer (embeddings first), each (B, T_in, C), when asked for.
     """

@@ -132,8 +132,8 @@ class CoconSteerer(Steerer):
         taus = self.settings.taus(block_default_tau(info))
         with torch.inference_mode():
             self.content = self.pipeline.encode_content(contents, taus)
-        session.details["cocon"] = {"block": str(folder), "split_layer": block.config.split_layer,
-                                    "content_tokens": [len(ids) for ids in contents], "tau": taus}
+        self.note(session, {"block": str(folder), "split_layer": block.config.split_layer,
+                                    "content_tokens": [len(ids) for ids in contents], "tau": taus})
 
     def wrap(self, step: Step) -> Step:
         # ``step`` is the model's own step (prepare() made sure cocon is innermost); the

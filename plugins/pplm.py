@@ -92,7 +92,7 @@ class PPLMSteerer(Steerer):
             attribute = BagOfWords.from_words(settings.all_words(), loaded.tokenizer, vocab_size, loaded.device)
         self.perturbation = Perturbation(settings.perturb_config(), attribute, loaded.model, loaded.eos_token_id,
                                          runner=self._runner(session), max_new_tokens=session.max_new_tokens)
-        session.details["pplm"] = self.perturbation.summary
+        self.note(session, self.perturbation.summary)
 
     def _runner(self, session: "GenerationSession") -> Any:
         """The lean forward for the perturbed passes, if it computes what the inner step

@@ -632,3 +632,48 @@ def test_a_broken_plugin_is_not_reported_by_every_command_only_where_it_matters(
     listed = chatcore("plugins")
     assert "chatcore-third:broken" in listed.stdout + listed.stderr
     assert "a plugin must not exit the program" in listed.stdout + listed.stderr
+
+
+# -- settings conversion: paths, JSON objects, and types it cannot convert ------------------
+@dataclass
+class PathAndMapSettings:
+    file: Path | None = None
+    weights: dict | None = None
+
+
+def test_path_and_dict_settings_are_converted_and_checked():
+    from chatcore.options import parse_settings
+
+    parsed = parse_settings(PathAndMapSettings, {"file": "~/lists/food.txt", "weights": '{"pizza": 2}'})
+    assert parsed.file == Path("~/lists/food.txt").expanduser() and parsed.weights == {"pizza": 2}
+    assert parse_settings(PathAndMapSettings, {"file": "none"}).file is None
+    with pytest.raises(OptionError, match="`weights` must be a JSON object"):
+        parse_settings(PathAndMapSettings, {"weights": "[1, 2]"})
+    with pytest.raises(OptionError, match="`weights` must be a JSON object"):
+        parse_settings(PathAndMapSettings, {"weights": "{not json"})
+    with pytest.raises(OptionError, match="`file` must be a file path"):
+        parse_settings(PathAndMapSettings, {"file": "a\x00b"})
+
+
+def test_a_setting_of_a_type_chatcore_cannot_convert_is_refused_at_registration(host):
+    @dataclass
+    class OddSettings:
+        when: complex = 0j
+
+    class Odd(Steerer):
+        name = "odd"
+        Settings = OddSettings
+
+        def wrap(self, step):
+            return step
+
+    class OddPlugin:
+        @chatcore.hookimpl
+        def register_steerers(self, register):
+            register(Odd)
+
+    host.register(OddPlugin(), "odd-plugin")
+    registry = Registry.build(host)
+    assert "odd" not in registry.steerers
+    assert problems_of(host) == [("odd-plugin", "hook register_steerers")]
+    assert "setting `when` of OddSettings: chatcore cannot convert" in host.problems[0].message

@@ -303,3 +303,88 @@ def test_steerer_combinations_that_cannot_work_are_refused_before_a_reply():
     for fine in ([("pplm", {"topic": "food"}), ("bow-bias", {"topic": "food"})],
                  [("cocon", {"content": "pizza"}), ("bow-bias", {"topic": "food"})]):
         validate_options(ReplyOptions(steerers=fine), registry)
+
+
+@dataclass
+class NotingSettings:
+    label: str = "a"
+
+
+class Noting(Steerer):
+    """Notes its label and how many steps it saw: one entry per instance."""
+
+    name = "noting"
+    Settings = NotingSettings
+
+    def wrap(self, step):
+        def noted(state):
+            self.steps = getattr(self, "steps", 0) + 1
+            return step(state)
+
+        return noted
+
+    def prepare(self, session):
+        self.note(session, {"label": self.settings.label})
+
+
+class NotingPlugin:
+    @chatcore.hookimpl
+    def register_steerers(self, register):
+        register(Noting)
+
+
+def test_two_instances_of_one_steerer_keep_their_own_details(loaded, host):
+    host.register(NotingPlugin(), "noting-plugin")
+    engine = Engine(loaded, host=host)
+    options = ReplyOptions(decoder="greedy", max_new_tokens=3,
+                           steerers=[("noting", {"label": "first"}), ("noting", {"label": "second"}),
+                                     ("noting", {"label": "third"})])
+    response = engine.reply_to(["hello"], options)
+    response.text()
+    assert response.provenance["details"] == {"noting": {"label": "first"}, "noting#2": {"label": "second"},
+                                              "noting#3": {"label": "third"}}
+
+
+class Prepared(Steerer):
+    """Counts its setups: work done once per engine and settings."""
+
+    name = "prepared"
+    Settings = NotingSettings
+    setups: list[str] = []
+
+    @classmethod
+    def setup(cls, model, settings):
+        cls.setups.append(settings.label)
+        return {"label": settings.label, "vocab": len(model.tokenizer)}
+
+    def wrap(self, step):
+        return step
+
+    def prepare(self, session):
+        self.note(session, self.shared)
+
+
+class PreparedPlugin:
+    @chatcore.hookimpl
+    def register_steerers(self, register):
+        register(Prepared)
+
+
+def test_a_steerers_setup_runs_once_per_engine_and_settings_and_every_reply_shares_it(loaded, host):
+    host.register(PreparedPlugin(), "prepared-plugin")
+    engine = Engine(loaded, host=host)
+    Prepared.setups.clear()
+
+    def reply(label):
+        options = ReplyOptions(decoder="greedy", max_new_tokens=2, steerers=[("prepared", {"label": label})])
+        response = engine.reply_to(["hello"], options)
+        response.text()
+        return response.provenance["details"]["prepared"]
+
+    first, second, other = reply("x"), reply("x"), reply("y")
+    assert Prepared.setups == ["x", "y"]
+    assert first is second and first == {"label": "x", "vocab": len(loaded.tokenizer)} and other["label"] == "y"
+    # Another engine sets up for itself.
+    Engine(loaded, host=host).reply_to(["hi"], ReplyOptions(decoder="greedy", max_new_tokens=1,
+                                                          steerers=[("prepared", {"label": "x"})])).text()
+    assert Prepared.setups == ["x", "y", "x"]

@@ -46,6 +46,19 @@ def test_the_reply_records_the_layer_it_steered(chatcore_conversation):
     assert details["vector_norm"] > 0
 
 
+def test_the_vector_is_computed_once_and_shared_by_every_reply(chatcore_conversation, monkeypatch):
+    from chatcore_steering_vectors import steerer as steerer_module
+
+    calls = []
+    real = steerer_module.mean_block_output
+    monkeypatch.setattr(steerer_module, "mean_block_output", lambda *a, **k: calls.append(1) or real(*a, **k))
+    conversation = chatcore_conversation("hi")
+    for _ in range(3):
+        conversation.reply(decoder="greedy", steerers=[("activation-addition", FOOD)], max_new_tokens=2).text()
+        conversation.add_user("and then?")
+    assert len(calls) == 2  # positive and negative means, for the first reply only
+
+
 @pytest.mark.slow
 def test_steering_toward_food_makes_food_replies_more_common(chatcore_engine_factory, chatcore_bundled_model):
     engine = chatcore_engine_factory(model=chatcore_bundled_model)

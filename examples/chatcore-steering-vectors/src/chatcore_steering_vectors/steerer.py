@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from chatcore.decoding import GenerationSession
+    from chatcore.models import LoadedModel
 
 PROMPT_SEPARATOR = "|"
 
@@ -76,28 +77,36 @@ class ActivationAddition(Steerer):
         self.block: "torch.nn.Module | None" = None
         self.addition: "torch.Tensor | None" = None  # (C,) strength * vector
 
-    def prepare(self, session: "GenerationSession") -> None:
-        model, tokenizer = session.model.model, session.model.tokenizer
-        blocks = find_blocks(model)
+    @classmethod
+    def setup(cls, model: "LoadedModel", settings: ActivationAdditionSettings) -> tuple[int, "torch.Tensor"]:
+        """The steering vector, computed once per model and settings (chatcore keeps it and
+        hands it to every reply as ``self.shared``): (layer, vector)."""
+        blocks = find_blocks(model.model)
         # A third of the way up: early enough that most of the network still acts on
         # the change, late enough that the vector carries meaning rather than spelling.
-        layer = self.settings.layer if self.settings.layer is not None else len(blocks) // 3
+        layer = settings.layer if settings.layer is not None else len(blocks) // 3
         if layer >= len(blocks):
             raise OptionError(f"`layer` must be below the model's {len(blocks)} layers, got {layer}")
-        limit = session.model.max_positions
+        limit = model.max_positions
 
         def encode(prompt: str) -> list[int]:
             # Each prompt is formatted as a chat turn: its text, then EOS.
-            return (encode_text(tokenizer, prompt) + [session.eos_token_id])[-limit:]
+            return (encode_text(model.tokenizer, prompt) + [model.eos_token_id])[-limit:]
 
         block = blocks[layer]
-        positive = [encode(p) for p in split_prompts(self.settings.positive)]
-        negative = [encode(p) for p in split_prompts(self.settings.negative)]
-        vector = (mean_block_output(model, block, positive, self.settings.pool)
-                  - mean_block_output(model, block, negative, self.settings.pool))  # (C,)
-        self.block = block
+        positive = [encode(p) for p in split_prompts(settings.positive)]
+        negative = [encode(p) for p in split_prompts(settings.negative)]
+        vector = (mean_block_output(model.model, block, positive, settings.pool)
+                  - mean_block_output(model.model, block, negative, settings.pool))  # (C,)
+        return layer, vector
+
+    def prepare(self, session: "GenerationSession") -> None:
+        if self.shared is None:  # built by hand, not by an engine: set up here
+            self.shared = self.setup(session.model, self.settings)
+        layer, vector = self.shared  # type: ignore[misc]
+        self.block = find_blocks(session.model.model)[layer]
         self.addition = (self.settings.strength * vector).to(session.model.dtype)
-        session.details["activation-addition"] = {"layer": layer, "vector_norm": round(float(vector.norm()), 4)}
+        self.note(session, {"layer": layer, "vector_norm": round(float(vector.norm()), 4)})
 
     def wrap(self, step: Step) -> Step:
         import torch
