@@ -49,7 +49,7 @@ class PluginNames:
 
 PYPROJECT = Template('''\
 [build-system]
-requires = ["setuptools>=70.1"]
+requires = ["setuptools>=77"]
 build-backend = "setuptools.build_meta"
 
 [project]
@@ -70,8 +70,14 @@ $entry_point = "$package"
 [tool.setuptools.packages.find]
 where = ["src"]
 
+# Files the plugin reads at run time (word lists, vectors) go inside the package, next
+# to its code: these patterns put them in the wheel too.
+[tool.setuptools.package-data]
+"*" = ["*.txt", "*.json", "*.jsonl", "*.safetensors", "data/**/*"]
+
 [tool.pytest.ini_options]
 testpaths = ["tests"]
+markers = ["slow: takes more than a few seconds"]
 ''')
 
 MODULE = Template('''\
@@ -198,6 +204,10 @@ def render(names: PluginNames) -> dict[str, str]:
 def write_plugin(name: str, parent: str | Path = ".") -> Path:
     """Create ``parent/chatcore-NAME/`` with the skeleton; never touches an existing folder."""
     names = PluginNames.from_name(name)
+    taken = installed_as(names)
+    if taken is not None:
+        raise ChatcoreError(f"{taken}: choose another name (chatcore new-plugin my-{name}), "
+                            "or uninstall it first")
     parent = Path(parent)
     if not parent.is_dir():
         raise ChatcoreError(f"no such folder: {parent}")
@@ -213,3 +223,21 @@ def write_plugin(name: str, parent: str | Path = ".") -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     return folder
+
+
+def installed_as(names: PluginNames) -> str | None:
+    """What already uses these names in this environment (a distribution of that name,
+    or a chatcore plugin under that entry-point name), or None."""
+    from importlib import metadata
+
+    try:
+        found = metadata.distribution(names.distribution)
+    except metadata.PackageNotFoundError:
+        found = None
+    if found is not None:
+        return f"a package named {names.distribution} is installed already ({found.version})"
+    for entry_point in metadata.entry_points(group="chatcore"):
+        if entry_point.name == names.entry_point:
+            owner = entry_point.dist.name if entry_point.dist else "another package"
+            return f"the chatcore plugin name {names.entry_point!r} is taken by {owner}"
+    return None

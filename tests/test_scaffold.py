@@ -139,3 +139,35 @@ def test_the_generated_tests_pass_with_chatcores_fixtures(tmp_path: Path) -> Non
                             cwd=package, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "3 passed" in result.stdout
+
+
+def test_a_name_an_installed_package_uses_is_refused_in_one_line(new_plugin) -> None:
+    # The tutorial's example package is installed with chatcore's own development set-up.
+    result, folder = new_plugin("steering-vectors")
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "a package named chatcore-steering-vectors is installed already" in result.output
+    assert "chatcore new-plugin my-steering-vectors" in result.output
+    assert not (folder / "chatcore-steering-vectors").exists()
+
+
+def test_the_skeleton_registers_the_slow_marker_and_ships_its_data_files() -> None:
+    project = tomllib.loads(render(PluginNames.from_name("shout"))["pyproject.toml"])
+    assert any(marker.startswith("slow:") for marker in project["tool"]["pytest"]["ini_options"]["markers"])
+    assert "*.txt" in project["tool"]["setuptools"]["package-data"]["*"]
+
+
+@pytest.mark.slow
+def test_a_wheel_built_from_the_skeleton_holds_the_plugins_data_files(tmp_path: Path) -> None:
+    import zipfile
+
+    package = write_plugin("wordy-test", tmp_path)
+    data = package / "src" / "chatcore_wordy_test"
+    (data / "words.txt").write_text("pizza\npasta\n")
+    (data / "data").mkdir()
+    (data / "data" / "vector.json").write_text("[0.5, 1.5]")
+    result = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
+                             str(tmp_path / "dist"), str(package)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "chatcore_wordy_test/words.txt" in names and "chatcore_wordy_test/data/vector.json" in names

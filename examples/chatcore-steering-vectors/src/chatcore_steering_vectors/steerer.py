@@ -61,10 +61,6 @@ class ActivationAdditionSettings:
             raise ValueError(f"`layer` must be a non-negative integer, got {self.layer!r}")
         if not math.isfinite(self.strength) or abs(self.strength) > 100:
             raise ValueError(f"`strength` must be between -100 and 100, got {self.strength}")
-        if self.positions not in ("all", "new"):
-            raise ValueError(f"`positions` must be all or new, got {self.positions!r}")
-        if self.pool not in ("mean", "last"):
-            raise ValueError(f"`pool` must be mean or last, got {self.pool!r}")
 
 
 class ActivationAddition(Steerer):
