@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.chatcore-installed
 
-.PHONY: chat test test-fast bench venv clean
+.PHONY: chat test test-fast lint bench venv clean
 
 venv: $(STAMP)
 
@@ -31,7 +31,14 @@ $(STAMP): pyproject.toml $(EXAMPLE)/pyproject.toml
 chat: $(STAMP)
 	$(VENV)/bin/chatcore chat
 
-test: $(STAMP)
+# Lint, format and type checks (ruff, mypy: settings in pyproject.toml), then the tests.
+LINTED := chatcore plugins adapters bench tests examples
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q $(EXAMPLE)/tests
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-LINES = ("i went hiking with my friends last weekend and it was a lot of fun",
-         "that sounds great, where did you go? i love the mountains in the fall")
+LINES = (
+    "i went hiking with my friends last weekend and it was a lot of fun",
+    "that sounds great, where did you go? i love the mountains in the fall",
+)
 
 
 def long_conversation(engine: Any, history_tokens: int, reply_tokens: int) -> Any:

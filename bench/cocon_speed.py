@@ -52,8 +52,14 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def run(steerers: list) -> float:
-        options = ReplyOptions(decoder="top-k", decoder_settings={"top_k": 40, "temperature": 0.8}, seed=0,
-                               steerers=steerers, max_new_tokens=n, min_new_tokens=n)
+        options = ReplyOptions(
+            decoder="top-k",
+            decoder_settings={"top_k": 40, "temperature": 0.8},
+            seed=0,
+            steerers=steerers,
+            max_new_tokens=n,
+            min_new_tokens=n,
+        )
         sync()
         start = time.perf_counter()
         response = conversation.reply(options)
@@ -64,8 +70,10 @@ def main() -> None:
         conversation.turns.pop()  # the same history for every run
         return elapsed
 
-    print(f"model {args.model} on {device}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"threads {torch.get_num_threads()}; {history_tokens}-token history, {n} new tokens")
+    print(
+        f"model {args.model} on {device}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"threads {torch.get_num_threads()}; {history_tokens}-token history, {n} new tokens"
+    )
     for steerers in configurations.values():
         run(steerers)  # warm-up (loads the block, fills caches of the allocator)
     times: dict[str, list[float]] = {label: [] for label in configurations}

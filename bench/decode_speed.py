@@ -34,8 +34,10 @@ def main() -> None:
     device = engine.loaded.device
     eos = engine.eos_token_id
     n = args.tokens
-    print(f"model {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters) on {device}, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"model {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters) on {device}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}"
+    )
 
     conversation = engine.conversation()
     conversation.add_user("hi, how are you doing today? what did you do this weekend?")
@@ -64,8 +66,9 @@ def main() -> None:
         sync()
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                 pad_token_id=eos, **kwargs)
+            out = model.generate(
+                input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, pad_token_id=eos, **kwargs
+            )
         sync()
         elapsed = time.perf_counter() - start
         assert out.shape[1] - input_ids.shape[1] == n
@@ -73,8 +76,11 @@ def main() -> None:
 
     cases = [
         ("greedy", ("greedy", {}), {"do_sample": False}),
-        ("top-k (k=40, T=0.8)", ("top-k", {"top_k": 40, "temperature": 0.8}),
-         {"do_sample": True, "top_k": 40, "temperature": 0.8, "top_p": 1.0}),
+        (
+            "top-k (k=40, T=0.8)",
+            ("top-k", {"top_k": 40, "temperature": 0.8}),
+            {"do_sample": True, "top_k": 40, "temperature": 0.8, "top_p": 1.0},
+        ),
     ]
     for label, (decoder, settings), hf_kwargs in cases:
         ours(decoder, settings), theirs(**hf_kwargs)  # warm-up
@@ -84,8 +90,10 @@ def main() -> None:
             hf_times.append(theirs(**hf_kwargs))
         ours_tps = n / statistics.median(ours_times)
         hf_tps = n / statistics.median(hf_times)
-        print(f"{label:22s} chatcore {ours_tps:8.1f} tok/s   transformers.generate {hf_tps:8.1f} tok/s   "
-              f"ratio {ours_tps / hf_tps:.2f}x")
+        print(
+            f"{label:22s} chatcore {ours_tps:8.1f} tok/s   transformers.generate {hf_tps:8.1f} tok/s   "
+            f"ratio {ours_tps / hf_tps:.2f}x"
+        )
 
     # Time to first token with a ~400-token history.
     chat = long_conversation(engine, 400, n)
@@ -107,16 +115,19 @@ def main() -> None:
         sync()
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=1, do_sample=False,
-                           pad_token_id=eos)
+            model.generate(
+                long_ids, attention_mask=torch.ones_like(long_ids), max_new_tokens=1, do_sample=False, pad_token_id=eos
+            )
         sync()
         return time.perf_counter() - start
 
     first_token_ours(), first_token_theirs()
     ours_ttft = statistics.median(first_token_ours() for _ in range(args.repeats))
     hf_ttft = statistics.median(first_token_theirs() for _ in range(args.repeats))
-    print(f"time to first token, {history_tokens}-token history: chatcore {ours_ttft * 1000:.1f} ms   "
-          f"transformers.generate {hf_ttft * 1000:.1f} ms   ratio {hf_ttft / ours_ttft:.2f}x")
+    print(
+        f"time to first token, {history_tokens}-token history: chatcore {ours_ttft * 1000:.1f} ms   "
+        f"transformers.generate {hf_ttft * 1000:.1f} ms   ratio {hf_ttft / ours_ttft:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -42,15 +42,23 @@ async def run(args: argparse.Namespace, max_batch: int) -> float:
     host = PluginHost()
     host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k"))
     engine = Engine(args.model, host=host)
-    settings = DiscordSettings(model=args.model, max_batch=max_batch, queue_size=args.queue_size, cooldown_s=0,
-                               max_new_tokens=args.max_new_tokens, log=args.db is not None, db=args.db)
+    settings = DiscordSettings(
+        model=args.model,
+        max_batch=max_batch,
+        queue_size=args.queue_size,
+        cooldown_s=0,
+        max_new_tokens=args.max_new_tokens,
+        log=args.db is not None,
+        db=args.db,
+    )
 
     def open_runtime() -> ChatRuntime:
         persistence = LogPersistence(engine, args.db) if args.db else MemoryPersistence()
         return ChatRuntime(engine, persistence, max_batch=max_batch, queue_size=args.queue_size)
 
-    worker: InferenceWorker[ChatRuntime] = InferenceWorker(open_runtime, queue_size=max_batch + args.queue_size,
-                                                           close_resource=ChatRuntime.close)
+    worker: InferenceWorker[ChatRuntime] = InferenceWorker(
+        open_runtime, queue_size=max_batch + args.queue_size, close_resource=ChatRuntime.close
+    )
     worker.start()
     await worker.ready()
     intents = bot_intents()
@@ -73,17 +81,26 @@ async def run(args: argparse.Namespace, max_batch: int) -> float:
             await asyncio.sleep(0.010)
             lags.append(loop.time() - expected)
 
-    print(f"model {args.model}, {args.channels} channels at once, batch {max_batch}, queue {args.queue_size}, "
-          f"up to {args.max_new_tokens} tokens per reply, {args.rounds} round(s)")
+    print(
+        f"model {args.model}, {args.channels} channels at once, batch {max_batch}, queue {args.queue_size}, "
+        f"up to {args.max_new_tokens} tokens per reply, {args.rounds} round(s)"
+    )
     ticks = asyncio.ensure_future(ticker())
     totals: Counter[str] = Counter()
     rates = []
     for round_index in range(args.rounds):
         busy_before, replies_before = bot.stats.busy, bot.stats.replies
         started = time.perf_counter()
-        await asyncio.gather(*(dpytest.message(f"round {round_index}: hello from channel {index}, how are you?",
-                                               channel=channel, member=config.members[index])
-                               for index, channel in enumerate(channels)))
+        await asyncio.gather(
+            *(
+                dpytest.message(
+                    f"round {round_index}: hello from channel {index}, how are you?",
+                    channel=channel,
+                    member=config.members[index],
+                )
+                for index, channel in enumerate(channels)
+            )
+        )
         await dpytest.run_all_events()
         elapsed = time.perf_counter() - started
         sent = []
@@ -98,16 +115,22 @@ async def run(args: argparse.Namespace, max_batch: int) -> float:
         assert busy == bot.stats.busy - busy_before and replies + busy == len(channels)
         totals.update(replies=replies, busy=busy)
         rates.append(len(sent) / elapsed)
-        print(f"round {round_index + 1}: {len(sent)} replies ({replies} from the model, {busy} busy) "
-              f"in {elapsed:.2f} s = {len(sent) / elapsed:.1f} replies/s, {replies / elapsed:.1f} model replies/s")
+        print(
+            f"round {round_index + 1}: {len(sent)} replies ({replies} from the model, {busy} busy) "
+            f"in {elapsed:.2f} s = {len(sent) / elapsed:.1f} replies/s, {replies / elapsed:.1f} model replies/s"
+        )
     ticking = False
     await ticks
     await worker.stop(5)
     lags.sort()
-    print(f"all rounds: {totals['replies']} model replies, {totals['busy']} busy replies, none lost; "
-          f"median {statistics.median(rates):.1f} replies/s")
-    print(f"event loop lag over {len(lags)} ticks: max {lags[-1] * 1000:.1f} ms, "
-          f"p99 {lags[max(0, int(len(lags) * 0.99) - 1)] * 1000:.1f} ms")
+    print(
+        f"all rounds: {totals['replies']} model replies, {totals['busy']} busy replies, none lost; "
+        f"median {statistics.median(rates):.1f} replies/s"
+    )
+    print(
+        f"event loop lag over {len(lags)} ticks: max {lags[-1] * 1000:.1f} ms, "
+        f"p99 {lags[max(0, int(len(lags) * 0.99) - 1)] * 1000:.1f} ms"
+    )
     return statistics.median(rates)
 
 
@@ -117,8 +140,10 @@ async def run_all(args: argparse.Namespace) -> None:
     for size in sizes:
         rates.append(await run(args, size))
         print()
-    print("replies/s: " + ", ".join(f"batch {size}: {rate:.1f} ({rate / rates[0]:.2f}x)"
-                                    for size, rate in zip(sizes, rates)))
+    print(
+        "replies/s: "
+        + ", ".join(f"batch {size}: {rate:.1f} ({rate / rates[0]:.2f}x)" for size, rate in zip(sizes, rates))
+    )
 
 
 def main() -> None:

@@ -39,10 +39,14 @@ def main() -> None:
     assert result is not None
     report = result.report
     wall, cpu = statistics.median(walls), statistics.median(cpus)
-    print(f"corpus {args.corpus}: {len(dialogues):,} dialogues, {report.exchanges_in:,} exchanges, "
-          f"{report.words_in:,} words (loaded in {load_seconds:.1f} s)")
-    print(f"filtering: median of {len(walls)}: {wall:.2f} s wall, {cpu:.2f} s CPU "
-          f"({report.words_in / max(cpu, 1e-9) / 1e6:.2f} M words per CPU second)")
+    print(
+        f"corpus {args.corpus}: {len(dialogues):,} dialogues, {report.exchanges_in:,} exchanges, "
+        f"{report.words_in:,} words (loaded in {load_seconds:.1f} s)"
+    )
+    print(
+        f"filtering: median of {len(walls)}: {wall:.2f} s wall, {cpu:.2f} s CPU "
+        f"({report.words_in / max(cpu, 1e-9) / 1e6:.2f} M words per CPU second)"
+    )
     print(report.format(examples=0))
 
 

@@ -57,14 +57,23 @@ def main() -> None:
     reverse = reranking.load_reverse_model(args.reverse_model, device=engine.loaded.device)
     contexts = engine.registry.prompt_set(args.prompts)()[: args.limit]
     sampling = {"top_k": 40, "temperature": 0.8}
-    mmi_settings = {**sampling, "candidates": args.candidates, "reverse_model": args.reverse_model,
-                    **parse_key_values(args.mmi_settings.split())}
-    mmi_label = " ".join(["mmi"] + [f"{k}={v}" for k, v in mmi_settings.items() if k not in sampling and k != "reverse_model"])
+    mmi_settings = {
+        **sampling,
+        "candidates": args.candidates,
+        "reverse_model": args.reverse_model,
+        **parse_key_values(args.mmi_settings.split()),
+    }
+    mmi_label = " ".join(
+        ["mmi"] + [f"{k}={v}" for k, v in mmi_settings.items() if k not in sampling and k != "reverse_model"]
+    )
     # top-k as it comes, and with the 3-gram blocking mmi samples its candidates with.
     configurations = {
         "top-k": ReplyOptions(decoder="top-k", decoder_settings=sampling, max_new_tokens=args.max_new_tokens),
         "top-k no_repeat_ngram_size=3": ReplyOptions(
-            decoder="top-k", decoder_settings={**sampling, "no_repeat_ngram_size": 3}, max_new_tokens=args.max_new_tokens),
+            decoder="top-k",
+            decoder_settings={**sampling, "no_repeat_ngram_size": 3},
+            max_new_tokens=args.max_new_tokens,
+        ),
         mmi_label: ReplyOptions(decoder="mmi", decoder_settings=mmi_settings, max_new_tokens=args.max_new_tokens),
     }
 
@@ -84,8 +93,10 @@ def main() -> None:
     per_context: dict[str, dict[int, float]] = {}
     seconds: dict[str, float] = {}
 
-    print(f"{len(contexts)} contexts from {args.prompts}, model {args.model}, reverse {args.reverse_model}, "
-          f"max_new_tokens {args.max_new_tokens}, seeds {args.seed}..{args.seed + len(contexts) - 1}")
+    print(
+        f"{len(contexts)} contexts from {args.prompts}, model {args.model}, reverse {args.reverse_model}, "
+        f"max_new_tokens {args.max_new_tokens}, seeds {args.seed}..{args.seed + len(contexts) - 1}"
+    )
     reports: dict[str, EvalReport] = {}
     rows = []
     for label, options in configurations.items():
@@ -103,19 +114,26 @@ def main() -> None:
             report.rows[1].extra["reverse"] = mean_reverse_score(human)
         rows.extend(report.rows)
     print(EvalReport(rows, [], {}).table())
-    print("reverse: mean log P(source | reply) under the reverse model (higher: the reply is more specific to the context)")
+    print(
+        "reverse: mean log P(source | reply) under the reverse model "
+        "(higher: the reply is more specific to the context)"
+    )
     shared = sorted(set(per_context["top-k"]) & set(per_context[mmi_label]))
     if len(shared) > 1:
         gains = [per_context[mmi_label][i] - per_context["top-k"][i] for i in shared]
         error = statistics.stdev(gains) / len(gains) ** 0.5
-        print(f"{mmi_label} vs top-k, same contexts and seeds: reverse score {statistics.mean(gains):+.2f} nats per "
-              f"context (standard error {error:.2f}), higher in {sum(g > 0 for g in gains)} of {len(gains)} contexts")
+        print(
+            f"{mmi_label} vs top-k, same contexts and seeds: reverse score {statistics.mean(gains):+.2f} nats per "
+            f"context (standard error {error:.2f}), higher in {sum(g > 0 for g in gains)} of {len(gains)} contexts"
+        )
     plain = seconds["top-k"] / max(1, len(contexts))
     for label, total in seconds.items():
         per_reply = total / max(1, len(contexts))
         print(f"cost {label}: {per_reply:.2f} s per reply, {per_reply / plain:.2f}x top-k")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2, ensure_ascii=False))
+        Path(args.json_path).write_text(
+            json.dumps({k: r.to_dict() for k, r in reports.items()}, indent=2, ensure_ascii=False)
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help=f"how many of the {len(PROMPTS)} built-in prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--fixed-tokens", type=int, default=32, help="reply length of the equal-length comparison")
-    parser.add_argument("--quorum", type=float, default=None,
-                        help="mmi's quorum setting (default: the decoder's own)")
+    parser.add_argument("--quorum", type=float, default=None, help="mmi's quorum setting (default: the decoder's own)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     args = parser.parse_args()
@@ -67,9 +66,11 @@ def main() -> None:
     if args.quorum is not None:
         mmi_settings["quorum"] = args.quorum
     prompts = PROMPTS[: args.prompts]
-    print(f"model {args.model} + reverse {args.reverse_model} on {engine.loaded.device}, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, {len(prompts)} prompts x {args.repeats} rounds, "
-          f"load average at start {os.getloadavg()[0]:.2f}")
+    print(
+        f"model {args.model} + reverse {args.reverse_model} on {engine.loaded.device}, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, {len(prompts)} prompts x {args.repeats} rounds, "
+        f"load average at start {os.getloadavg()[0]:.2f}"
+    )
 
     def sync() -> None:
         if engine.loaded.device.startswith("cuda"):
@@ -77,8 +78,13 @@ def main() -> None:
 
     def measure(title: str, min_new_tokens: int, max_new_tokens: int) -> float:
         def reply(prompt: str, decoder: str, settings: dict, seed: int) -> tuple[float, dict]:
-            options = ReplyOptions(decoder=decoder, decoder_settings=settings, seed=seed,
-                                   min_new_tokens=min_new_tokens, max_new_tokens=max_new_tokens)
+            options = ReplyOptions(
+                decoder=decoder,
+                decoder_settings=settings,
+                seed=seed,
+                min_new_tokens=min_new_tokens,
+                max_new_tokens=max_new_tokens,
+            )
             sync()
             start = time.perf_counter()
             response = engine.reply_to([prompt], options)
@@ -122,7 +128,9 @@ def main() -> None:
                     if name == "mmi":
                         for part, seconds in provenance["details"]["mmi"]["timings"].items():
                             mmi_parts.setdefault(part, []).append(seconds)
-                        candidate_steps.append(min(max_new_tokens, max(len(c["token_ids"]) for c in provenance["candidates"]) + 1))
+                        candidate_steps.append(
+                            min(max_new_tokens, max(len(c["token_ids"]) for c in provenance["candidates"]) + 1)
+                        )
                     elif name == "top-k x1":
                         single_tokens.append(min(max_new_tokens, provenance["timings"]["new_tokens"] + 1))
             for name, total in totals.items():
@@ -132,21 +140,33 @@ def main() -> None:
         single = medians["top-k x1"]
         print(f"\n{title}")
         for name, median in medians.items():
-            print(f"  {name:16s} {median / len(prompts) * 1000:8.1f} ms per reply (median of {args.repeats} rounds)   "
-                  f"{median / single:5.2f}x a single top-k reply")
+            print(
+                f"  {name:16s} {median / len(prompts) * 1000:8.1f} ms per reply (median of {args.repeats} rounds)   "
+                f"{median / single:5.2f}x a single top-k reply"
+            )
         print(f"  mmi vs the loop of {n}: {medians[loop_name] / medians['mmi']:.2f}x faster")
         parts = ", ".join(f"{part} {statistics.mean(values) * 1000:.1f} ms" for part, values in mmi_parts.items())
         print(f"  mmi breakdown (mean per reply): {parts}")
-        print(f"  decoding steps: mmi batch {statistics.mean(candidate_steps):.1f} (until its quorum of candidates ended), "
-              f"single top-k reply {statistics.mean(single_tokens):.1f}")
+        print(
+            f"  decoding steps: mmi batch {statistics.mean(candidate_steps):.1f} "
+            "(until its quorum of candidates ended), "
+            f"single top-k reply {statistics.mean(single_tokens):.1f}"
+        )
         return medians["mmi"] / single
 
-    natural = measure(f"replies end at EOS (as in a chat), max_new_tokens {args.max_new_tokens}", 1, args.max_new_tokens)
-    fixed = measure(f"every reply and candidate exactly {args.fixed_tokens} tokens (batching cost alone)",
-                    args.fixed_tokens, args.fixed_tokens)
-    print(f"\ntarget mmi <= 3x a single reply: {'met' if natural <= 3 else 'NOT met'} with replies ending at EOS "
-          f"({natural:.2f}x), {'met' if fixed <= 3 else 'NOT met'} at equal length ({fixed:.2f}x); "
-          f"load average at end {os.getloadavg()[0]:.2f}")
+    natural = measure(
+        f"replies end at EOS (as in a chat), max_new_tokens {args.max_new_tokens}", 1, args.max_new_tokens
+    )
+    fixed = measure(
+        f"every reply and candidate exactly {args.fixed_tokens} tokens (batching cost alone)",
+        args.fixed_tokens,
+        args.fixed_tokens,
+    )
+    print(
+        f"\ntarget mmi <= 3x a single reply: {'met' if natural <= 3 else 'NOT met'} with replies ending at EOS "
+        f"({natural:.2f}x), {'met' if fixed <= 3 else 'NOT met'} at equal length ({fixed:.2f}x); "
+        f"load average at end {os.getloadavg()[0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,11 +28,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--decoder", default="top-k", help='a decoder spec, e.g. "top-k top_k=20"')
-    parser.add_argument("--pplm", default="",
-                        help='extra pplm settings for the topics, e.g. "stepsize=0.1 gm_scale=0.9"')
-    parser.add_argument("--rank", default=None,
-                        help='also run the rank decoder with each topic\'s words, alone and with pplm: its extra '
-                             'settings, e.g. "candidates=8" ("" for its defaults)')
+    parser.add_argument(
+        "--pplm", default="", help='extra pplm settings for the topics, e.g. "stepsize=0.1 gm_scale=0.9"'
+    )
+    parser.add_argument(
+        "--rank",
+        default=None,
+        help="also run the rank decoder with each topic's words, alone and with pplm: its extra "
+        'settings, e.g. "candidates=8" ("" for its defaults)',
+    )
     parser.add_argument("--rank-only", action="store_true", help="with --rank: leave out pplm without ranking")
     parser.add_argument("--sentiment", action="store_true", help="also steer the shipped sentiment head")
     parser.add_argument("--sentiment-pplm", default="", help="extra pplm settings for the sentiment runs")
@@ -56,8 +60,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     host = PluginHost()
-    host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias",
-                       "chatcore.plugins.mmi", "chatcore.plugins.rank", "chatcore.plugins.pplm"))
+    host.load_modules(
+        (
+            "chatcore.plugins.greedy",
+            "chatcore.plugins.top_k",
+            "chatcore.plugins.bow_bias",
+            "chatcore.plugins.mmi",
+            "chatcore.plugins.rank",
+            "chatcore.plugins.pplm",
+        )
+    )
     engine = Engine(args.model, host=host, prompt_format=args.prompt_format)
     contexts = chitchat_heldout()[: args.limit]
     decoder, decoder_settings = parse_spec(args.decoder)
@@ -68,55 +80,81 @@ def main() -> None:
     def run(label: str, steerers: list, vocabulary: set[str] | None, options: ReplyOptions | None = None):
         import dataclasses
 
-        report = evaluate(engine, contexts, dataclasses.replace(options or base, steerers=steerers), label=label,
-                          vocabulary=vocabulary, seed=args.seed, include_reference=False)
+        report = evaluate(
+            engine,
+            contexts,
+            dataclasses.replace(options or base, steerers=steerers),
+            label=label,
+            vocabulary=vocabulary,
+            seed=args.seed,
+            include_reference=False,
+        )
         return report
 
     plain = run("top-k", [], None)
     plain_replies = [s["reply"] for s in plain.samples if "reply" in s]
     plain_row = plain.rows[0]
     last_seed = args.seed + len(contexts) - 1
-    print(f"model {args.model}, prompt format {engine.prompt_format.name}, {len(contexts)} held-out contexts, "
-          f"decoder {args.decoder}, seeds {args.seed}..{last_seed}")
+    print(
+        f"model {args.model}, prompt format {engine.prompt_format.name}, {len(contexts)} held-out contexts, "
+        f"decoder {args.decoder}, seeds {args.seed}..{last_seed}"
+    )
     header = f"{'configuration':38s} {'attr':>6s} {'ppl':>7s} {'dist-2':>7s} {'degen':>6s} {'tok/s':>6s}"
     if not args.skip_topics:
         print(header)
         for topic in [t for t in args.topics.split(",") if t]:
             vocabulary = set(read_word_file(WORDLIST_DIR / f"{topic}.txt"))
             plain_share = sum(contains_any(r, vocabulary) for r in plain_replies) / max(1, len(plain_replies))
-            print(f"{'top-k (unsteered)':38s} {plain_share:6.1%} {plain_row.perplexity:7.1f} "
-                  f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%} {plain_row.tokens_per_s or 0:6.1f}")
-            topic_results: dict[str, object] = {"unsteered_share": plain_share,
-                                                "unsteered": dataclasses_dict(plain_row)}
+            print(
+                f"{'top-k (unsteered)':38s} {plain_share:6.1%} {plain_row.perplexity:7.1f} "
+                f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%} {plain_row.tokens_per_s or 0:6.1f}"
+            )
+            topic_results: dict[str, object] = {
+                "unsteered_share": plain_share,
+                "unsteered": dataclasses_dict(plain_row),
+            }
             results[topic] = topic_results
             if not (args.rank_only and args.rank is not None):
                 steered = run(f"pplm {topic}", [("pplm", {"topic": topic, **extra})], vocabulary).rows[0]
-                print(f"{'pplm topic=' + topic + ' ' + args.pplm:38s} {steered.attribute_share:6.1%} "
-                      f"{steered.perplexity:7.1f} {steered.distinct_2:7.3f} {steered.degenerate_share:6.1%} "
-                      f"{steered.tokens_per_s or 0:6.1f}")
+                print(
+                    f"{'pplm topic=' + topic + ' ' + args.pplm:38s} {steered.attribute_share:6.1%} "
+                    f"{steered.perplexity:7.1f} {steered.distinct_2:7.3f} {steered.degenerate_share:6.1%} "
+                    f"{steered.tokens_per_s or 0:6.1f}"
+                )
                 share_ratio = steered.attribute_share / plain_share if plain_share else float("inf")
                 ppl_ratio = steered.perplexity / plain_row.perplexity
                 # rounded: 15 % / 5 % is 2.9999... in floating point
                 share_verdict = "met" if round(share_ratio, 9) >= 3 else "not met"
                 ppl_verdict = "met" if round(ppl_ratio, 9) <= 1.3 else "not met"
-                print(f"  -> topic share {share_ratio:.2f}x unsteered (target >= 3: {share_verdict}), "
-                      f"perplexity {ppl_ratio:.2f}x (target <= 1.3: {ppl_verdict})")
-                topic_results.update({"pplm": dataclasses_dict(steered), "share_ratio": share_ratio,
-                                      "perplexity_ratio": ppl_ratio})
+                print(
+                    f"  -> topic share {share_ratio:.2f}x unsteered (target >= 3: {share_verdict}), "
+                    f"perplexity {ppl_ratio:.2f}x (target <= 1.3: {ppl_verdict})"
+                )
+                topic_results.update(
+                    {"pplm": dataclasses_dict(steered), "share_ratio": share_ratio, "perplexity_ratio": ppl_ratio}
+                )
             if args.rank is not None:
                 import dataclasses
 
-                ranked = dataclasses.replace(base, decoder="rank", decoder_settings={
-                    **decoder_settings, "topic": topic, **parse_key_values(args.rank.split())})
-                for label, steerers in ((f"rank topic={topic} {args.rank}", []),
-                                        (f"rank + pplm topic={topic} {args.pplm}",
-                                         [("pplm", {"topic": topic, **extra})])):
+                ranked = dataclasses.replace(
+                    base,
+                    decoder="rank",
+                    decoder_settings={**decoder_settings, "topic": topic, **parse_key_values(args.rank.split())},
+                )
+                for label, steerers in (
+                    (f"rank topic={topic} {args.rank}", []),
+                    (f"rank + pplm topic={topic} {args.pplm}", [("pplm", {"topic": topic, **extra})]),
+                ):
                     row = run(label, steerers, vocabulary, ranked).rows[0]
                     ratio = row.attribute_share / plain_share if plain_share else float("inf")
-                    print(f"{label:38s} {row.attribute_share:6.1%} {row.perplexity:7.1f} {row.distinct_2:7.3f} "
-                          f"{row.degenerate_share:6.1%} {row.tokens_per_s or 0:6.1f}")
-                    print(f"  -> topic share {ratio:.2f}x unsteered, perplexity "
-                          f"{row.perplexity / plain_row.perplexity:.2f}x, {row.mean_length:.1f} words")
+                    print(
+                        f"{label:38s} {row.attribute_share:6.1%} {row.perplexity:7.1f} {row.distinct_2:7.3f} "
+                        f"{row.degenerate_share:6.1%} {row.tokens_per_s or 0:6.1f}"
+                    )
+                    print(
+                        f"  -> topic share {ratio:.2f}x unsteered, perplexity "
+                        f"{row.perplexity / plain_row.perplexity:.2f}x, {row.mean_length:.1f} words"
+                    )
                     topic_results[label] = dataclasses_dict(row)
     if args.sentiment:
         try:
@@ -132,21 +170,33 @@ def main() -> None:
             return sum(s > 0 for s in scores) / count, sum(s < 0 for s in scores) / count
 
         plain_pos, plain_neg = shares(plain_replies)
-        print(f"\nsentiment judged by AFINN: {'configuration':40s} {'positive':>8s} {'negative':>8s} {'ppl':>7s} "
-              f"{'dist-2':>7s} {'degen':>6s}")
-        print(f"{'':27s}{'top-k (unsteered)':40s} {plain_pos:8.1%} {plain_neg:8.1%} {plain_row.perplexity:7.1f} "
-              f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%}")
+        print(
+            f"\nsentiment judged by AFINN: {'configuration':40s} {'positive':>8s} {'negative':>8s} {'ppl':>7s} "
+            f"{'dist-2':>7s} {'degen':>6s}"
+        )
+        print(
+            f"{'':27s}{'top-k (unsteered)':40s} {plain_pos:8.1%} {plain_neg:8.1%} {plain_row.perplexity:7.1f} "
+            f"{plain_row.distinct_2:7.3f} {plain_row.degenerate_share:6.1%}"
+        )
         for label in [label for label in args.sentiment_labels.split(",") if label]:
-            report = run(f"pplm {label}", [("pplm", {"discriminator": "sentiment", "class_label": label,
-                                                    **sentiment_extra})], None)
+            report = run(
+                f"pplm {label}",
+                [("pplm", {"discriminator": "sentiment", "class_label": label, **sentiment_extra})],
+                None,
+            )
             replies = [s["reply"] for s in report.samples if "reply" in s]
             positive, negative = shares(replies)
             row = report.rows[0]
             name = f"pplm sentiment {label} {args.sentiment_pplm}"
-            print(f"{'':27s}{name:40s} {positive:8.1%} {negative:8.1%} {row.perplexity:7.1f} "
-                  f"{row.distinct_2:7.3f} {row.degenerate_share:6.1%}")
-            results[f"sentiment-{label}"] = {"positive_share": positive, "negative_share": negative,
-                                             "row": dataclasses_dict(row)}
+            print(
+                f"{'':27s}{name:40s} {positive:8.1%} {negative:8.1%} {row.perplexity:7.1f} "
+                f"{row.distinct_2:7.3f} {row.degenerate_share:6.1%}"
+            )
+            results[f"sentiment-{label}"] = {
+                "positive_share": positive,
+                "negative_share": negative,
+                "row": dataclasses_dict(row),
+            }
         results["sentiment-unsteered"] = {"positive_share": plain_pos, "negative_share": plain_neg}
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as handle:

@@ -46,8 +46,10 @@ def main() -> None:
     engine = Engine(args.model, device=args.device, host=host)
     device = engine.loaded.device
     parameters = sum(p.numel() for p in engine.loaded.model.parameters())
-    print(f"model {args.model} ({parameters:,} parameters) on {device}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"model {args.model} ({parameters:,} parameters) on {device}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, threads {torch.get_num_threads()}"
+    )
 
     def sync() -> None:
         if device.startswith("cuda"):
@@ -83,9 +85,11 @@ def main() -> None:
             pplm_tps = n / statistics.median(pplm_times)
             ratio = plain_tps / pplm_tps
             verdict = "met" if ratio <= target else "not met"
-            print(f"history {prompt_tokens:4d} tokens, reply {n:3d}: top-k {plain_tps:7.1f} tok/s   "
-                  f"pplm ({args.iterations} iterations) {pplm_tps:6.1f} tok/s   "
-                  f"pplm costs {ratio:.2f} times plain decoding (target <= {target}: {verdict})")
+            print(
+                f"history {prompt_tokens:4d} tokens, reply {n:3d}: top-k {plain_tps:7.1f} tok/s   "
+                f"pplm ({args.iterations} iterations) {pplm_tps:6.1f} tok/s   "
+                f"pplm costs {ratio:.2f} times plain decoding (target <= {target}: {verdict})"
+            )
 
 
 if __name__ == "__main__":

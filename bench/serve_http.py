@@ -40,8 +40,10 @@ def main() -> None:
     from chatcore.serving import Scheduler
 
     engine = load_engine(args)
-    print(f"model {args.model} on {engine.loaded.device}, threads {torch.get_num_threads()}, "
-          f"{args.clients} streaming clients x {args.tokens} tokens, max batch {args.max_batch}")
+    print(
+        f"model {args.model} on {engine.loaded.device}, threads {torch.get_num_threads()}, "
+        f"{args.clients} streaming clients x {args.tokens} tokens, max batch {args.max_batch}"
+    )
     with Scheduler(engine, max_batch=args.max_batch, max_waiting=args.clients) as scheduler:
         server = start_in_thread(build_app(scheduler))
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
@@ -52,8 +54,13 @@ def main() -> None:
             first = None
             text, ids, usage = [], set(), None
             stream = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": f"hi, I am client {index}. how are you?"}],
-                max_tokens=args.tokens, seed=index, stream=True, stream_options={"include_usage": True})
+                model=model,
+                messages=[{"role": "user", "content": f"hi, I am client {index}. how are you?"}],
+                max_tokens=args.tokens,
+                seed=index,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             for chunk in stream:
                 ids.add(chunk.id)
                 if chunk.usage is not None:
@@ -62,8 +69,14 @@ def main() -> None:
                     if first is None:
                         first = time.perf_counter() - start
                     text.append(chunk.choices[0].delta.content)
-            return {"index": index, "first": first, "total": time.perf_counter() - start, "ids": ids,
-                    "tokens": usage.completion_tokens if usage else 0, "text": "".join(text)}
+            return {
+                "index": index,
+                "first": first,
+                "total": time.perf_counter() - start,
+                "ids": ids,
+                "tokens": usage.completion_tokens if usage else 0,
+                "text": "".join(text),
+            }
 
         try:
             ask(0)  # warm-up
@@ -83,14 +96,20 @@ def main() -> None:
     assert len({next(iter(r["ids"])) for r in results}) == args.clients, "two requests got the same completion"
     same = sum(r["text"] == s["text"] for r, s in zip(results, sequential))
     tokens = sum(r["tokens"] for r in results)
-    for label, values in (("first token", [r["first"] for r in results if r["first"] is not None]),
-                          ("whole reply", [r["total"] for r in results])):
+    for label, values in (
+        ("first token", [r["first"] for r in results if r["first"] is not None]),
+        ("whole reply", [r["total"] for r in results]),
+    ):
         p50, p99 = percentile(values, 0.5), percentile(values, 0.99)
         print(f"{label:12s} p50 {p50 * 1000:8.1f} ms   p99 {p99 * 1000:8.1f} ms")
-    print(f"every request answered exactly once: {len(answered)}/{args.clients}; "
-          f"{same}/{args.clients} replies equal to the same request sent alone; {tokens} tokens")
-    print(f"throughput: concurrent {args.clients / together:.2f} replies/s   one after another "
-          f"{args.clients / one_by_one:.2f} replies/s   ratio {one_by_one / together:.2f}x")
+    print(
+        f"every request answered exactly once: {len(answered)}/{args.clients}; "
+        f"{same}/{args.clients} replies equal to the same request sent alone; {tokens} tokens"
+    )
+    print(
+        f"throughput: concurrent {args.clients / together:.2f} replies/s   one after another "
+        f"{args.clients / one_by_one:.2f} replies/s   ratio {one_by_one / together:.2f}x"
+    )
     print(f"median whole reply alone: {statistics.median(s['total'] for s in sequential) * 1000:.1f} ms")
 
 

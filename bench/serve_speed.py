@@ -21,9 +21,16 @@ import time
 
 from benchlib import add_model_arguments, load_engine, long_conversation
 
-QUESTIONS = ("what did you do this weekend?", "do you like cooking?", "what music do you listen to?",
-             "where would you like to travel?", "what is your favourite film?", "do you have any pets?",
-             "what do you do for work?", "what games do you play?")
+QUESTIONS = (
+    "what did you do this weekend?",
+    "do you like cooking?",
+    "what music do you listen to?",
+    "where would you like to travel?",
+    "what is your favourite film?",
+    "do you have any pets?",
+    "what do you do for work?",
+    "what games do you play?",
+)
 
 
 def main() -> None:
@@ -42,8 +49,10 @@ def main() -> None:
     from chatcore.serving import Scheduler
 
     engine = load_engine(args)
-    print(f"model {args.model} on {engine.loaded.device}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    print(
+        f"model {args.model} on {engine.loaded.device}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, threads {torch.get_num_threads()}"
+    )
     if args.only in (None, "throughput"):
         throughput(engine, args)
     if args.only in (None, "first-token"):
@@ -60,8 +69,9 @@ def throughput(engine, args) -> None:
         conversation = engine.conversation()
         conversation.add_user(f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
         conversations.append(conversation)
-    options = [ReplyOptions(decoder="top-k", seed=index, max_new_tokens=tokens, min_new_tokens=tokens)
-               for index in range(n)]
+    options = [
+        ReplyOptions(decoder="top-k", seed=index, max_new_tokens=tokens, min_new_tokens=tokens) for index in range(n)
+    ]
 
     replies: dict[str, list[list[int]]] = {}
 
@@ -78,8 +88,9 @@ def throughput(engine, args) -> None:
 
     def batched(scheduler: Scheduler) -> float:
         start = time.perf_counter()
-        handles = [scheduler.submit(conversation.messages(), option)
-                   for conversation, option in zip(conversations, options)]
+        handles = [
+            scheduler.submit(conversation.messages(), option) for conversation, option in zip(conversations, options)
+        ]
         for handle in handles:
             handle.wait()
             assert handle.error is None and len(handle.token_ids) == tokens, handle.error
@@ -94,8 +105,10 @@ def throughput(engine, args) -> None:
             batch_times.append(batched(scheduler))
     alone_rate = n / statistics.median(alone_times)
     batch_rate = n / statistics.median(batch_times)
-    print(f"throughput, {n} conversations x {tokens} tokens: one at a time {alone_rate:.2f} replies/s   "
-          f"batched {batch_rate:.2f} replies/s   ratio {batch_rate / alone_rate:.2f}x")
+    print(
+        f"throughput, {n} conversations x {tokens} tokens: one at a time {alone_rate:.2f} replies/s   "
+        f"batched {batch_rate:.2f} replies/s   ratio {batch_rate / alone_rate:.2f}x"
+    )
     same = sum(a == b for a, b in zip(replies["alone"], replies["batched"]))
     print(f"  batched replies token for token equal to the same replies decoded alone: {same}/{n}")
 
@@ -131,8 +144,9 @@ def first_token(engine, args, Scheduler) -> None:
         ids = torch.tensor([conversation.prompt(1).token_ids], device=device)
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-                           pad_token_id=eos)
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=eos
+            )
         return time.perf_counter() - start
 
     histories = [int(h) for h in args.histories.split(",")]
@@ -146,15 +160,25 @@ def first_token(engine, args, Scheduler) -> None:
                 with_cache.append(seconds)
                 without.append(next_turn_ttft(uncached, history)[0])
                 generate.append(generate_ttft(history))
-            rows.append((history, prompt, reused, statistics.median(with_cache), statistics.median(without),
-                         statistics.median(generate)))
+            rows.append(
+                (
+                    history,
+                    prompt,
+                    reused,
+                    statistics.median(with_cache),
+                    statistics.median(without),
+                    statistics.median(generate),
+                )
+            )
     base = rows[0]
     print("time to first token of the next turn (ms; in brackets: the ratio to the shortest history)")
     for history, prompt, reused, with_cache, without, generate in rows:
-        print(f"  history ~{history:4d} ({prompt:4d}-token prompt, {reused:4d} cached): "
-              f"prefix cache {with_cache * 1000:7.1f} [{with_cache / base[3]:.2f}x]   "
-              f"no cache {without * 1000:7.1f} [{without / base[4]:.2f}x]   "
-              f"transformers.generate {generate * 1000:7.1f} [{generate / base[5]:.2f}x]")
+        print(
+            f"  history ~{history:4d} ({prompt:4d}-token prompt, {reused:4d} cached): "
+            f"prefix cache {with_cache * 1000:7.1f} [{with_cache / base[3]:.2f}x]   "
+            f"no cache {without * 1000:7.1f} [{without / base[4]:.2f}x]   "
+            f"transformers.generate {generate * 1000:7.1f} [{generate / base[5]:.2f}x]"
+        )
 
 
 if __name__ == "__main__":

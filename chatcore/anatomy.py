@@ -132,8 +132,10 @@ class Anatomy:
         self.inner = inner
         blocks = _first(inner, BLOCK_LISTS)
         if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
-            raise UnsupportedModelError(f"cannot find the decoder blocks of {name} (looked for "
-                                        f"{', '.join(BLOCK_LISTS)} on {type(inner).__name__})")
+            raise UnsupportedModelError(
+                f"cannot find the decoder blocks of {name} (looked for "
+                f"{', '.join(BLOCK_LISTS)} on {type(inner).__name__})"
+            )
         self.blocks: nn.ModuleList = blocks
         self.token_embedding: nn.Module = model.get_input_embeddings()
         self.lm_head: nn.Module | None = model.get_output_embeddings()
@@ -145,8 +147,10 @@ class Anatomy:
         self.position_embedding: nn.Module | None = _first(inner, POSITION_EMBEDDINGS)
         self.rotary: nn.Module | None = getattr(inner, "rotary_emb", None)
         if self.position_embedding is None and self.rotary is None:
-            raise UnsupportedModelError(f"cannot find how {name} encodes positions (no learned position "
-                                        f"embedding, no rotary_emb on {type(inner).__name__})")
+            raise UnsupportedModelError(
+                f"cannot find how {name} encodes positions (no learned position "
+                f"embedding, no rotary_emb on {type(inner).__name__})"
+            )
         self.embedding_dropout: nn.Module | None = _first(inner, EMBEDDING_DROPOUTS)
         self.project_in: nn.Module | None = getattr(inner, "project_in", None)
         self.project_out: nn.Module | None = getattr(inner, "project_out", None)
@@ -163,18 +167,26 @@ class Anatomy:
         self.layer_kinds = self._layer_kinds()
 
         parameters = inspect.signature(blocks[0].forward).parameters
-        self._cache_argument = "past_key_values" if "past_key_values" in parameters else (
-            "layer_past" if "layer_past" in parameters else None)
-        self._takes = {argument: argument in parameters
-                       for argument in ("position_embeddings", "position_ids", "use_cache")}
+        self._cache_argument = (
+            "past_key_values"
+            if "past_key_values" in parameters
+            else ("layer_past" if "layer_past" in parameters else None)
+        )
+        self._takes = {
+            argument: argument in parameters for argument in ("position_embeddings", "position_ids", "use_cache")
+        }
         if self._cache_argument is None:
-            raise UnsupportedModelError(f"the blocks of {name} ({type(blocks[0]).__name__}) take no cache argument "
-                                        f"chatcore knows (past_key_values, layer_past)")
+            raise UnsupportedModelError(
+                f"the blocks of {name} ({type(blocks[0]).__name__}) take no cache argument "
+                f"chatcore knows (past_key_values, layer_past)"
+            )
 
     def __repr__(self) -> str:
-        return (f"Anatomy({type(self.model).__name__}: {self.n_layer} blocks, width {self.width}, "
-                f"{self.n_head} heads / {self.n_kv_head} key-value heads of {self.head_dim}, "
-                f"{'rotary' if self.rotary is not None else 'learned'} positions up to {self.max_positions})")
+        return (
+            f"Anatomy({type(self.model).__name__}: {self.n_layer} blocks, width {self.width}, "
+            f"{self.n_head} heads / {self.n_kv_head} key-value heads of {self.head_dim}, "
+            f"{'rotary' if self.rotary is not None else 'learned'} positions up to {self.max_positions})"
+        )
 
     def _layer_kinds(self) -> tuple[str, ...]:
         """Each block's attention kind, as the model's own forward picks its mask."""
@@ -188,21 +200,27 @@ class Anatomy:
     # -- parts of a block ---------------------------------------------------------------
     def block(self, layer: int) -> "nn.Module":
         if not -self.n_layer <= layer < self.n_layer:
-            raise ChatcoreError(f"layer {layer} is outside the {self.n_layer} blocks of "
-                                f"{type(self.model).__name__}")
+            raise ChatcoreError(f"layer {layer} is outside the {self.n_layer} blocks of {type(self.model).__name__}")
         return self.blocks[layer]
 
     def attention(self, layer: int) -> AttentionParts:
         block = self.block(layer)
         module = _first(block, ATTENTIONS)
         if module is None:
-            raise UnsupportedModelError(f"cannot find the attention of {type(block).__name__} "
-                                        f"(looked for {', '.join(ATTENTIONS)})")
+            raise UnsupportedModelError(
+                f"cannot find the attention of {type(block).__name__} (looked for {', '.join(ATTENTIONS)})"
+            )
         output = _first(module, OUTPUT_PROJECTIONS)
         if output is None:
             raise UnsupportedModelError(f"cannot find the output projection of {type(module).__name__}")
-        return AttentionParts(module, _first(module, QUERY_PROJECTIONS), _first(module, KEY_PROJECTIONS),
-                              _first(module, VALUE_PROJECTIONS), _first(module, FUSED_PROJECTIONS), output)
+        return AttentionParts(
+            module,
+            _first(module, QUERY_PROJECTIONS),
+            _first(module, KEY_PROJECTIONS),
+            _first(module, VALUE_PROJECTIONS),
+            _first(module, FUSED_PROJECTIONS),
+            output,
+        )
 
     def mlp(self, layer: int) -> "nn.Module":
         """The block's MLP (OPT has none of its own: its fc1/fc2 sit on the block, which is returned)."""
@@ -224,8 +242,12 @@ class Anatomy:
 
         return DynamicCache(config=self.config)
 
-    def embed(self, position_ids: "torch.Tensor", input_ids: "torch.Tensor | None" = None,
-              inputs_embeds: "torch.Tensor | None" = None) -> "torch.Tensor":
+    def embed(
+        self,
+        position_ids: "torch.Tensor",
+        input_ids: "torch.Tensor | None" = None,
+        inputs_embeds: "torch.Tensor | None" = None,
+    ) -> "torch.Tensor":
         """The residual stream before block 0: (B, T, C).
 
         Token embeddings (as ``get_input_embeddings()`` gives them: Gemma's are scaled), or
@@ -257,8 +279,13 @@ class Anatomy:
         embedded = probabilities.to(weight.dtype) @ weight
         return embedded * scale.to(weight.dtype) if scale is not None else embedded
 
-    def block_inputs(self, hidden: "torch.Tensor", position_ids: "torch.Tensor",
-                     attention_mask: "torch.Tensor | None" = None, cache: Any = None) -> BlockInputs:
+    def block_inputs(
+        self,
+        hidden: "torch.Tensor",
+        position_ids: "torch.Tensor",
+        attention_mask: "torch.Tensor | None" = None,
+        cache: Any = None,
+    ) -> BlockInputs:
         """Masks and rotary embeddings for one pass over T new positions.
 
         hidden:         (B, T, C) the new positions' residual stream (for its shape, dtype, device).
@@ -271,22 +298,30 @@ class Anatomy:
         """
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        arguments = {"config": self.config, "inputs_embeds": hidden, "attention_mask": attention_mask,
-                     "past_key_values": cache, "position_ids": position_ids}
+        arguments = {
+            "config": self.config,
+            "inputs_embeds": hidden,
+            "attention_mask": attention_mask,
+            "past_key_values": cache,
+            "position_ids": position_ids,
+        }
         builders = {FULL_ATTENTION: create_causal_mask, SLIDING_ATTENTION: create_sliding_window_causal_mask}
         masks = {}
         for kind in set(self.layer_kinds):
             if kind not in builders:
-                raise UnsupportedModelError(f"{type(self.model).__name__} has layers of kind {kind!r}, "
-                                            f"which chatcore cannot mask")
+                raise UnsupportedModelError(
+                    f"{type(self.model).__name__} has layers of kind {kind!r}, which chatcore cannot mask"
+                )
             masks[kind] = builders[kind](**arguments)
         rotary = self.rotary(hidden, position_ids) if self.rotary is not None else None
         return BlockInputs(masks, position_ids, rotary, cache)
 
     def run_block(self, layer: int, hidden: "torch.Tensor", inputs: BlockInputs) -> "torch.Tensor":
         """Block ``layer`` on (B, T, C) -> (B, T, C), reading and extending ``inputs.cache``."""
-        arguments: dict[str, Any] = {"attention_mask": inputs.masks[self.layer_kinds[layer]],
-                                     self._cache_argument: inputs.cache}  # type: ignore[dict-item]
+        arguments: dict[str, Any] = {
+            "attention_mask": inputs.masks[self.layer_kinds[layer]],
+            self._cache_argument: inputs.cache,
+        }  # type: ignore[dict-item]
         if self._takes["use_cache"]:
             arguments["use_cache"] = inputs.cache is not None
         if self._takes["position_ids"]:
@@ -296,8 +331,9 @@ class Anatomy:
         output = self.blocks[layer](hidden, **arguments)
         return output[0] if isinstance(output, tuple) else output
 
-    def run_blocks(self, hidden: "torch.Tensor", layers: range, inputs: BlockInputs,
-                   collect: "list[torch.Tensor] | None" = None) -> "torch.Tensor":
+    def run_blocks(
+        self, hidden: "torch.Tensor", layers: range, inputs: BlockInputs, collect: "list[torch.Tensor] | None" = None
+    ) -> "torch.Tensor":
         """Blocks ``layers`` in order; each block's output is appended to ``collect`` if given."""
         for layer in layers:
             hidden = self.run_block(layer, hidden, inputs)
@@ -324,10 +360,10 @@ class Anatomy:
 
     # -- hook points --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def residual_hook(self, layer: int,
-                      edit: "Callable[[torch.Tensor], torch.Tensor | None]") -> Iterator[None]:
+    def residual_hook(self, layer: int, edit: "Callable[[torch.Tensor], torch.Tensor | None]") -> Iterator[None]:
         """Call ``edit`` on the residual stream (B, T, C) after block ``layer`` in every forward
         pass while the context is open; a tensor it returns replaces the stream, None keeps it."""
+
         def hook(module: Any, args: Any, output: Any) -> Any:
             hidden = output[0] if isinstance(output, tuple) else output
             edited = edit(hidden)
@@ -345,6 +381,7 @@ class Anatomy:
     def add_to_residual(self, layer: int, vector: "torch.Tensor", positions: slice = slice(None)) -> Iterator[None]:
         """Add ``vector`` (C,) or (B, 1, C) to the residual stream after block ``layer`` at
         ``positions`` of each pass (all by default; ``slice(-1, None)`` for the newest)."""
+
         def add(hidden: "torch.Tensor") -> "torch.Tensor":
             edited = hidden.clone()
             edited[:, positions] += vector.to(hidden.dtype)
@@ -364,11 +401,11 @@ class Anatomy:
             yield seen
 
     @contextlib.contextmanager
-    def head_hook(self, layer: int,
-                  edit: "Callable[[torch.Tensor], torch.Tensor | None]") -> Iterator[None]:
+    def head_hook(self, layer: int, edit: "Callable[[torch.Tensor], torch.Tensor | None]") -> Iterator[None]:
         """Call ``edit`` on the per-head attention outputs (B, T, H, D) of block ``layer``, before
         the output projection mixes them, in every pass while the context is open; a tensor it
         returns (same shape) replaces them, None keeps them."""
+
         def hook(module: Any, args: tuple[Any, ...]) -> Any:
             heads = args[0]
             B, T, _ = heads.shape

@@ -69,8 +69,15 @@ class Conversation:
     for this conversation, or None for the engine's.
     """
 
-    def __init__(self, engine: "Engine", id: str | None = None, turns: Sequence[Turn] = (),
-                 system: str | None = None, prompt_format: str | None = None, **meta: Any) -> None:
+    def __init__(
+        self,
+        engine: "Engine",
+        id: str | None = None,
+        turns: Sequence[Turn] = (),
+        system: str | None = None,
+        prompt_format: str | None = None,
+        **meta: Any,
+    ) -> None:
         self.engine = engine
         self.id = id or uuid.uuid4().hex
         self.turns: list[Turn] = list(turns)
@@ -107,8 +114,11 @@ class Conversation:
         """The system prompt (if any) and the turns, as a prompt format takes them."""
         # Empty replies (possible from a tiny model) stay: they are turns of the dialogue.
         messages = [Message("system", self.system)] if self.system else []
-        messages += [Message("user" if t.role == "user" else "assistant", t.text)
-                     for t in self.turns if t.text or t.role == "bot"]
+        messages += [
+            Message("user" if t.role == "user" else "assistant", t.text)
+            for t in self.turns
+            if t.text or t.role == "bot"
+        ]
         return messages
 
     def prompt(self, max_new_tokens: int) -> PromptPlan:

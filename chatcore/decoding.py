@@ -13,9 +13,9 @@ the finished candidates, recording them in ``session.candidates``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from chatcore.options import Configurable
 from chatcore.processors import NoRepeatNGram, RepetitionPenalty, ScoreProcessor
@@ -160,8 +160,9 @@ class GenerationSession:
                 next_position = next_position + 1
 
 
-def restrict_scores(scores: "torch.Tensor", banned: "torch.Tensor", stops: "torch.Tensor",
-                    early: bool) -> "torch.Tensor":
+def restrict_scores(
+    scores: "torch.Tensor", banned: "torch.Tensor", stops: "torch.Tensor", early: bool
+) -> "torch.Tensor":
     """Ban the ``banned`` tokens, and the ``stops`` too while it is ``early`` (before min_new_tokens):
     too early to stop, as an empty reply helps no one."""
     if early or banned.numel():
@@ -222,6 +223,8 @@ class RepetitionSettings:
 
     def __post_init__(self) -> None:
         if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
-            raise ValueError(f"`no_repeat_ngram_size` must be a non-negative integer, got {self.no_repeat_ngram_size!r}")
+            raise ValueError(
+                f"`no_repeat_ngram_size` must be a non-negative integer, got {self.no_repeat_ngram_size!r}"
+            )
         if not self.repetition_penalty > 0:
             raise ValueError(f"`repetition_penalty` must be a positive number, got {self.repetition_penalty}")

@@ -1,9 +1,9 @@
 """The dialogue engine: a loaded model, the plugin registry, and replies.
 
-    engine = Engine()                       # the bundled chatcore-tiny model
-    conversation = engine.conversation()
-    for delta in conversation.send("hi, how are you?"):
-        print(delta, end="", flush=True)
+engine = Engine()                       # the bundled chatcore-tiny model
+conversation = engine.conversation()
+for delta in conversation.send("hi, how are you?"):
+    print(delta, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -20,8 +20,16 @@ from chatcore.decoding import Decoder, GenerationSession
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
 from chatcore.plugin_manager import PluginHost, get_plugin_host
-from chatcore.prompting import (AUTO, Message, PromptFormat, PromptPlan, choose_format, prompt_budget,
-                                scripted_messages, validate_format_name)
+from chatcore.prompting import (
+    AUTO,
+    Message,
+    PromptFormat,
+    PromptPlan,
+    choose_format,
+    prompt_budget,
+    scripted_messages,
+    validate_format_name,
+)
 from chatcore.registry import Registry
 from chatcore.response import Response
 from chatcore.steering import Steerer, check_composition, failed_layer
@@ -96,7 +104,9 @@ def validate_options(options: ReplyOptions, registry: Registry | None = None) ->
         ("steerer", name, settings) for name, settings in options.steerers
     ]:
         cls = registry.decoder(name) if kind == "decoder" else registry.steerer(name)
-        build_plugin_object(host, registry, kind, name, lambda: cls.from_options(settings or {}))
+        build_plugin_object(
+            host, registry, kind, name, lambda cls=cls, settings=settings: cls.from_options(settings or {})
+        )
     check_composition([registry.steerer(name) for name, _ in options.steerers])
 
 
@@ -140,7 +150,8 @@ class Engine:
         if cls.name not in self._formats:
             generation_config = getattr(self.loaded.model, "generation_config", None)
             self._formats[cls.name] = self._construct(
-                lambda: cls(self.tokenizer, generation_config, self.loaded.name), "prompt format", cls.name)
+                lambda: cls(self.tokenizer, generation_config, self.loaded.name), "prompt format", cls.name
+            )
         return self._formats[cls.name]
 
     def format_for(self, conversation: Conversation) -> PromptFormat:
@@ -197,21 +208,29 @@ class Engine:
                 conversation.add_bot_text(clean_message(message.text))
         return conversation
 
-    def reply_to(self, turns: Sequence[str], options: ReplyOptions | None = None, system: str | None = None,
-                 **overrides: Any) -> Response:
+    def reply_to(
+        self, turns: Sequence[str], options: ReplyOptions | None = None, system: str | None = None, **overrides: Any
+    ) -> Response:
         """One-shot: a reply to a scripted context (oldest turn first, the user's last)."""
         return self.scripted(turns, system).reply(options, **overrides)
 
     def respond(self, conversation: Conversation, options: ReplyOptions | None = None, **overrides: Any) -> Response:
         import dataclasses
 
-        options = dataclasses.replace(options or ReplyOptions(), **overrides) if overrides else (options or ReplyOptions())
+        options = (
+            dataclasses.replace(options or ReplyOptions(), **overrides) if overrides else (options or ReplyOptions())
+        )
         reply = self.prepare_reply(conversation, options)
-        return Response(lambda: self.reply_tokens(reply), self.tokenizer, reply.provenance,
-                        finalize=conversation._record)
+        return Response(
+            lambda: self.reply_tokens(reply), self.tokenizer, reply.provenance, finalize=conversation._record
+        )
 
-    def prepare_reply(self, source: Conversation | Sequence[Message], options: ReplyOptions | None = None,
-                      prompt_format: PromptFormat | None = None) -> PreparedReply:
+    def prepare_reply(
+        self,
+        source: Conversation | Sequence[Message],
+        options: ReplyOptions | None = None,
+        prompt_format: PromptFormat | None = None,
+    ) -> PreparedReply:
         """Build the decoder and steerers and render the prompt of one reply, without decoding.
 
         ``source`` is a conversation (its own format and system prompt) or a list of
@@ -299,9 +318,13 @@ class Engine:
             kind = "decoder" if isinstance(plugin_object, Decoder) else "steerer"
             plugin = self.registry.plugin_of(kind, plugin_object.name)
             self.host.report(plugin, f"{kind} {plugin_object.name} {what}", error)
-            raise PluginError(plugin, f"{kind} {plugin_object.name!r} failed in {what}: {type(error).__name__}: {error}") from error
+            raise PluginError(
+                plugin, f"{kind} {plugin_object.name!r} failed in {what}: {type(error).__name__}: {error}"
+            ) from error
 
-    def _guarded_decode(self, decoder: Decoder, steerers: Sequence[Steerer], session: GenerationSession) -> Iterator[int]:
+    def _guarded_decode(
+        self, decoder: Decoder, steerers: Sequence[Steerer], session: GenerationSession
+    ) -> Iterator[int]:
         iterator = decoder.decode(session)
         while True:
             try:

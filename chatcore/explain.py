@@ -26,16 +26,19 @@ def format_settings(settings: dict[str, Any]) -> str:
 
 
 def format_scores(scores: dict[str, Any]) -> str:
-    return "  ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
-                     for key, value in scores.items())
+    return "  ".join(
+        f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}" for key, value in scores.items()
+    )
 
 
 def explain(provenance: dict[str, Any], every_candidate: bool = True) -> list[str]:
     """The lines that explain one reply. ``every_candidate``: list each reranked candidate
     with its scores (else one line: how many, and the chosen one's scores)."""
     decoder = provenance.get("decoder") or {}
-    lines = [f"decoder {decoder.get('name', '?')} {format_settings(decoder.get('settings') or {})}".rstrip()
-             + f", seed {provenance.get('seed')}"]
+    lines = [
+        f"decoder {decoder.get('name', '?')} {format_settings(decoder.get('settings') or {})}".rstrip()
+        + f", seed {provenance.get('seed')}"
+    ]
     candidates = provenance.get("candidates") or []
     if candidates and every_candidate:
         lines.append(f"{len(candidates)} candidates (* = chosen):")
@@ -54,20 +57,27 @@ def explain(provenance: dict[str, Any], every_candidate: bool = True) -> list[st
     for key, value in details.items():
         lines.append(f"{key}: {one_line(str(value), 200)}")
     if "prompt_tokens" in provenance:
-        lines.append(f"context: {provenance.get('prompt_tokens')} tokens of {provenance.get('model', '?')}'s, "
-                     f"{provenance.get('history_turns_used', '?')} turn(s) used, "
-                     f"{provenance.get('history_turns_dropped', 0)} older turn(s) left out")
+        lines.append(
+            f"context: {provenance.get('prompt_tokens')} tokens of {provenance.get('model', '?')}'s, "
+            f"{provenance.get('history_turns_used', '?')} turn(s) used, "
+            f"{provenance.get('history_turns_dropped', 0)} older turn(s) left out"
+        )
     timings = provenance.get("timings") or {}
     new_tokens = timings.get("new_tokens")
     if timings:
         first = timings.get("first_token_s")
-        lines.append(f"{new_tokens} tokens in {timings.get('total_s')} s"
-                     + (f" (first token after {first} s)" if first is not None else ""))
+        lines.append(
+            f"{new_tokens} tokens in {timings.get('total_s')} s"
+            + (f" (first token after {first} s)" if first is not None else "")
+        )
     if provenance.get("error"):
         lines.append(f"cut short by an error: {one_line(str(provenance['error']), 200)}")
     elif provenance.get("interrupted"):
-        lines.append("interrupted before the decoder had chosen anything (no candidates were ranked)"
-                     if not new_tokens and not candidates else "interrupted: the reply was cut short")
+        lines.append(
+            "interrupted before the decoder had chosen anything (no candidates were ranked)"
+            if not new_tokens and not candidates
+            else "interrupted: the reply was cut short"
+        )
     elif not candidates and not steerers and not details:
         lines.append("no candidates or steering: the decoder chose every token itself")
     return lines

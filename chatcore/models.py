@@ -107,7 +107,9 @@ def pick_device(device: str | None) -> str:
         if not torch.cuda.is_available():
             raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available here")
         if index and int(index) >= torch.cuda.device_count():
-            raise ModelLoadError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA devices exist")
+            raise ModelLoadError(
+                f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA devices exist"
+            )
     if kind == "mps" and not torch.backends.mps.is_available():
         raise ModelLoadError("device 'mps' asked for, but MPS is not available here")
     return device
@@ -173,7 +175,7 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
         raise ModelLoadError(f"model {name!r}: its tokenizer has no EOS token, which separates turns")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # a device string is what torch takes here
     model.eval()
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype)
 

@@ -13,8 +13,8 @@ import dataclasses
 import json
 import types
 import typing
-from pathlib import Path
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from chatcore.errors import OptionError
@@ -94,9 +94,9 @@ def _convert(field_name: str, annotation: Any, raw: Any) -> Any:
             try:
                 value = json.loads(raw)
             except ValueError:
-                raise OptionError(f"`{field_name}` must be a JSON object such as {{\"a\": 1}}, got {raw!r}") from None
+                raise OptionError(f'`{field_name}` must be a JSON object such as {{"a": 1}}, got {raw!r}') from None
         if not isinstance(value, dict):
-            raise OptionError(f"`{field_name}` must be a JSON object such as {{\"a\": 1}}, got {raw!r}")
+            raise OptionError(f'`{field_name}` must be a JSON object such as {{"a": 1}}, got {raw!r}')
         return value
     if annotation is Any:
         return raw
@@ -112,9 +112,11 @@ def check_settings_class(settings_cls: type) -> None:
         raise TypeError(f"Settings must be a dataclass, got {settings_cls!r}")
     for name, annotation in settings_fields(settings_cls).items():
         if not _convertible(annotation):
-            raise TypeError(f"setting `{name}` of {settings_cls.__name__}: chatcore cannot convert "
-                            f"{annotation!r} (use int, float, bool, str, Literal, Path, dict, a list or "
-                            "tuple of those, or one of them | None)")
+            raise TypeError(
+                f"setting `{name}` of {settings_cls.__name__}: chatcore cannot convert "
+                f"{annotation!r} (use int, float, bool, str, Literal, Path, dict, a list or "
+                "tuple of those, or one of them | None)"
+            )
 
 
 def _convertible(annotation: Any) -> bool:

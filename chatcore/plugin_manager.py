@@ -97,8 +97,11 @@ class PluginHost:
             self.report(name, "register", error)
             return False
         self.infos[name] = info or PluginInfo(
-            name=name, module=getattr(plugin, "__name__", type(plugin).__name__),
-            distribution=None, version=None, builtin=False,
+            name=name,
+            module=getattr(plugin, "__name__", type(plugin).__name__),
+            distribution=None,
+            version=None,
+            builtin=False,
         )
         return True
 
@@ -120,8 +123,10 @@ class PluginHost:
             if name in seen:
                 continue  # the same distribution found twice on sys.path
             seen.add(name)
-            if not builtin and allowed is not None and not (
-                entry_point.name in allowed or (distribution and distribution in allowed) or name in allowed
+            if (
+                not builtin
+                and allowed is not None
+                and not (entry_point.name in allowed or (distribution and distribution in allowed) or name in allowed)
             ):
                 continue
             try:
@@ -149,8 +154,13 @@ class PluginHost:
             except Exception as error:
                 self.report(module_name, "import", error)
                 continue
-            info = PluginInfo(name=module_name, module=module_name, distribution=None, version=None,
-                              builtin=module_name.startswith(BUILTIN_PREFIX))
+            info = PluginInfo(
+                name=module_name,
+                module=module_name,
+                distribution=None,
+                version=None,
+                builtin=module_name.startswith(BUILTIN_PREFIX),
+            )
             self.register(module, module_name, info)
         self.check_pending()
 
@@ -198,9 +208,7 @@ class PluginHost:
             info = self.infos.get(name)
             if info is None:
                 continue
-            info.hooks = sorted(
-                caller.name for caller in self.pm.get_hookcallers(plugin) or []
-            )
+            info.hooks = sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or [])
             infos.append(info)
         return sorted(infos, key=lambda i: (not i.builtin, i.name))
 

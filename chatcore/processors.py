@@ -58,11 +58,7 @@ class NoRepeatNGram:
         rows = sequences.tolist()
         for row_index, row in enumerate(rows):
             prefix = tuple(row[length - n + 1 :]) if n > 1 else ()
-            banned = {
-                row[i + n - 1]
-                for i in range(length - n + 1)
-                if tuple(row[i : i + n - 1]) == prefix
-            }
+            banned = {row[i + n - 1] for i in range(length - n + 1) if tuple(row[i : i + n - 1]) == prefix}
             if banned:
                 scores[row_index, list(banned)] = float("-inf")
         return scores

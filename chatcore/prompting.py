@@ -127,7 +127,7 @@ class PromptFormat:
         if budget < 2:
             raise ChatcoreError(f"the context budget is {budget} tokens: too small for any prompt")
         system = [m for m in messages[:1] if m.role == "system"]
-        turns = list(messages[len(system):])
+        turns = list(messages[len(system) :])
         if not turns:
             raise ChatcoreError("the conversation has no turns to reply to")
         starts = [i for i, m in enumerate(turns) if self.history_may_start_with_assistant or m.role != "assistant"]
@@ -137,7 +137,7 @@ class PromptFormat:
         low, high, best = 0, len(starts) - 1, None
         while low <= high:
             middle = (low + high) // 2
-            ids = self.render(system + turns[starts[middle]:])
+            ids = self.render(system + turns[starts[middle] :])
             if len(ids) <= budget:
                 best, high = (middle, ids), middle - 1
             else:
@@ -150,7 +150,7 @@ class PromptFormat:
 
     def _fit_newest(self, system: list[Message], turns: list[Message], start: int, budget: int) -> PromptPlan:
         """Keep only the most recent tokens of the oldest kept turn, or fail if the system prompt fills the context."""
-        first, rest = turns[start], turns[start + 1:]
+        first, rest = turns[start], turns[start + 1 :]
         bare = self.render(system + [Message(first.role, "")] + rest)
         if len(bare) > budget - 1:
             what = "the system prompt" if system else "the prompt's fixed part"
@@ -164,8 +164,9 @@ class PromptFormat:
             text = self.tokenizer.decode(tokens[-keep:], skip_special_tokens=False).lstrip()
             ids = self.render(system + [Message(first.role, text)] + rest)
             if len(ids) <= budget:
-                return PromptPlan(ids, len(turns) - start, start, len(tokens) - keep,
-                                  system + [Message(first.role, text)] + rest)
+                return PromptPlan(
+                    ids, len(turns) - start, start, len(tokens) - keep, system + [Message(first.role, text)] + rest
+                )
             keep -= max(1, len(ids) - budget)
         return PromptPlan(bare, len(turns) - start, start, len(tokens), system + [Message(first.role, "")] + rest)
 
@@ -173,8 +174,9 @@ class PromptFormat:
 def scripted_messages(turns: Sequence[str], system: str | None = None) -> list[Message]:
     """Messages of a scripted context: turns alternate so that the last one is the user's."""
     messages = [Message("system", system)] if system else []
-    messages += [Message("user" if (len(turns) - index) % 2 == 1 else "assistant", text)
-                 for index, text in enumerate(turns)]
+    messages += [
+        Message("user" if (len(turns) - index) % 2 == 1 else "assistant", text) for index, text in enumerate(turns)
+    ]
     return messages
 
 
@@ -187,8 +189,7 @@ def prompt_budget(max_positions: int, max_new_tokens: int) -> int:
     return max(max_positions - max_new_tokens, max_positions // 2)
 
 
-def check_system_fits(prompt_format: PromptFormat, system: str | None, max_positions: int,
-                      max_new_tokens: int) -> None:
+def check_system_fits(prompt_format: PromptFormat, system: str | None, max_positions: int, max_new_tokens: int) -> None:
     """Fail (ChatcoreError: "the system prompt takes N tokens ...") if ``system`` leaves no room
     for a message and a reply of ``max_new_tokens``.
 
@@ -196,7 +197,9 @@ def check_system_fits(prompt_format: PromptFormat, system: str | None, max_posit
     with the next message (whose turn would be left without a reply).
     """
     if system:
-        prompt_format.fit([Message("system", system), Message("user", "")], prompt_budget(max_positions, max_new_tokens))
+        prompt_format.fit(
+            [Message("system", system), Message("user", "")], prompt_budget(max_positions, max_new_tokens)
+        )
 
 
 def special_token_ids(tokenizer: Any) -> set[int]:
@@ -225,7 +228,8 @@ def clean_system_prompt(text: Any) -> str | None:
         return None
     text = remove_escape_sequences(checked_text(text, "system prompt", MAX_SYSTEM_CHARS))
     kept = "".join(
-        char for char in text.replace("\r\n", "\n").replace("\t", " ")
+        char
+        for char in text.replace("\r\n", "\n").replace("\t", " ")
         if char == "\n" or unicodedata.category(char) not in ("Cc", "Cs")
     )
     lines = [" ".join(line.split()) for line in kept.split("\n")]
@@ -244,11 +248,15 @@ def read_system_file(path: str) -> str:
         raise ChatcoreError(f"system prompt file {path!r} is not a file")
     data = file.read_bytes()
     if len(data) > 4 * MAX_SYSTEM_CHARS:
-        raise ChatcoreError(f"system prompt file {path!r} is {len(data):,} bytes; the limit is {MAX_SYSTEM_CHARS:,} characters")
+        raise ChatcoreError(
+            f"system prompt file {path!r} is {len(data):,} bytes; the limit is {MAX_SYSTEM_CHARS:,} characters"
+        )
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
-        raise ChatcoreError(f"system prompt file {path!r} is not UTF-8 text (bad byte at position {error.start})") from None
+        raise ChatcoreError(
+            f"system prompt file {path!r} is not UTF-8 text (bad byte at position {error.start})"
+        ) from None
     cleaned = clean_system_prompt(text)
     if cleaned is None:
         raise ChatcoreError(f"system prompt file {path!r} is empty")

@@ -66,8 +66,9 @@ def chatcore_plugins() -> tuple[Any, ...]:
 
 
 @pytest.fixture
-def chatcore_engine_factory(request: pytest.FixtureRequest,
-                            chatcore_plugins: tuple[Any, ...]) -> Callable[..., "Engine"]:
+def chatcore_engine_factory(
+    request: pytest.FixtureRequest, chatcore_plugins: tuple[Any, ...]
+) -> Callable[..., "Engine"]:
     def factory(*plugins: Any, model: "str | LoadedModel | None" = None) -> "Engine":
         # The tiny model is built only when a test uses it.
         chosen = model if model is not None else request.getfixturevalue("chatcore_tiny_model")

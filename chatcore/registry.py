@@ -76,8 +76,11 @@ class Registry:
                     raise TypeError(f"{hook}: {name!r}: names cannot contain {QUALIFIER!r}")
                 entries = claims.setdefault(name, [])
                 if any(entry.plugin == current["plugin"] for entry in entries):
-                    host.report(current["plugin"], f"hook {hook}",
-                                f"{name!r} is registered twice by this plugin; the first is kept")
+                    host.report(
+                        current["plugin"],
+                        f"hook {hook}",
+                        f"{name!r} is registered twice by this plugin; the first is kept",
+                    )
                     return
                 entries.append(Entry(name, value, current["plugin"]))
 
@@ -95,9 +98,12 @@ class Registry:
                     table[name] = owners[0]
                     for entry in entries:
                         if entry is not owners[0]:
-                            host.report(entry.plugin, f"hook {hook}",
-                                        f"{name!r} is a built-in name (of {owners[0].plugin!r}); "
-                                        "register it under another name")
+                            host.report(
+                                entry.plugin,
+                                f"hook {hook}",
+                                f"{name!r} is a built-in name (of {owners[0].plugin!r}); "
+                                "register it under another name",
+                            )
                 elif len(entries) == 1:
                     table[name] = entries[0]
                 else:
@@ -105,9 +111,12 @@ class Registry:
                     registry.ambiguous[name] = plugins
                     for entry in entries:
                         table[f"{entry.plugin}{QUALIFIER}{name}"] = entry
-                    host.report(" and ".join(repr(p) for p in plugins), f"hook {hook}",
-                                f"{name!r} is registered by each of them, so by none: use "
-                                + " or ".join(f"{p}{QUALIFIER}{name}" for p in plugins))
+                    host.report(
+                        " and ".join(repr(p) for p in plugins),
+                        f"hook {hook}",
+                        f"{name!r} is registered by each of them, so by none: use "
+                        + " or ".join(f"{p}{QUALIFIER}{name}" for p in plugins),
+                    )
 
         collect("register_decoders", registry.decoders, Decoder)
         collect("register_steerers", registry.steerers, Steerer)
@@ -121,8 +130,11 @@ class Registry:
                 choices = " or ".join(f"{p}{QUALIFIER}{name}" for p in self.ambiguous[name])
                 raise UnknownNameError(f"{kind} {name!r} is registered by several plugins: name one, {choices}")
             known = ", ".join(sorted(table)) or "none"
-            hint = (f"; plugin(s) {', '.join(self.broken)} failed to load: `chatcore plugins` says why"
-                    if self.broken else "")
+            hint = (
+                f"; plugin(s) {', '.join(self.broken)} failed to load: `chatcore plugins` says why"
+                if self.broken
+                else ""
+            )
             raise UnknownNameError(f"unknown {kind} {name!r} (available: {known}){hint}")
         return table[name].value
 

@@ -56,7 +56,7 @@ def score_continuations(
 
     if not rows:
         return []
-    for prefix, target in rows:
+    for prefix, _target in rows:
         if not prefix:
             raise ValueError("each scored row needs a non-empty prefix")
     # The last target token is predicted, never fed in.
@@ -79,8 +79,9 @@ def score_continuations(
     device = loaded.device
     input_ids, attention, positions, targets = (t.to(device) for t in (input_ids, attention, positions, targets))
     with torch.inference_mode():
-        output = loaded.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                              use_cache=False, logits_to_keep=keep)
+        output = loaded.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=False, logits_to_keep=keep
+        )
         log_probs = torch.log_softmax(output.logits[:, -keep:].float(), dim=-1)  # (B, keep, V)
         scored = targets >= 0  # (B, keep)
         picked = log_probs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, keep)
@@ -89,7 +90,9 @@ def score_continuations(
     return [ContinuationScore(float(t), int(c)) for t, c in zip(totals.tolist(), counts.tolist())]
 
 
-def forward_scores(loaded: LoadedModel, prompt_ids: Sequence[int], candidates: Sequence[Sequence[int]]) -> list[ContinuationScore]:
+def forward_scores(
+    loaded: LoadedModel, prompt_ids: Sequence[int], candidates: Sequence[Sequence[int]]
+) -> list[ContinuationScore]:
     """log P(candidate EOS | prompt) under the plain forward model (no steering, no sampling filters)."""
     eos = loaded.eos_token_id
     return score_continuations(loaded, [(prompt_ids, list(c) + [eos]) for c in candidates])
@@ -220,4 +223,3 @@ def split_turns(prompt_ids: Sequence[int], eos: int) -> list[list[int]]:
     if current:  # a prompt that does not end with EOS: its tail is still a turn
         turns.append(current)
     return turns
-

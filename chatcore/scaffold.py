@@ -47,7 +47,7 @@ class PluginNames:
         )
 
 
-PYPROJECT = Template('''\
+PYPROJECT = Template("""\
 [build-system]
 requires = ["setuptools>=77"]
 build-backend = "setuptools.build_meta"
@@ -78,7 +78,7 @@ where = ["src"]
 [tool.pytest.ini_options]
 testpaths = ["tests"]
 markers = ["slow: takes more than a few seconds"]
-''')
+""")
 
 MODULE = Template('''\
 """The $steerer steerer for chatcore.
@@ -151,7 +151,7 @@ def chatcore_plugins():
     return ("$package",)
 ''')
 
-TEST = Template('''\
+TEST = Template("""\
 import pytest
 
 from chatcore.errors import OptionError
@@ -173,9 +173,9 @@ def test_a_strong_end_of_turn_bias_shortens_replies(chatcore_engine):
         contexts=["hi, how are you?", "what do you do for fun?"], seeds=[0, 1], max_new_tokens=12,
     )
     assert comparison.steered.mean_length < comparison.baseline.mean_length
-''')
+""")
 
-README = Template('''\
+README = Template("""\
 # $distribution
 
 The `$steerer` steerer for [chatcore](https://pypi.org/project/chatcore/).
@@ -186,7 +186,7 @@ chatcore plugins                                  # lists $distribution:$entry_p
 chatcore generate --steer "$steerer strength=4" "hi, how are you?"
 pytest
 ```
-''')
+""")
 
 
 def render(names: PluginNames) -> dict[str, str]:
@@ -206,8 +206,7 @@ def write_plugin(name: str, parent: str | Path = ".") -> Path:
     names = PluginNames.from_name(name)
     taken = installed_as(names)
     if taken is not None:
-        raise ChatcoreError(f"{taken}: choose another name (chatcore new-plugin my-{name}), "
-                            "or uninstall it first")
+        raise ChatcoreError(f"{taken}: choose another name (chatcore new-plugin my-{name}), or uninstall it first")
     parent = Path(parent)
     if not parent.is_dir():
         raise ChatcoreError(f"no such folder: {parent}")

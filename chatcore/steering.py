@@ -88,13 +88,17 @@ def check_composition(steerers: Sequence[type[Steerer]]) -> None:
         raise OptionError(f"steerers {names} both replace the model step: give only one of them")
     if replacing and replacing[0] > 0:
         first = steerers[replacing[0]]
-        raise OptionError(f"steerer {first.name!r} replaces the model step, so it must come first "
-                          f"(give it before {steerers[0].name!r})")
+        raise OptionError(
+            f"steerer {first.name!r} replaces the model step, so it must come first "
+            f"(give it before {steerers[0].name!r})"
+        )
     if replacing:
         for cls in steerers[1:]:
             if cls.needs_model_cache:
-                raise OptionError(f"steerer {cls.name!r} edits the model's own key/value cache and cannot be "
-                                  f"combined with {steerers[0].name!r}, which replaces the model step")
+                raise OptionError(
+                    f"steerer {cls.name!r} edits the model's own key/value cache and cannot be "
+                    f"combined with {steerers[0].name!r}, which replaces the model step"
+                )
 
 
 LAYER_ATTRIBUTE = "chatcore_step_layer"

@@ -43,9 +43,17 @@ CHATML_TEMPLATE = (
 ARCHITECTURES = ("gpt2", "llama", "qwen2", "mistral", "gemma", "phi3")
 
 
-def build_tiny_model(directory: str | Path, layers: int = 2, width: int = 32, heads: int = 2, positions: int = 128,
-                     seed: int = 0, tokenizer: str = DEFAULT_MODEL, architecture: str = "gpt2",
-                     chat_template: str | None = None) -> Path:
+def build_tiny_model(
+    directory: str | Path,
+    layers: int = 2,
+    width: int = 32,
+    heads: int = 2,
+    positions: int = 128,
+    seed: int = 0,
+    tokenizer: str = DEFAULT_MODEL,
+    architecture: str = "gpt2",
+    chat_template: str | None = None,
+) -> Path:
     """Write a tiny causal LM folder: random weights (seeded) and the real byte-level
     BPE tokenizer of a bundled model (chatcore-tiny's, by default).
 
@@ -71,14 +79,25 @@ def build_tiny_model(directory: str | Path, layers: int = 2, width: int = 32, he
     eos = real_tokenizer.eos_token_id
     ids = {"eos_token_id": eos, "bos_token_id": eos, "pad_token_id": eos}
     torch.manual_seed(seed)
+    config: Any
     if architecture == "gpt2":
-        config = GPT2Config(vocab_size=len(real_tokenizer), n_positions=positions, n_embd=width, n_layer=layers,
-                            n_head=heads, **ids)
+        config = GPT2Config(
+            vocab_size=len(real_tokenizer), n_positions=positions, n_embd=width, n_layer=layers, n_head=heads, **ids
+        )
     else:
         config = AutoConfig.for_model(
-            architecture, vocab_size=len(real_tokenizer), hidden_size=width, intermediate_size=2 * width,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-            head_dim=width // heads, max_position_embeddings=positions, tie_word_embeddings=True, **ids)
+            architecture,
+            vocab_size=len(real_tokenizer),
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 2),
+            head_dim=width // heads,
+            max_position_embeddings=positions,
+            tie_word_embeddings=True,
+            **ids,
+        )
     AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
     real_tokenizer.save_pretrained(str(directory))
     return directory
@@ -242,4 +261,3 @@ def compare_to_baseline(
         steered=mean_row(steerer, [r.rows[0] for r in reports["steered"]]),
         reports=reports,
     )
-

@@ -8,9 +8,10 @@ its first k-1 tokens, so multi-token words are completed rather than just starte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import chatcore
 from chatcore.errors import OptionError
@@ -113,10 +114,7 @@ class BowBiasSteerer(Steerer):
         # their continuation (biased after a space the model chose itself) but not
         # their first token.
         self.sequences = sorted(unique)
-        firsts = sorted({
-            ids[0] for ids in self.sequences
-            if len(ids) == 1 or tokenizer.decode([ids[0]]).strip()
-        })
+        firsts = sorted({ids[0] for ids in self.sequences if len(ids) == 1 or tokenizer.decode([ids[0]]).strip()})
         self.first_tokens = torch.tensor(firsts, dtype=torch.long, device=session.model.device)
         self.prompt_length = len(session.prompt_ids)
 

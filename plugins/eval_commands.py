@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -13,29 +14,68 @@ from chatcore.errors import ChatcoreError
 
 @click.command("eval")
 @click.option("-m", "--model", default="chatcore-tiny", show_default=True)
-@click.option("-d", "--decoder", "decoder_spec", default="top-k", show_default=True,
-              help='Decoder and settings, e.g. "top-k top_k=20".')
-@click.option("-s", "--steer", "steer_specs", multiple=True, help='Steerer and settings; repeatable, applied in order.')
-@click.option("-p", "--prompts", default="chitchat-heldout", show_default=True,
-              help="A prompt set name (see `chatcore plugins`) or a .jsonl / .txt file.")
+@click.option(
+    "-d",
+    "--decoder",
+    "decoder_spec",
+    default="top-k",
+    show_default=True,
+    help='Decoder and settings, e.g. "top-k top_k=20".',
+)
+@click.option("-s", "--steer", "steer_specs", multiple=True, help="Steerer and settings; repeatable, applied in order.")
+@click.option(
+    "-p",
+    "--prompts",
+    default="chitchat-heldout",
+    show_default=True,
+    help="A prompt set name (see `chatcore plugins`) or a .jsonl / .txt file.",
+)
 @click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Context i uses seed + i.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=40, show_default=True)
-@click.option("--attribute", default=None,
-              help="Word list for the attribute column: a built-in topic (food, sports, ...) or a word file.")
-@click.option("--samples", type=click.IntRange(0, 100_000), default=5, show_default=True, help="Sample replies to print.")
+@click.option(
+    "--attribute",
+    default=None,
+    help="Word list for the attribute column: a built-in topic (food, sports, ...) or a word file.",
+)
+@click.option(
+    "--samples", type=click.IntRange(0, 100_000), default=5, show_default=True, help="Sample replies to print."
+)
 @click.option("--device", default=None)
 @click.option("--system", "system_text", default=None, help="System prompt (persona) for every reply.")
 @click.option("--system-file", type=click.Path(), default=None, help="Read the system prompt from a UTF-8 text file.")
-@click.option("--format", "prompt_format", default="auto", show_default=True,
-              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...")
+@click.option(
+    "--format",
+    "prompt_format",
+    default="auto",
+    show_default=True,
+    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...",
+)
 @click.option("--json", "json_path", default=None, help="Also write the full report (with every reply) to this file.")
-@click.option("--batch", type=click.IntRange(1, 256), default=1, show_default=True,
-              help="Replies decoded at once by the serving scheduler (the same replies; tok/s is then the set's).")
-def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], prompts: str, limit: int, seed: int,
-                 max_new_tokens: int, attribute: str | None, samples: int, device: str | None,
-                 system_text: str | None, system_file: str | None, prompt_format: str, json_path: str | None,
-                 batch: int) -> None:
+@click.option(
+    "--batch",
+    type=click.IntRange(1, 256),
+    default=1,
+    show_default=True,
+    help="Replies decoded at once by the serving scheduler (the same replies; tok/s is then the set's).",
+)
+def eval_command(
+    model: str,
+    decoder_spec: str,
+    steer_specs: tuple[str, ...],
+    prompts: str,
+    limit: int,
+    seed: int,
+    max_new_tokens: int,
+    attribute: str | None,
+    samples: int,
+    device: str | None,
+    system_text: str | None,
+    system_file: str | None,
+    prompt_format: str,
+    json_path: str | None,
+    batch: int,
+) -> None:
     """Measure a decoder and steerer configuration over a prompt set.
 
     Prints perplexity of the replies under the plain model, distinct-1/2/3, mean
@@ -44,8 +84,8 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
     """
     from pathlib import Path
 
-    from chatcore.cli.specs import parse_spec
     from chatcore.cli.files import check_output_path, open_output
+    from chatcore.cli.specs import parse_spec
     from chatcore.engine import Engine, ReplyOptions, validate_options
     from chatcore.evaluation.prompts import load_prompt_file
     from chatcore.evaluation.runner import evaluate
@@ -53,8 +93,9 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
 
     decoder, decoder_settings = parse_spec(decoder_spec)
     steerers = [parse_spec(spec) for spec in steer_specs]
-    options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
-                           max_new_tokens=max_new_tokens)
+    options = ReplyOptions(
+        decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, max_new_tokens=max_new_tokens
+    )
     # Everything that needs no model fails before the model loads.
     validate_options(options)
     validate_format_name(prompt_format)
@@ -73,8 +114,16 @@ def eval_command(model: str, decoder_spec: str, steer_specs: tuple[str, ...], pr
         from chatcore.serving import Scheduler
 
         with Scheduler(engine, max_batch=batch, max_waiting=len(contexts)) as scheduler:
-            report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed,
-                              system=system, scheduler=scheduler)
+            report = evaluate(
+                engine,
+                contexts,
+                options,
+                label=label,
+                vocabulary=vocabulary,
+                seed=seed,
+                system=system,
+                scheduler=scheduler,
+            )
     else:
         report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed, system=system)
     click.echo(report.table())

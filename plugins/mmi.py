@@ -21,9 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 import chatcore
 from chatcore.decoding import Candidate, Decoder, GenerationSession
@@ -64,8 +64,11 @@ class CandidateSettings(TopKSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.candidates, int) or isinstance(self.candidates, bool) \
-                or not 1 <= self.candidates <= MAX_CANDIDATES:
+        if (
+            not isinstance(self.candidates, int)
+            or isinstance(self.candidates, bool)
+            or not 1 <= self.candidates <= MAX_CANDIDATES
+        ):
             raise ValueError(f"`candidates` must be an integer from 1 to {MAX_CANDIDATES}, got {self.candidates!r}")
         if isinstance(self.quorum, bool) or not isinstance(self.quorum, (int, float)) or not 0 < self.quorum <= 1:
             raise ValueError(f"`quorum` must be a number in (0, 1], got {self.quorum!r}")
@@ -168,7 +171,8 @@ class CandidateDecoder(Decoder):
         return indices.gather(1, draw).squeeze(1)
 
     def sample_candidates(
-        self, session: GenerationSession,
+        self,
+        session: GenerationSession,
     ) -> "tuple[list[list[int]], list[ContinuationScore], list[bool]]":
         """``candidates`` replies from one batched decoding pass, each cut at its own stop
         token (EOS, or any of the prompt format's, such as ``<|im_end|>``), with their
@@ -231,7 +235,8 @@ class MMIDecoder(CandidateDecoder):
             # Newest first, as the reverse model reads; encoded as text, so the prompt
             # format (DialoGPT turns, a chat template's headers) does not matter.
             source = reranking.encode_source(
-                reverse_model, reranking.source_texts(session.messages, settings.source_turns))
+                reverse_model, reranking.source_texts(session.messages, settings.source_turns)
+            )
         else:
             history = reranking.split_turns(session.prompt_ids, session.eos_token_id)
             source = list(reversed(history[-settings.source_turns :]))
@@ -255,19 +260,21 @@ class MMIDecoder(CandidateDecoder):
 
         tokenizer = forward_model.tokenizer
         for index, ids in enumerate(token_ids):
-            session.candidates.append(Candidate(
-                token_ids=list(ids),
-                text=tokenizer.decode(ids),
-                scores={
-                    "forward": forward[index].total,
-                    "forward_mean": forward[index].mean,
-                    "reverse": reverse[index].total,
-                    "reverse_mean": reverse[index].mean,
-                    "score": scores[index],
-                    "ended": float(ended[index]),
-                },
-                chosen=index == winner,
-            ))
+            session.candidates.append(
+                Candidate(
+                    token_ids=list(ids),
+                    text=tokenizer.decode(ids),
+                    scores={
+                        "forward": forward[index].total,
+                        "forward_mean": forward[index].mean,
+                        "reverse": reverse[index].total,
+                        "reverse_mean": reverse[index].mean,
+                        "score": scores[index],
+                        "ended": float(ended[index]),
+                    },
+                    chosen=index == winner,
+                )
+            )
         session.details["mmi"] = {
             "reverse_model": reverse_model.name,
             "source_turns": len(source),

@@ -8,8 +8,9 @@ Also registers ``chatcore train discriminator``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -51,8 +52,10 @@ class PPLMSettings(PerturbConfig):
         elif self.class_label is not None:
             raise ValueError("`class_label` is only used with a `discriminator`")
         elif not has_words:
-            raise ValueError("pplm needs an attribute: `topic=NAME`, `words=a,b,c`, `file=PATH`, "
-                             "or `discriminator=NAME|PATH class_label=LABEL`")
+            raise ValueError(
+                "pplm needs an attribute: `topic=NAME`, `words=a,b,c`, `file=PATH`, "
+                "or `discriminator=NAME|PATH class_label=LABEL`"
+            )
 
     def all_words(self) -> list[str]:
         return collect_words(self.words, self.topic, self.file)
@@ -85,13 +88,25 @@ class PPLMSteerer(Steerer):
         attribute: AttributeModel
         if settings.discriminator is not None:
             assert settings.class_label is not None
-            attribute = load_head(settings.discriminator, loaded.model, loaded.tokenizer, loaded.name,
-                                  settings.class_label, device=loaded.device)
+            attribute = load_head(
+                settings.discriminator,
+                loaded.model,
+                loaded.tokenizer,
+                loaded.name,
+                settings.class_label,
+                device=loaded.device,
+            )
         else:
             vocab_size = loaded.model.get_output_embeddings().weight.size(0)
             attribute = BagOfWords.from_words(settings.all_words(), loaded.tokenizer, vocab_size, loaded.device)
-        self.perturbation = Perturbation(settings.perturb_config(), attribute, loaded.model, loaded.eos_token_id,
-                                         runner=self._runner(session), max_new_tokens=session.max_new_tokens)
+        self.perturbation = Perturbation(
+            settings.perturb_config(),
+            attribute,
+            loaded.model,
+            loaded.eos_token_id,
+            runner=self._runner(session),
+            max_new_tokens=session.max_new_tokens,
+        )
         self.note(session, self.perturbation.summary)
 
     def _runner(self, session: "GenerationSession") -> Any:
@@ -115,24 +130,48 @@ class PPLMSteerer(Steerer):
 
 @click.command("discriminator")
 @click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="The frozen base model.")
-@click.option("--data", default=None,
-              help='Labelled texts: "label<TAB>text" lines, or JSONL {"label": ..., "text": ...}.')
-@click.option("--builtin", type=click.Choice(["sentiment"]), default=None,
-              help="Built-in labels instead of --data: chitchat utterances labelled by VADER "
-                   "(needs the vaderSentiment package).")
-@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False),
-              help="Head file to write (.safetensors).")
-@click.option("--layer", type=int, default=-1, show_default=True,
-              help="Hidden-state layer the head reads (-1: the last, after the final norm).")
-@click.option("--per-class", type=click.IntRange(10, 10**7), default=3000, show_default=True,
-              help="At most this many examples per class (classes are balanced).")
+@click.option(
+    "--data", default=None, help='Labelled texts: "label<TAB>text" lines, or JSONL {"label": ..., "text": ...}.'
+)
+@click.option(
+    "--builtin",
+    type=click.Choice(["sentiment"]),
+    default=None,
+    help="Built-in labels instead of --data: chitchat utterances labelled by VADER (needs the vaderSentiment package).",
+)
+@click.option(
+    "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Head file to write (.safetensors)."
+)
+@click.option(
+    "--layer",
+    type=int,
+    default=-1,
+    show_default=True,
+    help="Hidden-state layer the head reads (-1: the last, after the final norm).",
+)
+@click.option(
+    "--per-class",
+    type=click.IntRange(10, 10**7),
+    default=3000,
+    show_default=True,
+    help="At most this many examples per class (classes are balanced).",
+)
 @click.option("--epochs", type=click.IntRange(1, 100_000), default=300, show_default=True)
 @click.option("--lr", "learning_rate", type=click.FloatRange(1e-6, 10.0), default=0.01, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default=None)
-def train_discriminator_command(model: str, data: str | None, builtin: str | None, out_path: str, layer: int,
-                                per_class: int, epochs: int, learning_rate: float, seed: int,
-                                device: str | None) -> None:
+def train_discriminator_command(
+    model: str,
+    data: str | None,
+    builtin: str | None,
+    out_path: str,
+    layer: int,
+    per_class: int,
+    epochs: int,
+    learning_rate: float,
+    seed: int,
+    device: str | None,
+) -> None:
     """Train a PPLM discriminator head on a frozen model.
 
     The head is a linear classifier on the mean hidden state of "EOS + text" at LAYER;
@@ -141,7 +180,10 @@ def train_discriminator_command(model: str, data: str | None, builtin: str | Non
     """
     from chatcore.models import load_model
     from chatcore.pplm.train_discriminator import (
-        TrainSettings, read_labelled_file, sentiment_examples, train_discriminator,
+        TrainSettings,
+        read_labelled_file,
+        sentiment_examples,
+        train_discriminator,
     )
 
     if (data is None) == (builtin is None):
@@ -149,9 +191,14 @@ def train_discriminator_command(model: str, data: str | None, builtin: str | Non
     examples = read_labelled_file(data) if data is not None else sentiment_examples()
     loaded = load_model(model, device=device)
     settings = TrainSettings(layer=layer, per_class=per_class, epochs=epochs, learning_rate=learning_rate, seed=seed)
-    result = train_discriminator(loaded, examples, out_path, settings,
-                                 source=data if data is not None else f"builtin:{builtin}",
-                                 progress=lambda message: click.echo(message, err=True))
+    result = train_discriminator(
+        loaded,
+        examples,
+        out_path,
+        settings,
+        source=data if data is not None else f"builtin:{builtin}",
+        progress=lambda message: click.echo(message, err=True),
+    )
     click.echo(result.summary())
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import chatcore
 from chatcore.errors import ChatcoreError
@@ -86,11 +86,13 @@ class ChatTemplateFormat(PromptFormat):
 
     def _template(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> str:
         try:
-            return str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                          tokenize=False))
+            return str(
+                self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+            )
         except Exception as error:
-            raise ChatcoreError(f"the chat template of model {self.model_name!r} failed: "
-                                f"{type(error).__name__}: {error}") from None
+            raise ChatcoreError(
+                f"the chat template of model {self.model_name!r} failed: {type(error).__name__}: {error}"
+            ) from None
 
     def _fold(self, messages: Sequence[Message]) -> list[Message]:
         """The system prompt at the head of the first user message, for templates without a system role."""
@@ -103,8 +105,11 @@ class ChatTemplateFormat(PromptFormat):
 
     def _system_refused(self) -> bool:
         try:
-            self.tokenizer.apply_chat_template([{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}],
-                                               add_generation_prompt=True, tokenize=False)
+            self.tokenizer.apply_chat_template(
+                [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
             return False
         except Exception:
             return True
@@ -132,7 +137,7 @@ class ChatTemplateFormat(PromptFormat):
             return None
         prefix, _, suffix = given.partition(_HOLE.format(1))
         if len(bare) > len(prefix) + len(suffix) and bare.startswith(prefix) and bare.endswith(suffix):
-            return bare[len(prefix):len(bare) - len(suffix)].strip() or None
+            return bare[len(prefix) : len(bare) - len(suffix)].strip() or None
         return None
 
     def end_of_turn_ids(self) -> set[int]:
@@ -149,7 +154,7 @@ class ChatTemplateFormat(PromptFormat):
         ids: list[int] = []
         position = 0
         for match in _HOLE_PATTERN.finditer(text):
-            ids.extend(self.tokenizer(text[position:match.start()], add_special_tokens=False)["input_ids"])
+            ids.extend(self.tokenizer(text[position : match.start()], add_special_tokens=False)["input_ids"])
             ids.extend(self.encode_text(messages[int(match.group(1))].text))
             position = match.end()
         ids.extend(self.tokenizer(text[position:], add_special_tokens=False)["input_ids"])

@@ -15,9 +15,8 @@ Candidates come from the same batched, quorum-stopped pass as ``mmi``'s.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable
 
 import chatcore
 from chatcore.decoding import Candidate, GenerationSession
@@ -54,8 +53,7 @@ def choose_on_topic(fluency: list[float], on_topic: list[bool], usable: list[boo
     if not fluency:
         raise ValueError("there are no candidates to choose from")
     indices = range(len(fluency))
-    pool = ([i for i in indices if usable[i] and on_topic[i]] or [i for i in indices if usable[i]]
-            or list(indices))
+    pool = [i for i in indices if usable[i] and on_topic[i]] or [i for i in indices if usable[i]] or list(indices)
     return max(pool, key=lambda i: (fluency[i], -i))
 
 
@@ -76,16 +74,26 @@ class RankDecoder(CandidateDecoder):
         fluency = [score.mean for score in forward]
         winner = choose_on_topic(fluency, on_topic, usable)
         for index, ids in enumerate(token_ids):
-            session.candidates.append(Candidate(
-                token_ids=list(ids),
-                text=texts[index],
-                scores={"forward": forward[index].total, "forward_mean": forward[index].mean,
-                        "on_topic": float(on_topic[index]), "usable": float(usable[index]),
-                        "ended": float(ended[index])},
-                chosen=index == winner,
-            ))
-        session.details["rank"] = {"on_topic": sum(on_topic), "usable": sum(usable), "ended": sum(ended),
-                                   "quorum": self.settings.quorum_rows()}
+            session.candidates.append(
+                Candidate(
+                    token_ids=list(ids),
+                    text=texts[index],
+                    scores={
+                        "forward": forward[index].total,
+                        "forward_mean": forward[index].mean,
+                        "on_topic": float(on_topic[index]),
+                        "usable": float(usable[index]),
+                        "ended": float(ended[index]),
+                    },
+                    chosen=index == winner,
+                )
+            )
+        session.details["rank"] = {
+            "on_topic": sum(on_topic),
+            "usable": sum(usable),
+            "ended": sum(ended),
+            "quorum": self.settings.quorum_rows(),
+        }
         yield from token_ids[winner]
 
 

@@ -11,8 +11,13 @@ import chatcore
 
 @click.command("new-plugin")
 @click.argument("name")
-@click.option("--dir", "parent", type=click.Path(file_okay=False, path_type=Path), default=Path("."),
-              help="Where to create the package folder (default: the current folder).")
+@click.option(
+    "--dir",
+    "parent",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    help="Where to create the package folder (default: the current folder).",
+)
 def new_plugin(name: str, parent: Path) -> None:
     """Create chatcore-NAME/, a steering plugin package: pyproject.toml with the
     chatcore entry point, a Steerer named NAME with its hookimpl, and a test that uses

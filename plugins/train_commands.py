@@ -27,8 +27,13 @@ def train() -> None:
 
 
 corpus_option = click.option("--corpus", default="chitchat", show_default=True, help='"chitchat" or a JSONL file.')
-heldout_option = click.option("--heldout", type=click.FloatRange(0, 0.5), default=0.05, show_default=True,
-                              help="Share of dialogues held out for evaluation.")
+heldout_option = click.option(
+    "--heldout",
+    type=click.FloatRange(0, 0.5),
+    default=0.05,
+    show_default=True,
+    help="Share of dialogues held out for evaluation.",
+)
 
 
 def filter_options(with_switch: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -36,15 +41,31 @@ def filter_options(with_switch: bool) -> Callable[[Callable[..., Any]], Callable
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         options = [
-            click.option("--filter-config", type=click.Path(dir_okay=False), default=None,
-                         help="JSON or TOML file of filter settings (see docs/training-data.md)."),
-            click.option("--filter-disable", default="", metavar="RULES",
-                         help="Comma list of rules to turn off: community, url, markup, length, repeat, "
-                              "blocklist, top-words, bland."),
-            click.option("--filter-set", multiple=True, metavar="KEY=VALUE",
-                         help="One filter setting, e.g. max_words=300 or blocklist_path=words.txt (repeatable)."),
-            click.option("--filter-report", type=click.Path(dir_okay=False), default=None,
-                         help="Write the full filter report (counts and examples) to this JSON file."),
+            click.option(
+                "--filter-config",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help="JSON or TOML file of filter settings (see docs/training-data.md).",
+            ),
+            click.option(
+                "--filter-disable",
+                default="",
+                metavar="RULES",
+                help="Comma list of rules to turn off: community, url, markup, length, repeat, "
+                "blocklist, top-words, bland.",
+            ),
+            click.option(
+                "--filter-set",
+                multiple=True,
+                metavar="KEY=VALUE",
+                help="One filter setting, e.g. max_words=300 or blocklist_path=words.txt (repeatable).",
+            ),
+            click.option(
+                "--filter-report",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help="Write the full filter report (counts and examples) to this JSON file.",
+            ),
         ]
         if with_switch:
             options.insert(0, click.option("--no-filter", is_flag=True, help="Train on the corpus unfiltered."))
@@ -93,27 +114,49 @@ def report_writer(path: str | None, examples: int = 2) -> Callable[[FilterReport
 @click.option("--vocab-size", type=click.IntRange(300, 1_000_000), default=8192, show_default=True)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
 @filter_options(with_switch=True)
-def train_tokenizer(corpus: str, heldout: float, vocab_size: int, out_dir: str, no_filter: bool,
-                    filter_config: str | None, filter_disable: str, filter_set: tuple[str, ...],
-                    filter_report: str | None) -> None:
+def train_tokenizer(
+    corpus: str,
+    heldout: float,
+    vocab_size: int,
+    out_dir: str,
+    no_filter: bool,
+    filter_config: str | None,
+    filter_disable: str,
+    filter_set: tuple[str, ...],
+    filter_report: str | None,
+) -> None:
     """Train a byte-level BPE tokenizer on the (filtered) training split."""
     from chatcore.training.pipeline import train_tokenizer_command
 
     config = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
-    path = train_tokenizer_command(corpus, out_dir, vocab_size, heldout, filter_config=config,
-                                   on_filter_report=report_writer(filter_report))
+    path = train_tokenizer_command(
+        corpus, out_dir, vocab_size, heldout, filter_config=config, on_filter_report=report_writer(filter_report)
+    )
     click.echo(f"tokenizer saved to {path}")
 
 
 @train.command("filter")
 @corpus_option
 @filter_options(with_switch=False)
-@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the kept dialogues here as JSONL (a corpus for --corpus).")
-@click.option("--examples", type=click.IntRange(0, 1000), default=3, show_default=True,
-              help="Examples to show per rule.")
-def train_filter(corpus: str, filter_config: str | None, filter_disable: str, filter_set: tuple[str, ...],
-                 filter_report: str | None, out_path: str | None, examples: int) -> None:
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the kept dialogues here as JSONL (a corpus for --corpus).",
+)
+@click.option(
+    "--examples", type=click.IntRange(0, 1000), default=3, show_default=True, help="Examples to show per rule."
+)
+def train_filter(
+    corpus: str,
+    filter_config: str | None,
+    filter_disable: str,
+    filter_set: tuple[str, ...],
+    filter_report: str | None,
+    out_path: str | None,
+    examples: int,
+) -> None:
     """Filter a whole corpus and print what each rule removed (no training).
 
     Training commands filter their training split the same way; use this to tune the
@@ -143,8 +186,13 @@ def train_filter(corpus: str, filter_config: str | None, filter_disable: str, fi
 @train.command("model")
 @corpus_option
 @heldout_option
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Run folder: checkpoint.pt, and best/ (a Hugging Face model folder).")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Run folder: checkpoint.pt, and best/ (a Hugging Face model folder).",
+)
 @click.option("--reverse", is_flag=True, help="Train the reverse model P(source | response) for MMI.")
 @click.option("--tokenizer", "tokenizer_path", default=None, help="Tokenizer folder (default: train one).")
 @click.option("--init-from", default=None, help="Fine-tune this model (bundled name, folder or hub id).")
@@ -155,30 +203,72 @@ def train_filter(corpus: str, filter_config: str | None, filter_disable: str, fi
 @click.option("--n-positions", type=click.IntRange(16, 8192), default=512, show_default=True)
 @click.option("--dropout", type=click.FloatRange(0, 0.9), default=0.1, show_default=True)
 @click.option("--epochs", type=click.FloatRange(0.001, 10_000), default=10.0, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1, 65536), default=32, show_default=True,
-              help="Blocks per device per micro-batch.")
-@click.option("--grad-accum", type=click.IntRange(1, 65536), default=1, show_default=True,
-              help="Micro-batches per optimizer step (gradient accumulation).")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 65536),
+    default=32,
+    show_default=True,
+    help="Blocks per device per micro-batch.",
+)
+@click.option(
+    "--grad-accum",
+    type=click.IntRange(1, 65536),
+    default=1,
+    show_default=True,
+    help="Micro-batches per optimizer step (gradient accumulation).",
+)
 @click.option("--block-size", type=click.IntRange(8, 8192), default=256, show_default=True)
 @click.option("--lr", "learning_rate", type=click.FloatRange(1e-8, 1.0), default=1e-3, show_default=True)
 @click.option("--warmup-steps", type=click.IntRange(0, 10**9), default=100, show_default=True)
 @click.option("--eval-every", type=click.IntRange(1, 10**9), default=200, show_default=True)
-@click.option("--eval-blocks", type=click.IntRange(1, 10**9), default=None,
-              help="Evaluate only the first N held-out blocks (default: all).")
+@click.option(
+    "--eval-blocks",
+    type=click.IntRange(1, 10**9),
+    default=None,
+    help="Evaluate only the first N held-out blocks (default: all).",
+)
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--device", default=None, help="cpu, cuda ... (default: cuda when present).")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True)
-@click.option("--save-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float16", show_default=True)
+@click.option(
+    "--save-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float16", show_default=True
+)
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @filter_options(with_switch=True)
-def train_model(corpus: str, heldout: float, out_dir: str, reverse: bool, tokenizer_path: str | None,
-                init_from: str | None, vocab_size: int, n_layer: int, n_embd: int, n_head: int, n_positions: int,
-                dropout: float, epochs: float, batch_size: int, grad_accum: int, block_size: int,
-                learning_rate: float, warmup_steps: int, eval_every: int, eval_blocks: int | None, seed: int,
-                device: str | None, precision: str, save_dtype: str, resume: bool, quiet: bool, no_filter: bool,
-                filter_config: str | None, filter_disable: str, filter_set: tuple[str, ...],
-                filter_report: str | None) -> None:
+def train_model(
+    corpus: str,
+    heldout: float,
+    out_dir: str,
+    reverse: bool,
+    tokenizer_path: str | None,
+    init_from: str | None,
+    vocab_size: int,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    n_positions: int,
+    dropout: float,
+    epochs: float,
+    batch_size: int,
+    grad_accum: int,
+    block_size: int,
+    learning_rate: float,
+    warmup_steps: int,
+    eval_every: int,
+    eval_blocks: int | None,
+    seed: int,
+    device: str | None,
+    precision: str,
+    save_dtype: str,
+    resume: bool,
+    quiet: bool,
+    no_filter: bool,
+    filter_config: str | None,
+    filter_disable: str,
+    filter_set: tuple[str, ...],
+    filter_report: str | None,
+) -> None:
     """Train a GPT-2-architecture dialogue model from scratch, or fine-tune any causal LM
     (--init-from: GPT-2, Llama, Qwen2, Gemma ..., a folder, GGUF file or known name).
 
@@ -193,21 +283,44 @@ def train_model(corpus: str, heldout: float, out_dir: str, reverse: bool, tokeni
 
     try:
         shape = ModelShape(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, dropout=dropout)
-        config = TrainConfig(out_dir=out_dir, epochs=epochs, batch_size=batch_size, block_size=block_size,
-                             learning_rate=learning_rate, warmup_steps=warmup_steps, eval_every=eval_every,
-                             eval_blocks=eval_blocks, seed=seed, device=device, precision=precision,
-                             save_dtype=save_dtype, grad_accum=grad_accum)
+        config = TrainConfig(
+            out_dir=out_dir,
+            epochs=epochs,
+            batch_size=batch_size,
+            block_size=block_size,
+            learning_rate=learning_rate,
+            warmup_steps=warmup_steps,
+            eval_every=eval_every,
+            eval_blocks=eval_blocks,
+            seed=seed,
+            device=device,
+            precision=precision,
+            save_dtype=save_dtype,
+            grad_accum=grad_accum,
+        )
     except ValueError as error:
         raise OptionError(str(error)) from None
     filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
-    result = train_model_command(corpus, config, shape, tokenizer_path=tokenizer_path, init_from=init_from,
-                                 reverse=reverse, heldout=heldout, vocab_size=vocab_size, resume=resume,
-                                 progress=not quiet, filter_config=filtering,
-                                 on_filter_report=report_writer(filter_report))
+    result = train_model_command(
+        corpus,
+        config,
+        shape,
+        tokenizer_path=tokenizer_path,
+        init_from=init_from,
+        reverse=reverse,
+        heldout=heldout,
+        vocab_size=vocab_size,
+        resume=resume,
+        progress=not quiet,
+        filter_config=filtering,
+        on_filter_report=report_writer(filter_report),
+    )
     if not distributed_context().is_main:
         return
-    click.echo(f"best held-out loss {result.best_val_loss:.4f} (perplexity {result.best_val_perplexity:.2f}) "
-               f"at step {result.best_step}; {result.parameters:,} parameters; model in {out_dir}/best")
+    click.echo(
+        f"best held-out loss {result.best_val_loss:.4f} (perplexity {result.best_val_perplexity:.2f}) "
+        f"at step {result.best_step}; {result.parameters:,} parameters; model in {out_dir}/best"
+    )
 
 
 @chatcore.hookimpl(trylast=True)

@@ -20,6 +20,9 @@ import pytest
 
 import chatcore.plugin_manager as plugin_manager
 
+# The serving tests' engine (with steerers that fail, refuse to share a batch, or are slow).
+pytest_plugins = ["serving_steerers"]
+
 BUILTIN_TEST_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias")
 
 TINY_VOCAB_SIZE = 400

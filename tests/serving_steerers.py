@@ -4,8 +4,8 @@ batch, one that is slow enough for a test to act while a reply runs; and an engi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 

@@ -58,8 +58,13 @@ def test_blocks_run_by_hand_give_the_models_logits_with_cache_and_padding(tiny) 
         prompt, steps = 6, 3
         ours, theirs = anatomy.new_cache(), anatomy.new_cache()
         for start, end in [(0, prompt)] + [(prompt + i, prompt + i + 1) for i in range(steps)]:
-            expected = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end],
-                             position_ids=positions[:, start:end], past_key_values=theirs, use_cache=True).logits
+            expected = model(
+                input_ids=ids[:, start:end],
+                attention_mask=mask[:, :end],
+                position_ids=positions[:, start:end],
+                past_key_values=theirs,
+                use_cache=True,
+            ).logits
             got = manual_logits(anatomy, ids[:, start:end], mask[:, :end], positions[:, start:end], ours)
             real = mask[:, start:end].bool()
             torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
@@ -108,8 +113,9 @@ def test_head_hook_sees_every_head_and_silencing_them_all_removes_attention(tiny
 def test_a_model_without_blocks_is_refused_by_class_name() -> None:
     from transformers import BertConfig, BertForMaskedLM
 
-    model = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                       intermediate_size=32))
+    model = BertForMaskedLM(
+        BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )
     with pytest.raises(UnsupportedModelError, match="BertForMaskedLM"):
         anatomy_of(model)
 

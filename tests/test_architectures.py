@@ -17,21 +17,35 @@ CONTEXTS = [
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def chat_engine(request, tmp_path_factory):
-    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), architecture=request.param,
-                              chat_template=CHATML_TEMPLATE, layers=2, width=64, heads=4, positions=256)
+    folder = build_tiny_model(
+        tmp_path_factory.mktemp(request.param),
+        architecture=request.param,
+        chat_template=CHATML_TEMPLATE,
+        layers=2,
+        width=64,
+        heads=4,
+        positions=256,
+    )
     return make_engine(str(folder), "chatcore.plugins.bow_bias")
 
 
 def hf_greedy(engine, messages, max_new_tokens):
     chat = [{"role": m.role, "content": m.text} for m in messages]
-    inputs = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
-                                                  return_dict=True)
+    inputs = engine.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     stops = sorted(engine.prompt_format.stop_token_ids)
     banned = [[i] for i in sorted(engine.prompt_format.banned_token_ids)]
     with torch.no_grad():
-        output = engine.loaded.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
-                                              eos_token_id=stops, pad_token_id=stops[0], bad_words_ids=banned or None)
-    new = output[0, inputs["input_ids"].shape[1]:].tolist()
+        output = engine.loaded.model.generate(
+            **inputs,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=stops,
+            pad_token_id=stops[0],
+            bad_words_ids=banned or None,
+        )
+    new = output[0, inputs["input_ids"].shape[1] :].tolist()
     for index, token in enumerate(new):
         if token in stops:
             return new[:index]
@@ -58,8 +72,13 @@ def test_top_k_is_reproducible_and_bow_bias_steers(chat_engine):
     assert sampled(5) == sampled(5) and sampled(5)
     assert sampled(5) != sampled(6)
     plain = chat_engine.reply_to(["hi there"], seed=5, max_new_tokens=10, decoder="greedy").text()
-    steered = chat_engine.reply_to(["hi there"], seed=5, max_new_tokens=10, decoder="greedy",
-                                   steerers=[("bow-bias", {"words": "pizza", "strength": 50})])
+    steered = chat_engine.reply_to(
+        ["hi there"],
+        seed=5,
+        max_new_tokens=10,
+        decoder="greedy",
+        steerers=[("bow-bias", {"words": "pizza", "strength": 50})],
+    )
     # Random weights: the bias wins at every step, so every token starts (or is) the word.
     assert steered.text() != plain
     pieces = [chat_engine.tokenizer.decode([token]).strip().lower() for token in steered.token_ids]

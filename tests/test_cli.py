@@ -40,8 +40,9 @@ def assert_clean_failure(result, *needles):
 
 
 def test_generate_json(run, tiny_model_dir):
-    result = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "--seed", "4",
-                 "-n", "6", "--json", "hi")
+    result = run(
+        "generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "--seed", "4", "-n", "6", "--json", "hi"
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert {"text", "seed", "decoder", "steerers", "timings"} <= set(data)
@@ -55,9 +56,23 @@ def test_generate_json(run, tiny_model_dir):
 
 
 def test_generate_is_reproducible_and_takes_steerers(run, tiny_model_dir):
-    args = ("generate", "--model", str(tiny_model_dir), "--decoder", "top-k top_k=50 temperature=0.9",
-            "--steer", "bow-bias words=pizza,pasta strength=4", "--seed", "11", "-n", "8", "--json",
-            "hello", "hi there", "what do you like to eat?")
+    args = (
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--decoder",
+        "top-k top_k=50 temperature=0.9",
+        "--steer",
+        "bow-bias words=pizza,pasta strength=4",
+        "--seed",
+        "11",
+        "-n",
+        "8",
+        "--json",
+        "hello",
+        "hi there",
+        "what do you like to eat?",
+    )
     first, second = run(*args), run(*args)
     assert first.exit_code == 0, first.output
     a, b = json.loads(first.stdout), json.loads(second.stdout)
@@ -76,8 +91,18 @@ def test_generate_streams_plain_text(run, tiny_model_dir):
 
 
 def test_generate_reads_turns_from_stdin(run, tiny_model_dir):
-    result = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "4", "--json", "-",
-                 input="hello\n\nhi there\nhow are you?\n")
+    result = run(
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--decoder",
+        "greedy",
+        "-n",
+        "4",
+        "--json",
+        "-",
+        input="hello\n\nhi there\nhow are you?\n",
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["history_turns_used"] == 3
 
@@ -114,15 +139,19 @@ def test_bad_steerers_fail_with_one_clean_line(run, tiny_model_dir, args, needle
 
 def test_bad_messages_and_models_fail_cleanly(run, tiny_model_dir, tmp_path):
     assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "  "), "empty")
-    assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "--seed", "-5", "hi"),
-                         "`seed` must be a non-negative integer, got -5")
+    assert_clean_failure(
+        run("generate", "--model", str(tiny_model_dir), "--seed", "-5", "hi"),
+        "`seed` must be a non-negative integer, got -5",
+    )
     # A reply budget beyond the context is capped by the room the prompt leaves.
     capped = run("generate", "--model", str(tiny_model_dir), "-n", "200", "--json", "--seed", "1", "hi")
     assert capped.exit_code == 0, capped.output
     provenance = json.loads(capped.output)
     assert provenance["max_new_tokens"] == 128 - provenance["prompt_tokens"]
     assert len(provenance["token_ids"]) <= provenance["max_new_tokens"]
-    assert_clean_failure(run("generate", "--model", str(tmp_path / "no-such-model"), "hi"), "no-such-model' does not exist")
+    assert_clean_failure(
+        run("generate", "--model", str(tmp_path / "no-such-model"), "hi"), "no-such-model' does not exist"
+    )
 
 
 def test_debug_mode_shows_the_exception(run, tiny_model_dir, monkeypatch):
@@ -167,9 +196,11 @@ def test_help_lists_the_commands(run):
 
 
 def test_building_the_cli_imports_neither_torch_nor_transformers():
-    code = ("import sys; from chatcore.cli import build_cli; build_cli(); "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, "
-            "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))")
+    code = (
+        "import sys; from chatcore.cli import build_cli; build_cli(); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, "
+        "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))"
+    )
     env = dict(os.environ, CHATCORE_PLUGINS="")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert completed.returncode == 0, completed.stderr
@@ -189,22 +220,32 @@ def test_eval_fails_when_every_context_failed(run, tiny_model_dir):
 def test_generate_from_stdin_refuses_bytes_that_are_not_utf8(run, tiny_model_dir):
     bad = run("generate", "--model", str(tiny_model_dir), "-", input=b"hi \xff there\n")
     assert_clean_failure(bad, "the input is not UTF-8 text (bad byte at position 3)")
-    good = run("generate", "--model", str(tiny_model_dir), "--json", "--seed", "1", "-",
-               input="hello there\n\nhi! how are you?\nfine, thanks\n".encode())
+    good = run(
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--json",
+        "--seed",
+        "1",
+        "-",
+        input=b"hello there\n\nhi! how are you?\nfine, thanks\n",
+    )
     assert good.exit_code == 0, good.output
     assert json.loads(good.output)["history_turns_used"] == 3
 
 
 def test_output_files_in_missing_folders_fail_before_the_work(run, tiny_model_dir, tmp_path):
     missing = tmp_path / "no-such-folder" / "report.json"
-    assert_clean_failure(run("eval", "--model", "does-not-matter", "--json", str(missing)),
-                         "the folder", "does not exist")
+    assert_clean_failure(
+        run("eval", "--model", "does-not-matter", "--json", str(missing)), "the folder", "does not exist"
+    )
     from chatcore.adapters.conversation_log.location import sqlite_url
     from chatcore.adapters.conversation_log.store import ConversationStore
 
     ConversationStore(sqlite_url(tmp_path / "log.sqlite3")).close()
-    assert_clean_failure(run("logs", "--db", str(tmp_path / "log.sqlite3"), "export", "-o", str(missing)),
-                         "the folder", "does not exist")
+    assert_clean_failure(
+        run("logs", "--db", str(tmp_path / "log.sqlite3"), "export", "-o", str(missing)), "the folder", "does not exist"
+    )
     assert_clean_failure(run("eval", "--model", str(tiny_model_dir), "--json", str(tmp_path)), "it is a folder")
 
 

@@ -11,16 +11,26 @@ import torch
 from chatcore.cocon.block import CoconBlock, CoconConfig
 from chatcore.cocon.model_split import SplitModel, UnsupportedModelError
 from chatcore.cocon.pipeline import CoconPipeline
-from chatcore.cocon.store import (BlockMismatchError, check_compatible, load_block, model_fingerprint, read_info,
-                                  save_block)
+from chatcore.cocon.store import (
+    BlockMismatchError,
+    check_compatible,
+    load_block,
+    model_fingerprint,
+    read_info,
+    save_block,
+)
 from chatcore.decoding import GenerationSession
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import OptionError
 from chatcore.plugins.bow_bias import word_variants
 from chatcore.text import encode_text
 
-COCON_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias",
-                 "chatcore.plugins.cocon")
+COCON_PLUGINS = (
+    "chatcore.plugins.greedy",
+    "chatcore.plugins.top_k",
+    "chatcore.plugins.bow_bias",
+    "chatcore.plugins.cocon",
+)
 
 
 def random_block(n_embd: int, n_head: int, split_layer: int, seed: int = 0) -> CoconBlock:
@@ -35,8 +45,12 @@ def tiny_block_dir(loaded, tmp_path_factory):
     config = loaded.model.config
     block = random_block(config.n_embd, config.n_head, 1)
     directory = tmp_path_factory.mktemp("cocon-block")
-    save_block(block, directory, {"name": "tiny", "fingerprint": model_fingerprint(loaded.model, loaded.tokenizer)},
-               dtype="float32")
+    save_block(
+        block,
+        directory,
+        {"name": "tiny", "fingerprint": model_fingerprint(loaded.model, loaded.tokenizer)},
+        dtype="float32",
+    )
     return directory
 
 
@@ -143,27 +157,48 @@ def test_cached_steps_equal_a_full_recompute(loaded):
     split = SplitModel(loaded.model, 1)
     pipeline = CoconPipeline(split, random_block(split.n_embd, loaded.model.config.n_head, 1))
     tokenizer = loaded.tokenizer
-    content = pipeline.encode_content([encode_text(tokenizer, " pizza"), encode_text(tokenizer, " is great")],
-                                      [2.0, -1.0])
+    content = pipeline.encode_content(
+        [encode_text(tokenizer, " pizza"), encode_text(tokenizer, " is great")], [2.0, -1.0]
+    )
     history = len(encode_text(tokenizer, "what should we eat tonight?")) + 1
-    rows = [encode_text(tokenizer, "what should we eat tonight?") + [loaded.eos_token_id]
-            + encode_text(tokenizer, "maybe something warm and"),
-            encode_text(tokenizer, "what should we cook on friday?")[: history - 1] + [loaded.eos_token_id]
-            + encode_text(tokenizer, "i was thinking about soup")]
+    rows = [
+        encode_text(tokenizer, "what should we eat tonight?")
+        + [loaded.eos_token_id]
+        + encode_text(tokenizer, "maybe something warm and"),
+        encode_text(tokenizer, "what should we cook on friday?")[: history - 1]
+        + [loaded.eos_token_id]
+        + encode_text(tokenizer, "i was thinking about soup"),
+    ]
     length = min(len(r) for r in rows)
     sequences = torch.tensor([r[:length] for r in rows])  # (2, L)
     B = sequences.size(0)
     with torch.no_grad():
-        output = pipeline.forward(torch.ones(B, history), torch.arange(history).expand(B, -1), history, content,
-                                  input_ids=sequences[:, :history])
+        output = pipeline.forward(
+            torch.ones(B, history),
+            torch.arange(history).expand(B, -1),
+            history,
+            content,
+            input_ids=sequences[:, :history],
+        )
         cached = [output.logits]
         for position in range(history, length - 1):
-            output = pipeline.forward(torch.ones(B, position + 1), torch.full((B, 1), position), history, content,
-                                      input_ids=sequences[:, position : position + 1], cache=output.cache)
+            output = pipeline.forward(
+                torch.ones(B, position + 1),
+                torch.full((B, 1), position),
+                history,
+                content,
+                input_ids=sequences[:, position : position + 1],
+                cache=output.cache,
+            )
             cached.append(output.logits)
         alpha_hidden = split.hidden_at_split(sequences[:, :-1])
-        full, _ = pipeline.full_forward(alpha_hidden, history, content.keys.expand(B, -1, -1, -1),
-                                        content.values.expand(B, -1, -1, -1), content.bias)
+        full, _ = pipeline.full_forward(
+            alpha_hidden,
+            history,
+            content.keys.expand(B, -1, -1, -1),
+            content.values.expand(B, -1, -1, -1),
+            content.bias,
+        )
     assert output.cache.length == length - 1
     assert torch.allclose(torch.stack(cached, dim=1), full, atol=1e-4)
 
@@ -199,8 +234,9 @@ def test_cocon_settings_are_validated(cocon_engine):
 
 def test_a_content_longer_than_the_models_positions_is_a_clear_error(cocon_engine, tiny_block_dir, loaded):
     content = "pizza " * (loaded.max_positions + 10)
-    options = ReplyOptions(decoder="greedy", max_new_tokens=2,
-                           steerers=[("cocon", {"content": (content,), "block": str(tiny_block_dir)})])
+    options = ReplyOptions(
+        decoder="greedy", max_new_tokens=2, steerers=[("cocon", {"content": (content,), "block": str(tiny_block_dir)})]
+    )
     with pytest.raises(Exception, match=r"`content` .* tokens long; .* takes at most"):
         cocon_engine.conversation().send("hi", options).text()
 
@@ -209,9 +245,14 @@ def test_tau_defaults_to_the_blocks_own(cocon_engine, tiny_block_dir, tmp_path):
     import shutil
 
     def taus(block: str, settings: dict) -> list[float]:
-        response = cocon_engine.conversation().send("hi there", ReplyOptions(
-            decoder="greedy", steerers=[("cocon", {"content": "pizza,dog", "block": block, **settings})],
-            max_new_tokens=2))
+        response = cocon_engine.conversation().send(
+            "hi there",
+            ReplyOptions(
+                decoder="greedy",
+                steerers=[("cocon", {"content": "pizza,dog", "block": block, **settings})],
+                max_new_tokens=2,
+            ),
+        )
         response.text()
         return response.provenance["details"]["cocon"]["tau"]
 
@@ -243,16 +284,24 @@ def test_cocon_replies_under_every_decoder_and_composes_after(cocon_engine, tiny
     settings = {"content": "pizza", "tau": "2", "block": str(tiny_block_dir)}
     for decoder in ("greedy", "top-k"):
         response = cocon_engine.conversation().send(
-            "what should we eat?", ReplyOptions(decoder=decoder, steerers=[("cocon", settings)], seed=1,
-                                                min_new_tokens=6, max_new_tokens=6))
+            "what should we eat?",
+            ReplyOptions(decoder=decoder, steerers=[("cocon", settings)], seed=1, min_new_tokens=6, max_new_tokens=6),
+        )
         response.text()
         assert len(response.token_ids) == 6
         assert response.provenance["details"]["cocon"]["content_tokens"] == [
-            len(encode_text(cocon_engine.tokenizer, " pizza"))]
+            len(encode_text(cocon_engine.tokenizer, " pizza"))
+        ]
     # A logit steerer after cocon wraps the cocon step: its bias decides the first token.
     steered = cocon_engine.conversation().send(
-        "what should we eat?", ReplyOptions(decoder="greedy", min_new_tokens=4, max_new_tokens=4, steerers=[
-            ("cocon", settings), ("bow-bias", {"words": "pizza", "strength": "100"})]))
+        "what should we eat?",
+        ReplyOptions(
+            decoder="greedy",
+            min_new_tokens=4,
+            max_new_tokens=4,
+            steerers=[("cocon", settings), ("bow-bias", {"words": "pizza", "strength": "100"})],
+        ),
+    )
     steered.text()
     first_tokens = {encode_text(cocon_engine.tokenizer, form)[0] for form in word_variants("pizza")}
     assert steered.token_ids[0] in first_tokens
@@ -261,8 +310,9 @@ def test_cocon_replies_under_every_decoder_and_composes_after(cocon_engine, tiny
 def test_cocon_must_come_first(cocon_engine, tiny_block_dir):
     from chatcore.errors import OptionError
 
-    options = ReplyOptions(steerers=[("bow-bias", {"words": "pizza"}),
-                                     ("cocon", {"content": "pizza", "block": str(tiny_block_dir)})])
+    options = ReplyOptions(
+        steerers=[("bow-bias", {"words": "pizza"}), ("cocon", {"content": "pizza", "block": str(tiny_block_dir)})]
+    )
     conversation = cocon_engine.conversation()
     conversation.add_user("hi")
     with pytest.raises(OptionError, match="must come first"):  # refused before any decoding
@@ -278,8 +328,15 @@ def test_cocon_decodes_several_rows_in_one_batch(cocon_engine, loaded, tiny_bloc
         return scores.argmax(-1)
 
     def decode(prompt_list):
-        session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=5,
-                                    generator=torch.Generator().manual_seed(0), seed=0, min_new_tokens=5)
+        session = GenerationSession(
+            model=loaded,
+            prompt_ids=prompt,
+            steerers=[steerer],
+            max_new_tokens=5,
+            generator=torch.Generator().manual_seed(0),
+            seed=0,
+            min_new_tokens=5,
+        )
         steerer.prepare(session)
         return torch.stack(list(session.run([], greedy, prompts=prompt_list)), dim=1)  # (B, 5)
 
@@ -333,8 +390,14 @@ def test_empty_content_stays_close_to_the_plain_model(bundled_pipeline):
     """Null-content training: with no content the block barely moves the next-token distribution."""
     bundled, pipeline = bundled_pipeline
     tokenizer, eos = bundled.tokenizer, bundled.eos_token_id
-    contexts = ["hi, how are you?", "what do you do for fun?", "i just got back from a trip to the mountains",
-                "do you have any pets?", "what kind of music do you like?", "i am so tired today"]
+    contexts = [
+        "hi, how are you?",
+        "what do you do for fun?",
+        "i just got back from a trip to the mountains",
+        "do you have any pets?",
+        "what kind of music do you like?",
+        "i am so tired today",
+    ]
     kls, agree, total = [], 0, 0
     with torch.no_grad():
         for text in contexts:
@@ -372,8 +435,10 @@ def test_empty_content_stays_close_after_a_long_history(bundled_pipeline):
 
     # The longest of the benchmark's 6-turn prompts, and prompts of long conversations
     # that fill most of the model's positions (there the block shipped before drifted to KL 1.3).
-    for rows, shortest, limit in ((longest(chitchat_heldout()[:100], 8), 200, 0.1),
-                                  (longest(chitchat_heldout(40), 8), 420, 0.2)):
+    for rows, shortest, limit in (
+        (longest(chitchat_heldout()[:100], 8), 200, 0.1),
+        (longest(chitchat_heldout(40), 8), 420, 0.2),
+    ):
         assert rows[0][0] >= shortest, [length for length, _, _ in rows]
         kls = []
         with torch.no_grad():
@@ -403,8 +468,9 @@ def test_content_raises_the_content_word_with_the_bundled_block(bundled_pipeline
                 probabilities = []
                 for tau in (-2.0, 0.0, 2.0):
                     content = pipeline.encode_content([[token]], [tau])
-                    logits, _ = pipeline.full_forward(alpha_hidden, len(reply_start), content.keys, content.values,
-                                                      content.bias)
+                    logits, _ = pipeline.full_forward(
+                        alpha_hidden, len(reply_start), content.keys, content.values, content.bias
+                    )
                     probabilities.append(float(torch.softmax(logits[0, -1], -1)[token]))
             assert probabilities == sorted(probabilities), (word, context, probabilities)
             ratios.append(probabilities[1] / null)
@@ -418,13 +484,38 @@ def test_training_writes_a_loadable_block_and_resumes(loaded, tiny_model_dir, tm
     from chatcore.cocon.training import CoconTrainConfig, train_cocon
 
     corpus = tmp_path / "dialogues.jsonl"
-    lines = [{"turns": ["hi there, how are you doing today?", "i am fine thanks, and you? what are you up to",
-                        "not much, just cooking some pasta for dinner tonight", "sounds great, enjoy your meal"]}]
+    lines = [
+        {
+            "turns": [
+                "hi there, how are you doing today?",
+                "i am fine thanks, and you? what are you up to",
+                "not much, just cooking some pasta for dinner tonight",
+                "sounds great, enjoy your meal",
+            ]
+        }
+    ]
     corpus.write_text("\n".join(json.dumps(line) for line in lines * 6) + "\n")
-    config = dict(out_dir=str(tmp_path / "run"), model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0,
-                  batch_size=4, history_tokens=8, continuation_tokens=6, cycle_tokens=3, cycle_batch_size=2,
-                  cycle_from_step=1, adv_from_step=1, disc_every=1, eval_every=2, eval_windows=4, warmup_steps=1,
-                  no_history_share=0.5, min_history_tokens=3, plain_target=0.5, device="cpu")
+    config = dict(
+        out_dir=str(tmp_path / "run"),
+        model=str(tiny_model_dir),
+        corpus=str(corpus),
+        heldout=0.0,
+        batch_size=4,
+        history_tokens=8,
+        continuation_tokens=6,
+        cycle_tokens=3,
+        cycle_batch_size=2,
+        cycle_from_step=1,
+        adv_from_step=1,
+        disc_every=1,
+        eval_every=2,
+        eval_windows=4,
+        warmup_steps=1,
+        no_history_share=0.5,
+        min_history_tokens=3,
+        plain_target=0.5,
+        device="cpu",
+    )
     result = train_cocon(CoconTrainConfig(steps=2, **config), progress=False)
     assert result.steps == 2 and set(result.heldout) == {"plain", "null", "self", "word", "null_kl"}
     assert result.heldout["null_kl"] >= 0.0
@@ -439,16 +530,40 @@ def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_bl
     from chatcore.cocon.training import CoconTrainConfig, train_cocon
 
     corpus = tmp_path / "dialogues.jsonl"
-    lines = [{"turns": ["do you like to cook pasta at home?", "yes, i cook pasta every sunday with my kids",
-                        "that sounds lovely, what sauce do you make", "mostly tomato and basil from the garden"]}]
+    lines = [
+        {
+            "turns": [
+                "do you like to cook pasta at home?",
+                "yes, i cook pasta every sunday with my kids",
+                "that sounds lovely, what sauce do you make",
+                "mostly tomato and basil from the garden",
+            ]
+        }
+    ]
     corpus.write_text("\n".join(json.dumps(line) for line in lines * 6) + "\n")
-    config = dict(model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, batch_size=4, history_tokens=8,
-                  continuation_tokens=6, cycle_weight=0.0, adv_weight=0.0, eval_every=1, eval_windows=4,
-                  warmup_steps=0, short_content_share=1.0, span_weight=4.0, learning_rate=1e-8, dropout=0.0,
-                  device="cpu")
+    config = dict(
+        model=str(tiny_model_dir),
+        corpus=str(corpus),
+        heldout=0.0,
+        batch_size=4,
+        history_tokens=8,
+        continuation_tokens=6,
+        cycle_weight=0.0,
+        adv_weight=0.0,
+        eval_every=1,
+        eval_windows=4,
+        warmup_steps=0,
+        short_content_share=1.0,
+        span_weight=4.0,
+        learning_rate=1e-8,
+        dropout=0.0,
+        device="cpu",
+    )
     start, _ = load_block(tiny_block_dir)
-    tuned = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "tuned"), init_block=str(tiny_block_dir), steps=1,
-                                         **config), progress=False)
+    tuned = train_cocon(
+        CoconTrainConfig(out_dir=str(tmp_path / "tuned"), init_block=str(tiny_block_dir), steps=1, **config),
+        progress=False,
+    )
     fresh = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "fresh"), steps=1, **config), progress=False)
     tuned_block, tuned_info = load_block(tuned.block_dir)
     fresh_block, fresh_info = load_block(fresh.block_dir)
@@ -457,8 +572,7 @@ def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_bl
     assert "init_block_training" not in fresh_info["training"]
     weight = "mlp_in.weight"
     assert torch.allclose(tuned_block.state_dict()[weight].float(), start.state_dict()[weight].float(), atol=1e-3)
-    assert not torch.allclose(fresh_block.state_dict()[weight].float(), start.state_dict()[weight].float(),
-                              atol=1e-3)
+    assert not torch.allclose(fresh_block.state_dict()[weight].float(), start.state_dict()[weight].float(), atol=1e-3)
 
 
 def test_the_span_weight_weighs_the_content_positions():
@@ -487,8 +601,9 @@ def test_the_plain_target_mixes_the_text_with_the_plain_models_distribution():
     one_hot = torch.nn.functional.one_hot(targets, 11).float()
     assert torch.allclose(mixed_lm_loss(logits, targets, weights, one_hot, torch.ones(2, 5)), text_only)
     half = mixed_lm_loss(logits, targets, weights, teacher, torch.full((2, 5), 0.5))
-    assert torch.allclose(half, 0.5 * text_only + 0.5 * mixed_lm_loss(logits, targets, weights, teacher,
-                                                                      torch.ones(2, 5)))
+    assert torch.allclose(
+        half, 0.5 * text_only + 0.5 * mixed_lm_loss(logits, targets, weights, teacher, torch.ones(2, 5))
+    )
     # With the teacher's own distribution as the target, the loss is at its minimum: no gradient.
     own = torch.softmax(logits.detach(), -1)
     mixed_lm_loss(logits, targets, weights, own, torch.ones(2, 5)).backward()
@@ -523,8 +638,15 @@ def test_train_cocon_command_is_registered():
     assert "cocon" in train.commands
     result = CliRunner().invoke(train, ["cocon", "--help"])
     assert result.exit_code == 0
-    for option in ("--cycle-from-step", "--adv-from-step", "--resume", "--device", "--null-weight",
-                   "--min-history-tokens", "--plain-target"):
+    for option in (
+        "--cycle-from-step",
+        "--adv-from-step",
+        "--resume",
+        "--device",
+        "--null-weight",
+        "--min-history-tokens",
+        "--plain-target",
+    ):
         assert option in result.output
 
 
@@ -548,9 +670,12 @@ def family_block_dir(family_model, tmp_path_factory):
     split = SplitModel(family_model.model, 1)
     block = random_block(split.n_embd, split.n_head, 1)
     directory = tmp_path_factory.mktemp("family-block")
-    save_block(block, directory, {"name": family_model.name,
-                                  "fingerprint": model_fingerprint(family_model.model, family_model.tokenizer)},
-               dtype="float32")
+    save_block(
+        block,
+        directory,
+        {"name": family_model.name, "fingerprint": model_fingerprint(family_model.model, family_model.tokenizer)},
+        dtype="float32",
+    )
     return directory
 
 
@@ -566,8 +691,13 @@ def test_alpha_then_beta_equals_the_plain_model_with_cache_and_left_padding(fami
         for start, end in ((0, 6), (6, 7), (7, 8), (8, 10), (10, 10)):
             if start == end:
                 break
-            expected = model(input_ids=ids[:, start:end], attention_mask=valid[:, :end],
-                             position_ids=positions[:, start:end], past_key_values=theirs, use_cache=True).logits
+            expected = model(
+                input_ids=ids[:, start:end],
+                attention_mask=valid[:, :end],
+                position_ids=positions[:, start:end],
+                past_key_values=theirs,
+                use_cache=True,
+            ).logits
             embeddings = split.embed(positions[:, start:end], input_ids=ids[:, start:end])
             inputs = split.pass_inputs(embeddings, positions[:, start:end], valid[:, :end], ours)
             mine = split.head(split.beta(split.alpha(embeddings, inputs), inputs))
@@ -582,16 +712,31 @@ def test_cached_cocon_steps_equal_a_full_recompute_on_every_family(family_model)
     sequences = torch.randint(5, 400, (2, 12), generator=torch.Generator().manual_seed(1))
     history, B = 5, 2
     with torch.no_grad():
-        output = pipeline.forward(torch.ones(B, history), torch.arange(history).expand(B, -1), history, content,
-                                  input_ids=sequences[:, :history])
+        output = pipeline.forward(
+            torch.ones(B, history),
+            torch.arange(history).expand(B, -1),
+            history,
+            content,
+            input_ids=sequences[:, :history],
+        )
         cached = [output.logits]
         for position in range(history, 11):
-            output = pipeline.forward(torch.ones(B, position + 1), torch.full((B, 1), position), history, content,
-                                      input_ids=sequences[:, position : position + 1], cache=output.cache)
+            output = pipeline.forward(
+                torch.ones(B, position + 1),
+                torch.full((B, 1), position),
+                history,
+                content,
+                input_ids=sequences[:, position : position + 1],
+                cache=output.cache,
+            )
             cached.append(output.logits)
-        full, _ = pipeline.full_forward(split.hidden_at_split(sequences[:, :-1]), history,
-                                        content.keys.expand(B, -1, -1, -1), content.values.expand(B, -1, -1, -1),
-                                        content.bias)
+        full, _ = pipeline.full_forward(
+            split.hidden_at_split(sequences[:, :-1]),
+            history,
+            content.keys.expand(B, -1, -1, -1),
+            content.values.expand(B, -1, -1, -1),
+            content.bias,
+        )
     torch.testing.assert_close(torch.stack(cached, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
@@ -603,9 +748,17 @@ def test_cocon_replies_on_every_family_under_greedy_top_k_and_mmi(family_model, 
     replies = {}
     for decoder, settings in (("greedy", {}), ("top-k", {}), ("mmi", {"candidates": 2})):
         for steerers in ([], [cocon]):
-            response = engine.conversation().send("what should we eat?", ReplyOptions(
-                decoder=decoder, decoder_settings=settings, steerers=steerers, seed=3, min_new_tokens=5,
-                max_new_tokens=5))
+            response = engine.conversation().send(
+                "what should we eat?",
+                ReplyOptions(
+                    decoder=decoder,
+                    decoder_settings=settings,
+                    steerers=steerers,
+                    seed=3,
+                    min_new_tokens=5,
+                    max_new_tokens=5,
+                ),
+            )
             response.text()
             assert len(response.token_ids) == 5
             replies[decoder, bool(steerers)] = response.token_ids
@@ -623,8 +776,9 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
     from chatcore.plugins.train_commands import train
     from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
 
-    folder = build_tiny_model(tmp_path / "llama", architecture="llama", layers=3, heads=4,
-                              chat_template=CHATML_TEMPLATE)  # trained on windows rendered in its template
+    folder = build_tiny_model(
+        tmp_path / "llama", architecture="llama", layers=3, heads=4, chat_template=CHATML_TEMPLATE
+    )  # trained on windows rendered in its template
     loaded = load_model(str(folder), device="cpu", dtype="float32")
     engine = make_engine(loaded, *COCON_PLUGINS[2:])
     with pytest.raises(BlockMismatchError) as refused:
@@ -632,13 +786,46 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
     command = str(refused.value).split("`")[1]  # chatcore train cocon --model FOLDER --out DIR
     assert command.startswith("chatcore train cocon --model ")
     corpus = tmp_path / "dialogues.jsonl"
-    lines = [{"turns": ["hi there, how are you doing today?", "i am fine thanks, and you? what are you up to",
-                        "not much, just cooking some pasta for dinner tonight", "sounds great, enjoy your meal"]}]
+    lines = [
+        {
+            "turns": [
+                "hi there, how are you doing today?",
+                "i am fine thanks, and you? what are you up to",
+                "not much, just cooking some pasta for dinner tonight",
+                "sounds great, enjoy your meal",
+            ]
+        }
+    ]
     corpus.write_text("\n".join(json.dumps(line) for line in lines * 6) + "\n")
     arguments = shlex.split(command.replace("DIR", str(tmp_path / "run")))[2:] + [
-        "--corpus", str(corpus), "--heldout", "0", "--steps", "3", "--batch-size", "4", "--history-tokens", "8",
-        "--min-history-tokens", "2", "--continuation-tokens", "6", "--cycle-from-step", "1", "--adv-from-step", "1",
-        "--cycle-tokens", "3", "--plain-target", "0.5", "--eval-every", "3", "--device", "cpu", "--quiet"]
+        "--corpus",
+        str(corpus),
+        "--heldout",
+        "0",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--history-tokens",
+        "8",
+        "--min-history-tokens",
+        "2",
+        "--continuation-tokens",
+        "6",
+        "--cycle-from-step",
+        "1",
+        "--adv-from-step",
+        "1",
+        "--cycle-tokens",
+        "3",
+        "--plain-target",
+        "0.5",
+        "--eval-every",
+        "3",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     cocon.register_commands(None)
     result = CliRunner().invoke(train, arguments)
     assert result.exit_code == 0, result.output
@@ -647,9 +834,15 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
     assert (block.config.n_embd, block.config.n_head, block.config.split_layer) == (32, 4, 1)
     assert info["base_model"]["fingerprint"]["n_layer"] == 3
     assert info["base_model"]["fingerprint"]["model_type"] == "llama"
-    response = engine.conversation().send("what should we eat?", ReplyOptions(
-        decoder="greedy", max_new_tokens=4, min_new_tokens=4,
-        steerers=[("cocon", {"content": "pasta", "block": str(tmp_path / "run" / "block")})]))
+    response = engine.conversation().send(
+        "what should we eat?",
+        ReplyOptions(
+            decoder="greedy",
+            max_new_tokens=4,
+            min_new_tokens=4,
+            steerers=[("cocon", {"content": "pasta", "block": str(tmp_path / "run" / "block")})],
+        ),
+    )
     response.text()
     assert len(response.token_ids) == 4
 
@@ -686,8 +879,13 @@ def test_cocon_on_smollm2_splits_exactly_and_replies_with_a_fresh_block(smollm2,
     from chatcore.testing import make_engine
 
     split = SplitModel(smollm2.model, 10)
-    ids = torch.tensor([smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "hi, how are you?"}],
-                                                              add_generation_prompt=True, return_dict=False)])
+    ids = torch.tensor(
+        [
+            smollm2.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi, how are you?"}], add_generation_prompt=True, return_dict=False
+            )
+        ]
+    )
     with torch.no_grad():
         embeddings = split.embed(torch.arange(ids.size(1))[None], input_ids=ids)
         inputs = split.pass_inputs(embeddings)
@@ -695,11 +893,16 @@ def test_cocon_on_smollm2_splits_exactly_and_replies_with_a_fresh_block(smollm2,
         torch.testing.assert_close(mine, smollm2.model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     block = CoconBlock(CoconConfig(split.n_embd, split.n_head, 10, dropout=0.0))
     assert block.head_dim == 64
-    save_block(block, tmp_path, {"name": "smollm2", "fingerprint": model_fingerprint(smollm2.model,
-                                                                                     smollm2.tokenizer)})
+    save_block(block, tmp_path, {"name": "smollm2", "fingerprint": model_fingerprint(smollm2.model, smollm2.tokenizer)})
     engine = make_engine(smollm2, *COCON_PLUGINS[2:])
-    response = engine.conversation().send("what should we eat?", ReplyOptions(
-        decoder="greedy", max_new_tokens=4, min_new_tokens=4,
-        steerers=[("cocon", {"content": "pizza", "block": str(tmp_path)})]))
+    response = engine.conversation().send(
+        "what should we eat?",
+        ReplyOptions(
+            decoder="greedy",
+            max_new_tokens=4,
+            min_new_tokens=4,
+            steerers=[("cocon", {"content": "pizza", "block": str(tmp_path)})],
+        ),
+    )
     assert response.text() and len(response.token_ids) == 4
     assert response.provenance["details"]["cocon"]["split_layer"] == 10

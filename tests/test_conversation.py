@@ -79,7 +79,7 @@ def test_long_history_drops_oldest_turns_and_still_replies(engine, tokenizer, lo
     assert plan.turns_used + plan.turns_dropped == len(texts)
     assert len(plan.token_ids) <= budget
     eos = tokenizer.eos_token_id
-    kept = texts[-plan.turns_used:]
+    kept = texts[-plan.turns_used :]
     assert plan.token_ids == [t for text in kept for t in encode_text(tokenizer, text) + [eos]]
     # one more turn would not have fit
     older = encode_text(tokenizer, texts[-plan.turns_used - 1])
@@ -105,7 +105,7 @@ def test_a_too_long_newest_turn_keeps_its_most_recent_tokens(engine, tokenizer, 
     budget = loaded.max_positions - max_new
     assert len(ids) + 1 > budget
     plan = conversation.prompt(max_new)
-    assert plan.token_ids == ids[-(budget - 1):] + [tokenizer.eos_token_id]
+    assert plan.token_ids == ids[-(budget - 1) :] + [tokenizer.eos_token_id]
     assert (plan.turns_used, plan.turns_dropped, plan.truncated_tokens) == (1, 1, len(ids) - (budget - 1))
     response = conversation.reply(ReplyOptions(decoder="greedy", max_new_tokens=max_new, min_new_tokens=max_new))
     assert len(response.text()) > 0
@@ -229,8 +229,13 @@ def test_reply_options_are_validated(kwargs, needle):
 
 
 def sample(engine, seed, message="tell me about your day"):
-    options = ReplyOptions(decoder="top-k", decoder_settings={"top_k": 100, "temperature": 1.2}, seed=seed,
-                           min_new_tokens=12, max_new_tokens=12)
+    options = ReplyOptions(
+        decoder="top-k",
+        decoder_settings={"top_k": 100, "temperature": 1.2},
+        seed=seed,
+        min_new_tokens=12,
+        max_new_tokens=12,
+    )
     response = engine.conversation().send(message, options)
     response.text()
     return response
@@ -245,8 +250,9 @@ def test_same_seed_same_reply(engine):
 
 
 def test_a_random_seed_is_recorded_and_reproduces_the_reply(engine):
-    options = ReplyOptions(decoder="top-k", decoder_settings={"top_k": 100, "temperature": 1.2},
-                           min_new_tokens=12, max_new_tokens=12)
+    options = ReplyOptions(
+        decoder="top-k", decoder_settings={"top_k": 100, "temperature": 1.2}, min_new_tokens=12, max_new_tokens=12
+    )
     response = engine.conversation().send("tell me about your day", options)
     response.text()
     seed = response.provenance["seed"]
@@ -256,13 +262,19 @@ def test_a_random_seed_is_recorded_and_reproduces_the_reply(engine):
 
 def test_provenance_describes_the_reply(engine, loaded):
     response = engine.conversation().send(
-        "hi", ReplyOptions(decoder="greedy", decoder_settings={"repetition_penalty": "1.2"}, seed=3,
-                           steerers=[("bow-bias", {"words": "pizza"})], max_new_tokens=5))
+        "hi",
+        ReplyOptions(
+            decoder="greedy",
+            decoder_settings={"repetition_penalty": "1.2"},
+            seed=3,
+            steerers=[("bow-bias", {"words": "pizza"})],
+            max_new_tokens=5,
+        ),
+    )
     data = response.to_dict()
     assert data["text"] == response.text()
     assert data["model"] == loaded.name
-    assert data["decoder"] == {"name": "greedy",
-                               "settings": {"no_repeat_ngram_size": 0, "repetition_penalty": 1.2}}
+    assert data["decoder"] == {"name": "greedy", "settings": {"no_repeat_ngram_size": 0, "repetition_penalty": 1.2}}
     assert data["steerers"][0]["name"] == "bow-bias"
     assert data["steerers"][0]["settings"]["words"] == ["pizza"]
     assert data["seed"] == 3 and data["max_new_tokens"] == 5
@@ -303,16 +315,16 @@ class Recorder:
 
     @chatcore.hookimpl
     def on_response(self, conversation, response):
-        self.events.append(("response", response.text(), response.done, conversation.turns[-1].text,
-                            response.interrupted))
+        self.events.append(
+            ("response", response.text(), response.done, conversation.turns[-1].text, response.interrupted)
+        )
 
 
 def test_user_message_and_response_hooks_fire(engine):
     recorder = Recorder()
     assert engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
-    response = conversation.send("  hello\nthere ", ReplyOptions(decoder="greedy", min_new_tokens=6,
-                                                                  max_new_tokens=6))
+    response = conversation.send("  hello\nthere ", ReplyOptions(decoder="greedy", min_new_tokens=6, max_new_tokens=6))
     assert recorder.events == [("user", "hello there", True, 1)]  # before any generation
     text = response.text()
     assert recorder.events[1:] == [("response", text, True, text, False)]

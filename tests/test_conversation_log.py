@@ -64,12 +64,20 @@ def test_a_new_log_is_wal_with_indexes_and_a_schema_version(store, db_path):
     assert store.journal_mode() == "wal"
     assert raw_rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     indexes = {name for (name,) in raw_rows(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
-    assert {"ix_conversations_updated", "ix_conversations_channel_updated", "ix_conversations_created",
-            "ix_messages_conversation_id"} <= indexes
+    assert {
+        "ix_conversations_updated",
+        "ix_conversations_channel_updated",
+        "ix_conversations_created",
+        "ix_messages_conversation_id",
+    } <= indexes
     assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(2,)]
     assert raw_rows(db_path, "SELECT version_num FROM alembic_version") == [("0002",)]
-    plan = " ".join(str(row) for row in raw_rows(
-        db_path, "EXPLAIN QUERY PLAN SELECT id FROM conversations WHERE channel_key = 'x' ORDER BY updated DESC"))
+    plan = " ".join(
+        str(row)
+        for row in raw_rows(
+            db_path, "EXPLAIN QUERY PLAN SELECT id FROM conversations WHERE channel_key = 'x' ORDER BY updated DESC"
+        )
+    )
     assert "ix_conversations_channel_updated" in plan
     if sqlite3.sqlite_version_info >= (3, 34):
         assert store.fts
@@ -104,15 +112,16 @@ def test_list_show_search_and_delete(store):
     assert store.latest_conversation_id(adapter="repl") == "aa11"
 
     record = store.get_conversation("aa1")  # a unique prefix is enough
-    assert record.id == "aa11" and [m.text for m in record.messages] == ["I like PIZZA a lot",
-                                                                         "pizza is great 100% of the time"]
+    assert record.id == "aa11" and [m.text for m in record.messages] == [
+        "I like PIZZA a lot",
+        "pizza is great 100% of the time",
+    ]
     with pytest.raises(UnknownConversationError, match="starts several"):
         store.get_conversation("aa")
     with pytest.raises(UnknownConversationError, match="no conversation 'zz'"):
         store.get_conversation("zz")
 
-    assert [h.message.text for h in store.search("pizza")] == ["pizza is great 100% of the time",
-                                                             "I like PIZZA a lot"]
+    assert [h.message.text for h in store.search("pizza")] == ["pizza is great 100% of the time", "I like PIZZA a lot"]
     assert [h.message.text for h in store.search("ok")] == ["ok"]  # shorter than a trigram: LIKE
     assert [h.message.text for h in store.search("100%")] == ["pizza is great 100% of the time"]
     assert [h.conversation_id for h in store.search('"hi"')] == ["aa22"]  # quotes are text, not FTS syntax
@@ -135,14 +144,20 @@ def make_version_1_log(db_path):
         config = schema_module._alembic_config(connection)
         command.upgrade(config, "0001")
         connection.exec_driver_sql("DROP TABLE alembic_version")
-        connection.exec_driver_sql("INSERT INTO conversations VALUES ('old', '2024-01-01 00:00:00', "
-                                   "'2024-01-01 00:00:00', 'repl', NULL, NULL, 'old chat', '{}')")
-        connection.exec_driver_sql("INSERT INTO messages (conversation_id, role, text, created, interrupted, "
-                                   "superseded) VALUES ('old', 'user', 'an old pizza message', "
-                                   "'2024-01-01 00:00:00', 0, 0)")
+        connection.exec_driver_sql(
+            "INSERT INTO conversations VALUES ('old', '2024-01-01 00:00:00', "
+            "'2024-01-01 00:00:00', 'repl', NULL, NULL, 'old chat', '{}')"
+        )
+        connection.exec_driver_sql(
+            "INSERT INTO messages (conversation_id, role, text, created, interrupted, "
+            "superseded) VALUES ('old', 'user', 'an old pizza message', "
+            "'2024-01-01 00:00:00', 0, 0)"
+        )
         # Killed between two statements of the old, untransacted search set-up.
-        connection.exec_driver_sql("CREATE VIRTUAL TABLE messages_fts USING fts5(text, content='messages', "
-                                   "content_rowid='id', tokenize='trigram')")
+        connection.exec_driver_sql(
+            "CREATE VIRTUAL TABLE messages_fts USING fts5(text, content='messages', "
+            "content_rowid='id', tokenize='trigram')"
+        )
 
 
 def test_a_version_1_log_is_upgraded_in_place(db_path):
@@ -223,8 +238,12 @@ def test_the_hooks_write_every_turn_with_its_provenance(engine, store, log_plugi
 
 def test_steerers_and_their_settings_are_logged(engine, store, log_plugin):
     conversation = engine.conversation()
-    conversation.send("what should we eat?", decoder="greedy", max_new_tokens=3,
-                      steerers=[("bow-bias", {"words": "pizza,pasta", "strength": "3"})]).text()
+    conversation.send(
+        "what should we eat?",
+        decoder="greedy",
+        max_new_tokens=3,
+        steerers=[("bow-bias", {"words": "pizza,pasta", "strength": "3"})],
+    ).text()
     bot = store.get_conversation(conversation.id).messages[-1]
     assert bot.steerers[0]["name"] == "bow-bias"
     assert bot.steerers[0]["settings"]["words"] == ["pizza", "pasta"]
@@ -253,7 +272,13 @@ def test_a_regenerated_reply_supersedes_the_old_one_and_resume_matches(engine, s
 
     record = store.get_conversation(conversation.id)
     assert [(m.role, m.superseded) for m in record.messages] == [
-        ("user", False), ("bot", False), ("user", False), ("bot", True), ("bot", False), ("bot", False)]
+        ("user", False),
+        ("bot", False),
+        ("user", False),
+        ("bot", True),
+        ("bot", False),
+        ("bot", False),
+    ]
     # Counts (`logs list`, /conversations) are of the turns a reader sees.
     assert record.message_count == len(conversation.turns) == 5
     (summary,) = store.list_conversations()
@@ -262,7 +287,8 @@ def test_a_regenerated_reply_supersedes_the_old_one_and_resume_matches(engine, s
     resumed = store.resume(engine, conversation.id[:10])
     assert resumed.id == conversation.id and resumed.meta["adapter"] == "repl"
     assert [(t.role, t.text, t.created, t.interrupted) for t in resumed.turns] == [
-        (t.role, t.text, t.created, t.interrupted) for t in conversation.turns]
+        (t.role, t.text, t.created, t.interrupted) for t in conversation.turns
+    ]
     assert resumed.turns[-1].meta["provenance"]["decoder"]["name"] == "greedy"
 
     # The resumed conversation goes on in the same row.
@@ -315,7 +341,8 @@ def test_a_locked_database_keeps_the_chat_going_and_catches_up(engine, db_path):
     conversation.send("third", decoder="greedy", max_new_tokens=3).text()
     assert plugin.pending == 0 and plugin.failing is None and "available again" in told[-1]
     assert [(t.role, t.text) for t in store.load_turns(conversation.id)] == [
-        (t.role, t.text) for t in conversation.turns]
+        (t.role, t.text) for t in conversation.turns
+    ]
     store.close()
 
 
@@ -368,8 +395,16 @@ def logs_cli():
 def filled(store):
     store.ensure_conversation("0123456789abcdef", adapter="repl", title="pizza talk")
     store.add_message("0123456789abcdef", "user", "do you like pizza?")
-    store.add_message("0123456789abcdef", "bot", "I love pizza", decoder={"name": "greedy", "settings": {}},
-                      token_count=4, latency_s=0.25, seed=7, interrupted=True)
+    store.add_message(
+        "0123456789abcdef",
+        "bot",
+        "I love pizza",
+        decoder={"name": "greedy", "settings": {}},
+        token_count=4,
+        latency_s=0.25,
+        seed=7,
+        interrupted=True,
+    )
     store.ensure_conversation("fedcba9876543210", adapter="discord", channel_key="g/1", title="weather")
     store.add_message("fedcba9876543210", "user", "is it raining?")
     return store
@@ -423,12 +458,15 @@ def test_logs_delete_asks_first(logs_cli, filled):
     assert [s.id for s in filled.list_conversations()] == ["fedcba9876543210"]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("show", "nope"), "no conversation 'nope'"),
-    (("delete", "nope", "--yes"), "no conversation 'nope'"),
-    (("export", "nope"), "no conversation 'nope'"),
-    (("search", " "), "the search text is empty"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("show", "nope"), "no conversation 'nope'"),
+        (("delete", "nope", "--yes"), "no conversation 'nope'"),
+        (("export", "nope"), "no conversation 'nope'"),
+        (("search", " "), "the search text is empty"),
+    ],
+)
 def test_logs_errors_are_one_line(logs_cli, filled, args, needle):
     result = logs_cli(*args, "--db", filled.url)
     assert result.exit_code == 1
@@ -450,8 +488,11 @@ def test_listing_uses_indexes_not_a_scan_of_the_messages(store):
 
     from chatcore.adapters.conversation_log.models import ConversationRow
 
-    query = (sa.select(*store._summary_columns())
-             .order_by(ConversationRow.updated.desc(), ConversationRow.id.desc()).limit(20))
+    query = (
+        sa.select(*store._summary_columns())
+        .order_by(ConversationRow.updated.desc(), ConversationRow.id.desc())
+        .limit(20)
+    )
     compiled = str(query.compile(store.db, compile_kwargs={"literal_binds": True}))
     with store.db.connect() as connection:
         plan = " | ".join(row[-1] for row in connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}"))
@@ -472,9 +513,13 @@ def test_an_authors_messages_are_exported_and_deleted(logs_cli, store):
     store.add_message("room", "bot", "a reply", conversation={})
     store.add_message("room", "user", "bob speaks", author_id="222", conversation={})
     store.add_message("alone", "user", "alice alone", author_id="111", conversation={"adapter": "discord"})
-    exported = [json.loads(line) for line in logs_cli("export", "--author", "111", "--db", store.url).stdout.splitlines()]
+    exported = [
+        json.loads(line) for line in logs_cli("export", "--author", "111", "--db", store.url).stdout.splitlines()
+    ]
     assert sorted((r["id"], [m["text"] for m in r["messages"]]) for r in exported) == [
-        ("alone", ["alice alone"]), ("room", ["alice one"])]
+        ("alone", ["alice alone"]),
+        ("room", ["alice one"]),
+    ]
     result = logs_cli("delete", "--author", "111", "--yes", "--db", store.url)
     assert result.exit_code == 0 and "deleted 2 message(s)" in result.stdout
     assert [m.text for m in store.get_conversation("room").messages] == ["a reply", "bob speaks"]
@@ -483,8 +528,9 @@ def test_an_authors_messages_are_exported_and_deleted(logs_cli, store):
 
 
 def test_every_printed_field_is_escaped(store):
-    store.ensure_conversation("\x1b]0;id", adapter="\x1b[31mrepl", model="m\u202egpt", title="t",
-                              system="be \x1b[2J kind")
+    store.ensure_conversation(
+        "\x1b]0;id", adapter="\x1b[31mrepl", model="m\u202egpt", title="t", system="be \x1b[2J kind"
+    )
     store.add_message("\x1b]0;id", "bot", "hi", decoder={"name": "\x1b[5mgreedy"}, steerers=[{"name": "\x07s"}])
     record = store.get_conversation("\x1b]0;id")
     for shown in (conversation_text(record), conversation_markdown(record), summary_table(store.list_conversations())):
@@ -495,7 +541,7 @@ def damage_pages(path, first_fraction=0.4, pages=3, page_size=4096):
     """Overwrite a few pages in the middle of an SQLite file, as a failing disk would."""
     data = bytearray(path.read_bytes())
     start = int(len(data) // page_size * first_fraction) * page_size
-    data[start:start + pages * page_size] = b"\xde\xad" * (pages * page_size // 2)
+    data[start : start + pages * page_size] = b"\xde\xad" * (pages * page_size // 2)
     path.write_bytes(bytes(data))
 
 
@@ -503,8 +549,12 @@ def test_a_damaged_file_is_salvaged_and_never_written_into(logs_cli, engine, db_
     with ConversationStore(sqlite_url(db_path)) as filling:
         for number in range(60):
             for turn in range(8):
-                filling.add_message(f"c{number:03d}", "user", f"conversation {number} turn {turn} " + "x" * 300,
-                                    conversation={"title": f"number {number}"})
+                filling.add_message(
+                    f"c{number:03d}",
+                    "user",
+                    f"conversation {number} turn {turn} " + "x" * 300,
+                    conversation={"title": f"number {number}"},
+                )
     damage_pages(db_path)
     assert logs_cli("export", "--db", str(db_path)).exit_code == 1  # a plain export stops at the damage
 
@@ -528,7 +578,8 @@ def test_a_damaged_file_is_salvaged_and_never_written_into(logs_cli, engine, db_
 
 
 def test_a_log_file_deleted_mid_chat_is_said_once_and_the_conversation_written_anew(
-        engine, store, log_plugin, notices, db_path):
+    engine, store, log_plugin, notices, db_path
+):
     conversation = engine.conversation(adapter="repl")
     conversation.send("my name is ada", decoder="greedy", max_new_tokens=4).text()
     for path in db_path.parent.glob(db_path.name + "*"):  # the file and its -wal / -shm

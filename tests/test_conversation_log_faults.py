@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+
+import chatcore
 from chatcore.adapters.conversation_log import ConversationLogPlugin
 from chatcore.adapters.conversation_log.location import sqlite_url
 from chatcore.adapters.conversation_log.pg_cluster import (
@@ -32,8 +34,6 @@ from chatcore.adapters.conversation_log.pg_cluster import (
     unavailable_reason,
 )
 from chatcore.adapters.conversation_log.store import ConversationStore
-
-import chatcore
 from chatcore.decoding import Decoder, GenerationSession
 from chatcore.text import encode_text
 
@@ -86,8 +86,12 @@ def open_and_write(url: str, barrier: Any, number: int) -> None:
     """One process of a crowd: open the log the moment the others do, write a message."""
     barrier.wait(timeout=60)
     store = ConversationStore(url, timeout_s=30)
-    store.add_message(f"conversation-{number}", "user", f"hello from process {number}",
-                      conversation={"adapter": "test", "title": f"process {number}"})
+    store.add_message(
+        f"conversation-{number}",
+        "user",
+        f"hello from process {number}",
+        conversation={"adapter": "test", "title": f"process {number}"},
+    )
     # Every process adds the same new conversation too: one row, and no write refused.
     store.add_message("shared", "user", f"process {number} in the shared room", conversation={"title": "shared"})
     store.close()
@@ -205,8 +209,7 @@ def test_a_file_read_only_at_the_start_is_written_once_it_is_writable(chat_engin
         told: list[str] = []
         with as_user(other):
             store = ConversationStore(sqlite_url(path), timeout_s=0.2)  # its connection opens read-only
-            plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0,
-                                           journal_dir=folder / "journal")
+            plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0, journal_dir=folder / "journal")
             chat_engine.host.register(plugin, "conversation-log")
             conversation = chat_engine.conversation()
             chat(conversation, ["one", "two"])
@@ -248,10 +251,12 @@ def unavailable(store: ConversationStore, backend: Backend) -> Iterator[None]:
 
 # -- 4. the queue of waiting writes overflows -------------------------------------------------------
 def test_an_overflowing_queue_spills_to_the_journal_and_every_turn_is_written(
-        chat_engine: Any, backend: Backend, tmp_path: Path) -> None:
+    chat_engine: Any, backend: Backend, tmp_path: Path
+) -> None:
     store = ConversationStore(backend.new_url(), timeout_s=0.05)
-    plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0, max_pending=3,
-                                   journal_dir=tmp_path / "journal")
+    plugin = ConversationLogPlugin(
+        store, notify=lambda message: None, retry_after_s=0.0, max_pending=3, journal_dir=tmp_path / "journal"
+    )
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
     with unavailable(store, backend):
@@ -266,11 +271,13 @@ def test_an_overflowing_queue_spills_to_the_journal_and_every_turn_is_written(
 
 
 def test_writes_journaled_at_exit_are_replayed_by_the_next_process(
-        chat_engine: Any, backend: Backend, tmp_path: Path) -> None:
+    chat_engine: Any, backend: Backend, tmp_path: Path
+) -> None:
     url = backend.new_url()
     store = ConversationStore(url, timeout_s=0.05)
-    plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0,
-                                   journal_dir=tmp_path / "journal")
+    plugin = ConversationLogPlugin(
+        store, notify=lambda message: None, retry_after_s=0.0, journal_dir=tmp_path / "journal"
+    )
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
     with unavailable(store, backend):
@@ -286,8 +293,9 @@ def test_writes_journaled_at_exit_are_replayed_by_the_next_process(
 
 
 # -- 5. values the database cannot store, and a write it refuses -------------------------------------
-def test_a_nul_in_a_reply_is_stored_and_the_turns_after_it_too(chat_engine: Any, backend: Backend,
-                                                               tmp_path: Path) -> None:
+def test_a_nul_in_a_reply_is_stored_and_the_turns_after_it_too(
+    chat_engine: Any, backend: Backend, tmp_path: Path
+) -> None:
     store = ConversationStore(backend.new_url())
     told: list[str] = []
     plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
@@ -306,8 +314,9 @@ def test_a_nul_in_a_reply_is_stored_and_the_turns_after_it_too(chat_engine: Any,
     store.close()
 
 
-def test_a_write_the_database_refuses_is_set_aside_and_the_rest_go_on(chat_engine: Any, backend: Backend,
-                                                                      tmp_path: Path) -> None:
+def test_a_write_the_database_refuses_is_set_aside_and_the_rest_go_on(
+    chat_engine: Any, backend: Backend, tmp_path: Path
+) -> None:
     store = ConversationStore(backend.new_url())
     told: list[str] = []
     plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
@@ -320,15 +329,21 @@ def test_a_write_the_database_refuses_is_set_aside_and_the_rest_go_on(chat_engin
     chat(conversation, ["third"], reply="a different reply")
     assert plugin.pending == 0 and plugin.rejected == 1 and len(told) == 1 and "refused" in told[0]
     assert [text for _, text in logged_texts(store, conversation.id)] == [
-        "first", "a fixed reply", "second", "third", "a different reply"]
+        "first",
+        "a fixed reply",
+        "second",
+        "third",
+        "a different reply",
+    ]
     rejected = list((tmp_path / "journal").glob("*-rejected.jsonl"))
     assert len(rejected) == 1 and "a fixed reply" in rejected[0].read_text()
     store.close()
 
 
 # -- PostgreSQL: a dropped connection is replaced ----------------------------------------------------------
-def test_connections_dropped_by_the_server_are_replaced(chat_engine: Any, postgres_cluster: ThrowawayCluster,
-                                                       tmp_path: Path) -> None:
+def test_connections_dropped_by_the_server_are_replaced(
+    chat_engine: Any, postgres_cluster: ThrowawayCluster, tmp_path: Path
+) -> None:
     url = postgres_cluster.create_database()
     store = ConversationStore(url)
     plugin = ConversationLogPlugin(store, retry_after_s=0.0, journal_dir=tmp_path / "journal")
@@ -345,8 +360,10 @@ def test_connections_dropped_by_the_server_are_replaced(chat_engine: Any, postgr
     assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
     with store.db.connect() as connection:  # search is served by the trigram index, not a scan
         connection.exec_driver_sql("SET enable_seqscan = off")
-        plan = " ".join(row[0] for row in connection.exec_driver_sql(
-            "EXPLAIN SELECT id FROM messages WHERE text ILIKE '%%fixed rep%%'"))
+        plan = " ".join(
+            row[0]
+            for row in connection.exec_driver_sql("EXPLAIN SELECT id FROM messages WHERE text ILIKE '%%fixed rep%%'")
+        )
     assert "ix_messages_text_trgm" in plan
     store.close()
 

@@ -53,7 +53,7 @@ def hf_generate(loaded, prompt_ids, max_new_tokens, min_new_tokens=0, **kwargs):
             pad_token_id=eos,
             **kwargs,
         )
-    new = output[0, len(prompt_ids):].tolist()
+    new = output[0, len(prompt_ids) :].tolist()
     if eos in new:
         new = new[: new.index(eos)]
     return new
@@ -103,15 +103,19 @@ def test_greedy_prompt_is_dialogpt_formatted(engine, loaded):
         ({"repetition_penalty": "0.7"}, {"repetition_penalty": 0.7}),
         ({"no_repeat_ngram_size": 2}, {"no_repeat_ngram_size": 2}),
         ({"no_repeat_ngram_size": 1}, {"no_repeat_ngram_size": 1}),
-        ({"no_repeat_ngram_size": 3, "repetition_penalty": 1.5}, {"no_repeat_ngram_size": 3, "repetition_penalty": 1.5}),
+        (
+            {"no_repeat_ngram_size": 3, "repetition_penalty": 1.5},
+            {"no_repeat_ngram_size": 3, "repetition_penalty": 1.5},
+        ),
     ],
 )
 def test_greedy_with_repetition_controls_matches_generate(engine, loaded, settings, hf_kwargs):
     max_new = 20
     plain_differs = False
     for turns in all_contexts()[:5]:
-        options = ReplyOptions(decoder="greedy", decoder_settings=settings, min_new_tokens=max_new,
-                               max_new_tokens=max_new, seed=0)
+        options = ReplyOptions(
+            decoder="greedy", decoder_settings=settings, min_new_tokens=max_new, max_new_tokens=max_new, seed=0
+        )
         prompt, got = ours(engine, turns, options)
         expected = hf_generate(loaded, prompt, max_new, max_new, do_sample=False, **hf_kwargs)
         assert got == expected, turns
@@ -129,12 +133,14 @@ def test_top_k_sampling_matches_generate(engine, loaded, top_k, temperature, top
     max_new = 16
     settings = {"top_k": top_k, "temperature": temperature, "top_p": top_p}
     for seed, turns in enumerate(all_contexts()[:4]):
-        options = ReplyOptions(decoder="top-k", decoder_settings=settings, seed=seed,
-                               min_new_tokens=max_new, max_new_tokens=max_new)
+        options = ReplyOptions(
+            decoder="top-k", decoder_settings=settings, seed=seed, min_new_tokens=max_new, max_new_tokens=max_new
+        )
         prompt, got = ours(engine, turns, options)
         torch.manual_seed(seed)
-        expected = hf_generate(loaded, prompt, max_new, max_new, do_sample=True, top_k=top_k,
-                               temperature=temperature, top_p=top_p)
+        expected = hf_generate(
+            loaded, prompt, max_new, max_new, do_sample=True, top_k=top_k, temperature=temperature, top_p=top_p
+        )
         assert got == expected, (seed, turns)
         assert len(got) == max_new
 
@@ -143,12 +149,23 @@ def test_top_k_sampling_with_repetition_penalty_matches_generate(engine, loaded)
     max_new = 16
     settings = {"top_k": 10, "temperature": 0.5, "repetition_penalty": 1.4, "no_repeat_ngram_size": 2}
     for seed in (3, 11):
-        options = ReplyOptions(decoder="top-k", decoder_settings=settings, seed=seed,
-                               min_new_tokens=max_new, max_new_tokens=max_new)
+        options = ReplyOptions(
+            decoder="top-k", decoder_settings=settings, seed=seed, min_new_tokens=max_new, max_new_tokens=max_new
+        )
         prompt, got = ours(engine, ["i like pizza and movies, what about you?"], options)
         torch.manual_seed(seed)
-        expected = hf_generate(loaded, prompt, max_new, max_new, do_sample=True, top_k=10, temperature=0.5,
-                               top_p=1.0, repetition_penalty=1.4, no_repeat_ngram_size=2)
+        expected = hf_generate(
+            loaded,
+            prompt,
+            max_new,
+            max_new,
+            do_sample=True,
+            top_k=10,
+            temperature=0.5,
+            top_p=1.0,
+            repetition_penalty=1.4,
+            no_repeat_ngram_size=2,
+        )
         assert got == expected
 
 

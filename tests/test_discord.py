@@ -131,12 +131,19 @@ class Harness:
         self.drain()
 
 
-async def start_harness(engine: Any, settings: DiscordSettings, persistence: Any = MemoryPersistence, *,
-                        text_channels: int = 2, members: int = 2) -> Harness:
+async def start_harness(
+    engine: Any,
+    settings: DiscordSettings,
+    persistence: Any = MemoryPersistence,
+    *,
+    text_channels: int = 2,
+    members: int = 2,
+) -> Harness:
     """``persistence()`` runs on the worker thread, as in the real bot."""
     worker: InferenceWorker[ChatRuntime] = InferenceWorker(
         lambda: ChatRuntime(engine, persistence(), max_batch=settings.max_batch, queue_size=settings.queue_size),
-        queue_size=settings.max_batch + settings.queue_size, close_resource=ChatRuntime.close,
+        queue_size=settings.max_batch + settings.queue_size,
+        close_resource=ChatRuntime.close,
     )
     worker.start()
     await worker.ready()
@@ -270,7 +277,7 @@ async def test_a_reply_saying_everyone_pings_no_one(chat_engine):
         assert len(sent) == 1
         for ping in ("@everyone", "@here", "<@&123456789012345678>", f"<@{harness.member(1).id}>"):
             assert ping in sent[0].content
-        (_, payload), = harness.payloads
+        ((_, payload),) = harness.payloads
         assert payload["content"] == sent[0].content
         assert payload["allowed_mentions"] == {"parse": [], "replied_user": False}
         dm = await member.create_dm()
@@ -287,7 +294,9 @@ async def test_a_reply_saying_everyone_pings_no_one(chat_engine):
 
 @pytest.mark.asyncio
 async def test_a_long_reply_is_split_into_discord_sized_messages(chat_engine):
-    harness = await start_harness(chat_engine, settings_for(decoder="fixed-text text='a rather long line. ' repeat=300"))
+    harness = await start_harness(
+        chat_engine, settings_for(decoder="fixed-text text='a rather long line. ' repeat=300")
+    )
     try:
         member = harness.member(0)
         dm = await member.create_dm()
@@ -318,19 +327,33 @@ async def test_an_empty_reply_is_never_sent(chat_engine):
 def make_thread(parent: discord.TextChannel, owner: discord.Member, name: str = "a thread") -> discord.Thread:
     """A public thread in ``parent`` (dpytest has no thread helper: feed the gateway event)."""
     thread_id = factories.make_id()
-    backend.get_state().parse_thread_create({
-        "id": thread_id, "guild_id": parent.guild.id, "parent_id": parent.id, "type": 11, "name": name,
-        "owner_id": owner.id, "message_count": 0, "member_count": 1, "rate_limit_per_user": 0,
-        "thread_metadata": {"archived": False, "auto_archive_duration": 1440, "locked": False,
-                            "archive_timestamp": "2024-01-01T00:00:00+00:00"},
-    })
+    backend.get_state().parse_thread_create(
+        {
+            "id": thread_id,
+            "guild_id": parent.guild.id,
+            "parent_id": parent.id,
+            "type": 11,
+            "name": name,
+            "owner_id": owner.id,
+            "message_count": 0,
+            "member_count": 1,
+            "rate_limit_per_user": 0,
+            "thread_metadata": {
+                "archived": False,
+                "auto_archive_duration": 1440,
+                "locked": False,
+                "archive_timestamp": "2024-01-01T00:00:00+00:00",
+            },
+        }
+    )
     thread = parent.guild.get_thread(thread_id)
     assert thread is not None
     return thread
 
 
-async def thread_message(harness: Harness, thread: discord.Thread, member: discord.Member,
-                         content: str) -> list[discord.Message]:
+async def thread_message(
+    harness: Harness, thread: discord.Thread, member: discord.Member, content: str
+) -> list[discord.Message]:
     data = factories.make_message_dict(thread, member, content=content, guild_id=thread.guild.id)
     backend.get_state().parse_message_create(data)
     await dpytest.run_all_events()
@@ -371,8 +394,9 @@ async def test_a_restart_resumes_each_channels_conversation_from_the_log(chat_en
         assert summary.message_count == 4
 
     # A new process: new client, worker and runtime; the same guild and channel ids.
-    second = await start_harness(chat_engine, settings_for(channels=(channel_id,)),
-                                 lambda: LogPersistence(chat_engine, db))
+    second = await start_harness(
+        chat_engine, settings_for(channels=(channel_id,)), lambda: LogPersistence(chat_engine, db)
+    )
     try:
         guild = backend.make_guild("Same guild", id_num=guild_id)
         channel = backend.make_text_channel("same-channel", guild, id_num=channel_id)
@@ -383,7 +407,10 @@ async def test_a_restart_resumes_each_channels_conversation_from_the_log(chat_en
         conversation = await second.on_worker(lambda runtime: runtime.conversation(key))
         assert conversation.id == summary.id
         assert [t.text for t in conversation.turns if t.role == "user"] == [
-            "my name is ada", "i like tea", "what is my name?"]
+            "my name is ada",
+            "i like tea",
+            "what is my name?",
+        ]
         # The reply was made from the resumed history: 4 logged turns and the new one.
         assert second.bot.last_provenance[key]["history_turns_used"] == 5
     finally:
@@ -440,8 +467,14 @@ class FakeFollowup:
 
 
 def interaction(user: Any, channel: Any) -> Any:
-    return SimpleNamespace(user=user, channel=channel, channel_id=channel.id, guild=getattr(channel, "guild", None),
-                           response=FakeResponse(), followup=FakeFollowup())
+    return SimpleNamespace(
+        user=user,
+        channel=channel,
+        channel_id=channel.id,
+        guild=getattr(channel, "guild", None),
+        response=FakeResponse(),
+        followup=FakeFollowup(),
+    )
 
 
 def answers(fake: Any) -> list[str]:
@@ -460,8 +493,9 @@ async def slash(harness: Harness, name: str, user: Any, channel: Any, **argument
     return fake
 
 
-async def make_manager(harness: Harness, member: discord.Member, *, permissions: int = 0x20,
-                       name: str = "Managers") -> discord.Member:
+async def make_manager(
+    harness: Harness, member: discord.Member, *, permissions: int = 0x20, name: str = "Managers"
+) -> discord.Member:
     role = backend.make_role(name, harness.guild, permissions=permissions)
     await dpytest.add_role(member, role)
     return harness.guild.get_member(member.id)
@@ -557,7 +591,10 @@ async def test_decoder_and_steer_change_only_this_channels_replies(harness: Harn
     await harness.say("what should we eat?", second, manager)
     made_here = harness.bot.last_provenance[conversation_key(first)]
     made_there = harness.bot.last_provenance[conversation_key(second)]
-    assert made_here["decoder"] == {"name": "greedy", "settings": {"no_repeat_ngram_size": 2, "repetition_penalty": 1.0}}
+    assert made_here["decoder"] == {
+        "name": "greedy",
+        "settings": {"no_repeat_ngram_size": 2, "repetition_penalty": 1.0},
+    }
     assert [s["name"] for s in made_here["steerers"]] == ["bow-bias"]
     assert made_there["decoder"]["name"] == "top-k" and made_there["steerers"] == []
 
@@ -610,21 +647,31 @@ async def test_the_system_prompt_comes_from_the_channel_the_server_or_the_bot(ch
         assert answers(chef)[0].startswith("System prompt in this channel from the next reply on:")
         await slash(harness, "system clear", manager, second)
         # A thread follows its channel; the next reply of each conversation uses the new prompt.
-        assert await systems_after_a_message() == ["You are a chef.\nYou love soup.", None,
-                                                   "You are a chef.\nYou love soup."]
+        assert await systems_after_a_message() == [
+            "You are a chef.\nYou love soup.",
+            None,
+            "You are a chef.\nYou love soup.",
+        ]
         shown = await slash(harness, "system show", plain, thread)
         assert answers(shown) == ["System prompt here (set for this channel):\n>>> You are a chef.\nYou love soup."]
-        assert "system prompt: none (set for this channel); format: dialogpt" in answers(
-            await slash(harness, "settings", plain, second))[0]
+        assert (
+            "system prompt: none (set for this channel); format: dialogpt"
+            in answers(await slash(harness, "settings", plain, second))[0]
+        )
 
         dropped = await slash(harness, "system default", manager, second)
-        assert answers(dropped) == ["Dropped the system prompt of this channel. System prompt here "
-                                    "(set for this server):\n>>> You are a pirate."]
+        assert answers(dropped) == [
+            "Dropped the system prompt of this channel. System prompt here "
+            "(set for this server):\n>>> You are a pirate."
+        ]
         again = await slash(harness, "system default", manager, second)
         assert answers(again) == ["There is no system prompt set for this channel to drop."]
         await slash(harness, "system default", manager, first, scope="server")
-        assert await systems_after_a_message() == ["You are a chef.\nYou love soup.", "You are the bot.",
-                                                   "You are a chef.\nYou love soup."]
+        assert await systems_after_a_message() == [
+            "You are a chef.\nYou love soup.",
+            "You are the bot.",
+            "You are a chef.\nYou love soup.",
+        ]
 
         too_long = await slash(harness, "system set", manager, first, text="word " * 200)
         assert "the system prompt takes" in answers(too_long)[0] and too_long.response.sent[0][1] is True
@@ -637,7 +684,8 @@ async def test_the_system_prompt_comes_from_the_channel_the_server_or_the_bot(ch
         assert answers(own)[0].startswith("System prompt in this channel")
         await harness.say("hi", dm, plain)
         assert await harness.on_worker(lambda runtime: runtime.conversation(conversation_key(dm)).system) == (
-            "Call me Ishmael.")
+            "Call me Ishmael."
+        )
     finally:
         await harness.close()
 
@@ -685,7 +733,8 @@ async def test_a_user_faster_than_the_cooldown_is_told_once(chat_engine):
         dm = await member.create_dm()
         assert len(await harness.say("one", dm, member)) == 1
         assert [m.content for m in await harness.say("two", dm, member)] == [
-            bot_module.COOLDOWN_REPLY.format(seconds=60)]
+            bot_module.COOLDOWN_REPLY.format(seconds=60)
+        ]
         assert await harness.say("three", dm, member) == []
         assert len(await harness.say("me too", await other.create_dm(), other)) == 1
         assert harness.bot.stats.cooldown == 2 and harness.bot.stats.replies == 2
@@ -696,9 +745,12 @@ async def test_a_user_faster_than_the_cooldown_is_told_once(chat_engine):
 async def burst(harness: Harness, channels: list[Any]) -> tuple[list[discord.Message], float]:
     """Every channel's message at the same moment; what the bot sent and how long it took."""
     started = time.perf_counter()
-    await asyncio.gather(*(dpytest.message(f"hello from channel {index}", channel=channel,
-                                           member=harness.member(index))
-                           for index, channel in enumerate(channels)))
+    await asyncio.gather(
+        *(
+            dpytest.message(f"hello from channel {index}", channel=channel, member=harness.member(index))
+            for index, channel in enumerate(channels)
+        )
+    )
     await dpytest.run_all_events()
     return harness.drain(), time.perf_counter() - started
 
@@ -722,8 +774,10 @@ async def test_twenty_channels_at_once_each_get_exactly_one_reply(chat_engine, q
         else:
             assert busy == 20 - 8 - 6  # 20 arrive together: a batch of 8 and 6 waiting is all there is room for
         assert_pings_no_one(harness.payloads)
-        print(f"\nqueue_size={queue_size}: 20 channels, {stats.replies} model replies + {busy} busy replies "
-              f"in {elapsed:.2f} s = {20 / elapsed:.1f} replies/s ({stats.replies / elapsed:.1f} model replies/s)")
+        print(
+            f"\nqueue_size={queue_size}: 20 channels, {stats.replies} model replies + {busy} busy replies "
+            f"in {elapsed:.2f} s = {20 / elapsed:.1f} replies/s ({stats.replies / elapsed:.1f} model replies/s)"
+        )
     finally:
         await harness.close()
 
@@ -766,8 +820,10 @@ async def test_the_event_loop_stays_responsive_during_a_long_generation(bundled_
         assert provenance["timings"]["new_tokens"] == 200 and sent
         assert len(lags) > 20
         lags.sort()
-        print(f"\n200 tokens in {elapsed:.2f} s; loop lag over {len(lags)} ticks: max {lags[-1] * 1000:.1f} ms, "
-              f"p99 {lags[int(len(lags) * 0.99) - 1] * 1000:.1f} ms, median {lags[len(lags) // 2] * 1000:.1f} ms")
+        print(
+            f"\n200 tokens in {elapsed:.2f} s; loop lag over {len(lags)} ticks: max {lags[-1] * 1000:.1f} ms, "
+            f"p99 {lags[int(len(lags) * 0.99) - 1] * 1000:.1f} ms, median {lags[len(lags) // 2] * 1000:.1f} ms"
+        )
         assert lags[-1] < 0.100
     finally:
         await harness.close()
@@ -809,8 +865,9 @@ async def wait_until(condition: Any, timeout_s: float = 5.0) -> None:
 async def test_twenty_channels_are_decoded_in_one_batch_and_equal_replies_decoded_alone(chat_engine):
     from chatcore.engine import ReplyOptions
 
-    harness = await start_harness(chat_engine, settings_for(decoder="greedy", queue_size=20, max_new_tokens=16),
-                                  text_channels=20, members=20)
+    harness = await start_harness(
+        chat_engine, settings_for(decoder="greedy", queue_size=20, max_new_tokens=16), text_channels=20, members=20
+    )
     try:
         channels = harness.config.channels[:20]
         harness.listen_in(*channels)
@@ -839,8 +896,9 @@ async def test_a_reply_past_its_timeout_is_cut_and_frees_its_place_at_once(loade
 
     host.register(SlowTextPlugin(), "slow-text-test")
     engine = Engine(loaded, host=host)
-    harness = await start_harness(engine, settings_for(decoder="slow-text words=400 delay_s=0.02",
-                                                       reply_timeout_s=0.3, max_batch=1, queue_size=1))
+    harness = await start_harness(
+        engine, settings_for(decoder="slow-text words=400 delay_s=0.02", reply_timeout_s=0.3, max_batch=1, queue_size=1)
+    )
     try:
         member, other = harness.member(0), harness.member(1)
         dm, other_dm = await member.create_dm(), await other.create_dm()
@@ -865,7 +923,8 @@ async def test_a_reply_past_its_timeout_is_cut_and_frees_its_place_at_once(loade
 @pytest.mark.asyncio
 @pytest.mark.parametrize("grace_s, interrupted", [(0.1, True), (5.0, False)])
 async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log(
-        loaded, host, tmp_path, grace_s, interrupted):
+    loaded, host, tmp_path, grace_s, interrupted
+):
     from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.engine import Engine
 
@@ -873,21 +932,28 @@ async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log
     engine = Engine(loaded, host=host)
     db = str(tmp_path / "log.sqlite3")
     # A batch of one: the second reply waits for a place.
-    harness = await start_harness(engine, settings_for(decoder="slow-text words=40 delay_s=0.02",
-                                                       shutdown_grace_s=grace_s, max_batch=1),
-                                  lambda: LogPersistence(engine, db))
+    harness = await start_harness(
+        engine,
+        settings_for(decoder="slow-text words=40 delay_s=0.02", shutdown_grace_s=grace_s, max_batch=1),
+        lambda: LogPersistence(engine, db),
+    )
     first, second = harness.member(0), harness.member(1)
     first_dm, second_dm = await first.create_dm(), await second.create_dm()
 
     def admitted() -> list[bool]:
-        return [flight.pending is not None and flight.pending.handle.admitted is not None
-                for flight in harness.bot.in_flight]
+        return [
+            flight.pending is not None and flight.pending.handle.admitted is not None
+            for flight in harness.bot.in_flight
+        ]
 
     in_flight = asyncio.ensure_future(dpytest.message("tell me a story", channel=first_dm, member=first))
     await wait_until(lambda: admitted() == [True])
     queued = asyncio.ensure_future(dpytest.message("me too", channel=second_dm, member=second))
-    await wait_until(lambda: sorted(admitted()) == [False, True] and all(
-        flight.pending is not None for flight in harness.bot.in_flight))
+    await wait_until(
+        lambda: (
+            sorted(admitted()) == [False, True] and all(flight.pending is not None for flight in harness.bot.in_flight)
+        )
+    )
 
     harness.bot.ws = None  # dpytest's fake gateway has no socket to close
     await harness.bot.shutdown()
@@ -930,6 +996,7 @@ async def test_the_worker_runs_jobs_in_order_on_one_thread_and_refuses_when_full
                 release.wait(5)
             resource.append(name)
             return name
+
         return run
 
     first = worker.submit(job("first"))
@@ -981,8 +1048,10 @@ def test_split_reply_cuts_at_breaks_within_the_limit():
 # -- settings and token ----------------------------------------------------------------
 def test_settings_come_from_toml_or_json_with_options_on_top(tmp_path):
     toml = tmp_path / "bot.toml"
-    toml.write_text('[discord]\nchannels = [111, 222]\ndecoder = "greedy"\nadmin_roles = ["Mods", 333]\n'
-                    'cooldown_s = 1.5\n', encoding="utf-8")
+    toml.write_text(
+        '[discord]\nchannels = [111, 222]\ndecoder = "greedy"\nadmin_roles = ["Mods", 333]\ncooldown_s = 1.5\n',
+        encoding="utf-8",
+    )
     settings = load_settings(toml, {"queue_size": 3, "channels": (), "model": None})
     assert settings.channels == (111, 222) and settings.decoder == "greedy" and settings.queue_size == 3
     assert settings.cooldown_s == 1.5 and settings.is_admin_role(333, "x") and settings.is_admin_role(1, "Mods")
@@ -1019,14 +1088,17 @@ def test_the_system_prompt_comes_from_the_settings_file_or_the_options(tmp_path)
         assert message in str(error.value)
 
 
-@pytest.mark.parametrize("content, message", [
-    ('queue_size = 0', "`queue_size` must be a positive integer, got 0"),
-    ('chanels = [1]', "unknown setting"),
-    ('channels = [-5]', "`channels` must list Discord ids"),
-    ('min_new_tokens = 99', "`min_new_tokens` must be an integer between 0 and max_new_tokens (64), got 99"),
-    ('token = "abc"', "holds a token"),
-    ('decoder = ', "is not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("queue_size = 0", "`queue_size` must be a positive integer, got 0"),
+        ("chanels = [1]", "unknown setting"),
+        ("channels = [-5]", "`channels` must list Discord ids"),
+        ("min_new_tokens = 99", "`min_new_tokens` must be an integer between 0 and max_new_tokens (64), got 99"),
+        ('token = "abc"', "holds a token"),
+        ("decoder = ", "is not valid TOML"),
+    ],
+)
 def test_bad_settings_are_refused_with_the_key_named(tmp_path, content, message):
     path = tmp_path / "bot.toml"
     path.write_text(content + "\n", encoding="utf-8")
@@ -1068,9 +1140,11 @@ def test_the_discord_command_checks_everything_without_printing_the_token(tiny_m
     register_commands(group)
     secret = "MTA3.another-secret.value"
     runner = CliRunner()
-    result = runner.invoke(group, ["discord", "--check", "--no-log", "--model", str(tiny_model_dir),
-                                   "--channel", "123", "--decoder", "greedy"],
-                           env={"DISCORD_TOKEN": secret})
+    result = runner.invoke(
+        group,
+        ["discord", "--check", "--no-log", "--model", str(tiny_model_dir), "--channel", "123", "--decoder", "greedy"],
+        env={"DISCORD_TOKEN": secret},
+    )
     assert result.exit_code == 0, result.output
     assert "decoder: greedy" in result.output and "channels 123" in result.output
     assert "token: found in $DISCORD_TOKEN" in result.output
@@ -1083,8 +1157,10 @@ def test_the_discord_command_checks_everything_without_printing_the_token(tiny_m
     result = runner.invoke(group, [*persona, "--format", "dialogpt"], env={"DISCORD_TOKEN": secret})
     assert result.exit_code == 0 and "format: dialogpt; system prompt: 8 characters" in result.output
     # Checked before the token is read and the model loads:
-    for extra, message in [(["--format", "nope"], "unknown prompt format 'nope'"),
-                           (["--system-file", "x.txt"], "give --system or --system-file, not both")]:
+    for extra, message in [
+        (["--format", "nope"], "unknown prompt format 'nope'"),
+        (["--system-file", "x.txt"], "give --system or --system-file, not both"),
+    ]:
         result = runner.invoke(group, [*persona, *extra], env={"DISCORD_TOKEN": ""})
         assert result.exit_code != 0 and message in str(result.exception)
 
@@ -1135,12 +1211,15 @@ async def test_a_refused_token_is_a_clear_error_without_the_token(tiny_model_dir
 
 
 # -- sharding -----------------------------------------------------------------------
-@pytest.mark.parametrize("changes, message", [
-    ({"shard_ids": (0,)}, "`shard_ids` needs `shard_count`"),
-    ({"shard_count": 2, "shard_ids": (0, 2)}, "`shard_ids` must be shard numbers from 0 to 1, got 2"),
-    ({"shard_count": 4, "shard_ids": (1, 1)}, "`shard_ids` lists a shard twice: [1, 1]"),
-    ({"shard_count": -1}, "`shard_count` must be a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"shard_ids": (0,)}, "`shard_ids` needs `shard_count`"),
+        ({"shard_count": 2, "shard_ids": (0, 2)}, "`shard_ids` must be shard numbers from 0 to 1, got 2"),
+        ({"shard_count": 4, "shard_ids": (1, 1)}, "`shard_ids` lists a shard twice: [1, 1]"),
+        ({"shard_count": -1}, "`shard_count` must be a non-negative integer"),
+    ],
+)
 def test_bad_shard_settings_are_one_line(changes, message):
     with pytest.raises(ValueError) as caught:
         DiscordSettings(**changes)
@@ -1153,8 +1232,9 @@ def test_shard_ids_from_the_command_line():
     from chatcore.adapters.discord_bot.cli import discord_command, parse_shard_ids
 
     assert parse_shard_ids("0, 2") == (0, 2) and parse_shard_ids(None) is None
-    result = CliRunner().invoke(discord_command, ["--shard-count", "2", "--shard-ids", "0,5", "--check"],
-                                env={"DISCORD_TOKEN": ""})
+    result = CliRunner().invoke(
+        discord_command, ["--shard-count", "2", "--shard-ids", "0,5", "--check"], env={"DISCORD_TOKEN": ""}
+    )
     assert result.exit_code != 0 and "`shard_ids` must be shard numbers from 0 to 1, got 5" in str(result.exception)
     result = CliRunner().invoke(discord_command, ["--shard-ids", "zero"])
     assert "--shard-ids must list shard numbers" in str(result.exception)

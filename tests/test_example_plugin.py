@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 import chatcore.plugin_manager as plugin_manager
@@ -46,7 +46,11 @@ def test_the_example_packages_own_tests_pass(tmp_path: Path) -> None:
     env.setdefault("OMP_NUM_THREADS", "1")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "run"), "tests"],
-        cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=900,
+        cwd=EXAMPLE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
@@ -62,8 +66,10 @@ def installed_entry_point() -> metadata.EntryPoint | None:
 def test_the_installed_example_is_found_through_its_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
     entry_point = installed_entry_point()
     if entry_point is None:
-        pytest.skip(f"{DISTRIBUTION} is not installed here; CI installs it with "
-                    f"`pip install -e examples/{DISTRIBUTION}` and then this test runs")
+        pytest.skip(
+            f"{DISTRIBUTION} is not installed here; CI installs it with "
+            f"`pip install -e examples/{DISTRIBUTION}` and then this test runs"
+        )
     assert entry_point.dist is not None and entry_point.dist.name == DISTRIBUTION
     monkeypatch.setenv("CHATCORE_PLUGINS", DISTRIBUTION)  # the suite otherwise loads only the built-ins
     host = plugin_manager.PluginHost()

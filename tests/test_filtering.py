@@ -133,7 +133,9 @@ def test_blocklist_rule_with_the_default_list():
 def test_blocklist_file_is_replaceable(tmp_path):
     words = tmp_path / "words.txt"
     words.write_text("# mine\ndarn\nheck*\nfiddle sticks\n", encoding="utf-8")
-    corpus = [dialogue("hi", "darning socks", "oh darn it", "what the heckin", "fiddle sticks!", "the fuck", "bye", id="a")]
+    corpus = [
+        dialogue("hi", "darning socks", "oh darn it", "what the heckin", "fiddle sticks!", "the fuck", "bye", id="a")
+    ]
     result = filter_dialogues(corpus, only("blocklist", blocklist_path=str(words), examples=5))
     assert sorted(removed_targets(result)) == ["fiddle sticks!", "oh darn it", "what the heckin"]
     assert {"darning socks", "the fuck"} <= set(kept_turns(result))
@@ -144,8 +146,12 @@ def test_blocklist_file_is_replaceable(tmp_path):
 
 
 def test_community_rule_drops_whole_communities():
-    bad = [dialogue("hello", "you fucking idiot", "shut up", "fuck you", id=f"b{i}", community="rude") for i in range(5)]
-    good = [dialogue("hello", "hi there", "fuck, I spilled it", "oh no", id=f"g{i}", community="nice") for i in range(5)]
+    bad = [
+        dialogue("hello", "you fucking idiot", "shut up", "fuck you", id=f"b{i}", community="rude") for i in range(5)
+    ]
+    good = [
+        dialogue("hello", "hi there", "fuck, I spilled it", "oh no", id=f"g{i}", community="nice") for i in range(5)
+    ]
     unknown = [dialogue("hello", "hi", id="u")]
     corpus = [*bad, *good, *unknown]
     result = filter_dialogues(corpus, only("community", community_share=0.4, community_min_lines=10, examples=5))
@@ -303,7 +309,9 @@ def test_every_root_to_leaf_path_is_a_dialogue():
 
 
 def test_tree_paths_survive_deep_threads_and_refuse_duplicate_ids():
-    deep = [TreeMessage("m0", None, "start")] + [TreeMessage(f"m{i}", f"m{i - 1}", f"reply {i}") for i in range(1, 3000)]
+    deep = [TreeMessage("m0", None, "start")] + [
+        TreeMessage(f"m{i}", f"m{i - 1}", f"reply {i}") for i in range(1, 3000)
+    ]
     (path,) = tree_paths(deep)
     assert len(path.turns) == 3000
     with pytest.raises(CorpusError, match="appears twice"):
@@ -343,15 +351,25 @@ def test_chat_log_groups_authors_and_splits_at_silences():
 
 def test_load_dialogues_detects_the_file_format(tmp_path):
     tree = tmp_path / "tree.jsonl"
-    tree.write_text("\n".join(json.dumps(r) for r in [
-        {"id": "t1", "parent_id": None, "text": "root", "community": "sub"},
-        {"id": "t2", "parent_id": "t1", "text": "reply"},
-    ]))
+    tree.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"id": "t1", "parent_id": None, "text": "root", "community": "sub"},
+                {"id": "t2", "parent_id": "t1", "text": "reply"},
+            ]
+        )
+    )
     log = tmp_path / "log.jsonl"
-    log.write_text("\n".join(json.dumps(r) for r in [
-        {"channel": "c", "author": "a", "text": "hi", "time": "2024-01-01T10:00:00Z"},
-        {"channel": "c", "author": "b", "text": "hello", "time": "2024-01-01T10:01:00Z"},
-    ]))
+    log.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"channel": "c", "author": "a", "text": "hi", "time": "2024-01-01T10:00:00Z"},
+                {"channel": "c", "author": "b", "text": "hello", "time": "2024-01-01T10:01:00Z"},
+            ]
+        )
+    )
     plain = tmp_path / "plain.jsonl"
     plain.write_text(json.dumps({"id": "p", "turns": ["x", "y"], "community": "room"}))
     assert load_dialogues(str(tree)) == [Dialogue("t1/t2", ("root", "reply"), "sub")]
@@ -362,7 +380,9 @@ def test_load_dialogues_detects_the_file_format(tmp_path):
     with pytest.raises(CorpusError, match="unrecognized record"):
         load_dialogues(str(odd))
     bad_tree = tmp_path / "bad_tree.jsonl"
-    bad_tree.write_text(json.dumps({"id": "t1", "parent_id": None, "text": "x"}) + "\n" + json.dumps({"id": "t2", "text": "y"}))
+    bad_tree.write_text(
+        json.dumps({"id": "t1", "parent_id": None, "text": "x"}) + "\n" + json.dumps({"id": "t2", "text": "y"})
+    )
     with pytest.raises(CorpusError, match='needs "parent_id"'):
         load_dialogues(str(bad_tree))
 
@@ -378,13 +398,24 @@ def _cli(*args):
 
 def test_train_filter_command_writes_kept_dialogues(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
-    rows = [{"id": f"d{i}", "turns": ["hi there friend", "see http://spam.example.com now", "wow", "ok then",
-                                      "sure thing"]}
-            for i in range(3)]
+    rows = [
+        {"id": f"d{i}", "turns": ["hi there friend", "see http://spam.example.com now", "wow", "ok then", "sure thing"]}
+        for i in range(3)
+    ]
     corpus.write_text("\n".join(json.dumps(r) for r in rows))
     out, report = tmp_path / "kept.jsonl", tmp_path / "report.json"
-    result = _cli("train", "filter", "--corpus", str(corpus), "--out", str(out), "--filter-report", str(report),
-                  "--filter-disable", "bland,top-words")
+    result = _cli(
+        "train",
+        "filter",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        "--filter-report",
+        str(report),
+        "--filter-disable",
+        "bland,top-words",
+    )
     assert result.exit_code == 0, result.output
     assert "url" in result.output and "removed" in result.output
     kept = [json.loads(line) for line in out.read_text().splitlines()]

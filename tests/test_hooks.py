@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import click
-from click.testing import CliRunner
 import pytest
+from click.testing import CliRunner
 
 import chatcore
 from chatcore import hookspecs
@@ -22,7 +22,9 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "hooks.md"
 
 def hook_names() -> list[str]:
     return sorted(
-        name for name, function in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(function, "chatcore_spec")
+        name
+        for name, function in inspect.getmembers(hookspecs, inspect.isfunction)
+        if hasattr(function, "chatcore_spec")
     )
 
 

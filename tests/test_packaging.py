@@ -30,8 +30,9 @@ IMPORT_ALL = (
 def test_editable_install_imports_every_builtin(tmp_path: Path) -> None:
     import json
 
-    result = subprocess.run([sys.executable, "-c", IMPORT_ALL, json.dumps(builtin_modules())], cwd=tmp_path,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, json.dumps(builtin_modules())], cwd=tmp_path, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()).resolve().is_relative_to(ROOT)
 
@@ -40,8 +41,11 @@ def test_editable_install_imports_every_builtin(tmp_path: Path) -> None:
 def test_wheel_imports_every_builtin_and_has_no_bare_packages(tmp_path: Path) -> None:
     import json
 
-    build = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(ROOT)],
-                           capture_output=True, text=True)
+    build = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(ROOT)],
+        capture_output=True,
+        text=True,
+    )
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
     wheel = next((tmp_path / "dist").glob("chatcore-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
@@ -50,16 +54,24 @@ def test_wheel_imports_every_builtin_and_has_no_bare_packages(tmp_path: Path) ->
     assert "chatcore/plugins/greedy.py" in names
     # Every source file of the three folders is in the wheel (a subpackage missing from
     # pyproject's package list would silently vanish from installs).
-    for folder, prefix in (("chatcore", "chatcore/"), ("plugins", "chatcore/plugins/"), ("adapters", "chatcore/adapters/")):
+    for folder, prefix in (
+        ("chatcore", "chatcore/"),
+        ("plugins", "chatcore/plugins/"),
+        ("adapters", "chatcore/adapters/"),
+    ):
         for source in (ROOT / folder).rglob("*.py"):
             relative = source.relative_to(ROOT / folder).as_posix()
             if folder == "chatcore" and relative.split("/", 1)[0] in ("plugins", "adapters"):
                 continue
             assert prefix + relative in names, f"{prefix + relative} is missing from the wheel"
-    for data in ("chatcore/training/blocklist.txt", "chatcore/evaluation/openers.txt",
-                 "chatcore/bundled/chatcore-tiny/config.json", "chatcore/plugins/wordlists/food.txt",
-                 "chatcore/bundled/cocon-chatcore-tiny/cocon_block.safetensors",
-                 "chatcore/pplm/heads/sentiment.safetensors"):
+    for data in (
+        "chatcore/training/blocklist.txt",
+        "chatcore/evaluation/openers.txt",
+        "chatcore/bundled/chatcore-tiny/config.json",
+        "chatcore/plugins/wordlists/food.txt",
+        "chatcore/bundled/cocon-chatcore-tiny/cocon_block.safetensors",
+        "chatcore/pplm/heads/sentiment.safetensors",
+    ):
         assert data in names, f"{data} is missing from the wheel"
     assert any(name.startswith("chatcore/bundled/") for name in names)
     target = tmp_path / "site"
@@ -70,7 +82,11 @@ def test_wheel_imports_every_builtin_and_has_no_bare_packages(tmp_path: Path) ->
         "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in type(f).__module__.lower() "
         "and 'editable' not in getattr(f, '__name__', '').lower()]; " + IMPORT_ALL.replace("sys.argv[1]", "sys.argv[1]")
     )
-    result = subprocess.run([sys.executable, "-c", code, json.dumps(builtin_modules()), str(target)], cwd=tmp_path,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(builtin_modules()), str(target)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()).resolve().is_relative_to(target.resolve())

@@ -118,13 +118,15 @@ def test_a_misspelled_hookimpl_is_reported_and_unregistered(host):
 
 
 def test_a_misspelled_hookimpl_in_a_module_is_caught_by_load_modules(tmp_path, monkeypatch):
-    (tmp_path / "chatcore_test_typo_plugin.py").write_text(textwrap.dedent("""
+    (tmp_path / "chatcore_test_typo_plugin.py").write_text(
+        textwrap.dedent("""
         import chatcore
 
         @chatcore.hookimpl
         def on_respons(conversation, response):
             pass
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     host = PluginHost()
     host.load_modules(("chatcore.plugins.greedy", "chatcore_test_typo_plugin"))
@@ -430,8 +432,9 @@ def exploding_engine(loaded, host):
 def test_a_steerer_raising_in_its_step_is_a_plugin_error_and_the_engine_recovers(exploding_engine):
     engine = exploding_engine
     conversation = engine.conversation()
-    response = conversation.send("hi", ReplyOptions(decoder="greedy", steerers=[("exploding", {})],
-                                                    min_new_tokens=10, max_new_tokens=10))
+    response = conversation.send(
+        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding", {})], min_new_tokens=10, max_new_tokens=10)
+    )
     with pytest.raises(PluginError) as excinfo:
         response.text()
     assert "exploding-plugin" in excinfo.value.plugin
@@ -442,21 +445,23 @@ def test_a_steerer_raising_in_its_step_is_a_plugin_error_and_the_engine_recovers
     assert len(response.token_ids) == 2
     # The partial reply is kept, marked as cut by an error (not by the reader).
     assert "steerer went off" in response.provenance["error"]
-    assert conversation.turns[-1].interrupted and "steerer went off" in conversation.turns[-1].meta["provenance"]["error"]
+    assert (
+        conversation.turns[-1].interrupted and "steerer went off" in conversation.turns[-1].meta["provenance"]["error"]
+    )
 
     # the same engine, and the same conversation, still reply
     after = conversation.send("still there?", ReplyOptions(decoder="greedy", min_new_tokens=5, max_new_tokens=5))
     after.text()
     assert len(after.token_ids) == 5 and not after.interrupted
-    fresh = engine.conversation().send("hi", ReplyOptions(decoder="top-k", seed=1, min_new_tokens=5,
-                                                          max_new_tokens=5))
+    fresh = engine.conversation().send("hi", ReplyOptions(decoder="top-k", seed=1, min_new_tokens=5, max_new_tokens=5))
     fresh.text()
     assert len(fresh.token_ids) == 5
 
 
 def test_a_steerer_failure_is_blamed_on_the_steerer_plugin_alone(exploding_engine):
     response = exploding_engine.conversation().send(
-        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding", {})], min_new_tokens=10, max_new_tokens=10))
+        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding", {})], min_new_tokens=10, max_new_tokens=10)
+    )
     with pytest.raises(PluginError) as excinfo:
         response.text()
     assert excinfo.value.plugin == "exploding-plugin"
@@ -465,7 +470,8 @@ def test_a_steerer_failure_is_blamed_on_the_steerer_plugin_alone(exploding_engin
 
 def test_a_steerer_raising_in_prepare_is_a_plugin_error(exploding_engine):
     response = exploding_engine.conversation().send(
-        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-prepare", {})]))
+        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-prepare", {})])
+    )
     with pytest.raises(PluginError) as excinfo:
         response.text()
     assert excinfo.value.plugin == "exploding-plugin"
@@ -475,7 +481,8 @@ def test_a_steerer_raising_in_prepare_is_a_plugin_error(exploding_engine):
 
 def test_a_steerer_raising_in_wrap_is_blamed_on_the_steerer(exploding_engine):
     response = exploding_engine.conversation().send(
-        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-wrap", {})]))
+        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-wrap", {})])
+    )
     with pytest.raises(PluginError) as excinfo:
         response.text()
     assert excinfo.value.plugin == "exploding-plugin"
@@ -527,10 +534,13 @@ THIRD_PARTY_SOURCE = """
 @pytest.fixture
 def third_party(tmp_path, monkeypatch):
     make_distribution(
-        tmp_path, "chatcore-third",
+        tmp_path,
+        "chatcore-third",
         {"third": "chatcore_third_plugin", "broken": "chatcore_third_broken"},
-        {"chatcore_third_plugin": THIRD_PARTY_SOURCE,
-         "chatcore_third_broken": "raise SystemExit('a plugin must not exit the program')\n"},
+        {
+            "chatcore_third_plugin": THIRD_PARTY_SOURCE,
+            "chatcore_third_broken": "raise SystemExit('a plugin must not exit the program')\n",
+        },
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
@@ -579,7 +589,11 @@ def test_chatcore_plugins_selects_third_party_plugins(third_party, monkeypatch, 
     assert BUILTIN_ENTRY_POINTS <= set(infos)
     info = infos["chatcore-third:third"]
     assert (info.builtin, info.distribution, info.version, info.module) == (
-        False, "chatcore-third", "1.2.3", "chatcore_third_plugin")
+        False,
+        "chatcore-third",
+        "1.2.3",
+        "chatcore_third_plugin",
+    )
     assert Registry.build(host).decoders["third"].plugin == "chatcore-third:third"
     third_problems = [p for p in problems_of(host) if p[0].startswith("chatcore-third:")]
     # naming the distribution selects all its entry points, the broken one included
@@ -624,8 +638,9 @@ def test_a_broken_plugin_is_not_reported_by_every_command_only_where_it_matters(
     env.pop("CHATCORE_PLUGINS", None)
 
     def chatcore(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "chatcore.cli", *args], capture_output=True, text=True,
-                              env=env, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "chatcore.cli", *args], capture_output=True, text=True, env=env, timeout=120
+        )
 
     quiet = chatcore("--help")
     assert quiet.returncode == 0 and "broken" not in quiet.stderr + quiet.stdout

@@ -16,14 +16,24 @@ from chatcore.plugin_manager import PluginHost
 from chatcore.plugins import pplm as pplm_plugin
 from chatcore.plugins.pplm import PPLMSteerer
 from chatcore.pplm.attribute import (
-    BagOfWords, DiscriminatorMismatchError, HeadConfig, load_head, model_shape, read_head_config, resolve_head,
-    save_head, tokenizer_fingerprint,
+    BagOfWords,
+    DiscriminatorMismatchError,
+    HeadConfig,
+    load_head,
+    model_shape,
+    read_head_config,
+    resolve_head,
+    save_head,
+    tokenizer_fingerprint,
 )
 from chatcore.pplm.config import PerturbConfig
 from chatcore.pplm.kv import past_of
 from chatcore.pplm.perturb import apply_deltas, fuse, kl_divergence, window_weights
 from chatcore.pplm.train_discriminator import (
-    LabelledText, TrainSettings, read_labelled_file, train_discriminator,
+    LabelledText,
+    TrainSettings,
+    read_labelled_file,
+    train_discriminator,
 )
 from chatcore.steering import Steerer
 from chatcore.step import StepOutput, StepState, model_step
@@ -60,9 +70,16 @@ class Recorder(Steerer):
     def wrap(self, step):
         def recorded(state: StepState) -> StepOutput:
             length = state.cache.get_seq_length() if state.cache is not None else 0
-            self.calls.append({"step": state.step, "cache": state.cache, "cache_length": length,
-                               "tokens": state.input_ids.size(1), "rows": state.input_ids.size(0),
-                               "sequence_length": state.sequences.size(1)})
+            self.calls.append(
+                {
+                    "step": state.step,
+                    "cache": state.cache,
+                    "cache_length": length,
+                    "tokens": state.input_ids.size(1),
+                    "rows": state.input_ids.size(0),
+                    "sequence_length": state.sequences.size(1),
+                }
+            )
             return step(state)
 
         return recorded
@@ -78,8 +95,15 @@ def prompt_for(loaded, *turns: str) -> list[int]:
 
 def decode(loaded, prompt, steerers, tokens=6, seed=0, rows=1):
     """Run the batched loop with top-k sampling; returns the (rows, tokens) choices."""
-    session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=steerers, max_new_tokens=tokens,
-                                min_new_tokens=tokens, generator=torch.Generator().manual_seed(seed), seed=seed)
+    session = GenerationSession(
+        model=loaded,
+        prompt_ids=prompt,
+        steerers=steerers,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        generator=torch.Generator().manual_seed(seed),
+        seed=seed,
+    )
     for steerer in steerers:
         steerer.prepare(session)
 
@@ -97,13 +121,25 @@ def pplm(**settings) -> PPLMSteerer:
 def first_step(loaded, steerer, prompt, rows=1, prompt_length=None):
     """The steered and the plain outputs of the prompt step, for ``rows`` copies of ``prompt``
     (of which the tokens after ``prompt_length`` count as the reply's beginning)."""
-    session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=1,
-                                generator=torch.Generator().manual_seed(0), seed=0)
+    session = GenerationSession(
+        model=loaded,
+        prompt_ids=prompt,
+        steerers=[steerer],
+        max_new_tokens=1,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
+    )
     steerer.prepare(session)
     ids = torch.tensor([prompt] * rows)
-    state = StepState(input_ids=ids, sequences=ids, attention_mask=torch.ones_like(ids),
-                      position_ids=torch.arange(ids.size(1)).expand(rows, -1), cache=None, step=0,
-                      prompt_length=prompt_length or ids.size(1))
+    state = StepState(
+        input_ids=ids,
+        sequences=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=torch.arange(ids.size(1)).expand(rows, -1),
+        cache=None,
+        step=0,
+        prompt_length=prompt_length or ids.size(1),
+    )
     with torch.inference_mode():
         steered = steerer.wrap(model_step(loaded.model))(state)
         plain = model_step(loaded.model)(state)
@@ -113,27 +149,31 @@ def first_step(loaded, steerer, prompt, rows=1, prompt_length=None):
 # -- settings ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({}, "needs an attribute"),
-    ({"topic": "food", "stepsize": -1}, "`stepsize` must be a number between 0"),
-    ({"topic": "food", "num_iterations": 0.5}, "`num_iterations` must be an integer"),
-    ({"topic": "food", "gm_scale": 1.5}, "`gm_scale`"),
-    ({"topic": "nope"}, "`topic` must be one of"),
-    ({"topic": "food", "class_label": "positive"}, "only used with a `discriminator`"),
-    ({"topic": "food", "discriminator": "sentiment", "class_label": "positive"}, "not both"),
-    ({"discriminator": "sentiment"}, "`class_label` is needed"),
-    ({"discriminator": "no-such-head", "class_label": "x"}, "no head file"),
-    ({"topic": "food", "steer_every": 0}, "`steer_every`"),
-    ({"topic": "food", "layer_share": 0}, "`layer_share` must be above 0"),
-    ({"topic": "food", "layer_share": 1.5}, "`layer_share` must be a number between 0"),
-])
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({}, "needs an attribute"),
+        ({"topic": "food", "stepsize": -1}, "`stepsize` must be a number between 0"),
+        ({"topic": "food", "num_iterations": 0.5}, "`num_iterations` must be an integer"),
+        ({"topic": "food", "gm_scale": 1.5}, "`gm_scale`"),
+        ({"topic": "nope"}, "`topic` must be one of"),
+        ({"topic": "food", "class_label": "positive"}, "only used with a `discriminator`"),
+        ({"topic": "food", "discriminator": "sentiment", "class_label": "positive"}, "not both"),
+        ({"discriminator": "sentiment"}, "`class_label` is needed"),
+        ({"discriminator": "no-such-head", "class_label": "x"}, "no head file"),
+        ({"topic": "food", "steer_every": 0}, "`steer_every`"),
+        ({"topic": "food", "layer_share": 0}, "`layer_share` must be above 0"),
+        ({"topic": "food", "layer_share": 1.5}, "`layer_share` must be a number between 0"),
+    ],
+)
 def test_settings_are_validated(settings, message):
     with pytest.raises(OptionError, match=message):
         PPLMSteerer.from_options(settings)
 
 
-@pytest.mark.parametrize(("share", "layers", "first"), [(1.0, 6, 0), (0.5, 6, 3), (0.5, 24, 12), (0.01, 6, 5),
-                                                        (0.5, 1, 0), (0.75, 2, 0)])
+@pytest.mark.parametrize(
+    ("share", "layers", "first"), [(1.0, 6, 0), (0.5, 6, 3), (0.5, 24, 12), (0.01, 6, 5), (0.5, 1, 0), (0.75, 2, 0)]
+)
 def test_layer_share_picks_the_top_layers(share, layers, first):
     assert PerturbConfig(layer_share=share).first_perturbed_layer(layers) == first
 
@@ -188,9 +228,15 @@ def test_window_on_a_real_step_perturbs_only_recent_positions(loaded, layer_shar
 
 def _prompt_state(prompt):
     ids = torch.tensor([prompt])
-    return StepState(input_ids=ids, sequences=ids, attention_mask=torch.ones_like(ids),
-                     position_ids=torch.arange(ids.size(1)).unsqueeze(0), cache=None, step=0,
-                     prompt_length=ids.size(1))
+    return StepState(
+        input_ids=ids,
+        sequences=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=torch.arange(ids.size(1)).unsqueeze(0),
+        cache=None,
+        step=0,
+        prompt_length=ids.size(1),
+    )
 
 
 def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
@@ -203,8 +249,14 @@ def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
 def test_kl_term_is_zero_before_the_first_step(loaded):
     steerer = pplm(stepsize=0.5)
     prompt = prompt_for(loaded, "what do you like to eat?")
-    session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=1,
-                                generator=torch.Generator().manual_seed(0), seed=0)
+    session = GenerationSession(
+        model=loaded,
+        prompt_ids=prompt,
+        steerers=[steerer],
+        max_new_tokens=1,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
+    )
     steerer.prepare(session)
     steerer.perturbation.trace = []
     with torch.inference_mode():
@@ -236,17 +288,24 @@ def test_zero_stepsize_reproduces_unsteered_output_exactly(pplm_engine):
         options = ReplyOptions(decoder=decoder, decoder_settings=settings, seed=7, max_new_tokens=12, min_new_tokens=12)
         plain = pplm_engine.reply_to(["hi, how are you?"], options)
         plain.text()
-        steered = pplm_engine.reply_to(["hi, how are you?"], options,
-                                       steerers=[("pplm", {"words": ",".join(FOOD), "stepsize": 0})])
+        steered = pplm_engine.reply_to(
+            ["hi, how are you?"], options, steerers=[("pplm", {"words": ",".join(FOOD), "stepsize": 0})]
+        )
         steered.text()
         assert steered.token_ids == plain.token_ids
 
 
 def traced_greedy_run(loaded, steerer, text: str, tokens: int) -> list[dict]:
     """Greedy-decode ``tokens`` tokens after ``text`` with ``steerer`` alone; its perturbation's trace."""
-    session = GenerationSession(model=loaded, prompt_ids=prompt_for(loaded, text), steerers=[steerer],
-                                max_new_tokens=tokens, min_new_tokens=tokens,
-                                generator=torch.Generator().manual_seed(0), seed=0)
+    session = GenerationSession(
+        model=loaded,
+        prompt_ids=prompt_for(loaded, text),
+        steerers=[steerer],
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
+    )
     steerer.prepare(session)
     steerer.perturbation.trace = trace = []
     list(session.run([], lambda scores, g: scores.argmax(-1)))
@@ -309,8 +368,14 @@ def test_history_is_never_rewritten(loaded):
     """The cache the steered step hands back is the plain model's cache of the same tokens."""
     steerer = pplm(stepsize=0.5, num_iterations=2, carry=True)
     prompt = prompt_for(loaded, "what do you cook on sundays?")
-    session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=4,
-                                generator=torch.Generator().manual_seed(0), seed=0)
+    session = GenerationSession(
+        model=loaded,
+        prompt_ids=prompt,
+        steerers=[steerer],
+        max_new_tokens=4,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
+    )
     steerer.prepare(session)
     step = steerer.wrap(model_step(loaded.model))
     ids = torch.tensor([prompt])
@@ -319,9 +384,15 @@ def test_history_is_never_rewritten(loaded):
         for index in range(4):
             output = step(state)
             ids = torch.cat([ids, output.logits.argmax(-1, keepdim=True)], dim=1)
-            state = StepState(input_ids=ids[:, -1:], sequences=ids, attention_mask=torch.ones_like(ids),
-                              position_ids=torch.tensor([[ids.size(1) - 1]]), cache=output.cache, step=index + 1,
-                              prompt_length=len(prompt))
+            state = StepState(
+                input_ids=ids[:, -1:],
+                sequences=ids,
+                attention_mask=torch.ones_like(ids),
+                position_ids=torch.tensor([[ids.size(1) - 1]]),
+                cache=output.cache,
+                step=index + 1,
+                prompt_length=len(prompt),
+            )
         full = loaded.model(input_ids=ids[:, :-1], use_cache=True).past_key_values
     assert steerer.perturbation.perturbed_past is not None  # the steering did change its own past
     for (keys, values), (full_keys, full_values) in zip(past_of(output.cache), past_of(full)):
@@ -368,12 +439,25 @@ def test_batched_rows_are_steered_independently(loaded):
     first, second = first[-length:], second[-length:]
     steerer = pplm(stepsize=0.3)
     alone, _ = first_step(loaded, steerer, first)
-    session = GenerationSession(model=loaded, prompt_ids=first, steerers=[steerer], max_new_tokens=1,
-                                generator=torch.Generator().manual_seed(0), seed=0)
+    session = GenerationSession(
+        model=loaded,
+        prompt_ids=first,
+        steerers=[steerer],
+        max_new_tokens=1,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
+    )
     steerer.prepare(session)
     ids = torch.tensor([first, second])
-    state = StepState(input_ids=ids, sequences=ids, attention_mask=torch.ones_like(ids),
-                      position_ids=torch.arange(length).expand(2, -1), cache=None, step=0, prompt_length=length)
+    state = StepState(
+        input_ids=ids,
+        sequences=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=torch.arange(length).expand(2, -1),
+        cache=None,
+        step=0,
+        prompt_length=length,
+    )
     with torch.inference_mode():
         together = steerer.wrap(model_step(loaded.model))(state)
     # per-row losses, gradient norms and steps: a row's result does not depend on its neighbours
@@ -384,8 +468,14 @@ def test_batched_rows_are_steered_independently(loaded):
 def test_batched_decoding_with_finished_rows(loaded):
     steerer = pplm(stepsize=0.2, num_iterations=2)
     prompt = prompt_for(loaded, "hi, what's up?")
-    session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=[steerer], max_new_tokens=8,
-                                generator=torch.Generator().manual_seed(3), seed=3)
+    session = GenerationSession(
+        model=loaded,
+        prompt_ids=prompt,
+        steerers=[steerer],
+        max_new_tokens=8,
+        generator=torch.Generator().manual_seed(3),
+        seed=3,
+    )
     steerer.prepare(session)
     eos = loaded.eos_token_id
 
@@ -401,8 +491,10 @@ def test_batched_decoding_with_finished_rows(loaded):
 
 def test_pplm_works_through_the_engine_under_every_decoder(pplm_engine):
     for decoder in ("greedy", "top-k"):
-        response = pplm_engine.reply_to(["hi"], ReplyOptions(decoder=decoder, seed=1, max_new_tokens=5,
-                                                              steerers=[("pplm", {"words": "pizza,cheese"})]))
+        response = pplm_engine.reply_to(
+            ["hi"],
+            ReplyOptions(decoder=decoder, seed=1, max_new_tokens=5, steerers=[("pplm", {"words": "pizza,cheese"})]),
+        )
         response.text()
         assert response.provenance["steerers"][0]["name"] == "pplm"
         assert response.provenance["details"]["pplm"]["optimised_steps"] >= 1
@@ -422,23 +514,33 @@ def test_pplm_raises_the_topic_probability_on_the_bundled_model(bundled):
 
 def _head_config(loaded, **changes) -> HeadConfig:
     hidden, layers = model_shape(loaded.model)
-    values = dict(classes=["negative", "positive"], hidden_size=hidden, num_layers=layers, layer=layers,
-                  tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer), base_model="tiny")
+    values = dict(
+        classes=["negative", "positive"],
+        hidden_size=hidden,
+        num_layers=layers,
+        layer=layers,
+        tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+        base_model="tiny",
+    )
     values.update(changes)
     return HeadConfig(**values)
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"hidden_size": 64}, "hidden size 64 \\(this model: 32\\)"),
-    ({"num_layers": 12, "layer": 12}, "12 layers"),
-    ({"tokenizer_fingerprint": "0123456789abcdef"}, "tokenizer 0123456789abcdef"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"hidden_size": 64}, "hidden size 64 \\(this model: 32\\)"),
+        ({"num_layers": 12, "layer": 12}, "12 layers"),
+        ({"tokenizer_fingerprint": "0123456789abcdef"}, "tokenizer 0123456789abcdef"),
+    ],
+)
 def test_a_mismatched_discriminator_is_refused(loaded, tmp_path, changes, message):
     config = _head_config(loaded, **changes)
     path = save_head(tmp_path / "head.safetensors", torch.zeros(2, config.hidden_size), torch.zeros(2), config)
     steerer = PPLMSteerer.from_options({"discriminator": str(path), "class_label": "positive"})
-    session = GenerationSession(model=loaded, prompt_ids=[0], steerers=[steerer], max_new_tokens=1,
-                                generator=torch.Generator(), seed=0)
+    session = GenerationSession(
+        model=loaded, prompt_ids=[0], steerers=[steerer], max_new_tokens=1, generator=torch.Generator(), seed=0
+    )
     with pytest.raises(DiscriminatorMismatchError, match=message) as error:
         steerer.prepare(session)
     assert "chatcore train discriminator" in str(error.value)
@@ -461,12 +563,26 @@ def test_an_unknown_class_label_is_refused(loaded, tmp_path):
 
 
 def synthetic_examples() -> list[LabelledText]:
-    food = ["i love pizza and cheese", "dinner was delicious", "i am hungry for pasta", "we ate cake and bread",
-            "the soup was hot and tasty", "breakfast with eggs and toast", "let's cook rice tonight",
-            "fresh fruit for lunch"]
-    weather = ["it is raining again", "the sun is out today", "so cold and windy outside", "snow all week",
-               "a storm is coming tonight", "cloudy skies this morning", "the heat is terrible",
-               "rain and thunder all day"]
+    food = [
+        "i love pizza and cheese",
+        "dinner was delicious",
+        "i am hungry for pasta",
+        "we ate cake and bread",
+        "the soup was hot and tasty",
+        "breakfast with eggs and toast",
+        "let's cook rice tonight",
+        "fresh fruit for lunch",
+    ]
+    weather = [
+        "it is raining again",
+        "the sun is out today",
+        "so cold and windy outside",
+        "snow all week",
+        "a storm is coming tonight",
+        "cloudy skies this morning",
+        "the heat is terrible",
+        "rain and thunder all day",
+    ]
     return [LabelledText("food", t) for t in food] + [LabelledText("weather", t) for t in weather]
 
 
@@ -477,8 +593,9 @@ def test_a_trained_discriminator_steers_towards_its_class(loaded, tmp_path):
     config = read_head_config(result.path)
     assert config.classes == ["food", "weather"] and config.layer == model_shape(loaded.model)[1]
 
-    steerer = PPLMSteerer.from_options({"discriminator": str(result.path), "class_label": "weather",
-                                        "stepsize": 0.5, "num_iterations": 4})
+    steerer = PPLMSteerer.from_options(
+        {"discriminator": str(result.path), "class_label": "weather", "stepsize": 0.5, "num_iterations": 4}
+    )
     trace = traced_greedy_run(loaded, steerer, "what do you think?", 3)
     assert len(trace) == 3
     for record in trace:
@@ -496,9 +613,18 @@ def test_labelled_files_in_both_formats(tmp_path):
     examples = read_labelled_file(tsv)
     assert examples[1] == LabelledText("neg", "awful day")
     jsonl = tmp_path / "data.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in [
-        {"label": "a", "text": "x y", "context": ["hi"]}, {"label": "b", "text": "z"},
-        {"label": "a", "text": "w"}, {"label": "b", "text": "v"}]), encoding="utf-8")
+    jsonl.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"label": "a", "text": "x y", "context": ["hi"]},
+                {"label": "b", "text": "z"},
+                {"label": "a", "text": "w"},
+                {"label": "b", "text": "v"},
+            ]
+        ),
+        encoding="utf-8",
+    )
     assert read_labelled_file(jsonl)[0] == LabelledText("a", "x y", ("hi",))
     bad = tmp_path / "bad.tsv"
     bad.write_text("only one label\n", encoding="utf-8")
@@ -517,15 +643,30 @@ def test_train_discriminator_command(tiny_model_dir, tmp_path):
     pplm_plugin.register_commands(group)
     assert "discriminator" in group.commands["train"].commands
     out = tmp_path / "head.safetensors"
-    result = CliRunner().invoke(group, ["train", "discriminator", "--model", str(tiny_model_dir), "--data", str(data),
-                                        "--out", str(out), "--epochs", "50", "--per-class", "10"])
+    result = CliRunner().invoke(
+        group,
+        [
+            "train",
+            "discriminator",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--epochs",
+            "50",
+            "--per-class",
+            "10",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "head saved to" in result.output
     assert read_head_config(out).tokenizer_fingerprint == tokenizer_fingerprint(
-        __import__("transformers").AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+        __import__("transformers").AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    )
     result = CliRunner().invoke(group, ["train", "discriminator", "--out", str(out)])
     assert result.exit_code != 0 and "exactly one of --data" in str(result.exception)
-
 
 
 def test_the_settings_table_shows_every_knob_with_its_default():
@@ -549,8 +690,9 @@ def llama_family(request, tmp_path_factory):
     from chatcore.models import load_model
     from chatcore.testing import build_tiny_model
 
-    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), architecture=request.param, heads=4,
-                              layers=4, seed=5)
+    folder = build_tiny_model(
+        tmp_path_factory.mktemp(request.param), architecture=request.param, heads=4, layers=4, seed=5
+    )
     return folder, load_model(str(folder), device="cpu", dtype="float32")
 
 
@@ -565,9 +707,17 @@ def test_pplm_steers_llama_family_models_under_every_decoder(llama_family, decod
     settings = {"candidates": 3, "reverse_model": str(folder)} if decoder == "mmi" else {}
 
     def reply(steerers):
-        response = engine.reply_to(["what should we have for dinner?"], ReplyOptions(
-            decoder=decoder, decoder_settings=settings, seed=3, max_new_tokens=6, min_new_tokens=6,
-            steerers=steerers))
+        response = engine.reply_to(
+            ["what should we have for dinner?"],
+            ReplyOptions(
+                decoder=decoder,
+                decoder_settings=settings,
+                seed=3,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                steerers=steerers,
+            ),
+        )
         response.text()
         return response
 
@@ -596,8 +746,23 @@ def test_train_discriminator_command_on_a_llama_model(llama_family, tmp_path):
     group = click.Group("chatcore")
     pplm_plugin.register_commands(group)
     out = tmp_path / "head.safetensors"
-    result = CliRunner().invoke(group, ["train", "discriminator", "--model", str(folder), "--data", str(data),
-                                        "--out", str(out), "--epochs", "50", "--per-class", "10"])
+    result = CliRunner().invoke(
+        group,
+        [
+            "train",
+            "discriminator",
+            "--model",
+            str(folder),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--epochs",
+            "50",
+            "--per-class",
+            "10",
+        ],
+    )
     assert result.exit_code == 0, result.output
     head = read_head_config(out)
     assert (head.hidden_size, head.num_layers) == model_shape(loaded.model)

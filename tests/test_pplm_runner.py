@@ -9,12 +9,12 @@ import torch
 
 from chatcore.decoding import GenerationSession
 from chatcore.plugins.pplm import PPLMSteerer
-from chatcore.pplm.runner import LowRankDeltas, Runner, supports
 from chatcore.pplm.kv import GrowingPast, fresh_cache, past_of
 from chatcore.pplm.perturb import apply_deltas
+from chatcore.pplm.runner import LowRankDeltas, Runner, supports
 from chatcore.steering import Steerer
-from chatcore.testing import build_tiny_model
 from chatcore.step import StepOutput, StepState
+from chatcore.testing import build_tiny_model
 from chatcore.text import encode_text
 
 FOOD = "pizza,cheese,dinner,hungry,delicious,hamburger,spaghetti"
@@ -31,8 +31,7 @@ def tiny_family(tmp_path_factory):
 
     def get(architecture: str):
         if architecture not in built:
-            folder = build_tiny_model(tmp_path_factory.mktemp(architecture), architecture=architecture, heads=4,
-                                      seed=3)
+            folder = build_tiny_model(tmp_path_factory.mktemp(architecture), architecture=architecture, heads=4, seed=3)
             built[architecture] = load_model(str(folder), device="cpu", dtype="float32")
         return built[architecture]
 
@@ -52,8 +51,8 @@ def padded_batch(loaded, texts: list[str]):
     ids = torch.full((len(rows), length), eos, dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
     for index, row in enumerate(rows):
-        ids[index, length - len(row):] = torch.tensor(row)
-        mask[index, length - len(row):] = 1
+        ids[index, length - len(row) :] = torch.tensor(row)
+        mask[index, length - len(row) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids, mask, positions
 
@@ -66,8 +65,12 @@ def random_low_rank(past, window: int, rank: int, scale: float = 0.3, seed: int 
     def draw(*shape):
         return torch.randn(*shape, generator=generator) * scale
 
-    return LowRankDeltas(draw(layers, batch, heads, window, rank), draw(layers, batch, heads, rank, head_dim),
-                         draw(layers, batch, heads, window, rank), draw(layers, batch, heads, rank, head_dim))
+    return LowRankDeltas(
+        draw(layers, batch, heads, window, rank),
+        draw(layers, batch, heads, rank, head_dim),
+        draw(layers, batch, heads, window, rank),
+        draw(layers, batch, heads, rank, head_dim),
+    )
 
 
 def model_pass(model, ids, mask, positions, past, dense=None):
@@ -75,8 +78,14 @@ def model_pass(model, ids, mask, positions, past, dense=None):
     generic path runs it."""
     deltas = None if dense is None else list(dense.unbind(0))
     cache = fresh_cache(apply_deltas(past, deltas), model.config)
-    return model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:], past_key_values=cache,
-                 use_cache=True, output_hidden_states=True)
+    return model(
+        input_ids=ids[:, -1:],
+        attention_mask=mask,
+        position_ids=positions[:, -1:],
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+    )
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -90,12 +99,21 @@ def test_runner_matches_the_model_forward(any_model, padded, with_deltas):
     if not padded:
         ids, mask, positions = ids[:, -8:], torch.ones_like(mask[:, -8:]), torch.arange(8).expand(2, -1)
     with torch.no_grad():
-        past = past_of(model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
-                             use_cache=True).past_key_values)
+        past = past_of(
+            model(
+                input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
+            ).past_key_values
+        )
         deltas = random_low_rank(past, window=4, rank=2) if with_deltas else None
         reference = model_pass(model, ids, mask, positions, past, None if deltas is None else deltas.dense())
-        mine = Runner(model).forward(past, positions[:, -1:], input_ids=ids[:, -1:],
-                                         key_mask=mask.bool() if padded else None, deltas=deltas, hidden_states=True)
+        mine = Runner(model).forward(
+            past,
+            positions[:, -1:],
+            input_ids=ids[:, -1:],
+            key_mask=mask.bool() if padded else None,
+            deltas=deltas,
+            hidden_states=True,
+        )
     assert padded == bool((mask == 0).any())
     assert torch.allclose(mine.logits, reference.logits[:, -1].float(), atol=1e-5)
     assert mine.hidden_states is not None and len(mine.hidden_states) == len(reference.hidden_states)
@@ -116,17 +134,33 @@ def test_runner_from_a_layer_reuses_what_lies_below(any_model):
     top = model.config.num_hidden_layers - 1
     runner = Runner(model)
     with torch.no_grad():
-        past = past_of(model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
-                             use_cache=True).past_key_values)
+        past = past_of(
+            model(
+                input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
+            ).past_key_values
+        )
         plain = runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(), from_layer=top)
         full = random_low_rank(past, window=4, rank=2)
         deltas = LowRankDeltas(full.key_a[top:], full.key_b[top:], full.value_a[top:], full.value_b[top:])
         dense = list(deltas.dense().unbind(0))
-        reference = model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
-                          past_key_values=fresh_cache(apply_deltas(past, dense, top), model.config), use_cache=True,
-                          output_hidden_states=True)
-        mine = runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(), deltas=deltas,
-                              hidden_states=True, start=plain.start, from_layer=top)
+        reference = model(
+            input_ids=ids[:, -1:],
+            attention_mask=mask,
+            position_ids=positions[:, -1:],
+            past_key_values=fresh_cache(apply_deltas(past, dense, top), model.config),
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        mine = runner.forward(
+            past,
+            positions[:, -1:],
+            input_ids=ids[:, -1:],
+            key_mask=mask.bool(),
+            deltas=deltas,
+            hidden_states=True,
+            start=plain.start,
+            from_layer=top,
+        )
     assert plain.start is not None and plain.start.layer == top and len(plain.start.new) == top
     assert mine.start is plain.start
     assert torch.allclose(mine.logits, reference.logits[:, -1].float(), atol=1e-5)
@@ -148,8 +182,11 @@ def test_probe_gradients_are_the_dense_delta_gradients(any_model):
     model = loaded.model
     ids, mask, positions = padded_batch(loaded, ["what should we cook tonight?", "hello there!"])
     with torch.no_grad():
-        past = past_of(model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
-                             use_cache=True).past_key_values)
+        past = past_of(
+            model(
+                input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
+            ).past_key_values
+        )
     window = 5
     deltas = random_low_rank(past, window=window, rank=1, scale=0.2)
     targets = torch.zeros(model.config.vocab_size, dtype=torch.bool)
@@ -160,14 +197,18 @@ def test_probe_gradients_are_the_dense_delta_gradients(any_model):
         return -torch.logsumexp(log_probs.masked_fill(~targets, float("-inf")), -1).sum()
 
     dense = deltas.dense().clone().requires_grad_(True)
-    (expected,) = torch.autograd.grad(loss_of(model_pass(model, ids, mask, positions, past, dense).logits[:, -1]),
-                                      dense)
+    (expected,) = torch.autograd.grad(
+        loss_of(model_pass(model, ids, mask, positions, past, dense).logits[:, -1]), dense
+    )
     runner = Runner(model)
     layers, (batch, heads, _, head_dim) = len(past), past[0][0].shape
-    probes = (torch.zeros((layers, batch, heads, runner.group, window), requires_grad=True),
-              torch.zeros((layers, batch, heads, runner.group, head_dim), requires_grad=True))
-    output = runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(), deltas=deltas,
-                            probes=probes)
+    probes = (
+        torch.zeros((layers, batch, heads, runner.group, window), requires_grad=True),
+        torch.zeros((layers, batch, heads, runner.group, head_dim), requires_grad=True),
+    )
+    output = runner.forward(
+        past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(), deltas=deltas, probes=probes
+    )
     score_grad, output_grad = torch.autograd.grad(loss_of(output.logits), probes)
     key_grad = score_grad.transpose(-1, -2) @ output.queries  # (layers, B, H_kv, W, D)
     value_grad = output.window_probs.transpose(-1, -2) @ output_grad
@@ -178,11 +219,13 @@ def test_probe_gradients_are_the_dense_delta_gradients(any_model):
 
 def test_growing_past():
     generator = torch.Generator().manual_seed(0)
-    past = [(torch.randn(2, 3, 4, 5, generator=generator), torch.randn(2, 3, 4, 5, generator=generator))
-            for _ in range(2)]
+    past = [
+        (torch.randn(2, 3, 4, 5, generator=generator), torch.randn(2, 3, 4, 5, generator=generator)) for _ in range(2)
+    ]
     grown = GrowingPast(past, capacity=5)
-    new = [(torch.randn(2, 3, 1, 5, generator=generator), torch.randn(2, 3, 1, 5, generator=generator))
-           for _ in range(2)]
+    new = [
+        (torch.randn(2, 3, 1, 5, generator=generator), torch.randn(2, 3, 1, 5, generator=generator)) for _ in range(2)
+    ]
     for _ in range(3):  # past the first capacity: the buffer grows
         grown.append(new)
     assert grown.length == 7
@@ -190,8 +233,12 @@ def test_growing_past():
         assert torch.equal(keys[:, :, :4], old_keys) and torch.equal(values[:, :, :4], old_values)
         assert torch.equal(keys[:, :, 6:], new_keys)
     before = [tuple(t.clone() for t in layer) for layer in grown.view()]
-    deltas = LowRankDeltas(*(torch.randn(*shape, generator=generator)
-                             for shape in ((2, 2, 3, 3, 2), (2, 2, 3, 2, 5), (2, 2, 3, 3, 2), (2, 2, 3, 2, 5))))
+    deltas = LowRankDeltas(
+        *(
+            torch.randn(*shape, generator=generator)
+            for shape in ((2, 2, 3, 3, 2), (2, 2, 3, 2, 5), (2, 2, 3, 3, 2), (2, 2, 3, 2, 5))
+        )
+    )
     grown.add_recent_products(deltas.key_a, deltas.key_b, deltas.value_a, deltas.value_b)
     dense = deltas.dense()
     for index, ((keys, values), (old_keys, old_values)) in enumerate(zip(grown.view(), before)):
@@ -226,8 +273,15 @@ def steered_run(loaded, settings: dict, inner: bool, rows: int = 1, tokens: int 
     prompt = encode_text(loaded.tokenizer, "what do you want to eat tonight?") + [eos]
     steerer = PPLMSteerer.from_options({"words": FOOD, **settings})
     steerers = [Passthrough(), steerer] if inner else [steerer]
-    session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=steerers, max_new_tokens=tokens,
-                                min_new_tokens=tokens, generator=torch.Generator().manual_seed(0), seed=0)
+    session = GenerationSession(
+        model=loaded,
+        prompt_ids=prompt,
+        steerers=steerers,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
+    )
     for each in steerers:
         each.prepare(session)
     scores_seen = []
@@ -243,22 +297,26 @@ def steered_run(loaded, settings: dict, inner: bool, rows: int = 1, tokens: int 
     return scores_seen, chosen, steerer
 
 
-@pytest.mark.parametrize("settings", [
-    {"stepsize": 0.3, "carry": True},
-    {"stepsize": 0.3, "carry": False},
-    {"stepsize": 0.3, "carry": True, "layer_share": 1.0},
-    {"stepsize": 0.3, "carry": False, "layer_share": 1.0},
-    {"stepsize": 0.3, "window_length": 3, "decay": True, "carry": True},
-    {"stepsize": 0.2, "grad_length": 2, "num_iterations": 2, "carry": True},
-    {"stepsize": 0.4, "gm_scale": 0.6, "steer_every": 2, "carry": False},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"stepsize": 0.3, "carry": True},
+        {"stepsize": 0.3, "carry": False},
+        {"stepsize": 0.3, "carry": True, "layer_share": 1.0},
+        {"stepsize": 0.3, "carry": False, "layer_share": 1.0},
+        {"stepsize": 0.3, "window_length": 3, "decay": True, "carry": True},
+        {"stepsize": 0.2, "grad_length": 2, "num_iterations": 2, "carry": True},
+        {"stepsize": 0.4, "gm_scale": 0.6, "steer_every": 2, "carry": False},
+    ],
+)
 def test_the_lean_path_computes_what_the_generic_path_does(loaded, settings):
     check_lean_equals_generic(loaded, settings)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "gemma"])
-@pytest.mark.parametrize("settings", [{"stepsize": 0.3, "carry": True, "window_length": 3, "decay": True},
-                                      {"stepsize": 0.3, "carry": False}])
+@pytest.mark.parametrize(
+    "settings", [{"stepsize": 0.3, "carry": True, "window_length": 3, "decay": True}, {"stepsize": 0.3, "carry": False}]
+)
 def test_the_lean_path_computes_what_the_generic_path_does_on_llama_family(tiny_family, architecture, settings):
     check_lean_equals_generic(tiny_family(architecture), settings)
 
@@ -276,8 +334,10 @@ def check_lean_equals_generic(loaded, settings):
 
 
 def test_the_lean_path_stops_finished_rows_like_the_generic_path(loaded):
-    runs = [steered_run(loaded, {"stepsize": 0.3, "carry": True}, inner=inner, rows=3, tokens=4, finish_first_at=1)
-            for inner in (False, True)]
+    runs = [
+        steered_run(loaded, {"stepsize": 0.3, "carry": True}, inner=inner, rows=3, tokens=4, finish_first_at=1)
+        for inner in (False, True)
+    ]
     (lean_scores, lean_tokens, _), (generic_scores, generic_tokens, _) = runs
     assert torch.equal(lean_tokens, generic_tokens)
     assert bool((lean_tokens[0, 1:] == loaded.eos_token_id).all())
@@ -302,24 +362,37 @@ def test_the_lean_path_agrees_for_a_discriminator(loaded, tmp_path):
     from chatcore.pplm.attribute import HeadConfig, model_shape, save_head, tokenizer_fingerprint
 
     hidden, layers = model_shape(loaded.model)
-    config = HeadConfig(classes=["negative", "positive"], hidden_size=hidden, num_layers=layers, layer=layers - 1,
-                        tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer), base_model="tiny")
+    config = HeadConfig(
+        classes=["negative", "positive"],
+        hidden_size=hidden,
+        num_layers=layers,
+        layer=layers - 1,
+        tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+        base_model="tiny",
+    )
     generator = torch.Generator().manual_seed(1)
-    path = save_head(tmp_path / "head.safetensors", torch.randn(2, hidden, generator=generator), torch.zeros(2),
-                     config)
+    path = save_head(tmp_path / "head.safetensors", torch.randn(2, hidden, generator=generator), torch.zeros(2), config)
     runs = {}
     for inner in (False, True):
         eos = loaded.eos_token_id
         prompt = encode_text(loaded.tokenizer, "how was your day?") + [eos]
-        steerer = PPLMSteerer.from_options({"discriminator": str(path), "class_label": "positive", "stepsize": 0.3,
-                                            "horizon_length": 2})
+        steerer = PPLMSteerer.from_options(
+            {"discriminator": str(path), "class_label": "positive", "stepsize": 0.3, "horizon_length": 2}
+        )
         steerers = [Passthrough(), steerer] if inner else [steerer]
-        session = GenerationSession(model=loaded, prompt_ids=prompt, steerers=steerers, max_new_tokens=4,
-                                    min_new_tokens=4, generator=torch.Generator().manual_seed(0), seed=0)
+        session = GenerationSession(
+            model=loaded,
+            prompt_ids=prompt,
+            steerers=steerers,
+            max_new_tokens=4,
+            min_new_tokens=4,
+            generator=torch.Generator().manual_seed(0),
+            seed=0,
+        )
         for each in steerers:
             each.prepare(session)
-        seen = []
-        tokens = list(session.run([], lambda scores, g: seen.append(scores.clone()) or scores.argmax(-1)))
+        seen: list = []
+        tokens = list(session.run([], lambda scores, g, seen=seen: seen.append(scores.clone()) or scores.argmax(-1)))
         runs[inner] = (seen, tokens, steerer.perturbation)
     (lean_scores, lean_tokens, lean), (generic_scores, generic_tokens, generic) = runs[False], runs[True]
     assert lean.runner is not None and generic.runner is None

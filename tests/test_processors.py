@@ -135,16 +135,19 @@ def test_top_p_matches_transformers(p):
 def test_temperature_matches_transformers(t):
     for seed in SEEDS:
         sequences, scores = random_case(seed)
-        torch.testing.assert_close(Temperature(t)(sequences, scores),
-                                   TemperatureLogitsWarper(t)(sequences, scores.clone()))
+        torch.testing.assert_close(
+            Temperature(t)(sequences, scores), TemperatureLogitsWarper(t)(sequences, scores.clone())
+        )
 
 
 @pytest.mark.parametrize("penalty", [0.5, 1.0, 1.2, 2.0, 7.5])
 def test_repetition_penalty_matches_transformers(penalty):
     for seed in SEEDS:
         sequences, scores = random_case(seed)
-        torch.testing.assert_close(RepetitionPenalty(penalty)(sequences, scores),
-                                   RepetitionPenaltyLogitsProcessor(penalty)(sequences, scores.clone()))
+        torch.testing.assert_close(
+            RepetitionPenalty(penalty)(sequences, scores),
+            RepetitionPenaltyLogitsProcessor(penalty)(sequences, scores.clone()),
+        )
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -167,8 +170,13 @@ def test_chain_in_documented_order_matches_transformers():
     for processor in (RepetitionPenalty(1.3), NoRepeatNGram(2), Temperature(0.7), TopK(10), TopP(0.9)):
         ours = processor(sequences, ours)
     theirs = scores.clone()
-    for processor in (RepetitionPenaltyLogitsProcessor(1.3), NoRepeatNGramLogitsProcessor(2),
-                      TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.9)):
+    for processor in (
+        RepetitionPenaltyLogitsProcessor(1.3),
+        NoRepeatNGramLogitsProcessor(2),
+        TemperatureLogitsWarper(0.7),
+        TopKLogitsWarper(10),
+        TopPLogitsWarper(0.9),
+    ):
         theirs = processor(sequences, theirs)
     torch.testing.assert_close(ours, theirs)
 
@@ -176,12 +184,18 @@ def test_chain_in_documented_order_matches_transformers():
 def test_top_k_decoder_builds_processors_in_documented_order():
     from chatcore.plugins.top_k import TopKDecoder
 
-    decoder = TopKDecoder.from_options({"top_k": "7", "top_p": "0.8", "temperature": "0.5",
-                                        "repetition_penalty": "1.2", "no_repeat_ngram_size": "3"})
+    decoder = TopKDecoder.from_options(
+        {"top_k": "7", "top_p": "0.8", "temperature": "0.5", "repetition_penalty": "1.2", "no_repeat_ngram_size": "3"}
+    )
     processors = decoder.processors()
     assert [type(p) for p in processors] == [RepetitionPenalty, NoRepeatNGram, Temperature, TopK, TopP]
-    assert (processors[0].penalty, processors[1].size, processors[2].temperature, processors[3].k,
-            processors[4].p) == (1.2, 3, 0.5, 7, 0.8)
+    assert (processors[0].penalty, processors[1].size, processors[2].temperature, processors[3].k, processors[4].p) == (
+        1.2,
+        3,
+        0.5,
+        7,
+        0.8,
+    )
     # neutral settings add no processor
     plain = TopKDecoder.from_options({"top_k": 5, "temperature": 1.0})
     assert [type(p) for p in plain.processors()] == [TopK]

@@ -16,7 +16,7 @@ from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
 # A template with other markers and a BOS, as Llama 3's has, to check that nothing is ChatML-specific.
 HEADER_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"  # noqa: E501
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 # Like Gemma's first templates: no system role.
@@ -47,7 +47,9 @@ def chat_engine(chat_loaded):
 
 def template_ids(tokenizer, messages: list[Message]) -> list[int]:
     chat = [{"role": m.role, "content": m.text} for m in messages]
-    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    )
 
 
 def test_auto_picks_the_chat_template_and_dialogpt_without_one(chat_engine, engine):
@@ -157,8 +159,9 @@ def test_a_system_prompt_longer_than_the_context_is_a_clear_error(chat_engine):
 def test_a_template_that_raises_names_the_model(tmp_path):
     from chatcore.models import load_model
 
-    folder = build_tiny_model(tmp_path / "broken", architecture="llama",
-                              chat_template="{{ raise_exception('this template is broken') }}")
+    folder = build_tiny_model(
+        tmp_path / "broken", architecture="llama", chat_template="{{ raise_exception('this template is broken') }}"
+    )
     with pytest.raises(ChatcoreError, match="chat template of model .*broken.*this template is broken"):
         make_engine(load_model(str(folder)))
 
@@ -177,7 +180,9 @@ def test_other_templates_find_their_end_of_turn_token_and_keep_bos(tmp_path):
 
     folder = build_tiny_model(tmp_path / "headers", architecture="llama")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+    )
     tokenizer.chat_template = HEADER_TEMPLATE
     tokenizer.save_pretrained(str(folder))
     engine = make_engine(str(folder))
@@ -200,8 +205,10 @@ def test_dialogpt_can_be_chosen_for_a_chat_model(chat_loaded):
     eos = engine.tokenizer.eos_token_id
     tokenizer = engine.tokenizer
     assert conversation.prompt(16).token_ids == (
-        tokenizer("persona", add_special_tokens=False)["input_ids"] + [eos]
-        + tokenizer("hi", add_special_tokens=False)["input_ids"] + [eos]
+        tokenizer("persona", add_special_tokens=False)["input_ids"]
+        + [eos]
+        + tokenizer("hi", add_special_tokens=False)["input_ids"]
+        + [eos]
     )
     # A conversation may name its own format.
     other = engine.conversation(prompt_format="chat-template")
@@ -251,7 +258,7 @@ def test_a_reply_budget_beyond_the_context_is_capped(chat_engine, chat_loaded):
 
 
 DEFAULT_SYSTEM_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful bot.<|im_end|>\\n' }}{% endif %}"
+    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful bot.<|im_end|>\\n' }}{% endif %}"  # noqa: E501
     + CHATML_TEMPLATE
 )
 

@@ -41,9 +41,13 @@ def test_the_winner_is_the_most_fluent_usable_candidate_on_topic(bundled, rank_h
     chosen_on_topic = 0
     for seed in range(4):
         # A logit steerer makes food words likely enough that some candidates carry one.
-        options = ReplyOptions(decoder="rank", decoder_settings={"topic": "food", "candidates": 6, "quorum": 1},
-                               steerers=[("bow-bias", {"topic": "food", "strength": 3})], seed=seed,
-                               max_new_tokens=24)
+        options = ReplyOptions(
+            decoder="rank",
+            decoder_settings={"topic": "food", "candidates": 6, "quorum": 1},
+            steerers=[("bow-bias", {"topic": "food", "strength": 3})],
+            seed=seed,
+            max_new_tokens=24,
+        )
         response = engine.reply_to(["what did you do today?"], options)
         text = response.text()
         candidates = response.provenance["candidates"]
@@ -62,12 +66,15 @@ def test_the_winner_is_the_most_fluent_usable_candidate_on_topic(bundled, rank_h
     assert chosen_on_topic >= 1
 
 
-@pytest.mark.parametrize(("settings", "field"), [
-    ({}, "topic"),
-    ({"topic": "cooking-shows"}, "topic"),
-    ({"words": "pizza", "candidates": 0}, "candidates"),
-    ({"words": "pizza", "quorum": 2}, "quorum"),
-])
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({}, "topic"),
+        ({"topic": "cooking-shows"}, "topic"),
+        ({"words": "pizza", "candidates": 0}, "candidates"),
+        ({"words": "pizza", "quorum": 2}, "quorum"),
+    ],
+)
 def test_bad_settings_are_refused(settings, field, bundled, rank_host):
     with pytest.raises(OptionError, match=field):
         Engine(bundled, host=rank_host).make_decoder("rank", settings)

@@ -13,15 +13,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 import chatcore
-
 import chatcore.plugin_manager as plugin_manager
 from chatcore.adapters.conversation_log import ConversationLogPlugin
 from chatcore.adapters.conversation_log.location import sqlite_url
@@ -31,14 +29,17 @@ from chatcore.adapters.repl.completion import completions, toolbar_text
 from chatcore.adapters.repl.slash_commands import COMMANDS, handle_line
 from chatcore.adapters.repl.state import ChatState
 from chatcore.adapters.repl.terminal import run_loop
-from chatcore.steering import Steerer
 from chatcore.engine import ReplyOptions
+from chatcore.steering import Steerer
 from chatcore.text import encode_text
 
-
 ADAPTERS = ("chatcore.adapters.conversation_log", "chatcore.adapters.repl")
-BUILTIN_TEST_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.bow_bias",
-                        "chatcore.plugins.prompt_formats")
+BUILTIN_TEST_PLUGINS = (
+    "chatcore.plugins.greedy",
+    "chatcore.plugins.top_k",
+    "chatcore.plugins.bow_bias",
+    "chatcore.plugins.prompt_formats",
+)
 
 
 @pytest.fixture
@@ -66,8 +67,9 @@ def chat_loaded(tmp_path_factory):
     from chatcore.models import load_model
     from chatcore.testing import CHATML_TEMPLATE, build_tiny_model
 
-    folder = build_tiny_model(tmp_path_factory.mktemp("tiny-chat"), architecture="qwen2",
-                              chat_template=CHATML_TEMPLATE, positions=256)
+    folder = build_tiny_model(
+        tmp_path_factory.mktemp("tiny-chat"), architecture="qwen2", chat_template=CHATML_TEMPLATE, positions=256
+    )
     return load_model(str(folder))
 
 
@@ -174,8 +176,15 @@ def test_every_slash_command(state, store):
     assert [(m.role, m.superseded) for m in logged] == [("user", False), ("bot", True), ("bot", False)]
 
     settings = command("/settings").output
-    for needle in ("model:", "decoder:        top-k ", "top_k=5", "temperature=0.5", "steerers:       none",
-                   "log:            on", state.current.id):
+    for needle in (
+        "model:",
+        "decoder:        top-k ",
+        "top_k=5",
+        "temperature=0.5",
+        "steerers:       none",
+        "log:            on",
+        state.current.id,
+    ):
         assert needle in settings
 
     assert state.current.id[:12] in command("/conversations").output
@@ -219,8 +228,9 @@ def test_every_slash_command(state, store):
 
 def template_length(tokenizer, messages):
     chat = [{"role": role, "content": text} for role, text in messages]
-    return len(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"])
+    return len(
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    )
 
 
 def test_system_prompt_and_format_change_from_the_next_reply_on(chat_state, store):
@@ -234,7 +244,8 @@ def test_system_prompt_and_format_change_from_the_next_reply_on(chat_state, stor
     second = run(state, "and now?")
     history = [("user", "hello"), ("assistant", state.current.turns[1].text), ("user", "and now?")]
     assert second.reply.provenance["prompt_tokens"] == template_length(
-        tokenizer, [("system", "You answer in French."), *history])
+        tokenizer, [("system", "You answer in French."), *history]
+    )
 
     run(state, "/system clear")
     retried = run(state, "/retry")  # the new reply to the same turns has no system prompt
@@ -264,11 +275,19 @@ def test_system_prompt_and_format_change_from_the_next_reply_on(chat_state, stor
 def test_why_shows_candidates_and_scores_of_a_logged_reply(state, store):
     store.ensure_conversation("mmi1", adapter="repl")
     store.add_message("mmi1", "user", "hi")
-    candidates = [{"token_ids": [1], "text": "hello!", "scores": {"forward": -1.5, "reverse": -2.25}, "chosen": False},
-                  {"token_ids": [2], "text": "hey, you", "scores": {"forward": -1.0, "reverse": -0.5}, "chosen": True}]
-    store.add_message("mmi1", "bot", "hey, you", decoder={"name": "mmi", "settings": {"candidates": 2}}, seed=9,
-                      candidates=candidates, provenance={"decoder": {"name": "mmi", "settings": {"candidates": 2}},
-                                                         "steerers": [], "seed": 9})
+    candidates = [
+        {"token_ids": [1], "text": "hello!", "scores": {"forward": -1.5, "reverse": -2.25}, "chosen": False},
+        {"token_ids": [2], "text": "hey, you", "scores": {"forward": -1.0, "reverse": -0.5}, "chosen": True},
+    ]
+    store.add_message(
+        "mmi1",
+        "bot",
+        "hey, you",
+        decoder={"name": "mmi", "settings": {"candidates": 2}},
+        seed=9,
+        candidates=candidates,
+        provenance={"decoder": {"name": "mmi", "settings": {"candidates": 2}}, "steerers": [], "seed": 9},
+    )
     run(state, "/resume mmi1")
     why = run(state, "/why").output.splitlines()
     assert why[0] == "decoder mmi candidates=2, seed 9"
@@ -340,6 +359,7 @@ class BrokenSteerer(Steerer):
     def wrap(self, step):
         def broken(state):
             raise RuntimeError("boom")
+
         return broken
 
 
@@ -453,21 +473,29 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
     from prompt_toolkit.output import DummyOutput
 
     url = sqlite_url(tmp_path / "chat.sqlite3")
-    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=4, seed=1, db_url=url,
-                        history_file=tmp_path / "history")
+    config = ChatConfig(
+        model=str(tiny_model_dir),
+        decoder_spec="greedy",
+        max_new_tokens=4,
+        seed=1,
+        db_url=url,
+        history_file=tmp_path / "history",
+    )
     out = io.StringIO()
     with create_pipe_input() as pipe:
-        pipe.send_text("hello \x00there\r"  # Ctrl-Space (NUL) does nothing
-                       "/system Be kind.\r"
-                       "/format auto\r"
-                       "/decoder top-k top_k=5\r"
-                       "first line\x1b\rsecond line\r"  # Esc-Enter adds a line
-                       "typed, then dropped\x03"  # Ctrl-C at the prompt clears the line
-                       "/retry\r"
-                       "/multi\r"  # now Enter adds a line and Esc-Enter sends ...
-                       "line one\rline two\x1b\r"
-                       "/multi\r"  # ... though a one-line command still runs on Enter
-                       "\x04")  # Ctrl-D exits
+        pipe.send_text(
+            "hello \x00there\r"  # Ctrl-Space (NUL) does nothing
+            "/system Be kind.\r"
+            "/format auto\r"
+            "/decoder top-k top_k=5\r"
+            "first line\x1b\rsecond line\r"  # Esc-Enter adds a line
+            "typed, then dropped\x03"  # Ctrl-C at the prompt clears the line
+            "/retry\r"
+            "/multi\r"  # now Enter adds a line and Esc-Enter sends ...
+            "line one\rline two\x1b\r"
+            "/multi\r"  # ... though a one-line command still runs on Enter
+            "\x04"
+        )  # Ctrl-D exits
         state = start_chat(config, out=out, input=pipe, output=DummyOutput())
     shown = out.getvalue()
     assert shown.count("bot> ") == 4 and "top_k=5" in shown
@@ -475,15 +503,24 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
     assert "system prompt:\n  Be kind.\n" in shown and "format: dialogpt (auto picked it)" in shown
     assert state.current.system == "Be kind."
     assert [t.text for t in state.current.turns if t.role == "user"] == [
-        "hello there", "first line second line", "line one line two"]
+        "hello there",
+        "first line second line",
+        "line one line two",
+    ]
     assert "dropped" not in shown
     history = (tmp_path / "history").read_text()
     assert "+hello there" in history and "+first line\n+second line" in history
     with ConversationStore(url) as store:
         record = store.get_conversation(state.current.id)
     assert [(m.role, m.superseded) for m in record.messages] == [
-        ("user", False), ("bot", False), ("user", False), ("bot", True), ("bot", False), ("user", False),
-        ("bot", False)]
+        ("user", False),
+        ("bot", False),
+        ("user", False),
+        ("bot", True),
+        ("bot", False),
+        ("user", False),
+        ("bot", False),
+    ]
     assert [m.seed for m in record.messages if m.role == "bot"] == [1, 2, 3, 4]
     assert record.messages[-1].decoder["name"] == "top-k"
     assert repl_host.pm.get_plugin("conversation-log:repl") is None  # unregistered at exit
@@ -496,15 +533,26 @@ def test_a_long_paste_is_refused_at_once_and_kept_out_of_the_history(repl_host, 
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 
-    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2,
-                        db_url=sqlite_url(tmp_path / "chat.sqlite3"), history_file=tmp_path / "history")
+    config = ChatConfig(
+        model=str(tiny_model_dir),
+        decoder_spec="greedy",
+        max_new_tokens=2,
+        db_url=sqlite_url(tmp_path / "chat.sqlite3"),
+        history_file=tmp_path / "history",
+    )
     out = io.StringIO()
     # Pasted without bracketed paste: the characters come as keys, 1,024 to a read.
-    keys = ("y" * 100_000 + "\r"
-            + "hello\r"
-            + "y" * 9_000 + "\x03"  # Ctrl-C clears an over-long line too
-            + "/system " + "s" * 33_000 + "\r"
-            + "\x04")
+    keys = (
+        "y" * 100_000
+        + "\r"
+        + "hello\r"
+        + "y" * 9_000
+        + "\x03"  # Ctrl-C clears an over-long line too
+        + "/system "
+        + "s" * 33_000
+        + "\r"
+        + "\x04"
+    )
     with create_pipe_input() as pipe:
         sender = threading.Thread(target=pipe.send_text, args=(keys,))  # more than a pipe holds
         sender.start()
@@ -528,8 +576,13 @@ def test_no_log_keeps_the_typed_lines_off_the_disk_too(repl_host, tiny_model_dir
     from prompt_toolkit.input import create_pipe_input
     from prompt_toolkit.output import DummyOutput
 
-    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2, no_log=True,
-                        history_file=tmp_path / "history")
+    config = ChatConfig(
+        model=str(tiny_model_dir),
+        decoder_spec="greedy",
+        max_new_tokens=2,
+        no_log=True,
+        history_file=tmp_path / "history",
+    )
     with create_pipe_input() as pipe:
         pipe.send_text("a secret\r\x04")
         state = start_chat(config, out=io.StringIO(), err=io.StringIO(), input=pipe, output=DummyOutput())
@@ -576,9 +629,11 @@ def test_the_chat_command(cli, tiny_model_dir, tmp_path, monkeypatch):
     assert unavailable.exit_code == 0 and "chatting without the conversation log" in unavailable.stderr
     assert unavailable.stdout.startswith("bot> ") and "the conversation log is off (unavailable)" in unavailable.stdout
 
-    for args, needle in [(("--cid", "nope"), "no conversation 'nope'"),
-                         (("--no-log", "--continue"), "drop --no-log"),
-                         (("--decoder", "top-k top_k=-1"), "`top_k` must be a positive integer")]:
+    for args, needle in [
+        (("--cid", "nope"), "no conversation 'nope'"),
+        (("--no-log", "--continue"), "drop --no-log"),
+        (("--decoder", "top-k top_k=-1"), "`top_k` must be a positive integer"),
+    ]:
         failed = cli("chat", "--model", str(tiny_model_dir), *args, input="")
         assert failed.exit_code == 1 and failed.stderr.strip().splitlines()[-1].startswith("Error: ")
         assert needle in failed.stderr
@@ -588,8 +643,9 @@ def test_chat_system_prompt_and_format_options(cli, tiny_model_dir, tmp_path):
     model = ("--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "3", "--no-log")
     persona = tmp_path / "persona.txt"
     persona.write_text("You are a pirate.\nYou say arr.\n", encoding="utf-8")
-    chatted = cli("chat", *model, "--system-file", str(persona), "--format", "dialogpt",
-                  input="/system\n/format\nhello\n")
+    chatted = cli(
+        "chat", *model, "--system-file", str(persona), "--format", "dialogpt", input="/system\n/format\nhello\n"
+    )
     assert chatted.exit_code == 0, chatted.output
     assert chatted.stdout.startswith("system prompt:\n  You are a pirate.\n  You say arr.\nformat: dialogpt\n")
     assert "with a system prompt" in chatted.stderr and "bot> " in chatted.stdout
@@ -599,12 +655,14 @@ def test_chat_system_prompt_and_format_options(cli, tiny_model_dir, tmp_path):
     (tmp_path / "empty.txt").write_text(" \n\n")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     missing_model = ("--model", str(tmp_path / "no-such-model"))  # option errors come before any loading
-    for args, needle in [(("--system-file", str(tmp_path / "nope.txt")), "does not exist"),
-                         (("--system-file", str(tmp_path)), "is not a file"),
-                         (("--system-file", str(tmp_path / "latin1.txt")), "is not UTF-8 text (bad byte at position 3)"),
-                         (("--system-file", str(tmp_path / "empty.txt")), "is empty"),
-                         (("--system", "x", "--system-file", str(persona)), "not both"),
-                         (("--format", "nope"), "unknown prompt format 'nope' (available: ")]:
+    for args, needle in [
+        (("--system-file", str(tmp_path / "nope.txt")), "does not exist"),
+        (("--system-file", str(tmp_path)), "is not a file"),
+        (("--system-file", str(tmp_path / "latin1.txt")), "is not UTF-8 text (bad byte at position 3)"),
+        (("--system-file", str(tmp_path / "empty.txt")), "is empty"),
+        (("--system", "x", "--system-file", str(persona)), "not both"),
+        (("--format", "nope"), "unknown prompt format 'nope' (available: "),
+    ]:
         failed = cli("chat", *missing_model, "--no-log", *args, input="")
         assert failed.exit_code == 1, failed.output
         assert failed.stderr.count("\n") == 1 and failed.stderr.startswith("Error: ") and needle in failed.stderr
@@ -616,13 +674,15 @@ def test_chat_system_prompt_and_format_options(cli, tiny_model_dir, tmp_path):
 
 
 def test_building_the_cli_imports_no_heavy_module():
-    code = ("import sys\n"
-            "from chatcore.plugin_manager import PluginHost, set_plugin_host\n"
-            "host = PluginHost(); host.load_modules(%r); set_plugin_host(host)\n"
-            "from chatcore.cli import build_cli\n"
-            "group = build_cli(); assert {'chat', 'logs'} <= set(group.commands)\n"
-            "heavy = [m for m in ('torch', 'transformers', 'sqlalchemy', 'prompt_toolkit') if m in sys.modules]\n"
-            "assert not heavy, heavy\n") % (ADAPTERS,)
+    code = (
+        "import sys\n"
+        "from chatcore.plugin_manager import PluginHost, set_plugin_host\n"
+        f"host = PluginHost(); host.load_modules({ADAPTERS!r}); set_plugin_host(host)\n"
+        "from chatcore.cli import build_cli\n"
+        "group = build_cli(); assert {'chat', 'logs'} <= set(group.commands)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'sqlalchemy', 'prompt_toolkit') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert completed.returncode == 0, completed.stderr
 
@@ -670,9 +730,17 @@ SLOW_STEERER = textwrap.dedent("""
 
 
 def child_env(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), XDG_DATA_HOME=str(tmp_path / "data"), CHATCORE_PLUGINS="",
-               TERM="xterm", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(tmp_path),
+        XDG_DATA_HOME=str(tmp_path / "data"),
+        CHATCORE_PLUGINS="",
+        TERM="xterm",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("CHATCORE_DEBUG", None)
     env.pop("CHATCORE_DB", None)
     return env
@@ -755,8 +823,23 @@ class PseudoTerminal:
 def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host):
     (tmp_path / "chatcore_test_slow.py").write_text(SLOW_STEERER)
     url = sqlite_url(tmp_path / "e2e.sqlite3")
-    argv = [sys.executable, "-c", LAUNCHER, "chatcore_test_slow", "chat", "--model", str(tiny_model_dir),
-            "--decoder", "greedy", "-n", "12", "--seed", "1", "--db", url]
+    argv = [
+        sys.executable,
+        "-c",
+        LAUNCHER,
+        "chatcore_test_slow",
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "--decoder",
+        "greedy",
+        "-n",
+        "12",
+        "--seed",
+        "1",
+        "--db",
+        url,
+    ]
     term = PseudoTerminal(argv, child_env(tmp_path), cwd=tmp_path)
     try:
         term.expect(r"you>", timeout=120)
@@ -766,7 +849,9 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
             term.expect(answer)
             term.expect(r"you>")
 
-        term.expect(r"tiny-model0 \| format: dialogpt \| decoder: greedy \| steer: none \| seed: 1 \| log: on")  # the toolbar
+        term.expect(
+            r"tiny-model0 \| format: dialogpt \| decoder: greedy \| steer: none \| seed: 1 \| log: on"
+        )  # the toolbar
         line("hello there", r"bot> [^\n]*\n")
         line("/decoder top-k top_k=20", r"decoder: top-k [^\n]*top_k=20")
         term.expect(r"decoder: top-k top_k=20 \| steer: none \| seed: 2")
@@ -816,8 +901,13 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
     assert shown.exit_code == 0, shown.output
     lines = [line for line in shown.stdout.splitlines() if "> " in line]
     users = [line.split("you> ", 1)[1] for line in lines if " you> " in line]
-    assert users == ["hello there", "what do you like to eat?", "and for dinner?", "one more question",
-                     "tell me a long story"]
+    assert users == [
+        "hello there",
+        "what do you like to eat?",
+        "and for dinner?",
+        "one more question",
+        "tell me a long story",
+    ]
     bots = [line for line in lines if " bot> " in line]
     assert len(bots) == 6
     assert "[greedy, " in bots[0] and "[top-k, " in bots[1]
@@ -846,10 +936,29 @@ def read_line(process, buffer, timeout=60.0):
 @pytest.mark.slow
 def test_a_killed_chat_keeps_every_completed_turn(tiny_model_dir, tmp_path):
     url = sqlite_url(tmp_path / "killed.sqlite3")
-    argv = [sys.executable, "-c", LAUNCHER, "", "chat", "--model", str(tiny_model_dir), "--decoder", "greedy",
-            "-n", "4", "--db", url]
-    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               env=child_env(tmp_path), cwd=tmp_path)
+    argv = [
+        sys.executable,
+        "-c",
+        LAUNCHER,
+        "",
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "--decoder",
+        "greedy",
+        "-n",
+        "4",
+        "--db",
+        url,
+    ]
+    process = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=child_env(tmp_path),
+        cwd=tmp_path,
+    )
     buffer = [b""]
     try:
         process.stdin.write(b"caf\xc3 \xff\xfe not utf-8\n" + b"y" * 100_000 + b"\n")
@@ -882,8 +991,9 @@ def test_writes_the_log_cannot_take_at_exit_wait_in_its_journal(engine, tmp_path
     db_path = tmp_path / "locked.sqlite3"
     store = ConversationStore(sqlite_url(db_path), timeout_s=0.05)
     chat = ChatState(engine, ReplyOptions(decoder="greedy", max_new_tokens=3), store=store)
-    chat.log_plugin = ConversationLogPlugin(store, notify=chat.notify, retry_after_s=0.0,
-                                            journal_dir=tmp_path / "journal")
+    chat.log_plugin = ConversationLogPlugin(
+        store, notify=chat.notify, retry_after_s=0.0, journal_dir=tmp_path / "journal"
+    )
     engine.host.register(chat.log_plugin, "conversation-log")
     blocker = sqlite3.connect(str(db_path), isolation_level=None)
     blocker.execute("BEGIN EXCLUSIVE")  # another process holds the write lock until after the exit
@@ -907,8 +1017,9 @@ def test_a_log_that_cannot_be_opened_at_the_start_is_used_once_it_can(repl_host,
 
     folder = tmp_path / "not-yet"
     folder.write_text("a file where the log's folder should be")  # refused at the start, as by a full disk
-    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=3,
-                        db_url=sqlite_url(folder / "log.sqlite3"))
+    config = ChatConfig(
+        model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=3, db_url=sqlite_url(folder / "log.sqlite3")
+    )
     said = []
     state = build_state(config, repl_host, said.append)
     assert state.store is None and any("chatting without the conversation log" in line for line in said)

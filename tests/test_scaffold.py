@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 import chatcore.plugin_manager as plugin_manager
@@ -35,8 +35,13 @@ def new_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def test_names_follow_from_the_steerer_name() -> None:
     names = PluginNames.from_name("shout-louder")
-    assert names == PluginNames(steerer="shout-louder", distribution="chatcore-shout-louder",
-                                package="chatcore_shout_louder", entry_point="shout_louder", class_name="ShoutLouder")
+    assert names == PluginNames(
+        steerer="shout-louder",
+        distribution="chatcore-shout-louder",
+        package="chatcore_shout_louder",
+        entry_point="shout_louder",
+        class_name="ShoutLouder",
+    )
 
 
 @pytest.mark.parametrize("name", ["", "Shout", "shout_louder", "-shout", "shout-", "a--b", "1up", "shout louder"])
@@ -98,8 +103,9 @@ def test_the_generated_plugin_registers_and_validates(tmp_path: Path, monkeypatc
         sys.modules.pop("chatcore_brevity_test", None)
 
 
-def test_the_generated_steerer_edits_only_the_end_of_turn_score(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  engine) -> None:
+def test_the_generated_steerer_edits_only_the_end_of_turn_score(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine
+) -> None:
     import torch
 
     from chatcore.decoding import GenerationSession
@@ -111,12 +117,25 @@ def test_the_generated_steerer_edits_only_the_end_of_turn_score(tmp_path: Path, 
     try:
         engine.host.load_modules(("chatcore_brevity_test",))
         steerer = Registry.build(engine.host).steerer("brevity-test").from_options({"strength": "5"})
-        session = GenerationSession(model=engine.loaded, prompt_ids=[1, 2], steerers=[steerer], max_new_tokens=2,
-                                    generator=torch.Generator().manual_seed(0), seed=0)
+        session = GenerationSession(
+            model=engine.loaded,
+            prompt_ids=[1, 2],
+            steerers=[steerer],
+            max_new_tokens=2,
+            generator=torch.Generator().manual_seed(0),
+            seed=0,
+        )
         steerer.prepare(session)
         ids = torch.tensor([[1, 2], [3, 4]])
-        state = StepState(input_ids=ids, sequences=ids, attention_mask=torch.ones_like(ids),
-                          position_ids=torch.tensor([[0, 1], [0, 1]]), cache=None, step=0, prompt_length=2)
+        state = StepState(
+            input_ids=ids,
+            sequences=ids,
+            attention_mask=torch.ones_like(ids),
+            position_ids=torch.tensor([[0, 1], [0, 1]]),
+            cache=None,
+            step=0,
+            prompt_length=2,
+        )
         scores = torch.randn(2, engine.loaded.model.config.vocab_size)  # (B, V)
         change = steerer.wrap(lambda state: StepOutput(logits=scores, cache=None))(state).logits - scores
         eos = engine.eos_token_id
@@ -134,9 +153,14 @@ def test_the_generated_tests_pass_with_chatcores_fixtures(tmp_path: Path) -> Non
     # Stands in for `pip install -e .`: the package imports from its folder.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package / "src"), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")  # a tiny model: more threads only contend
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "--basetemp", str(tmp_path / "t")],
-                            cwd=package, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t")],
+        cwd=package,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "3 passed" in result.stdout
 
@@ -165,8 +189,12 @@ def test_a_wheel_built_from_the_skeleton_holds_the_plugins_data_files(tmp_path: 
     (data / "words.txt").write_text("pizza\npasta\n")
     (data / "data").mkdir()
     (data / "data" / "vector.json").write_text("[0.5, 1.5]")
-    result = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
-                             str(tmp_path / "dist"), str(package)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(package)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from serving_steerers import serving_engine  # noqa: F401  (a fixture)
 
 from chatcore.engine import ReplyOptions
 from chatcore.errors import PluginError
@@ -22,8 +21,13 @@ PROMPTS = [
 OPTIONS = [
     ReplyOptions(decoder="greedy", max_new_tokens=12),
     ReplyOptions(decoder="top-k", seed=3, max_new_tokens=16),
-    ReplyOptions(decoder="top-k", seed=5, max_new_tokens=10, steerers=[("bow-bias", {"topic": "food"})],
-                 decoder_settings={"top_p": 0.9, "repetition_penalty": 1.3}),
+    ReplyOptions(
+        decoder="top-k",
+        seed=5,
+        max_new_tokens=10,
+        steerers=[("bow-bias", {"topic": "food"})],
+        decoder_settings={"top_p": 0.9, "repetition_penalty": 1.3},
+    ),
     ReplyOptions(decoder="greedy", max_new_tokens=6, min_new_tokens=6, decoder_settings={"no_repeat_ngram_size": 2}),
     ReplyOptions(decoder="top-k", seed=11, max_new_tokens=14, decoder_settings={"temperature": 1.3}),
 ]
@@ -70,8 +74,9 @@ def test_replies_join_a_running_batch_between_steps(serving_engine):
 def test_a_failing_steerer_fails_its_row_alone(serving_engine):
     options = ReplyOptions(decoder="greedy", max_new_tokens=10, min_new_tokens=10)
     expected = alone(serving_engine, PROMPTS[0], options)
-    failing = ReplyOptions(decoder="greedy", max_new_tokens=10, min_new_tokens=10,
-                           steerers=[("failing-shared", {"at_step": 3})])
+    failing = ReplyOptions(
+        decoder="greedy", max_new_tokens=10, min_new_tokens=10, steerers=[("failing-shared", {"at_step": 3})]
+    )
     with Scheduler(serving_engine) as scheduler:
         bad = scheduler.submit([Message("user", PROMPTS[2])], failing)
         good = scheduler.submit([Message("user", PROMPTS[0])], options)
@@ -153,13 +158,16 @@ def test_scheduler_settings_are_checked(serving_engine):
         Scheduler(serving_engine, max_batch=0)
 
 
-@pytest.mark.parametrize("deltas, stops, expected, hit", [
-    (["hello wor", "ld, fine"], ["world"], "hello ", True),
-    (["ab", "c<", "|us", "er|>", "tail"], ["<|user|>"], "abc", True),
-    (["a <", "b"], ["<|user|>"], "a <b", False),
-    (["xyz"], ["y", "xy"], "", True),
-    (["no stop here"], [], "no stop here", False),
-])
+@pytest.mark.parametrize(
+    "deltas, stops, expected, hit",
+    [
+        (["hello wor", "ld, fine"], ["world"], "hello ", True),
+        (["ab", "c<", "|us", "er|>", "tail"], ["<|user|>"], "abc", True),
+        (["a <", "b"], ["<|user|>"], "a <b", False),
+        (["xyz"], ["y", "xy"], "", True),
+        (["no stop here"], [], "no stop here", False),
+    ],
+)
 def test_stop_strings_hold_back_what_may_start_one(deltas, stops, expected, hit):
     from chatcore.serving.stops import StopStrings
 
@@ -178,10 +186,13 @@ def test_stop_strings_must_be_text():
         StopStrings([""])
 
 
-@pytest.mark.parametrize("options", [
-    ReplyOptions(decoder="greedy", max_new_tokens=10),
-    ReplyOptions(decoder="top-k", seed=21, max_new_tokens=12, steerers=[("bow-bias", {"topic": "food"})]),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ReplyOptions(decoder="greedy", max_new_tokens=10),
+        ReplyOptions(decoder="top-k", seed=21, max_new_tokens=12, steerers=[("bow-bias", {"topic": "food"})]),
+    ],
+)
 def test_prefix_cache_reuses_earlier_turns_with_the_same_tokens(serving_engine, options):
     user_turns = ["hi, how are you doing today?", "what do you like to eat?", "and what about dessert?"]
     expected = serving_engine.conversation(system="You like food.")
@@ -227,8 +238,15 @@ def test_prefix_cache_evicts_the_least_recently_used(loaded):
 def chat_engine(request, tmp_path_factory):
     from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
 
-    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), architecture=request.param,
-                              chat_template=CHATML_TEMPLATE, layers=2, width=64, heads=4, positions=256)
+    folder = build_tiny_model(
+        tmp_path_factory.mktemp(request.param),
+        architecture=request.param,
+        chat_template=CHATML_TEMPLATE,
+        layers=2,
+        width=64,
+        heads=4,
+        positions=256,
+    )
     return make_engine(str(folder), "chatcore.plugins.bow_bias")
 
 
@@ -278,8 +296,9 @@ def test_a_listener_that_fails_cancels_only_its_reply(serving_engine):
         raise RuntimeError("event loop is closed")
 
     with Scheduler(serving_engine) as scheduler:
-        orphan = scheduler.submit([Message("user", "hi")], ReplyOptions(decoder="greedy", max_new_tokens=20,
-                                                                        min_new_tokens=20), listener=gone)
+        orphan = scheduler.submit(
+            [Message("user", "hi")], ReplyOptions(decoder="greedy", max_new_tokens=20, min_new_tokens=20), listener=gone
+        )
         other = scheduler.submit([Message("user", "hello")], OPTIONS[0])
         assert orphan.wait(60) and other.wait(60)
     assert orphan.finish_reason == "cancelled" and len(orphan.token_ids) < 20
@@ -333,8 +352,22 @@ def test_eval_command_batches_with_the_same_replies(tiny_model_dir, tmp_path):
     reports = []
     for batch in ("1", "3"):
         out = tmp_path / f"report-{batch}.json"
-        result = CliRunner().invoke(build_cli(), ["eval", "--model", str(tiny_model_dir), "--prompts", str(prompts),
-                                                  "-n", "8", "--batch", batch, "--json", str(out)])
+        result = CliRunner().invoke(
+            build_cli(),
+            [
+                "eval",
+                "--model",
+                str(tiny_model_dir),
+                "--prompts",
+                str(prompts),
+                "-n",
+                "8",
+                "--batch",
+                batch,
+                "--json",
+                str(out),
+            ],
+        )
         assert result.exit_code == 0, result.output
         reports.append(json.loads(out.read_text()))
     assert [s["reply"] for s in reports[0]["samples"]] == [s["reply"] for s in reports[1]["samples"]]

@@ -36,11 +36,12 @@ def logged_engine(smollm2, tmp_path):
 
 def generate_reference(engine, conversation, max_new_tokens):
     chat = [{"role": m.role, "content": m.text} for m in conversation.messages()]
-    inputs = engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
-                                                  return_dict=True)
+    inputs = engine.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         output = engine.loaded.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
-    new = output[0, inputs["input_ids"].shape[1]:].tolist()
+    new = output[0, inputs["input_ids"].shape[1] :].tolist()
     stops = engine.prompt_format.stop_token_ids
     for index, token in enumerate(new):
         if token in stops:

@@ -19,8 +19,14 @@ WORDS = "pizza,food,movie,weather"
 
 
 def session_for(loaded, prompt_ids, steerers=(), max_new_tokens=4):
-    return GenerationSession(model=loaded, prompt_ids=list(prompt_ids), steerers=list(steerers),
-                             max_new_tokens=max_new_tokens, generator=torch.Generator().manual_seed(0), seed=0)
+    return GenerationSession(
+        model=loaded,
+        prompt_ids=list(prompt_ids),
+        steerers=list(steerers),
+        max_new_tokens=max_new_tokens,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
+    )
 
 
 def prepared_bow(loaded, prompt_ids, **settings):
@@ -31,9 +37,15 @@ def prepared_bow(loaded, prompt_ids, **settings):
 
 def state_after(prompt_ids, generated):
     sequences = torch.tensor([list(prompt_ids) + list(generated)])
-    return StepState(input_ids=sequences[:, -1:], sequences=sequences, attention_mask=torch.ones_like(sequences),
-                     position_ids=torch.tensor([[sequences.size(1) - 1]]), cache=None, step=len(generated),
-                     prompt_length=len(prompt_ids))
+    return StepState(
+        input_ids=sequences[:, -1:],
+        sequences=sequences,
+        attention_mask=torch.ones_like(sequences),
+        position_ids=torch.tensor([[sequences.size(1) - 1]]),
+        cache=None,
+        step=len(generated),
+        prompt_length=len(prompt_ids),
+    )
 
 
 # -- bow-bias ------------------------------------------------------------------------------------
@@ -59,8 +71,15 @@ def test_bow_bias_raises_the_share_of_word_tokens(engine, loaded, tokenizer):
         for seed in range(6):
             response = engine.conversation().send(
                 "what should we talk about?",
-                ReplyOptions(decoder="top-k", decoder_settings={"top_k": 400, "temperature": 1.0}, seed=seed,
-                             steerers=steerers, min_new_tokens=20, max_new_tokens=20))
+                ReplyOptions(
+                    decoder="top-k",
+                    decoder_settings={"top_k": 400, "temperature": 1.0},
+                    seed=seed,
+                    steerers=steerers,
+                    min_new_tokens=20,
+                    max_new_tokens=20,
+                ),
+            )
             response.text()
             hits += sum(token in targets for token in response.token_ids)
             total += len(response.token_ids)
@@ -77,8 +96,14 @@ def test_bow_bias_raises_the_share_of_word_tokens(engine, loaded, tokenizer):
 def test_bow_bias_with_a_builtin_topic_steers_greedy_decoding(engine, loaded, tokenizer):
     assert "food" in builtin_topics()
     response = engine.conversation().send(
-        "hi", ReplyOptions(decoder="greedy", steerers=[("bow-bias", {"topic": "food", "strength": 20})],
-                           min_new_tokens=10, max_new_tokens=10))
+        "hi",
+        ReplyOptions(
+            decoder="greedy",
+            steerers=[("bow-bias", {"topic": "food", "strength": 20})],
+            min_new_tokens=10,
+            max_new_tokens=10,
+        ),
+    )
     response.text()
     prompt = encode_text(tokenizer, "hi") + [tokenizer.eos_token_id]
     steerer = prepared_bow(loaded, prompt, topic="food")
@@ -187,8 +212,12 @@ def force_engine(loaded, host):
 
 
 def test_the_last_steerer_given_is_the_outermost(force_engine):
-    options = ReplyOptions(decoder="greedy", steerers=[("force", {"token": 5}), ("force", {"token": 7})],
-                           min_new_tokens=3, max_new_tokens=3)
+    options = ReplyOptions(
+        decoder="greedy",
+        steerers=[("force", {"token": 5}), ("force", {"token": 7})],
+        min_new_tokens=3,
+        max_new_tokens=3,
+    )
     response = force_engine.conversation().send("hi", options)
     response.text()
     # the last one edits the logits last, so its token wins
@@ -219,8 +248,10 @@ def test_compose_wraps_in_order():
 
             return steered
 
-    step = compose(lambda state: calls.append("model") or "done", [Tag(ForceSettings(1)), Tag(ForceSettings(2)),
-                                                                    Tag(ForceSettings(3))])
+    step = compose(
+        lambda state: calls.append("model") or "done",
+        [Tag(ForceSettings(1)), Tag(ForceSettings(2)), Tag(ForceSettings(3))],
+    )
     assert step(None) == "done"
     assert calls == [3, 2, 1, "model"]
     assert compose(lambda state: state * 2, [])(21) == 42
@@ -230,8 +261,11 @@ def test_prepare_is_called_once_per_response(force_engine):
     for n in (1, 6):
         EVENTS.clear()
         response = force_engine.conversation().send(
-            "hi", ReplyOptions(decoder="top-k", seed=n, steerers=[("force", {"token": 9})],
-                               min_new_tokens=n, max_new_tokens=n))
+            "hi",
+            ReplyOptions(
+                decoder="top-k", seed=n, steerers=[("force", {"token": 9})], min_new_tokens=n, max_new_tokens=n
+            ),
+        )
         assert EVENTS == []  # nothing happens before the reply is consumed
         response.text()
         assert EVENTS.count("prepare 9") == 1 and EVENTS.count("wrap 9") == 1
@@ -250,9 +284,17 @@ def test_steerers_see_the_documented_step_states(loaded, host, tokenizer):
 
         def wrap(self, step):
             def steered(state):
-                states.append((state.input_ids.tolist(), state.sequences.tolist(), state.position_ids.tolist(),
-                               state.cache is None, state.step, state.prompt_length,
-                               state.attention_mask.tolist()))
+                states.append(
+                    (
+                        state.input_ids.tolist(),
+                        state.sequences.tolist(),
+                        state.position_ids.tolist(),
+                        state.cache is None,
+                        state.step,
+                        state.prompt_length,
+                        state.attention_mask.tolist(),
+                    )
+                )
                 output = step(state)
                 assert output.logits.shape == (1, len(tokenizer)) and output.logits.dtype == torch.float32
                 return output
@@ -269,8 +311,9 @@ def test_steerers_see_the_documented_step_states(loaded, host, tokenizer):
     conversation = engine.conversation()
     conversation.add_user("hello")
     prompt = conversation.prompt(4).token_ids
-    response = conversation.reply(ReplyOptions(decoder="greedy", steerers=[("spy", {})], min_new_tokens=4,
-                                               max_new_tokens=4))
+    response = conversation.reply(
+        ReplyOptions(decoder="greedy", steerers=[("spy", {})], min_new_tokens=4, max_new_tokens=4)
+    )
     response.text()
     generated = response.token_ids
     assert len(states) == 4
@@ -293,15 +336,23 @@ def test_steerer_combinations_that_cannot_work_are_refused_before_a_reply():
 
     registry = Registry.build(get_plugin_host())
     refused = [
-        ([("cocon", {"content": "pizza"}), ("pplm", {"topic": "food"})], "'pplm' edits the model's own key/value cache"),
-        ([("bow-bias", {"topic": "food"}), ("cocon", {"content": "pizza"})], "'cocon' replaces the model step, so it must"),
+        (
+            [("cocon", {"content": "pizza"}), ("pplm", {"topic": "food"})],
+            "'pplm' edits the model's own key/value cache",
+        ),
+        (
+            [("bow-bias", {"topic": "food"}), ("cocon", {"content": "pizza"})],
+            "'cocon' replaces the model step, so it must",
+        ),
         ([("cocon", {"content": "pizza"}), ("cocon", {"content": "dogs"})], "both replace the model step"),
     ]
     for steerers, needle in refused:
         with pytest.raises(OptionError, match=needle):
             validate_options(ReplyOptions(steerers=list(steerers)), registry)
-    for fine in ([("pplm", {"topic": "food"}), ("bow-bias", {"topic": "food"})],
-                 [("cocon", {"content": "pizza"}), ("bow-bias", {"topic": "food"})]):
+    for fine in (
+        [("pplm", {"topic": "food"}), ("bow-bias", {"topic": "food"})],
+        [("cocon", {"content": "pizza"}), ("bow-bias", {"topic": "food"})],
+    ):
         validate_options(ReplyOptions(steerers=fine), registry)
 
 
@@ -336,13 +387,18 @@ class NotingPlugin:
 def test_two_instances_of_one_steerer_keep_their_own_details(loaded, host):
     host.register(NotingPlugin(), "noting-plugin")
     engine = Engine(loaded, host=host)
-    options = ReplyOptions(decoder="greedy", max_new_tokens=3,
-                           steerers=[("noting", {"label": "first"}), ("noting", {"label": "second"}),
-                                     ("noting", {"label": "third"})])
+    options = ReplyOptions(
+        decoder="greedy",
+        max_new_tokens=3,
+        steerers=[("noting", {"label": "first"}), ("noting", {"label": "second"}), ("noting", {"label": "third"})],
+    )
     response = engine.reply_to(["hello"], options)
     response.text()
-    assert response.provenance["details"] == {"noting": {"label": "first"}, "noting#2": {"label": "second"},
-                                              "noting#3": {"label": "third"}}
+    assert response.provenance["details"] == {
+        "noting": {"label": "first"},
+        "noting#2": {"label": "second"},
+        "noting#3": {"label": "third"},
+    }
 
 
 class Prepared(Steerer):
@@ -385,6 +441,7 @@ def test_a_steerers_setup_runs_once_per_engine_and_settings_and_every_reply_shar
     assert Prepared.setups == ["x", "y"]
     assert first is second and first == {"label": "x", "vocab": len(loaded.tokenizer)} and other["label"] == "y"
     # Another engine sets up for itself.
-    Engine(loaded, host=host).reply_to(["hi"], ReplyOptions(decoder="greedy", max_new_tokens=1,
-                                                          steerers=[("prepared", {"label": "x"})])).text()
+    Engine(loaded, host=host).reply_to(
+        ["hi"], ReplyOptions(decoder="greedy", max_new_tokens=1, steerers=[("prepared", {"label": "x"})])
+    ).text()
     assert Prepared.setups == ["x", "y", "x"]

@@ -100,8 +100,15 @@ def test_response_deltas_join_to_its_text(tokenizer, text):
 def test_engine_reply_deltas_join_to_its_text(engine, tokenizer):
     for seed in range(4):
         response = engine.conversation().send(
-            "café 😀 日本", ReplyOptions(decoder="top-k", seed=seed, min_new_tokens=20, max_new_tokens=20,
-                                         decoder_settings={"top_k": 400, "temperature": 1.5}))
+            "café 😀 日本",
+            ReplyOptions(
+                decoder="top-k",
+                seed=seed,
+                min_new_tokens=20,
+                max_new_tokens=20,
+                decoder_settings={"top_k": 400, "temperature": 1.5},
+            ),
+        )
         deltas = list(response)
         assert "".join(deltas) == response.text()
         assert response.text() == full_decode(tokenizer, response.token_ids)

@@ -6,18 +6,25 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import chatcore
 from chatcore.errors import ChatcoreError, PluginError
 from chatcore.evaluation.runner import EvalRow
 from chatcore.steering import Steerer
-from chatcore.testing import (BASE_PLUGINS, build_conversation, build_tiny_model, compare_to_baseline, make_engine,
-                              mean_row, plugin_host)
+from chatcore.testing import (
+    BASE_PLUGINS,
+    build_conversation,
+    build_tiny_model,
+    compare_to_baseline,
+    make_engine,
+    mean_row,
+    plugin_host,
+)
 
 
 class Misspelled:
@@ -77,10 +84,13 @@ def test_plugin_host_holds_the_base_decoders_and_the_plugins_given_only() -> Non
     assert registered == sorted((*BASE_PLUGINS, "chatcore.plugins.bow_bias"))
 
 
-@pytest.mark.parametrize("plugin, message", [
-    ("no_such_module_here", "no_such_module_here"),
-    (Misspelled(), "unknown hook 'register_steerer'"),
-])
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        ("no_such_module_here", "no_such_module_here"),
+        (Misspelled(), "unknown hook 'register_steerer'"),
+    ],
+)
 def test_plugin_host_refuses_a_broken_plugin_loudly(plugin, message) -> None:
     with pytest.raises(PluginError, match=message):
         plugin_host(plugin)
@@ -98,11 +108,17 @@ class NotASteerer:
         register(dict)
 
 
-@pytest.mark.parametrize("plugin, message", [
-    (RaisingRegistration(), "'RaisingRegistration': failed at hook register_steerers: RuntimeError: cannot build"),
-    (NotASteerer(), "'NotASteerer': failed at hook register_steerers: TypeError: register_steerers: expected a "
-                    "Steerer subclass"),
-])
+@pytest.mark.parametrize(
+    "plugin, message",
+    [
+        (RaisingRegistration(), "'RaisingRegistration': failed at hook register_steerers: RuntimeError: cannot build"),
+        (
+            NotASteerer(),
+            "'NotASteerer': failed at hook register_steerers: TypeError: register_steerers: expected a "
+            "Steerer subclass",
+        ),
+    ],
+)
 def test_the_engine_factory_fails_on_a_plugin_that_does_not_register_cleanly(tiny, plugin, message) -> None:
     with pytest.raises(PluginError, match=message):
         make_engine(tiny, plugin)
@@ -121,8 +137,10 @@ def test_build_conversation_ends_with_the_users_turn(bow_engine) -> None:
 
 
 def test_mean_row_averages_every_metric_and_sums_counts() -> None:
-    rows = [EvalRow("a", 2, 10.0, 0.2, 0.4, 0.6, 5.0, 0.0, 0.5, 100.0),
-            EvalRow("b", 2, 20.0, 0.4, 0.6, 0.8, 7.0, 0.5, None, None)]
+    rows = [
+        EvalRow("a", 2, 10.0, 0.2, 0.4, 0.6, 5.0, 0.0, 0.5, 100.0),
+        EvalRow("b", 2, 20.0, 0.4, 0.6, 0.8, 7.0, 0.5, None, None),
+    ]
     row = mean_row("both", rows)
     assert (row.label, row.count, row.perplexity, row.mean_length, row.degenerate_share) == ("both", 4, 15.0, 6.0, 0.25)
     assert row.distinct_2 == pytest.approx(0.5) and row.attribute_share == 0.5 and row.tokens_per_s == 100.0
@@ -130,8 +148,16 @@ def test_mean_row_averages_every_metric_and_sums_counts() -> None:
 
 def test_compare_to_baseline_measures_a_steerer_against_no_steering(bow_engine) -> None:
     contexts = ["hi, how are you?", ["hello", "hey! what's up?", "what should we eat?"]]
-    comparison = compare_to_baseline(bow_engine, "bow-bias", {"words": "pizza", "strength": "50"}, contexts=contexts,
-                                     seeds=[0, 7], vocabulary={"pizza"}, decoder="greedy", max_new_tokens=6)
+    comparison = compare_to_baseline(
+        bow_engine,
+        "bow-bias",
+        {"words": "pizza", "strength": "50"},
+        contexts=contexts,
+        seeds=[0, 7],
+        vocabulary={"pizza"},
+        decoder="greedy",
+        max_new_tokens=6,
+    )
     assert comparison.baseline.count == comparison.steered.count == 4
     assert [r.settings["seed"] for r in comparison.reports["steered"]] == [0, 7]
     assert comparison.reports["baseline"][0].settings["steerers"] == []
@@ -141,8 +167,15 @@ def test_compare_to_baseline_measures_a_steerer_against_no_steering(bow_engine) 
 
 
 def test_compare_to_baseline_takes_a_builtin_word_list_by_name(bow_engine) -> None:
-    comparison = compare_to_baseline(bow_engine, "bow-bias", {"topic": "food", "strength": "50"}, contexts=["hi"],
-                                     vocabulary="food", decoder="greedy", max_new_tokens=4)
+    comparison = compare_to_baseline(
+        bow_engine,
+        "bow-bias",
+        {"topic": "food", "strength": "50"},
+        contexts=["hi"],
+        vocabulary="food",
+        decoder="greedy",
+        max_new_tokens=4,
+    )
     assert comparison.steered.attribute_share is not None
 
 
@@ -159,7 +192,7 @@ def test_compare_to_baseline_refuses_bad_settings_before_generating(bow_engine) 
 
 # -- the pytest plugin ---------------------------------------------------------------------------
 
-PLUGIN_TEST = textwrap.dedent('''
+PLUGIN_TEST = textwrap.dedent("""
     import pytest
 
 
@@ -171,13 +204,19 @@ PLUGIN_TEST = textwrap.dedent('''
     def test_fixtures_are_there(chatcore_plugins, chatcore_engine_factory, chatcore_conversation):
         assert chatcore_plugins == ("chatcore.plugins.bow_bias",)
         assert callable(chatcore_engine_factory) and callable(chatcore_conversation)
-''')
+""")
 
 
 def run_pytest(folder: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=folder,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_pytest_plugin_loads_on_request_only(tmp_path: Path) -> None:
@@ -215,6 +254,12 @@ def test_the_pytest11_entry_point_and_a_conftest_that_asks_by_name_do_not_clash(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "site"), env.get("PYTHONPATH")]))
     env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
     for extra in ((), ("-p", ENTRY_POINT)):
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra], cwd=project,
-                                env=env, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -87,8 +87,14 @@ def _train_in_process(corpus: Path, tokenizer_dir: Path, out_dir: Path, **settin
     torch.manual_seed(0)
     model = build_model(tokenizer, ModelShape(**SHAPE))
     config = TrainConfig(out_dir=str(out_dir), **{**TRAIN, **settings})
-    result = train(model, tokenizer, encode_dialogues(train_set, tokenizer), encode_dialogues(heldout_set, tokenizer),
-                   config, progress=False)
+    result = train(
+        model,
+        tokenizer,
+        encode_dialogues(train_set, tokenizer),
+        encode_dialogues(heldout_set, tokenizer),
+        config,
+        progress=False,
+    )
     return result, torch.load(out_dir / "checkpoint.pt", weights_only=False)
 
 
@@ -104,8 +110,9 @@ def _assert_same_weights(first: dict, second: dict) -> None:
 def test_gradient_accumulation_matches_one_large_batch(tiny_corpus, tmp_path):
     corpus, tokenizer_dir = tiny_corpus
     large, large_state = _train_in_process(corpus, tokenizer_dir, tmp_path / "large", batch_size=4, epochs=0.15)
-    accumulated, accumulated_state = _train_in_process(corpus, tokenizer_dir, tmp_path / "accum", batch_size=2,
-                                                       grad_accum=2, epochs=0.15)
+    accumulated, accumulated_state = _train_in_process(
+        corpus, tokenizer_dir, tmp_path / "accum", batch_size=2, grad_accum=2, epochs=0.15
+    )
     assert large.steps == accumulated.steps > 2
     assert large.tokens_seen == accumulated.tokens_seen
     _assert_same_weights(large_state["model"], accumulated_state["model"])
@@ -121,9 +128,21 @@ def test_torchrun_two_cpu_processes_then_resume_on_one(tiny_corpus, tmp_path):
     settings = {**TRAIN, "batch_size": 2, "epochs": 0.15}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launched = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node=2", str(worker), str(corpus), str(tokenizer_dir), str(out),
-         json.dumps(SHAPE), json.dumps(settings)],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node=2",
+            str(worker),
+            str(corpus),
+            str(tokenizer_dir),
+            str(out),
+            json.dumps(SHAPE),
+            json.dumps(settings),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
 
@@ -145,12 +164,52 @@ def test_torchrun_two_cpu_processes_then_resume_on_one(tiny_corpus, tmp_path):
 
     # The checkpoint resumes on one process, through `python -m chatcore.cli`, with another global batch.
     resumed = subprocess.run(
-        [sys.executable, "-m", "chatcore.cli", "train", "model", "--corpus", str(corpus), "--tokenizer",
-         str(tokenizer_dir), "--out", str(out), "--resume", "--no-filter", "--heldout", "0.1",
-         "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-positions", "64", "--dropout", "0",
-         "--block-size", "32", "--batch-size", "2", "--epochs", "0.3", "--warmup-steps", "2", "--eval-every", "4",
-         "--device", "cpu", "--save-dtype", "float32", "--quiet"],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            sys.executable,
+            "-m",
+            "chatcore.cli",
+            "train",
+            "model",
+            "--corpus",
+            str(corpus),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--out",
+            str(out),
+            "--resume",
+            "--no-filter",
+            "--heldout",
+            "0.1",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+            "--n-head",
+            "2",
+            "--n-positions",
+            "64",
+            "--dropout",
+            "0",
+            "--block-size",
+            "32",
+            "--batch-size",
+            "2",
+            "--epochs",
+            "0.3",
+            "--warmup-steps",
+            "2",
+            "--eval-every",
+            "4",
+            "--device",
+            "cpu",
+            "--save-dtype",
+            "float32",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     continued_at = 2 * distributed_state["step"]  # half the blocks per step: twice the steps per epoch

@@ -38,12 +38,37 @@ def forward_and_reverse(request, tmp_path_factory, corpus):
     (so it shares the tokenizer) by the training command's library entry point."""
     architecture = request.param
     root = tmp_path_factory.mktemp(f"reverse-{architecture}")
-    forward = build_tiny_model(root / "forward", architecture=architecture, chat_template=CHATML_TEMPLATE,
-                               layers=2, width=64, heads=4, positions=256)
-    config = TrainConfig(out_dir=str(root / "run"), epochs=1.0, batch_size=4, block_size=64, learning_rate=3e-3,
-                         warmup_steps=2, eval_every=6, eval_blocks=4, device="cpu", save_dtype="float32")
-    result = train_model_command(str(corpus), config, ModelShape(), init_from=str(forward), reverse=True,
-                                 heldout=0.1, progress=False, filter_config=None)
+    forward = build_tiny_model(
+        root / "forward",
+        architecture=architecture,
+        chat_template=CHATML_TEMPLATE,
+        layers=2,
+        width=64,
+        heads=4,
+        positions=256,
+    )
+    config = TrainConfig(
+        out_dir=str(root / "run"),
+        epochs=1.0,
+        batch_size=4,
+        block_size=64,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        eval_every=6,
+        eval_blocks=4,
+        device="cpu",
+        save_dtype="float32",
+    )
+    result = train_model_command(
+        str(corpus),
+        config,
+        ModelShape(),
+        init_from=str(forward),
+        reverse=True,
+        heldout=0.1,
+        progress=False,
+        filter_config=None,
+    )
     return architecture, forward, root / "run" / "best", result
 
 
@@ -77,8 +102,12 @@ def test_mmi_with_a_chat_template_model_scores_message_turns(forward_and_reverse
     conversation.add_user("hi! do you have any pets?")
     conversation.add_bot_text("yes, two cats")
     conversation.add_user("what are <|im_end|> their names?")  # special-token text stays text
-    options = ReplyOptions(decoder="mmi", seed=3, max_new_tokens=12,
-                           decoder_settings={"candidates": 4, "source_turns": 2, "reverse_model": str(best)})
+    options = ReplyOptions(
+        decoder="mmi",
+        seed=3,
+        max_new_tokens=12,
+        decoder_settings={"candidates": 4, "source_turns": 2, "reverse_model": str(best)},
+    )
     response = conversation.reply(options)
     text = response.text()
     details = response.provenance["details"]["mmi"]
@@ -95,8 +124,9 @@ def test_mmi_with_a_chat_template_model_scores_message_turns(forward_and_reverse
     for candidate, score in zip(candidates, reranking.reverse_scores(reverse, ids, source)):
         assert candidate["scores"]["reverse"] == pytest.approx(score.total, abs=1e-4)
     chosen = [c for c in candidates if c["chosen"]]
-    eligible = [c for c in candidates if c["token_ids"] and c["scores"]["ended"]] or \
-        [c for c in candidates if c["token_ids"]]
+    eligible = [c for c in candidates if c["token_ids"] and c["scores"]["ended"]] or [
+        c for c in candidates if c["token_ids"]
+    ]
     assert len(chosen) == 1 and chosen[0]["token_ids"] == response.token_ids
     assert chosen[0]["scores"]["reverse"] == max(c["scores"]["reverse"] for c in eligible)
     assert conversation.turns[-1].text == text
@@ -112,9 +142,26 @@ def test_source_texts_skip_the_system_prompt_and_read_newest_first():
 
 def test_a_block_longer_than_the_model_positions_is_one_clear_line(tmp_path, corpus):
     folder = build_tiny_model(tmp_path / "llama", architecture="llama", positions=32)
-    result = CliRunner().invoke(build_cli(), [
-        "train", "model", "--reverse", "--init-from", str(folder), "--corpus", str(corpus), "--no-filter",
-        "--out", str(tmp_path / "run"), "--block-size", "64", "--quiet", "--device", "cpu"])
+    result = CliRunner().invoke(
+        build_cli(),
+        [
+            "train",
+            "model",
+            "--reverse",
+            "--init-from",
+            str(folder),
+            "--corpus",
+            str(corpus),
+            "--no-filter",
+            "--out",
+            str(tmp_path / "run"),
+            "--block-size",
+            "64",
+            "--quiet",
+            "--device",
+            "cpu",
+        ],
+    )
     assert result.exit_code != 0 and result.exception is None or isinstance(result.exception, SystemExit)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "block size 64 exceeds the model's 32 positions" in lines[0], result.stderr

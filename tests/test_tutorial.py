@@ -22,12 +22,12 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 import chatcore.plugin_manager as plugin_manager
@@ -83,14 +83,24 @@ def non_blank(text: str) -> list[str]:
 
 
 def shell_lines() -> list[str]:
-    return [line.strip() for block in blocks() if block.language == "sh" for line in block.text.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        line.strip()
+        for block in blocks()
+        if block.language == "sh"
+        for line in block.text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def steer_specs_in_prose() -> list[str]:
     text = TUTORIAL.read_text(encoding="utf-8")
-    repl = [line.split("/steer ", 1)[1] for block in blocks() if block.language == "text"
-            for line in block.text.splitlines() if "/steer " in line]
+    repl = [
+        line.split("/steer ", 1)[1]
+        for block in blocks()
+        if block.language == "text"
+        for line in block.text.splitlines()
+        if "/steer " in line
+    ]
     discord = re.findall(r"`/chat steer ([^`]+)`", text)
     return [spec for spec in repl + discord if spec.strip() != "off"]
 
@@ -194,8 +204,11 @@ def test_the_plugins_listing_shown_is_what_chatcore_plugins_prints(example_host)
 
 @pytest.mark.slow
 def test_the_python_example_and_the_generate_command_run(example_host) -> None:
-    examples = [block.text for block in blocks() if block.language == "python" and not block.file
-                and not block.text.startswith("def ")]
+    examples = [
+        block.text
+        for block in blocks()
+        if block.language == "python" and not block.file and not block.text.startswith("def ")
+    ]
     assert examples
     for code in examples:
         output = io.StringIO()
@@ -209,8 +222,9 @@ def test_the_python_example_and_the_generate_command_run(example_host) -> None:
 
 
 @pytest.mark.slow
-def test_following_the_tutorial_literally_gives_a_plugin_whose_tests_pass(example_host, tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_following_the_tutorial_literally_gives_a_plugin_whose_tests_pass(
+    example_host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     # A newcomer's environment does not have the finished example installed, as this one has.
     monkeypatch.setattr("chatcore.scaffold.installed_as", lambda names: None)
@@ -226,7 +240,13 @@ def test_following_the_tutorial_literally_gives_a_plugin_whose_tests_pass(exampl
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package / "src"), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     # The bundled-model test is the example's own, run by tests/test_example_plugin.py.
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "--basetemp", str(tmp_path / "t")],
-                         cwd=package, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "--basetemp", str(tmp_path / "t")],
+        cwd=package,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert re.search(r"\b[1-9]\d* passed", run.stdout) and "failed" not in run.stdout

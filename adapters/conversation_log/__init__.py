@@ -24,8 +24,14 @@ from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
 if TYPE_CHECKING:
     from chatcore.adapters.conversation_log.store import ConversationStore
 
-__all__ = ["ConversationLogPlugin", "ConversationStore", "LogError", "UnknownConversationError", "open_store",
-           "resolve_url"]
+__all__ = [
+    "ConversationLogPlugin",
+    "ConversationStore",
+    "LogError",
+    "UnknownConversationError",
+    "open_store",
+    "resolve_url",
+]
 
 
 def open_store(url: str | None = None) -> "ConversationStore":

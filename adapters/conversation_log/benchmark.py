@@ -36,8 +36,28 @@ CLI_LAUNCHER = (
 )
 
 
-TOPICS = ("pizza", "music", "football", "gardening", "chess", "rain", "trains", "poetry", "coffee", "films",
-          "cats", "mountains", "bread", "jazz", "sailing", "physics", "painting", "birds", "tea", "history")
+TOPICS = (
+    "pizza",
+    "music",
+    "football",
+    "gardening",
+    "chess",
+    "rain",
+    "trains",
+    "poetry",
+    "coffee",
+    "films",
+    "cats",
+    "mountains",
+    "bread",
+    "jazz",
+    "sailing",
+    "physics",
+    "painting",
+    "birds",
+    "tea",
+    "history",
+)
 # (label, text): a word in one message in twenty, one message, and no message (the worst case).
 SEARCHES = (("common", "sailing"), ("one hit", "message 4321 about"), ("no hit", "zebra crossing"))
 
@@ -52,21 +72,35 @@ def populate(store: "object", messages: int, per_conversation: int, batch: int =
     start = datetime(2024, 1, 1, tzinfo=timezone.utc)
     db = store.db  # type: ignore[attr-defined]
     with db.begin() as connection:
-        connection.execute(sa.insert(ConversationRow), [
-            {"id": f"{index:032x}", "created": start + timedelta(minutes=index),
-             "updated": start + timedelta(minutes=index, seconds=per_conversation), "adapter": "bench",
-             "channel_key": f"channel-{index % 50}", "model": "chatcore-tiny", "title": f"benchmark {index}",
-             "meta": {}}
-            for index in range(conversations)
-        ])
+        connection.execute(
+            sa.insert(ConversationRow),
+            [
+                {
+                    "id": f"{index:032x}",
+                    "created": start + timedelta(minutes=index),
+                    "updated": start + timedelta(minutes=index, seconds=per_conversation),
+                    "adapter": "bench",
+                    "channel_key": f"channel-{index % 50}",
+                    "model": "chatcore-tiny",
+                    "title": f"benchmark {index}",
+                    "meta": {},
+                }
+                for index in range(conversations)
+            ],
+        )
     rows = []
     for number in range(messages):
         conversation = number // per_conversation % conversations
-        rows.append({"conversation_id": f"{conversation:032x}", "role": "user" if number % 2 == 0 else "bot",
-                     "text": f"message {number} about {TOPICS[number % len(TOPICS)]} and the weather",
-                     "interrupted": False,
-                     "superseded": False,
-                     "created": start + timedelta(minutes=conversation, seconds=number % per_conversation)})
+        rows.append(
+            {
+                "conversation_id": f"{conversation:032x}",
+                "role": "user" if number % 2 == 0 else "bot",
+                "text": f"message {number} about {TOPICS[number % len(TOPICS)]} and the weather",
+                "interrupted": False,
+                "superseded": False,
+                "created": start + timedelta(minutes=conversation, seconds=number % per_conversation),
+            }
+        )
         if len(rows) == batch:
             with db.begin() as connection:
                 connection.execute(sa.insert(MessageRow), rows)
@@ -91,9 +125,12 @@ def time_scan(store: "object", text: str, repeat: int) -> float:
     """The median seconds of the same search as a scan of every message (no index): the peer."""
     import sqlalchemy as sa
 
-    query = sa.text("SELECT id FROM messages WHERE instr(lower(text), lower(:wanted)) > 0 ORDER BY id DESC LIMIT 50"
-                    if store.is_sqlite else  # type: ignore[attr-defined]
-                    "SELECT id FROM messages WHERE strpos(lower(text), lower(:wanted)) > 0 ORDER BY id DESC LIMIT 50")
+    query = sa.text(
+        "SELECT id FROM messages WHERE instr(lower(text), lower(:wanted)) > 0 ORDER BY id DESC LIMIT 50"
+        if store.is_sqlite
+        # type: ignore[attr-defined]
+        else "SELECT id FROM messages WHERE strpos(lower(text), lower(:wanted)) > 0 ORDER BY id DESC LIMIT 50"
+    )
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
@@ -112,20 +149,26 @@ def run(url: str, args: argparse.Namespace) -> None:
     if store.is_postgres:
         with store.db.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
             connection.exec_driver_sql("VACUUM ANALYZE")
-    print(f"filled {store.display_url}: {store.count_messages():,} messages in {conversations:,} conversations "
-          f"in {time.perf_counter() - started:.1f} s (sqlite fts: {store.fts})")
+    print(
+        f"filled {store.display_url}: {store.count_messages():,} messages in {conversations:,} conversations "
+        f"in {time.perf_counter() - started:.1f} s (sqlite fts: {store.fts})"
+    )
     times = []
     for _ in range(args.repeat):
         started = time.perf_counter()
         store.list_conversations(limit=20)
         times.append(time.perf_counter() - started)
-    print(f"list_conversations(limit=20): median {statistics.median(times) * 1000:.2f} ms, "
-          f"max {max(times) * 1000:.2f} ms over {args.repeat} runs")
+    print(
+        f"list_conversations(limit=20): median {statistics.median(times) * 1000:.2f} ms, "
+        f"max {max(times) * 1000:.2f} ms over {args.repeat} runs"
+    )
     for label, text in SEARCHES:
         seconds, hits = time_search(store, text, args.repeat)
         scan = time_scan(store, text, max(1, args.repeat // 4))
-        print(f"search({text!r}, limit=50) [{label}]: median {seconds * 1000:.2f} ms, {hits} hits; "
-              f"a scan of every message: {scan * 1000:.2f} ms ({scan / seconds:.1f}x)")
+        print(
+            f"search({text!r}, limit=50) [{label}]: median {seconds * 1000:.2f} ms, {hits} hits; "
+            f"a scan of every message: {scan * 1000:.2f} ms ({scan / seconds:.1f}x)"
+        )
     store.close()
     if store.is_sqlite:
         time_cli(url)
@@ -135,15 +178,18 @@ def time_cli(url: str) -> None:
     env = dict(os.environ, CHATCORE_PLUGINS="")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    completed = subprocess.run([sys.executable, "-c", CLI_LAUNCHER, "logs", "list", "--db", url],
-                               capture_output=True, text=True, env=env)
+    completed = subprocess.run(
+        [sys.executable, "-c", CLI_LAUNCHER, "logs", "list", "--db", url], capture_output=True, text=True, env=env
+    )
     elapsed = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if completed.returncode != 0:
         raise SystemExit(f"chatcore logs list failed: {completed.stderr.strip()}")
-    print(f"`chatcore logs list` (a new process, interpreter start-up and imports included): "
-          f"{elapsed:.2f} s wall, {cpu:.2f} s CPU, {len(completed.stdout.splitlines()) - 1} rows")
+    print(
+        f"`chatcore logs list` (a new process, interpreter start-up and imports included): "
+        f"{elapsed:.2f} s wall, {cpu:.2f} s CPU, {len(completed.stdout.splitlines()) - 1} rows"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-DB_HELP = ("SQLAlchemy URL or SQLite file path of the log "
-           "(default: $CHATCORE_DB, else conversations.sqlite3 in the user data folder).")
+DB_HELP = (
+    "SQLAlchemy URL or SQLite file path of the log "
+    "(default: $CHATCORE_DB, else conversations.sqlite3 in the user data folder)."
+)
 
 
 def db_option(function: F) -> F:
@@ -57,8 +59,15 @@ def logs(ctx: click.Context, db_url: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @db_option
 @click.pass_context
-def list_command(ctx: click.Context, limit: int, offset: int, adapter: str | None, channel_key: str | None,
-                 as_json: bool, db_url: str | None) -> None:
+def list_command(
+    ctx: click.Context,
+    limit: int,
+    offset: int,
+    adapter: str | None,
+    channel_key: str | None,
+    as_json: bool,
+    db_url: str | None,
+) -> None:
     """The most recently active conversations: id, last activity, adapter, messages, title."""
     from chatcore.adapters.conversation_log import formatting
 
@@ -106,18 +115,45 @@ def search_command(ctx: click.Context, text: str, limit: int, as_json: bool, db_
 
 @logs.command("export")
 @click.argument("conversation_ids", metavar="[ID]...", nargs=-1)
-@click.option("-f", "--format", "export_format", type=click.Choice(["jsonl", "markdown"]), default="jsonl",
-              show_default=True, help="jsonl: one conversation per line, as JSON; markdown: transcripts.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write to this file instead of standard output.")
-@click.option("--author", "author_id", default=None, metavar="ID",
-              help="Only the messages written by this author (a Discord user id).")
-@click.option("--salvage", is_flag=True,
-              help="A damaged SQLite file: export every conversation and message that can still be read.")
+@click.option(
+    "-f",
+    "--format",
+    "export_format",
+    type=click.Choice(["jsonl", "markdown"]),
+    default="jsonl",
+    show_default=True,
+    help="jsonl: one conversation per line, as JSON; markdown: transcripts.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write to this file instead of standard output.",
+)
+@click.option(
+    "--author",
+    "author_id",
+    default=None,
+    metavar="ID",
+    help="Only the messages written by this author (a Discord user id).",
+)
+@click.option(
+    "--salvage",
+    is_flag=True,
+    help="A damaged SQLite file: export every conversation and message that can still be read.",
+)
 @db_option
 @click.pass_context
-def export_command(ctx: click.Context, conversation_ids: tuple[str, ...], export_format: str, output: str | None,
-                   author_id: str | None, salvage: bool, db_url: str | None) -> None:
+def export_command(
+    ctx: click.Context,
+    conversation_ids: tuple[str, ...],
+    export_format: str,
+    output: str | None,
+    author_id: str | None,
+    salvage: bool,
+    db_url: str | None,
+) -> None:
     """Export the given conversations (all of them when no ID is given)."""
     from chatcore.adapters.conversation_log import formatting
 
@@ -125,8 +161,9 @@ def export_command(ctx: click.Context, conversation_ids: tuple[str, ...], export
         raise click.UsageError("--salvage exports everything readable; it takes no ID or --author")
     store = open_store(ctx, db_url)
     problems: list[str] = []
-    records = (store.salvage(problems) if salvage
-               else store.iter_conversations(conversation_ids or None, author_id=author_id))
+    records = (
+        store.salvage(problems) if salvage else store.iter_conversations(conversation_ids or None, author_id=author_id)
+    )
     render = formatting.conversation_jsonl if export_format == "jsonl" else formatting.conversation_markdown
     separator = "\n" if export_format == "jsonl" else "\n---\n\n"
     stream = open_output(output) if output else sys.stdout
@@ -147,13 +184,19 @@ def export_command(ctx: click.Context, conversation_ids: tuple[str, ...], export
 
 @logs.command("delete")
 @click.argument("conversation_id", metavar="[ID]", required=False)
-@click.option("--author", "author_id", default=None, metavar="ID",
-              help="Delete every message written by this author (a deletion request) instead.")
+@click.option(
+    "--author",
+    "author_id",
+    default=None,
+    metavar="ID",
+    help="Delete every message written by this author (a deletion request) instead.",
+)
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @db_option
 @click.pass_context
-def delete_command(ctx: click.Context, conversation_id: str | None, author_id: str | None, yes: bool,
-                   db_url: str | None) -> None:
+def delete_command(
+    ctx: click.Context, conversation_id: str | None, author_id: str | None, yes: bool, db_url: str | None
+) -> None:
     """Delete one conversation and all its messages, or every message of one author."""
     from chatcore.adapters.conversation_log import formatting
 
@@ -169,8 +212,10 @@ def delete_command(ctx: click.Context, conversation_id: str | None, author_id: s
     record = store.get_conversation(conversation_id)
     if not yes:
         title = formatting.one_line(record.title or "", 60)
-        click.confirm(f"delete conversation {formatting.field_text(record.id)} ({title!r}, "
-                      f"{len(record.messages)} messages)?", abort=True)
+        click.confirm(
+            f"delete conversation {formatting.field_text(record.id)} ({title!r}, {len(record.messages)} messages)?",
+            abort=True,
+        )
     deleted = store.delete_conversation(record.id)
     click.echo(f"deleted conversation {formatting.field_text(record.id)} and its {deleted} message(s)")
 

@@ -41,12 +41,18 @@ def local_time(moment: datetime, seconds: bool = False) -> str:
 def summary_table(summaries: Sequence["ConversationSummary"]) -> str:
     rows = [("ID", "LAST ACTIVE", "ADAPTER", "MSGS", "TITLE")]
     for summary in summaries:
-        rows.append((field_text(summary.id[:SHORT_ID]), local_time(summary.updated), field_text(summary.adapter),
-                     str(summary.message_count), one_line(summary.title or "", 60)))
+        rows.append(
+            (
+                field_text(summary.id[:SHORT_ID]),
+                local_time(summary.updated),
+                field_text(summary.adapter),
+                str(summary.message_count),
+                one_line(summary.title or "", 60),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
-        for row in rows
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4] for row in rows
     )
 
 
@@ -104,8 +110,9 @@ def conversation_markdown(record: "ConversationRecord") -> str:
     lines = [f"# {title}", ""]
     lines.append(f"- id: `{field_text(record.id)}`")
     lines.append(f"- started: {record.created.isoformat()}")
-    lines.append(f"- adapter: {markdown_text(field_text(record.adapter))}; "
-                 f"model: {markdown_text(field_text(record.model))}")
+    lines.append(
+        f"- adapter: {markdown_text(field_text(record.adapter))}; model: {markdown_text(field_text(record.model))}"
+    )
     if record.system:
         lines.append(f"- system prompt: {markdown_text(one_line(record.system))}")
     if record.channel_key:
@@ -132,8 +139,10 @@ def search_lines(hits: Sequence["SearchHit"]) -> str:
     for hit in hits:
         message = hit.message
         label = ROLE_LABELS.get(message.role) or field_text(message.role)
-        lines.append(f"{field_text(hit.conversation_id[:SHORT_ID])}  {local_time(message.created)}  {label}> "
-                     f"{one_line(message.text, 100)}")
+        lines.append(
+            f"{field_text(hit.conversation_id[:SHORT_ID])}  {local_time(message.created)}  {label}> "
+            f"{one_line(message.text, 100)}"
+        )
     return "\n".join(lines)
 
 

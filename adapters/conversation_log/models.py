@@ -79,7 +79,9 @@ class ConversationRow(Base):
     meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
     messages: Mapped[list["MessageRow"]] = relationship(
-        back_populates="conversation", cascade="all, delete-orphan", passive_deletes=True,
+        back_populates="conversation",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
         order_by="MessageRow.id",
     )
 

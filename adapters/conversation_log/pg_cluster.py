@@ -34,9 +34,10 @@ def find_binaries() -> Path | None:
     found = shutil.which("initdb")
     if found and shutil.which("pg_ctl"):
         return Path(os.path.realpath(found)).parent
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-                        key=lambda path: int(Path(path).parent.parent.name) if
-                        Path(path).parent.parent.name.isdigit() else 0)
+    candidates = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda path: int(Path(path).parent.parent.name) if Path(path).parent.parent.name.isdigit() else 0,
+    )
     return Path(candidates[-1]).parent if candidates else None
 
 
@@ -83,12 +84,31 @@ class ThrowawayCluster:
         if self._as_root:
             user = pwd.getpwnam(SERVER_USER)
             os.chown(self.folder, user.pw_uid, user.pw_gid)
-        self._run(str(self.binaries / "initdb"), "-D", str(self.data), "-U", SERVER_USER, "--auth=trust",
-                  "-E", "UTF8", "--locale=C.UTF-8", "--no-sync")
+        self._run(
+            str(self.binaries / "initdb"),
+            "-D",
+            str(self.data),
+            "-U",
+            SERVER_USER,
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+            "--no-sync",
+        )
         # fsync off: the cluster is thrown away, never recovered after a machine crash.
         options = f"-k {self.socket_dir} -c listen_addresses='' -p {self.port} -c fsync=off"
-        self._run(str(self.binaries / "pg_ctl"), "-D", str(self.data), "-o", options,
-                  "-l", str(self.folder / "server.log"), "-w", "start")
+        self._run(
+            str(self.binaries / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-o",
+            options,
+            "-l",
+            str(self.folder / "server.log"),
+            "-w",
+            "start",
+        )
         self.started = True
         return self
 
@@ -109,8 +129,9 @@ class ThrowawayCluster:
     def _admin(self, statement: str) -> None:
         import psycopg
 
-        with psycopg.connect(host=str(self.socket_dir), port=self.port, user=SERVER_USER, dbname="postgres",
-                             autocommit=True) as connection:
+        with psycopg.connect(
+            host=str(self.socket_dir), port=self.port, user=SERVER_USER, dbname="postgres", autocommit=True
+        ) as connection:
             connection.execute(statement)  # type: ignore[arg-type]
 
     def stop(self) -> None:
@@ -124,6 +145,7 @@ class ThrowawayCluster:
     def __enter__(self) -> "ThrowawayCluster":
         return self.start()
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.stop()

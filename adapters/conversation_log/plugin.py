@@ -80,9 +80,14 @@ class ConversationLogPlugin:
     ``max_pending`` are spilled (default: ``log-journal`` in the user data folder).
     """
 
-    def __init__(self, store: "ConversationStore", notify: Callable[[str], None] | None = None,
-                 retry_after_s: float = 30.0, max_pending: int = MAX_PENDING_WRITES,
-                 journal_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        store: "ConversationStore",
+        notify: Callable[[str], None] | None = None,
+        retry_after_s: float = 30.0,
+        max_pending: int = MAX_PENDING_WRITES,
+        journal_dir: str | Path | None = None,
+    ) -> None:
         if max_pending < 1:
             raise ValueError(f"`max_pending` must be a positive integer, got {max_pending}")
         self.store = store
@@ -103,12 +108,15 @@ class ConversationLogPlugin:
         self.damaged = store.quick_check()
         if self.damaged is not None:
             self.failing = f"the log file is damaged ({self.damaged})"
-            self.notify(f"conversation log {store.display_url} is damaged ({self.damaged}); nothing is written "
-                        f"into it: turns are kept in {self.journal.folder}. `chatcore logs export --salvage` "
-                        "recovers the conversations it holds")
+            self.notify(
+                f"conversation log {store.display_url} is damaged ({self.damaged}); nothing is written "
+                f"into it: turns are kept in {self.journal.folder}. `chatcore logs export --salvage` "
+                "recovers the conversations it holds"
+            )
         elif len(self.journal):  # writes left by a process that ended before the database came back
             with self._lock:
                 self._flush()
+
     # -- hooks ----------------------------------------------------------------------
     @chatcore.hookimpl
     def on_user_message(self, conversation: "Conversation", turn: "Turn") -> None:
@@ -147,12 +155,17 @@ class ConversationLogPlugin:
         else:
             provenance = json_safe(turn.meta.get("provenance") or {})
             timings = provenance.get("timings") or {}
-            fields = {"provenance": provenance, "decoder": provenance.get("decoder"),
-                      "steerers": provenance.get("steerers"), "seed": provenance.get("seed"),
-                      "prompt_tokens": provenance.get("prompt_tokens"),
-                      "candidates": provenance.pop("candidates", None),
-                      "token_count": timings.get("new_tokens"), "latency_s": timings.get("total_s"),
-                      "first_token_s": timings.get("first_token_s")}
+            fields = {
+                "provenance": provenance,
+                "decoder": provenance.get("decoder"),
+                "steerers": provenance.get("steerers"),
+                "seed": provenance.get("seed"),
+                "prompt_tokens": provenance.get("prompt_tokens"),
+                "candidates": provenance.pop("candidates", None),
+                "token_count": timings.get("new_tokens"),
+                "latency_s": timings.get("total_s"),
+                "first_token_s": timings.get("first_token_s"),
+            }
         return self._message_write(conversation, turn.role, turn, fields)
 
     # -- what to write ---------------------------------------------------------------
@@ -179,14 +192,20 @@ class ConversationLogPlugin:
             kept += 1
         return kept
 
-    def _message_write(self, conversation: "Conversation", role: str, turn: "Turn",
-                       fields: dict[str, Any]) -> Write:
+    def _message_write(self, conversation: "Conversation", role: str, turn: "Turn", fields: dict[str, Any]) -> Write:
         author_id = turn.meta.get("author_id")
         return {
-            "key": uuid.uuid4().hex, "conversation_id": conversation.id, "role": role, "text": turn.text,
-            "fields": dict(fields, created=turn.created, interrupted=turn.interrupted,
-                           author_id=None if author_id is None else str(author_id),
-                           conversation=self._conversation_fields(conversation)),
+            "key": uuid.uuid4().hex,
+            "conversation_id": conversation.id,
+            "role": role,
+            "text": turn.text,
+            "fields": dict(
+                fields,
+                created=turn.created,
+                interrupted=turn.interrupted,
+                author_id=None if author_id is None else str(author_id),
+                conversation=self._conversation_fields(conversation),
+            ),
         }
 
     @staticmethod
@@ -195,13 +214,17 @@ class ConversationLogPlugin:
         columns = {key: meta.pop(key, None) for key in _CONVERSATION_COLUMNS}
         first_user = next((t for t in conversation.turns if t.role == "user"), None)
         prompt_format = getattr(conversation, "prompt_format", None) or getattr(
-            getattr(conversation.engine, "prompt_format", None), "name", None)
+            getattr(conversation.engine, "prompt_format", None), "name", None
+        )
         return {
             "created": conversation.turns[0].created if conversation.turns else None,
-            "adapter": columns["adapter"], "channel_key": columns["channel_key"],
+            "adapter": columns["adapter"],
+            "channel_key": columns["channel_key"],
             "model": getattr(getattr(conversation.engine, "loaded", None), "name", None),
             "title": columns["title"] or (title_from(first_user.text) if first_user else None),
-            "system": getattr(conversation, "system", None), "prompt_format": prompt_format, "meta": meta,
+            "system": getattr(conversation, "system", None),
+            "prompt_format": prompt_format,
+            "meta": meta,
         }
 
     # -- writing ----------------------------------------------------------------------
@@ -233,11 +256,14 @@ class ConversationLogPlugin:
             if self.failing is None:
                 self.failing = str(error)
                 self._failed_at = time.monotonic()
-                self.notify(f"conversation log {self.store.display_url}: {error}; turns are kept and written "
-                            "when it works again")
+                self.notify(
+                    f"conversation log {self.store.display_url}: {error}; turns are kept and written "
+                    "when it works again"
+                )
             return False
-        self.notify(f"{gone}: a new one was created there and this conversation is written into it again "
-                    "from its first turn")
+        self.notify(
+            f"{gone}: a new one was created there and this conversation is written into it again from its first turn"
+        )
         # Writes still waiting go to the new file; this conversation's are replaced by all its turns.
         self._pending = [w for w in self._pending if w["conversation_id"] != conversation.id]
         for turn in conversation.turns:
@@ -255,12 +281,15 @@ class ConversationLogPlugin:
     def _write(self, write: Write) -> bool:
         """Store one write; False when the database is unavailable (the write is kept)."""
         try:
-            self.store.add_message(write["conversation_id"], write["role"], write["text"],
-                                   write_key=write["key"], **write["fields"])
+            self.store.add_message(
+                write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
+            )
         except LogUnavailableError as error:
             if self.failing is None:
-                self.notify(f"conversation log unavailable ({error}); the chat goes on and "
-                            "turns are written when it works again")
+                self.notify(
+                    f"conversation log unavailable ({error}); the chat goes on and "
+                    "turns are written when it works again"
+                )
             self.failing = str(error)
             self._failed_at = time.monotonic()
             return False
@@ -277,8 +306,11 @@ class ConversationLogPlugin:
                 stream.write(json.dumps({"error": str(error), "write": write}, default=str) + "\n")
         except OSError:
             where = None  # type: ignore[assignment]
-        self.notify(f"conversation log refused a message ({error}); "
-                    + (f"it is kept in {where}" if where else "it could not be kept") + "; later turns go on")
+        self.notify(
+            f"conversation log refused a message ({error}); "
+            + (f"it is kept in {where}" if where else "it could not be kept")
+            + "; later turns go on"
+        )
 
     def _flush(self) -> None:
         written = 0

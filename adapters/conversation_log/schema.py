@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import sqlalchemy as sa
+
 from chatcore.adapters.conversation_log.errors import LogError
 from chatcore.adapters.conversation_log.models import SCHEMA_VERSION
 
@@ -77,16 +78,20 @@ def prepare(connection: sa.Connection, display_url: str) -> None:
         try:
             script.get_revision(revision)
         except Exception:  # alembic raises several kinds for a revision it does not know
-            raise LogError(f"the conversation log {display_url} was written by a newer chatcore "
-                           f"(revision {revision}; this one knows up to {_revision(SCHEMA_VERSION)}); "
-                           "upgrade chatcore") from None
+            raise LogError(
+                f"the conversation log {display_url} was written by a newer chatcore "
+                f"(revision {revision}; this one knows up to {_revision(SCHEMA_VERSION)}); "
+                "upgrade chatcore"
+            ) from None
     if "chatcore_schema" in tables:
         version = _schema_version(connection, tables, revision, display_url)
         if revision is None:  # a log from before Alembic
             command.stamp(config, _revision(version))  # type: ignore[arg-type]
     elif tables & _LOG_TABLES:
-        raise LogError(f"{display_url} has a {sorted(tables & _LOG_TABLES)[0]!r} table but no chatcore schema "
-                       "version; it is not a chatcore conversation log")
+        raise LogError(
+            f"{display_url} has a {sorted(tables & _LOG_TABLES)[0]!r} table but no chatcore schema "
+            "version; it is not a chatcore conversation log"
+        )
     command.upgrade(config, "head")  # type: ignore[arg-type]
 
 
@@ -99,19 +104,25 @@ def _schema_version(connection: sa.Connection, tables: set[str], revision: str |
         elif _LOG_TABLES <= tables:
             version = 1  # the only version without an Alembic revision
         else:
-            raise LogError(f"the conversation log {display_url} is damaged: its schema version row and "
-                           "tables are missing")
-        connection.execute(sa.text("INSERT INTO chatcore_schema (id, version) VALUES (1, :version)"),
-                           {"version": version})
+            raise LogError(
+                f"the conversation log {display_url} is damaged: its schema version row and tables are missing"
+            )
+        connection.execute(
+            sa.text("INSERT INTO chatcore_schema (id, version) VALUES (1, :version)"), {"version": version}
+        )
         return version
     version = versions[0]
     if len(versions) > 1 or not isinstance(version, int) or version < 1:
-        raise LogError(f"the conversation log {display_url} is damaged: schema version {versions!r} is not one "
-                       "chatcore writes")
+        raise LogError(
+            f"the conversation log {display_url} is damaged: schema version {versions!r} is not one chatcore writes"
+        )
     if version > SCHEMA_VERSION:
-        raise LogError(f"the conversation log {display_url} was written by a newer chatcore "
-                       f"(schema {version}; this one reads up to {SCHEMA_VERSION}); upgrade chatcore")
+        raise LogError(
+            f"the conversation log {display_url} was written by a newer chatcore "
+            f"(schema {version}; this one reads up to {SCHEMA_VERSION}); upgrade chatcore"
+        )
     if revision is not None and int(revision) != version:
-        raise LogError(f"the conversation log {display_url} is damaged: schema version {version} but "
-                       f"revision {revision}")
+        raise LogError(
+            f"the conversation log {display_url} is damaged: schema version {version} but revision {revision}"
+        )
     return version

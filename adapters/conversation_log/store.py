@@ -73,10 +73,22 @@ class MessageRecord:
     @classmethod
     def from_row(cls, row: MessageRow) -> "MessageRecord":
         return cls(
-            id=row.id, conversation_id=row.conversation_id, role=row.role, text=row.text, created=row.created,
-            author_id=row.author_id, token_count=row.token_count, prompt_tokens=row.prompt_tokens, latency_s=row.latency_s,
-            first_token_s=row.first_token_s, decoder=row.decoder, steerers=row.steerers, candidates=row.candidates,
-            seed=row.seed, interrupted=bool(row.interrupted), superseded=bool(row.superseded),
+            id=row.id,
+            conversation_id=row.conversation_id,
+            role=row.role,
+            text=row.text,
+            created=row.created,
+            author_id=row.author_id,
+            token_count=row.token_count,
+            prompt_tokens=row.prompt_tokens,
+            latency_s=row.latency_s,
+            first_token_s=row.first_token_s,
+            decoder=row.decoder,
+            steerers=row.steerers,
+            candidates=row.candidates,
+            seed=row.seed,
+            interrupted=bool(row.interrupted),
+            superseded=bool(row.superseded),
             provenance=row.provenance,
         )
 
@@ -179,7 +191,8 @@ def _is_transient(error: BaseException) -> bool:
     the write's own fault; retrying that one could never succeed.
     """
     return not isinstance(error, (IntegrityError, DataError)) and (
-        isinstance(error, (DBAPIError, sa.exc.TimeoutError, sa.exc.DisconnectionError)))
+        isinstance(error, (DBAPIError, sa.exc.TimeoutError, sa.exc.DisconnectionError))
+    )
 
 
 def storable(value: Any, *, nul: bool = True) -> Any:
@@ -316,7 +329,8 @@ class ConversationStore:
                     schema.prepare(connection, self.display_url)  # checks again: another may have done it
             if self.is_sqlite:
                 found = connection.exec_driver_sql(
-                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'messages_fts'").first()
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'messages_fts'"
+                ).first()
                 self.fts = found is not None
 
     def close(self) -> None:
@@ -374,8 +388,16 @@ class ConversationStore:
         meta: dict[str, Any] | None = None,
     ) -> bool:
         """Add the conversation if the log does not have it yet; True if it was added."""
-        fields = dict(created=created, adapter=adapter, channel_key=channel_key, model=model, title=title,
-                      system=system, prompt_format=prompt_format, meta=meta)
+        fields = dict(
+            created=created,
+            adapter=adapter,
+            channel_key=channel_key,
+            model=model,
+            title=title,
+            system=system,
+            prompt_format=prompt_format,
+            meta=meta,
+        )
         try:
             with self._session("add a conversation", write=True) as session:
                 return self._ensure(session, conversation_id, fields)
@@ -395,10 +417,16 @@ class ConversationStore:
         created = fields.get("created") or utc_now()
         title = fields.get("title") or None
         values = dict(
-            id=conversation_id, created=created, updated=created, adapter=self._storable(fields.get("adapter")),
-            channel_key=self._storable(fields.get("channel_key")), model=self._storable(fields.get("model")),
-            title=title and self._storable(title[:255]), system=self._storable(fields.get("system")),
-            prompt_format=fields.get("prompt_format"), meta=self._storable(dict(fields.get("meta") or {})),
+            id=conversation_id,
+            created=created,
+            updated=created,
+            adapter=self._storable(fields.get("adapter")),
+            channel_key=self._storable(fields.get("channel_key")),
+            model=self._storable(fields.get("model")),
+            title=title and self._storable(title[:255]),
+            system=self._storable(fields.get("system")),
+            prompt_format=fields.get("prompt_format"),
+            meta=self._storable(dict(fields.get("meta") or {})),
         )
         if self.is_sqlite or self.is_postgres:
             if self.is_sqlite:
@@ -457,28 +485,48 @@ class ConversationStore:
                 self._supersede_replies(session, conversation_id, keep_replies)
             clean = self._storable
             row = MessageRow(
-                conversation_id=conversation_id, role=role, text=clean(text), created=created,
-                author_id=author_id, token_count=token_count, prompt_tokens=prompt_tokens, latency_s=latency_s,
-                first_token_s=first_token_s, decoder=clean(decoder), steerers=clean(steerers),
-                candidates=clean(candidates), seed=seed, interrupted=interrupted, superseded=False,
-                provenance=clean(provenance), write_key=write_key,
+                conversation_id=conversation_id,
+                role=role,
+                text=clean(text),
+                created=created,
+                author_id=author_id,
+                token_count=token_count,
+                prompt_tokens=prompt_tokens,
+                latency_s=latency_s,
+                first_token_s=first_token_s,
+                decoder=clean(decoder),
+                steerers=clean(steerers),
+                candidates=clean(candidates),
+                seed=seed,
+                interrupted=interrupted,
+                superseded=False,
+                provenance=clean(provenance),
+                write_key=write_key,
             )
             session.add(row)
             session.flush()
             current: dict[str, Any] = {"updated": created}
             if conversation is not None:  # a system prompt or format changed mid-conversation is kept as it is now
-                current.update(system=clean(conversation.get("system")), prompt_format=conversation.get("prompt_format"))
+                current.update(
+                    system=clean(conversation.get("system")), prompt_format=conversation.get("prompt_format")
+                )
             session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
             return row.id
 
     def _supersede_replies(self, session: Session, conversation_id: str, keep: int) -> None:
-        newest_user = (sa.select(sa.func.max(MessageRow.id))
-                       .where(MessageRow.conversation_id == conversation_id, MessageRow.role == "user")
-                       .scalar_subquery())
+        newest_user = (
+            sa.select(sa.func.max(MessageRow.id))
+            .where(MessageRow.conversation_id == conversation_id, MessageRow.role == "user")
+            .scalar_subquery()
+        )
         replies = session.scalars(
             sa.select(MessageRow.id)
-            .where(MessageRow.conversation_id == conversation_id, MessageRow.role == "bot",
-                   MessageRow.superseded.is_(False), MessageRow.id > sa.func.coalesce(newest_user, 0))
+            .where(
+                MessageRow.conversation_id == conversation_id,
+                MessageRow.role == "bot",
+                MessageRow.superseded.is_(False),
+                MessageRow.id > sa.func.coalesce(newest_user, 0),
+            )
             .order_by(MessageRow.id)
         ).all()
         dropped = list(replies[keep:])
@@ -526,14 +574,29 @@ class ConversationStore:
 
     def _summary_columns(self) -> list[Any]:
         # The turns a reader sees: replies replaced by a retry (superseded) are not counted.
-        count = (sa.select(sa.func.count(MessageRow.id))
-                 .where(MessageRow.conversation_id == ConversationRow.id, MessageRow.superseded.is_(False))
-                 .correlate(ConversationRow).scalar_subquery())
-        return [ConversationRow.id, ConversationRow.created, ConversationRow.updated, ConversationRow.adapter,
-                ConversationRow.channel_key, ConversationRow.model, ConversationRow.title, count.label("n")]
+        count = (
+            sa.select(sa.func.count(MessageRow.id))
+            .where(MessageRow.conversation_id == ConversationRow.id, MessageRow.superseded.is_(False))
+            .correlate(ConversationRow)
+            .scalar_subquery()
+        )
+        return [
+            ConversationRow.id,
+            ConversationRow.created,
+            ConversationRow.updated,
+            ConversationRow.adapter,
+            ConversationRow.channel_key,
+            ConversationRow.model,
+            ConversationRow.title,
+            count.label("n"),
+        ]
 
     def list_conversations(
-        self, limit: int = 20, offset: int = 0, adapter: str | None = None, channel_key: str | None = None,
+        self,
+        limit: int = 20,
+        offset: int = 0,
+        adapter: str | None = None,
+        channel_key: str | None = None,
     ) -> list[ConversationSummary]:
         """The most recently active conversations first."""
         query = sa.select(*self._summary_columns())
@@ -561,21 +624,27 @@ class ConversationStore:
         """A conversation (id or unique prefix) with its messages, oldest first."""
         full_id = self.resolve_id(conversation_id)
         with self._session("read a conversation") as session:
-            summary = session.execute(
-                sa.select(*self._summary_columns()).where(ConversationRow.id == full_id)
-            ).one()
+            summary = session.execute(sa.select(*self._summary_columns()).where(ConversationRow.id == full_id)).one()
             system, prompt_format, meta = session.execute(
-                sa.select(ConversationRow.system, ConversationRow.prompt_format, ConversationRow.meta)
-                .where(ConversationRow.id == full_id)).one()
+                sa.select(ConversationRow.system, ConversationRow.prompt_format, ConversationRow.meta).where(
+                    ConversationRow.id == full_id
+                )
+            ).one()
             query = sa.select(MessageRow).where(MessageRow.conversation_id == full_id).order_by(MessageRow.id)
             if not include_superseded:
                 query = query.where(MessageRow.superseded.is_(False))
             messages = [MessageRecord.from_row(row) for row in session.scalars(query)]
-        return ConversationRecord(**asdict(ConversationSummary(*summary)), system=system,
-                                  prompt_format=prompt_format, meta=dict(meta or {}), messages=messages)
+        return ConversationRecord(
+            **asdict(ConversationSummary(*summary)),
+            system=system,
+            prompt_format=prompt_format,
+            meta=dict(meta or {}),
+            messages=messages,
+        )
 
-    def iter_conversations(self, conversation_ids: Sequence[str] | None = None,
-                           author_id: str | None = None) -> Iterator[ConversationRecord]:
+    def iter_conversations(
+        self, conversation_ids: Sequence[str] | None = None, author_id: str | None = None
+    ) -> Iterator[ConversationRecord]:
         """Each named conversation (or every one, oldest first), with its messages.
 
         ``author_id``: only the conversations with messages by this author, holding
@@ -587,8 +656,11 @@ class ConversationStore:
         else:
             query = sa.select(ConversationRow.id).order_by(ConversationRow.created, ConversationRow.id)
             if author_id is not None:
-                query = query.where(ConversationRow.id.in_(
-                    sa.select(MessageRow.conversation_id).where(MessageRow.author_id == author_id)))
+                query = query.where(
+                    ConversationRow.id.in_(
+                        sa.select(MessageRow.conversation_id).where(MessageRow.author_id == author_id)
+                    )
+                )
             with self._session("list conversations") as session:
                 ids = list(session.scalars(query))
         for full_id in ids:
@@ -620,8 +692,11 @@ class ConversationStore:
         ids: dict[str, None] = {}
         for table, column in (("conversations", "id"), ("messages", "conversation_id")):
             for order in ("ASC", "DESC"):
-                ids.update(dict.fromkeys(self._scan(
-                    f"SELECT {column} FROM {table} NOT INDEXED ORDER BY rowid {order}", problems)))
+                ids.update(
+                    dict.fromkeys(
+                        self._scan(f"SELECT {column} FROM {table} NOT INDEXED ORDER BY rowid {order}", problems)
+                    )
+                )
         for conversation_id in ids:
             try:
                 yield self.get_conversation(conversation_id)
@@ -640,9 +715,13 @@ class ConversationStore:
 
     def _salvage_one(self, conversation_id: str, problems: list[str]) -> ConversationRecord | None:
         """A conversation whose full read failed: its row if readable, and each readable message."""
-        message_ids = list(self._scan(
-            f"SELECT id FROM messages INDEXED BY ix_messages_conversation_id WHERE conversation_id = "
-            f"'{conversation_id.replace(chr(39), chr(39) * 2)}' ORDER BY id", problems))
+        message_ids = list(
+            self._scan(
+                f"SELECT id FROM messages INDEXED BY ix_messages_conversation_id WHERE conversation_id = "
+                f"'{conversation_id.replace(chr(39), chr(39) * 2)}' ORDER BY id",
+                problems,
+            )
+        )
         messages, lost = [], 0
         for message_id in message_ids:
             try:
@@ -662,13 +741,28 @@ class ConversationStore:
             problems.append(f"conversation {conversation_id}: unreadable")
             return None
         if lost or head is None:
-            problems.append(f"conversation {conversation_id}: {lost} message(s) unreadable"
-                            + ("" if head else ", its own row too"))
+            problems.append(
+                f"conversation {conversation_id}: {lost} message(s) unreadable" + ("" if head else ", its own row too")
+            )
         created, updated, adapter, channel_key, model, title = head or (
-            messages[0].created, messages[-1].created, None, None, None, None)
-        return ConversationRecord(id=conversation_id, created=created, updated=updated, adapter=adapter,
-                                  channel_key=channel_key, model=model, title=title, message_count=len(messages),
-                                  messages=messages)
+            messages[0].created,
+            messages[-1].created,
+            None,
+            None,
+            None,
+            None,
+        )
+        return ConversationRecord(
+            id=conversation_id,
+            created=created,
+            updated=updated,
+            adapter=adapter,
+            channel_key=channel_key,
+            model=model,
+            title=title,
+            message_count=len(messages),
+            messages=messages,
+        )
 
     def search(self, text: str, limit: int = 50) -> list[SearchHit]:
         """Messages containing ``text`` (case-insensitive), newest first."""
@@ -678,8 +772,11 @@ class ConversationStore:
         query = sa.select(MessageRow, ConversationRow.title).join(ConversationRow)
         if self.fts and len(wanted) >= _FTS_MIN_CHARS:
             phrase = '"' + wanted.replace('"', '""') + '"'  # a phrase: user text is never FTS syntax
-            matching = sa.text("SELECT rowid FROM messages_fts WHERE messages_fts MATCH :phrase").bindparams(
-                phrase=phrase).columns(sa.column("rowid", sa.Integer))
+            matching = (
+                sa.text("SELECT rowid FROM messages_fts WHERE messages_fts MATCH :phrase")
+                .bindparams(phrase=phrase)
+                .columns(sa.column("rowid", sa.Integer))
+            )
             query = query.where(MessageRow.id.in_(matching))
         elif self.is_postgres:
             # ILIKE, so the pg_trgm GIN index answers (``lower(text) LIKE`` would not use it).
@@ -688,8 +785,10 @@ class ConversationStore:
             query = query.where(MessageRow.text.icontains(wanted, autoescape=True))
         query = query.order_by(MessageRow.id.desc()).limit(limit)
         with self._session("search") as session:
-            return [SearchHit(row.conversation_id, title, MessageRecord.from_row(row))
-                    for row, title in session.execute(query)]
+            return [
+                SearchHit(row.conversation_id, title, MessageRecord.from_row(row))
+                for row, title in session.execute(query)
+            ]
 
     # -- resuming -----------------------------------------------------------------
     def load_turns(self, conversation_id: str) -> list["Turn"]:

@@ -107,17 +107,27 @@ class ChannelSetup:
     steerers: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def copy(self) -> "ChannelSetup":
-        return ChannelSetup(self.decoder, dict(self.decoder_settings),
-                            [(name, dict(settings)) for name, settings in self.steerers])
+        return ChannelSetup(
+            self.decoder, dict(self.decoder_settings), [(name, dict(settings)) for name, settings in self.steerers]
+        )
 
 
-def _start_job(key: str, text: str, options: "ReplyOptions", system: str | None, author_id: str,
-               listener: Any, runtime: "ChatRuntime", control: "JobControl") -> "PendingReply":
+def _start_job(
+    key: str,
+    text: str,
+    options: "ReplyOptions",
+    system: str | None,
+    author_id: str,
+    listener: Any,
+    runtime: "ChatRuntime",
+    control: "JobControl",
+) -> "PendingReply":
     return runtime.start_reply(key, text, options, system, author_id, listener)
 
 
-def _finish_job(pending: "PendingReply", stop_reason: str | None, runtime: "ChatRuntime",
-                control: "JobControl") -> "ReplyResult":
+def _finish_job(
+    pending: "PendingReply", stop_reason: str | None, runtime: "ChatRuntime", control: "JobControl"
+) -> "ReplyResult":
     return runtime.finish_reply(pending, stop_reason)
 
 
@@ -305,8 +315,9 @@ class ChatBot(discord.Client):
         await self.send_reply(message, result.text)
         self.stats.replies += 1
 
-    async def _generate(self, message: discord.Message, key: str, text: str,
-                        system: str | None) -> "ReplyResult | None":
+    async def _generate(
+        self, message: discord.Message, key: str, text: str, system: str | None
+    ) -> "ReplyResult | None":
         """Decode one reply on the scheduler; None when the user was already answered
         (busy, restarting, an error)."""
         loop = asyncio.get_running_loop()
@@ -320,8 +331,9 @@ class ChatBot(discord.Client):
             if isinstance(event, End):
                 loop.call_soon_threadsafe(ended)
 
-        start = functools.partial(_start_job, key, text, self.reply_options(key), system,
-                                  str(message.author.id), listener)
+        start = functools.partial(
+            _start_job, key, text, self.reply_options(key), system, str(message.author.id), listener
+        )
         self.in_flight.add(flight)
         try:
             try:
@@ -360,8 +372,7 @@ class ChatBot(discord.Client):
                 await self.send_reply(message, BUSY_REPLY)
             return None
         try:
-            return await self.worker.submit(functools.partial(_finish_job, pending, flight.stop_reason),
-                                            control=True)
+            return await self.worker.submit(functools.partial(_finish_job, pending, flight.stop_reason), control=True)
         except WorkerClosed:
             await self.send_reply(message, RESTARTING_REPLY)
         except ChatcoreError as error:
@@ -386,10 +397,14 @@ class ChatBot(discord.Client):
             try:
                 if quote:
                     try:
-                        sent.append(await message.channel.send(
-                            piece, allowed_mentions=NO_MENTIONS, mention_author=False,
-                            reference=message.to_reference(fail_if_not_exists=False),
-                        ))
+                        sent.append(
+                            await message.channel.send(
+                                piece,
+                                allowed_mentions=NO_MENTIONS,
+                                mention_author=False,
+                                reference=message.to_reference(fail_if_not_exists=False),
+                            )
+                        )
                     except discord.Forbidden:
                         # Quoting needs Read Message History; a plain message does not.
                         sent.append(await message.channel.send(piece, allowed_mentions=NO_MENTIONS))
@@ -447,5 +462,10 @@ def make_bot(settings: "DiscordSettings", worker: "InferenceWorker[ChatRuntime]"
     """The client the settings ask for: one connection, or the sharded client."""
     if not settings.sharded:
         return ChatBot(settings, worker, **options)
-    return ShardedChatBot(settings, worker, shard_count=settings.shard_count or None,
-                          shard_ids=list(settings.shard_ids) or None, **options)
+    return ShardedChatBot(
+        settings,
+        worker,
+        shard_count=settings.shard_count or None,
+        shard_ids=list(settings.shard_ids) or None,
+        **options,
+    )

@@ -25,54 +25,113 @@ def parse_shard_ids(text: str | None) -> tuple[int, ...] | None:
     try:
         ids = tuple(int(part) for part in text.replace(" ", "").split(","))
     except ValueError:
-        raise ChatcoreError(f"--shard-ids must list shard numbers separated by commas, e.g. 0,2; got {text!r}") from None
+        raise ChatcoreError(
+            f"--shard-ids must list shard numbers separated by commas, e.g. 0,2; got {text!r}"
+        ) from None
     if not ids:
         raise ChatcoreError("--shard-ids is empty")
     return ids
 
 
 @click.command("discord")
-@click.option("--settings", "settings_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="A TOML or JSON settings file (options below override it).")
-@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
-              help=f"A file holding the bot token (default: ${TOKEN_ENV}).")
-@click.option("-c", "--channel", "channels", multiple=True, type=int,
-              help="A channel or thread id where every message is answered. Repeatable.")
-@click.option("-g", "--guild", "guilds", multiple=True, type=int,
-              help="Sync the slash commands to this guild id at start. Repeatable (default: global).")
-@click.option("--admin-role", "admin_roles", multiple=True,
-              help="A role id or name that may change decoder and steering. Repeatable.")
+@click.option(
+    "--settings",
+    "settings_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A TOML or JSON settings file (options below override it).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help=f"A file holding the bot token (default: ${TOKEN_ENV}).",
+)
+@click.option(
+    "-c",
+    "--channel",
+    "channels",
+    multiple=True,
+    type=int,
+    help="A channel or thread id where every message is answered. Repeatable.",
+)
+@click.option(
+    "-g",
+    "--guild",
+    "guilds",
+    multiple=True,
+    type=int,
+    help="Sync the slash commands to this guild id at start. Repeatable (default: global).",
+)
+@click.option(
+    "--admin-role",
+    "admin_roles",
+    multiple=True,
+    help="A role id or name that may change decoder and steering. Repeatable.",
+)
 @click.option("-m", "--model", default=None, help="Bundled name, local folder or hub id [chatcore-tiny].")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for inference.")
 @click.option("-d", "--decoder", default=None, help='Decoder and settings, e.g. "top-k top_k=20" [top-k].')
 @click.option("-s", "--steer", "steer", multiple=True, help="Steerer and settings. Repeatable; applied in order.")
 @click.option("--system", default=None, help="System prompt (persona) of every conversation; admins may override it.")
-@click.option("--system-file", default=None, type=click.Path(),
-              help="Read the system prompt from a UTF-8 text file.")
-@click.option("--format", "prompt_format", default=None,
-              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt ... [auto].")
+@click.option("--system-file", default=None, type=click.Path(), help="Read the system prompt from a UTF-8 text file.")
+@click.option(
+    "--format",
+    "prompt_format",
+    default=None,
+    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt ... [auto].",
+)
 @click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="Longest reply [64].")
-@click.option("--max-batch", type=click.IntRange(1), default=None,
-              help="Replies decoded together, from different channels [8].")
+@click.option(
+    "--max-batch", type=click.IntRange(1), default=None, help="Replies decoded together, from different channels [8]."
+)
 @click.option("--queue-size", type=click.IntRange(1), default=None, help="Replies that may wait for the batch [8].")
-@click.option("--shard-count", type=click.IntRange(0), default=None,
-              help="Run the bot as this many gateway shards (0: as many as Discord recommends).")
-@click.option("--shard-ids", default=None,
-              help='The shards this process runs, e.g. "0,2" (with --shard-count; default: all of them).')
-@click.option("--cooldown", "cooldown_s", type=click.FloatRange(0), default=None,
-              help="Seconds between two answered messages of one user [2].")
+@click.option(
+    "--shard-count",
+    type=click.IntRange(0),
+    default=None,
+    help="Run the bot as this many gateway shards (0: as many as Discord recommends).",
+)
+@click.option(
+    "--shard-ids",
+    default=None,
+    help='The shards this process runs, e.g. "0,2" (with --shard-count; default: all of them).',
+)
+@click.option(
+    "--cooldown",
+    "cooldown_s",
+    type=click.FloatRange(0),
+    default=None,
+    help="Seconds between two answered messages of one user [2].",
+)
 @click.option("--db", default=None, help="Conversation log: SQLAlchemy URL or SQLite file [$CHATCORE_DB or user data].")
 @click.option("--log/--no-log", "log", default=None, help="Log conversations, resumed after a restart [on].")
 @click.option("--check", is_flag=True, help="Load and check everything, then exit without connecting.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
-def discord_command(settings_file: Path | None, token_file: Path | None, channels: tuple[int, ...],
-                    guilds: tuple[int, ...], admin_roles: tuple[str, ...], model: str | None, device: str | None,
-                    threads: int | None, decoder: str | None, steer: tuple[str, ...], system: str | None,
-                    system_file: str | None, prompt_format: str | None, max_new_tokens: int | None,
-                    max_batch: int | None, queue_size: int | None, shard_count: int | None,
-                    shard_ids: str | None, cooldown_s: float | None, db: str | None, log: bool | None,
-                    check: bool, log_level: str) -> None:
+def discord_command(
+    settings_file: Path | None,
+    token_file: Path | None,
+    channels: tuple[int, ...],
+    guilds: tuple[int, ...],
+    admin_roles: tuple[str, ...],
+    model: str | None,
+    device: str | None,
+    threads: int | None,
+    decoder: str | None,
+    steer: tuple[str, ...],
+    system: str | None,
+    system_file: str | None,
+    prompt_format: str | None,
+    max_new_tokens: int | None,
+    max_batch: int | None,
+    queue_size: int | None,
+    shard_count: int | None,
+    shard_ids: str | None,
+    cooldown_s: float | None,
+    db: str | None,
+    log: bool | None,
+    check: bool,
+    log_level: str,
+) -> None:
     """Run a Discord bot: it answers DMs, mentions and the listed channels.
 
     One conversation per channel, thread and DM, kept in the conversation log so a
@@ -88,13 +147,30 @@ def discord_command(settings_file: Path | None, token_file: Path | None, channel
 
     if system is not None and system_file is not None:
         raise ChatcoreError("give --system or --system-file, not both")
-    settings = load_settings(settings_file, {
-        "channels": channels, "guilds": guilds, "admin_roles": admin_roles, "model": model, "device": device,
-        "threads": threads, "decoder": decoder, "steer": steer, "system": system, "system_file": system_file,
-        "prompt_format": prompt_format, "max_new_tokens": max_new_tokens, "max_batch": max_batch,
-        "queue_size": queue_size, "shard_count": shard_count, "shard_ids": parse_shard_ids(shard_ids),
-        "cooldown_s": cooldown_s, "db": db, "log": log,
-    })
+    settings = load_settings(
+        settings_file,
+        {
+            "channels": channels,
+            "guilds": guilds,
+            "admin_roles": admin_roles,
+            "model": model,
+            "device": device,
+            "threads": threads,
+            "decoder": decoder,
+            "steer": steer,
+            "system": system,
+            "system_file": system_file,
+            "prompt_format": prompt_format,
+            "max_new_tokens": max_new_tokens,
+            "max_batch": max_batch,
+            "queue_size": queue_size,
+            "shard_count": shard_count,
+            "shard_ids": parse_shard_ids(shard_ids),
+            "cooldown_s": cooldown_s,
+            "db": db,
+            "log": log,
+        },
+    )
     validate_format_name(settings.prompt_format)  # before the token is read and the model loads
     token = read_token(token_file)
     guard_logging(token)

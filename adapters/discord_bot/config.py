@@ -143,7 +143,9 @@ class DiscordSettings:
         _snowflakes("channels", self.channels)
         _snowflakes("guilds", self.guilds)
         for role in self.admin_roles:
-            if isinstance(role, bool) or not (isinstance(role, int) and role > 0 or isinstance(role, str) and role.strip()):
+            if isinstance(role, bool) or not (
+                isinstance(role, int) and role > 0 or isinstance(role, str) and role.strip()
+            ):
                 raise ValueError(f"`admin_roles` must list role ids or names, got {role!r}")
         _positive_int("max_batch", self.max_batch)
         _positive_int("queue_size", self.queue_size)
@@ -159,16 +161,18 @@ class DiscordSettings:
     def _check_shards(self) -> None:
         if self.shard_count is not None:
             if not isinstance(self.shard_count, int) or isinstance(self.shard_count, bool) or self.shard_count < 0:
-                raise ValueError(f"`shard_count` must be a non-negative integer (0: as Discord recommends), "
-                                 f"got {self.shard_count!r}")
+                raise ValueError(
+                    f"`shard_count` must be a non-negative integer (0: as Discord recommends), got {self.shard_count!r}"
+                )
         if not self.shard_ids:
             return
         if not self.shard_count:
             raise ValueError("`shard_ids` needs `shard_count`: how many shards the bot has in all")
         for shard_id in self.shard_ids:
             if not isinstance(shard_id, int) or isinstance(shard_id, bool) or not 0 <= shard_id < self.shard_count:
-                raise ValueError(f"`shard_ids` must be shard numbers from 0 to {self.shard_count - 1}, "
-                                 f"got {shard_id!r}")
+                raise ValueError(
+                    f"`shard_ids` must be shard numbers from 0 to {self.shard_count - 1}, got {shard_id!r}"
+                )
         if len(set(self.shard_ids)) != len(self.shard_ids):
             raise ValueError(f"`shard_ids` lists a shard twice: {list(self.shard_ids)}")
 
@@ -218,14 +222,14 @@ def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raw = raw[FILE_TABLE]
     if "token" in raw:
         raise ChatcoreError(
-            f"settings file {str(path)!r} holds a token: keep it out of settings files; "
-            f"use {TOKEN_ENV} or --token-file"
+            f"settings file {str(path)!r} holds a token: keep it out of settings files; use {TOKEN_ENV} or --token-file"
         )
     return dict(raw)
 
 
-def load_settings(path: str | os.PathLike[str] | None = None,
-                  overrides: Mapping[str, Any] | None = None) -> DiscordSettings:
+def load_settings(
+    path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> DiscordSettings:
     """Settings from ``path`` (if given) with ``overrides`` (command-line options) on top.
 
     Overrides whose value is ``None`` or an empty tuple mean "not given" and leave the
@@ -256,8 +260,7 @@ def load_settings(path: str | os.PathLike[str] | None = None,
         raise OptionError(f"{error} in {where}") from None
 
 
-def read_token(token_file: str | os.PathLike[str] | None = None,
-               environ: Mapping[str, str] | None = None) -> str:
+def read_token(token_file: str | os.PathLike[str] | None = None, environ: Mapping[str, str] | None = None) -> str:
     """The bot token from ``token_file``, else ``$DISCORD_TOKEN``.
 
     The token never appears in a message: errors describe where it was looked for and

@@ -58,8 +58,15 @@ class ChatRuntime:
     ``max_batch`` replies are decoded at once and ``queue_size`` more may wait for a place.
     """
 
-    def __init__(self, engine: "Engine", persistence: ConversationPersistence | None = None,
-                 max_conversations: int = 1000, *, max_batch: int = 8, queue_size: int = 8) -> None:
+    def __init__(
+        self,
+        engine: "Engine",
+        persistence: ConversationPersistence | None = None,
+        max_conversations: int = 1000,
+        *,
+        max_batch: int = 8,
+        queue_size: int = 8,
+    ) -> None:
         from chatcore.serving import Scheduler
 
         self.engine = engine
@@ -76,8 +83,7 @@ class ChatRuntime:
             return self._open[key]
         conversation = self.persistence.latest(self.engine, key)
         if conversation is not None:
-            logger.info("resumed conversation %s of %s (%d turns)", conversation.id[:8], key,
-                        len(conversation.turns))
+            logger.info("resumed conversation %s of %s (%d turns)", conversation.id[:8], key, len(conversation.turns))
         else:
             conversation = self.persistence.create(self.engine, key)
         self._remember(key, conversation)
@@ -95,9 +101,15 @@ class ChatRuntime:
             self._open.popitem(last=False)
 
     # -- replies ------------------------------------------------------------------
-    def start_reply(self, key: str, text: str, options: "ReplyOptions", system: str | None = None,
-                    author_id: str | None = None,
-                    listener: "Callable[[Event], None] | None" = None) -> PendingReply:
+    def start_reply(
+        self,
+        key: str,
+        text: str,
+        options: "ReplyOptions",
+        system: str | None = None,
+        author_id: str | None = None,
+        listener: "Callable[[Event], None] | None" = None,
+    ) -> PendingReply:
         """Add ``text`` as the user's turn (by ``author_id``, which the log keeps so that one
         person's messages can be exported or deleted) and submit the reply with the system
         prompt ``system`` (the one in effect for ``key`` now: a change applies from the next
@@ -138,8 +150,9 @@ class ChatRuntime:
             provenance=dict(response.provenance),
         )
 
-    def reply(self, key: str, text: str, options: "ReplyOptions", system: str | None = None,
-              author_id: str | None = None) -> ReplyResult:
+    def reply(
+        self, key: str, text: str, options: "ReplyOptions", system: str | None = None, author_id: str | None = None
+    ) -> ReplyResult:
         """Start a reply and wait for it (for scripts and tests; the bot awaits it instead)."""
         pending = self.start_reply(key, text, options, system, author_id)
         pending.handle.wait()
@@ -190,5 +203,6 @@ def open_runtime(settings: "DiscordSettings", host: "PluginHost | None" = None) 
         torch.set_num_threads(settings.threads)
     engine = Engine(settings.model, device=settings.device, host=host, prompt_format=settings.prompt_format)
     persistence: ConversationPersistence = LogPersistence(engine, settings.db) if settings.log else MemoryPersistence()
-    return ChatRuntime(engine, persistence, settings.max_conversations,
-                       max_batch=settings.max_batch, queue_size=settings.queue_size)
+    return ChatRuntime(
+        engine, persistence, settings.max_conversations, max_batch=settings.max_batch, queue_size=settings.queue_size
+    )

@@ -96,8 +96,9 @@ class LogPersistence:
             # win over the old conversation at once, or a restart before anyone
             # speaks would bring the old one back.
             try:
-                self.store.ensure_conversation(conversation.id, adapter=ADAPTER, channel_key=key,
-                                               model=engine.loaded.name)
+                self.store.ensure_conversation(
+                    conversation.id, adapter=ADAPTER, channel_key=key, model=engine.loaded.name
+                )
             except ChatcoreError as error:
                 logger.warning("cannot record the reset of %s: %s", key, error)
         return conversation

@@ -30,7 +30,7 @@ ANSWERED_TYPES = (discord.MessageType.default, discord.MessageType.reply)
 
 def conversation_key(channel: object) -> str:
     guild = getattr(channel, "guild", None)
-    channel_id = getattr(channel, "id")
+    channel_id = channel.id
     if guild is None:
         return f"@me/{channel_id}/-"
     if isinstance(channel, discord.Thread):
@@ -59,7 +59,7 @@ def _mentions_bot(message: discord.Message, bot_id: int) -> bool:
 
 
 def answer_reason(message: discord.Message, bot_id: int, channels: Collection[int]) -> str | None:
-    """"dm", "mention" or "channel" when the bot should answer ``message``; else None."""
+    """ "dm", "mention" or "channel" when the bot should answer ``message``; else None."""
     if message.author.bot or message.author.system or message.author.id == bot_id:
         return None
     if message.webhook_id is not None:  # bridges and integrations: answering them can loop

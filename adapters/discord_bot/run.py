@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from chatcore.errors import ChatcoreError
 
 if TYPE_CHECKING:
-    from chatcore.adapters.discord_bot.bot import make_bot
+    from chatcore.adapters.discord_bot.bot import ChatBot
     from chatcore.adapters.discord_bot.config import DiscordSettings
     from chatcore.adapters.discord_bot.conversations import ChatRuntime
     from chatcore.adapters.discord_bot.worker import InferenceWorker
@@ -62,7 +62,8 @@ async def start_bot(settings: "DiscordSettings", host: "PluginHost | None" = Non
     from chatcore.adapters.discord_bot.worker import InferenceWorker
 
     worker: InferenceWorker[ChatRuntime] = InferenceWorker(
-        lambda: open_runtime(settings, host), queue_size=settings.max_batch + settings.queue_size,
+        lambda: open_runtime(settings, host),
+        queue_size=settings.max_batch + settings.queue_size,
         close_resource=ChatRuntime.close,
     )
     worker.start()
@@ -93,11 +94,14 @@ async def serve(settings: "DiscordSettings", token: str, host: "PluginHost | Non
         async with bot:
             await bot.start(token)
     except discord.LoginFailure:
-        raise ChatcoreError("Discord refused the bot token: copy it again from the developer portal "
-                            "(Bot > Reset Token)") from None
+        raise ChatcoreError(
+            "Discord refused the bot token: copy it again from the developer portal (Bot > Reset Token)"
+        ) from None
     except discord.PrivilegedIntentsRequired:
-        raise ChatcoreError("Discord refused the message content intent: switch on 'Message Content Intent' "
-                            "in the developer portal (Bot > Privileged Gateway Intents)") from None
+        raise ChatcoreError(
+            "Discord refused the message content intent: switch on 'Message Content Intent' "
+            "in the developer portal (Bot > Privileged Gateway Intents)"
+        ) from None
     except (OSError, discord.GatewayNotFound) as error:  # aiohttp's connection errors are OSErrors
         raise ChatcoreError(f"cannot reach Discord: {type(error).__name__}: {error}") from None
     finally:
@@ -119,15 +123,18 @@ async def check(settings: "DiscordSettings", host: "PluginHost | None" = None) -
             f"decoder: {settings.decoder}; steering: {', '.join(settings.steer) or 'none'}",
             f"format: {started.bot.prompt_format}; system prompt: "
             + (f"{len(settings.system):,} characters" if settings.system else "none"),
-            "answers: DMs, mentions" + (f", channels {', '.join(map(str, settings.channels))}"
-                                        if settings.channels else ""),
-            "slash commands: " + (f"guilds {', '.join(map(str, settings.guilds))}" if settings.guilds
-                                  else "global"),
+            "answers: DMs, mentions"
+            + (f", channels {', '.join(map(str, settings.channels))}" if settings.channels else ""),
+            "slash commands: " + (f"guilds {', '.join(map(str, settings.guilds))}" if settings.guilds else "global"),
             f"conversation log: {settings.db or 'default location'}" if settings.log else "conversation log: off",
             f"batch: {settings.max_batch} replies at once, {settings.queue_size} more may wait",
-            "shards: " + ("one connection" if not settings.sharded else
-                          f"{', '.join(map(str, settings.shard_ids)) or 'all'} of "
-                          f"{settings.shard_count or 'as many as Discord recommends'}"),
+            "shards: "
+            + (
+                "one connection"
+                if not settings.sharded
+                else f"{', '.join(map(str, settings.shard_ids)) or 'all'} of "
+                f"{settings.shard_count or 'as many as Discord recommends'}"
+            ),
             f"decoders available: {', '.join(catalog['decoders'])}",
             f"steerers available: {', '.join(catalog['steerers'])}",
         ]

@@ -29,7 +29,7 @@ from chatcore.errors import ChatcoreError
 from chatcore.prompting import clean_system_prompt
 
 if TYPE_CHECKING:
-    from chatcore.adapters.discord_bot.bot import ChatBot, ChannelSetup
+    from chatcore.adapters.discord_bot.bot import ChannelSetup, ChatBot
     from chatcore.adapters.discord_bot.conversations import ChatRuntime
     from chatcore.adapters.discord_bot.worker import JobControl
 
@@ -92,16 +92,19 @@ class ChatCommands:
         async def steer(interaction: discord.Interaction, spec: str) -> None:
             await handlers.steer(interaction, spec)
 
-        system = app_commands.Group(name="system", description="The system prompt (persona) replies here use",
-                                    parent=group)
+        system = app_commands.Group(
+            name="system", description="The system prompt (persona) replies here use", parent=group
+        )
 
         @system.command(name="show", description="Show the system prompt replies in this channel use")
         async def system_show(interaction: discord.Interaction) -> None:
             await handlers.system_show(interaction)
 
         @system.command(name="set", description="Set the system prompt of this channel (or of the whole server)")
-        @app_commands.describe(text="the system prompt, e.g. You are a cheerful pirate who loves puns.",
-                               scope="this channel (the default) or the whole server")
+        @app_commands.describe(
+            text="the system prompt, e.g. You are a cheerful pirate who loves puns.",
+            scope="this channel (the default) or the whole server",
+        )
         async def system_set(interaction: discord.Interaction, text: str, scope: Scope = "channel") -> None:
             await handlers.system_set(interaction, text, scope)
 
@@ -110,8 +113,9 @@ class ChatCommands:
         async def system_clear(interaction: discord.Interaction, scope: Scope = "channel") -> None:
             await handlers.system_set(interaction, None, scope)
 
-        @system.command(name="default",
-                        description="Drop this channel's (or server's) own system prompt: the next level's applies")
+        @system.command(
+            name="default", description="Drop this channel's (or server's) own system prompt: the next level's applies"
+        )
         @app_commands.describe(scope="this channel (the default) or the whole server")
         async def system_default(interaction: discord.Interaction, scope: Scope = "channel") -> None:
             await handlers.system_default(interaction, scope)
@@ -141,8 +145,11 @@ class ChatCommands:
         typed = current.strip()
         if " " in typed:  # settings are being typed after the name: leave them alone
             return []
-        return [app_commands.Choice(name=name, value=name)
-                for name in self.bot.catalog.get(kind, []) if name.startswith(typed)][:25]
+        return [
+            app_commands.Choice(name=name, value=name)
+            for name in self.bot.catalog.get(kind, [])
+            if name.startswith(typed)
+        ][:25]
 
     # -- permission ---------------------------------------------------------------
     def may_change(self, interaction: discord.Interaction) -> bool:
@@ -158,8 +165,11 @@ class ChatCommands:
         return any(self.bot.settings.is_admin_role(role.id, role.name) for role in getattr(user, "roles", ()))
 
     async def _refuse(self, interaction: discord.Interaction, what: str) -> None:
-        await respond(interaction, f"Only members with the Manage Server permission or a bot admin role "
-                                   f"can {what} here.", ephemeral=True)
+        await respond(
+            interaction,
+            f"Only members with the Manage Server permission or a bot admin role can {what} here.",
+            ephemeral=True,
+        )
 
     # -- handlers -----------------------------------------------------------------
     async def reset(self, interaction: discord.Interaction) -> None:
@@ -275,17 +285,18 @@ class ChatCommands:
             return
         key = conversation_key(interaction.channel)
         if not self.bot.system_prompts.drop_override(key, scope):
-            await respond(interaction, f"There is no system prompt set for {SCOPE_NAMES[scope]} to drop.",
-                          ephemeral=True)
+            await respond(
+                interaction, f"There is no system prompt set for {SCOPE_NAMES[scope]} to drop.", ephemeral=True
+            )
             return
         text, source = self.bot.system_prompts.effective(key)
-        await respond(interaction, f"Dropped the system prompt of {SCOPE_NAMES[scope]}. "
-                                   + describe_system(text, source))
+        await respond(
+            interaction, f"Dropped the system prompt of {SCOPE_NAMES[scope]}. " + describe_system(text, source)
+        )
 
     async def _scope_exists(self, interaction: discord.Interaction, scope: Scope) -> bool:
         if scope == "server" and interaction.guild is None:
-            await respond(interaction, "There is no server in a direct message: use the channel scope.",
-                          ephemeral=True)
+            await respond(interaction, "There is no server in a direct message: use the channel scope.", ephemeral=True)
             return False
         return True
 
@@ -315,6 +326,7 @@ class ChatCommands:
         key = conversation_key(interaction.channel)
         provenance = self.bot.last_provenance.get(key)
         if provenance is None:
+
             def job(runtime: "ChatRuntime", control: "JobControl") -> dict[str, Any] | None:
                 return runtime.last_provenance(key)
 
@@ -332,8 +344,9 @@ class ChatCommands:
             self.bot.setups[key] = self.bot.default_setup.copy()
         return self.bot.setups[key]
 
-    async def _run(self, interaction: discord.Interaction, job: Callable[["ChatRuntime", "JobControl"], T],
-                   ephemeral: bool) -> tuple[bool, T | None]:
+    async def _run(
+        self, interaction: discord.Interaction, job: Callable[["ChatRuntime", "JobControl"], T], ephemeral: bool
+    ) -> tuple[bool, T | None]:
         """Run ``job`` on the worker; defer the interaction if it is slow. (ok, result)."""
         try:
             future = self.bot.worker.submit(job, control=True)

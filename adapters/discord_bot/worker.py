@@ -84,10 +84,10 @@ class _Item:
 class InferenceWorker(Generic[R]):
     """One thread, one resource, one job at a time.
 
-        worker = InferenceWorker(lambda: open_runtime(settings), queue_size=8, close=close_runtime)
-        worker.start()
-        await worker.ready()
-        reply = await worker.submit(lambda runtime, control: runtime.reply(...))
+    worker = InferenceWorker(lambda: open_runtime(settings), queue_size=8, close=close_runtime)
+    worker.start()
+    await worker.ready()
+    reply = await worker.submit(lambda runtime, control: runtime.reply(...))
     """
 
     def __init__(

@@ -58,8 +58,9 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         scheme, _, token = given.partition(" ")
         # Constant-time comparison: the time taken tells nothing about the key.
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`", None,
-                           "invalid_api_key")
+            raise ApiError(
+                401, "Incorrect or missing API key: send `Authorization: Bearer KEY`", None, "invalid_api_key"
+            )
 
     async def models(request: Request) -> Response:
         authorize(request)
@@ -90,8 +91,11 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             if parsed.stream:
                 watcher.cancel()  # the streaming response watches the connection itself
                 usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-                return StreamingResponse(events(completion, usage, lambda: log(messages, completion)),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(
+                    events(completion, usage, lambda: log(messages, completion)),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
             try:
                 text = "".join([delta async for delta in completion.deltas()])
             finally:
@@ -115,8 +119,10 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
     async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
         message = "not found" if error.status_code == 404 else str(error.detail)
-        return JSONResponse(error_body(error.status_code, f"{request.method} {request.url.path}: {message}"),
-                            status_code=error.status_code)
+        return JSONResponse(
+            error_body(error.status_code, f"{request.method} {request.url.path}: {message}"),
+            status_code=error.status_code,
+        )
 
     async def chatcore_error(request: Request, error: Exception) -> Response:
         return JSONResponse(error_body(400, str(error)), status_code=400)
@@ -130,8 +136,12 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             Route("/v1/models/{model:path}", model_detail, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         ],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, ChatcoreError: chatcore_error,
-                            Exception: server_error},
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: http_error,
+            ChatcoreError: chatcore_error,
+            Exception: server_error,
+        },
     )
 
 
@@ -140,8 +150,9 @@ def model_card(model: str) -> dict[str, Any]:
 
 
 def unknown_model(asked: str, model: str) -> ApiError:
-    return ApiError(404, f"The model {asked!r} does not exist; this server serves {model!r}", "model",
-                    "model_not_found")
+    return ApiError(
+        404, f"The model {asked!r} does not exist; this server serves {model!r}", "model", "model_not_found"
+    )
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -161,8 +172,9 @@ async def read_json(request: Request, limit: int) -> Any:
     except UnicodeDecodeError as error:
         raise ApiError(400, f"the request body is not UTF-8 text (bad byte at position {error.start})") from None
     except json.JSONDecodeError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error.msg} (line {error.lineno}, "
-                            f"column {error.colno})") from None
+        raise ApiError(
+            400, f"the request body is not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+        ) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body

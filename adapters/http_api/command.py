@@ -30,31 +30,71 @@ def bind_listener(host: str, port: int) -> "socket.socket":
 
 
 @click.command("serve")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (0.0.0.0 listens on every interface: set --api-key then).")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (0.0.0.0 listens on every interface: set --api-key then).",
+)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
-@click.option("--api-key", envvar="CHATCORE_API_KEY", default=None,
-              help="Require `Authorization: Bearer KEY` on every request (or set CHATCORE_API_KEY).")
+@click.option(
+    "--api-key",
+    envvar="CHATCORE_API_KEY",
+    default=None,
+    help="Require `Authorization: Bearer KEY` on every request (or set CHATCORE_API_KEY).",
+)
 @click.option("--system", "system_text", default=None, help="System prompt of requests that bring none.")
 @click.option("--system-file", type=click.Path(), default=None, help="Read that system prompt from a UTF-8 text file.")
-@click.option("--format", "prompt_format", default="auto", show_default=True,
-              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...")
-@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="Replies decoded at once.")
-@click.option("--max-waiting", type=click.IntRange(0, 10_000), default=64, show_default=True,
-              help="Requests queued beyond those; past it requests get 429 (busy).")
-@click.option("--prefix-cache-mb", type=click.IntRange(0, 1_000_000), default=256, show_default=True,
-              help="Memory for the key/values of earlier prompts that new ones start with (0: off).")
-@click.option("--log/--no-log", "log", default=None,
-              help="Keep the conversations served in the conversation log [off; on when --db is given].")
+@click.option(
+    "--format",
+    "prompt_format",
+    default="auto",
+    show_default=True,
+    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...",
+)
+@click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Replies decoded at once.")
+@click.option(
+    "--max-waiting",
+    type=click.IntRange(0, 10_000),
+    default=64,
+    show_default=True,
+    help="Requests queued beyond those; past it requests get 429 (busy).",
+)
+@click.option(
+    "--prefix-cache-mb",
+    type=click.IntRange(0, 1_000_000),
+    default=256,
+    show_default=True,
+    help="Memory for the key/values of earlier prompts that new ones start with (0: off).",
+)
+@click.option(
+    "--log/--no-log",
+    "log",
+    default=None,
+    help="Keep the conversations served in the conversation log [off; on when --db is given].",
+)
 @click.option("--db", default=None, help="Conversation log: SQLAlchemy URL or SQLite file [$CHATCORE_DB or user data].")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-              show_default=True)
-def serve(host: str, port: int, model: str, api_key: str | None, system_text: str | None, system_file: str | None,
-          prompt_format: str, max_batch: int, max_waiting: int, prefix_cache_mb: int, log: bool | None,
-          db: str | None, device: str | None, dtype: str) -> None:
+@click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
+)
+def serve(
+    host: str,
+    port: int,
+    model: str,
+    api_key: str | None,
+    system_text: str | None,
+    system_file: str | None,
+    prompt_format: str,
+    max_batch: int,
+    max_waiting: int,
+    prefix_cache_mb: int,
+    log: bool | None,
+    db: str | None,
+    device: str | None,
+    dtype: str,
+) -> None:
     """Serve the model over an OpenAI-compatible HTTP API.
 
     GET /v1/models and POST /v1/chat/completions (streaming or not), with chatcore's
@@ -75,8 +115,11 @@ def serve(host: str, port: int, model: str, api_key: str | None, system_text: st
     validate_format_name(prompt_format)
     system = system_prompt_option(system_text, system_file)
     if api_key is None and host not in LOOPBACK:
-        click.echo(f"chatcore: warning: listening on {host} without --api-key: anyone who can reach this "
-                   "address can use the model", err=True)
+        click.echo(
+            f"chatcore: warning: listening on {host} without --api-key: anyone who can reach this "
+            "address can use the model",
+            err=True,
+        )
     if log is False and db is not None:
         raise OptionError("give --db or --no-log, not both")
     listener = bind_listener(host, port)  # a port in use fails now, not after the model has loaded
@@ -90,8 +133,9 @@ def serve(host: str, port: int, model: str, api_key: str | None, system_text: st
         if request_log is not None:
             request_log.engine = engine
             click.echo(f"chatcore: logging conversations to {request_log.display_url}", err=True)
-        with Scheduler(engine, max_batch=max_batch, max_waiting=max_waiting,
-                       prefix_cache_bytes=prefix_cache_mb * 2**20) as scheduler:
+        with Scheduler(
+            engine, max_batch=max_batch, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_mb * 2**20
+        ) as scheduler:
             app = build_app(scheduler, ServeConfig(api_key=api_key, system=system, log=request_log))
             click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

@@ -40,8 +40,11 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
         try:
             if message.role in ("system", "developer"):
                 if messages:
-                    raise ApiError(400, f"messages[{index}]: system messages must come before the conversation",
-                                   f"messages.[{index}].role")
+                    raise ApiError(
+                        400,
+                        f"messages[{index}]: system messages must come before the conversation",
+                        f"messages.[{index}].role",
+                    )
                 cleaned = clean_system_prompt(text)
                 if cleaned:
                     system_parts.append(cleaned)
@@ -73,8 +76,9 @@ def to_options(request: ChatCompletionRequest, registry: Any) -> "ReplyOptions":
         raise ApiError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
     stops = request.stop_strings()
     if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(400, f"`stop` takes up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
-                            "characters", "stop")
+        raise ApiError(
+            400, f"`stop` takes up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters", "stop"
+        )
     try:
         if request.decoder is not None:
             decoder, settings = parse_spec(request.decoder)
@@ -90,8 +94,9 @@ def to_options(request: ChatCompletionRequest, registry: Any) -> "ReplyOptions":
     except ChatcoreError as error:
         raise ApiError(400, str(error), "decoder" if request.decoder else "steer") from None
     budget = request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_NEW_TOKENS
-    options = ReplyOptions(decoder=decoder, decoder_settings=settings, steerers=steerers, seed=request.seed,
-                           max_new_tokens=budget)
+    options = ReplyOptions(
+        decoder=decoder, decoder_settings=settings, steerers=steerers, seed=request.seed, max_new_tokens=budget
+    )
     try:
         validate_options(options, registry)
     except ChatcoreError as error:
@@ -124,23 +129,24 @@ class Completion:
 
         provenance = dict(self.handle.provenance)
         timings = dict(provenance.get("timings") or {})
-        timings.update(new_tokens=self.completion_tokens,
-                       total_s=round(time.perf_counter() - self.handle.submitted, 4))
+        timings.update(new_tokens=self.completion_tokens, total_s=round(time.perf_counter() - self.handle.submitted, 4))
         provenance.update(timings=timings, usage=self.usage(), finish_reason=self.finish_reason)
         if self.error is not None:
             provenance["error"] = self.error
         return Exchange(list(messages), self.text, provenance, interrupted=self.finish_reason is None)
 
     @classmethod
-    def submit(cls, scheduler: "Scheduler", messages: list["Message"], options: "ReplyOptions",
-               stops: list[str], model: str) -> "Completion":
+    def submit(
+        cls, scheduler: "Scheduler", messages: list["Message"], options: "ReplyOptions", stops: list[str], model: str
+    ) -> "Completion":
         from chatcore.serving import ServerBusy
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            handle = scheduler.submit(messages, options,
-                                      listener=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            handle = scheduler.submit(
+                messages, options, listener=lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
+            )
         except ServerBusy as error:
             raise ApiError(429, str(error), None, "server_busy") from None
         return cls(handle, events, scheduler.engine.tokenizer, stops, model)
@@ -158,8 +164,11 @@ class Completion:
         return int(self.handle.provenance.get("prompt_tokens", 0))
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     async def deltas(self) -> AsyncIterator[str]:
         """The reply's text as it comes; stop strings end it; leaving early cancels the reply."""
@@ -198,7 +207,10 @@ class Completion:
     # -- OpenAI's shapes ------------------------------------------------------------------
     def chunk(self, delta: dict[str, Any], finish_reason: str | None = None, usage: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
         if usage:
@@ -206,14 +218,29 @@ class Completion:
         return body
 
     def usage_chunk(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [], "usage": self.usage()}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        }
 
     def body(self, text: str) -> dict[str, Any]:
         return {
-            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": None, "finish_reason": self.finish_reason}],
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": self.finish_reason,
+                }
+            ],
             "usage": self.usage(),
             "chatcore": provenance_summary(self.handle.provenance),
         }

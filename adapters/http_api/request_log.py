@@ -92,10 +92,12 @@ class RequestLog:
         try:
             assert self.plugin is not None and self.engine is not None
             system = next((m.text for m in exchange.messages if m.role == "system"), None)
-            turns = [Turn("user" if m.role == "user" else "bot", m.text)
-                     for m in exchange.messages if m.role != "system"]
-            turns.append(Turn("bot", exchange.reply, interrupted=exchange.interrupted,
-                              meta={"provenance": exchange.provenance}))
+            turns = [
+                Turn("user" if m.role == "user" else "bot", m.text) for m in exchange.messages if m.role != "system"
+            ]
+            turns.append(
+                Turn("bot", exchange.reply, interrupted=exchange.interrupted, meta={"provenance": exchange.provenance})
+            )
             history = exchange.messages[:-1]
             continued = self._threads.pop(thread_key(history), None) if history else None
             conversation = Conversation(self.engine, id=continued, turns=turns, system=system, adapter=ADAPTER)

@@ -56,8 +56,9 @@ class ChatCompletionRequest(Strict):
     user: str | None = None
     # chatcore's own fields: the same spec strings as the command line's --decoder and --steer.
     decoder: str | None = Field(default=None, description='A decoder spec, e.g. "top-k top_k=20".')
-    steer: list[str] = Field(default_factory=list, max_length=8,
-                             description='Steerer specs, e.g. ["bow-bias topic=food strength=4"].')
+    steer: list[str] = Field(
+        default_factory=list, max_length=8, description='Steerer specs, e.g. ["bow-bias topic=food strength=4"].'
+    )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -62,12 +62,12 @@ def load_engine(config: ChatConfig, host: "PluginHost | None", say: Callable[[st
     started = time.perf_counter()
     from chatcore.engine import Engine  # torch and transformers load here
 
-    engine = Engine(config.model, device=config.device, dtype=config.dtype, host=host,
-                    prompt_format=config.prompt_format)
+    engine = Engine(
+        config.model, device=config.device, dtype=config.dtype, host=host, prompt_format=config.prompt_format
+    )
     parameters = sum(p.numel() for p in engine.loaded.model.parameters())
     size = f"{parameters / 1e6:.1f}M" if parameters >= 1e6 else f"{parameters:,}"
-    say(f"loaded {config.model}: {size} parameters on {engine.loaded.device} "
-        f"in {time.perf_counter() - started:.1f} s")
+    say(f"loaded {config.model}: {size} parameters on {engine.loaded.device} in {time.perf_counter() - started:.1f} s")
     return engine
 
 
@@ -86,8 +86,9 @@ def find_resume_id(config: ChatConfig, store: "ConversationStore | None", say: C
     return None
 
 
-def build_state(config: ChatConfig, host: "PluginHost | None" = None,
-                say: Callable[[str], None] = print) -> "ChatState":
+def build_state(
+    config: ChatConfig, host: "PluginHost | None" = None, say: Callable[[str], None] = print
+) -> "ChatState":
     """Everything up to the first prompt: options checked, log opened, model loaded, conversation ready."""
     from chatcore.adapters.conversation_log.location import resolve_url
     from chatcore.adapters.conversation_log.store import ConversationStore
@@ -100,8 +101,9 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
     system = clean_system_prompt(config.system)
     decoder, decoder_settings = parse_spec(config.decoder_spec)
     steerers = [parse_spec(spec) for spec in config.steer_specs]
-    options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
-                           max_new_tokens=config.max_new_tokens)
+    options = ReplyOptions(
+        decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, max_new_tokens=config.max_new_tokens
+    )
     store, off_reason = open_log(config, say)
     try:
         resume_id = find_resume_id(config, store, say)  # an unknown id fails before the model loads
@@ -109,8 +111,14 @@ def build_state(config: ChatConfig, host: "PluginHost | None" = None,
         engine.make_decoder(decoder, decoder_settings)  # bad settings fail before the first prompt
         for name, settings in steerers:
             engine.make_steerer(name, settings)
-        state = ChatState(engine, options, store=store, log_off_reason=off_reason, next_seed=config.seed,
-                          scheduler=Scheduler(engine, max_batch=1))
+        state = ChatState(
+            engine,
+            options,
+            store=store,
+            log_off_reason=off_reason,
+            next_seed=config.seed,
+            scheduler=Scheduler(engine, max_batch=1),
+        )
         if store is not None and resume_id is not None:
             state.switch_to(store.resume(engine, resume_id))
         if system is not None:  # given on resuming too: it replaces the logged one
@@ -136,8 +144,10 @@ def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
         failing = state.log_plugin.failing
         journaled = state.log_plugin.close()  # what the log cannot take now waits in its journal
         if journaled:
-            say(f"note: {journaled} write(s) could not be saved to the conversation log ({failing}); they are kept "
-                f"in {state.log_plugin.journal.folder} and written by the next chat that logs there")
+            say(
+                f"note: {journaled} write(s) could not be saved to the conversation log ({failing}); they are kept "
+                f"in {state.log_plugin.journal.folder} and written by the next chat that logs there"
+            )
         lost = state.log_plugin.pending - journaled
         if lost > 0:
             say(f"note: {lost} write(s) to the conversation log were lost ({failing})")
@@ -150,27 +160,38 @@ def banner(state: "ChatState") -> str:
 
     conversation = state.current
     log = f"logged to {state.store.display_url}" if state.store is not None else f"not logged ({state.log_off_reason})"
-    lines = [f"chatcore chat: decoder {state.options.decoder}"
-             + (f", steering {'; '.join(describe_steerers(state))}" if state.options.steerers else "")
-             + f", format {state.format_name}"
-             + (", with a system prompt (/system shows it)" if conversation.system else "")
-             + f"; {log}",
-             "/help lists the commands; Ctrl-C stops a reply; Ctrl-D or /quit exits."]
+    lines = [
+        f"chatcore chat: decoder {state.options.decoder}"
+        + (f", steering {'; '.join(describe_steerers(state))}" if state.options.steerers else "")
+        + f", format {state.format_name}"
+        + (", with a system prompt (/system shows it)" if conversation.system else "")
+        + f"; {log}",
+        "/help lists the commands; Ctrl-C stops a reply; Ctrl-D or /quit exits.",
+    ]
     broken = sorted({p.plugin for p in state.engine.host.problems})
     if broken:
-        lines.append(f"note: {count(len(broken), 'plugin')} had problems ({', '.join(broken)}): "
-                     "`chatcore plugins` says what")
+        lines.append(
+            f"note: {count(len(broken), 'plugin')} had problems ({', '.join(broken)}): `chatcore plugins` says what"
+        )
     if conversation.turns:
         title = one_line(str(conversation.meta.get("title") or ""), 60)
-        lines.append(f"resumed {conversation.id[:SHORT_ID]} ({count(len(conversation.turns), 'turn')})"
-                     + (f": {title}" if title else ""))
+        lines.append(
+            f"resumed {conversation.id[:SHORT_ID]} ({count(len(conversation.turns), 'turn')})"
+            + (f": {title}" if title else "")
+        )
         lines.append(format_turns(state, limit=6))
     return "\n".join(lines)
 
 
-def start_chat(config: ChatConfig, host: "PluginHost | None" = None, out: IO[str] | None = None,
-               err: IO[str] | None = None, interactive: bool | None = None, input: Any = None,
-               output: Any = None) -> "ChatState":
+def start_chat(
+    config: ChatConfig,
+    host: "PluginHost | None" = None,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+    interactive: bool | None = None,
+    input: Any = None,
+    output: Any = None,
+) -> "ChatState":
     """Run ``chatcore chat`` to the end; returns the final state (for tests and embedding).
 
     Replies and command output go to ``out`` (stdout); loading progress and the
@@ -190,8 +211,15 @@ def start_chat(config: ChatConfig, host: "PluginHost | None" = None, out: IO[str
     state = build_state(config, host, say)
     try:
         say(banner(state))
-        run_terminal(state, out=stream, interactive=interactive, history_file=config.history_file,
-                     input=input, output=output, keep_history=not config.no_log)
+        run_terminal(
+            state,
+            out=stream,
+            interactive=interactive,
+            history_file=config.history_file,
+            input=input,
+            output=output,
+            keep_history=not config.no_log,
+        )
     finally:
         close_state(state, say)
     return state

@@ -11,32 +11,80 @@ from chatcore.adapters.conversation_log.commands import DB_HELP
 
 @click.command("chat")
 @click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
-@click.option("-d", "--decoder", "decoder_spec", default="top-k", show_default=True,
-              help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".')
-@click.option("-s", "--steer", "steer_specs", multiple=True,
-              help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.')
+@click.option(
+    "-d",
+    "--decoder",
+    "decoder_spec",
+    default="top-k",
+    show_default=True,
+    help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".',
+)
+@click.option(
+    "-s",
+    "--steer",
+    "steer_specs",
+    multiple=True,
+    help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.',
+)
 @click.option("--system", "system_text", default=None, help="System prompt (persona) of the conversation.")
 @click.option("--system-file", type=click.Path(), default=None, help="Read the system prompt from a UTF-8 text file.")
-@click.option("--format", "prompt_format", default="auto", show_default=True,
-              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None,
-              help="Seed of the first reply; each later reply uses the next number.")
+@click.option(
+    "--format",
+    "prompt_format",
+    default="auto",
+    show_default=True,
+    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**63 - 1),
+    default=None,
+    help="Seed of the first reply; each later reply uses the next number.",
+)
 @click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
-              show_default=True)
-@click.option("-c", "--continue", "continue_last", is_flag=True,
-              help="Continue the most recent terminal conversation from the log.")
-@click.option("--cid", "conversation_id", default=None, metavar="ID",
-              help="Continue this logged conversation (any unique prefix of its id).")
+@click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
+)
+@click.option(
+    "-c",
+    "--continue",
+    "continue_last",
+    is_flag=True,
+    help="Continue the most recent terminal conversation from the log.",
+)
+@click.option(
+    "--cid",
+    "conversation_id",
+    default=None,
+    metavar="ID",
+    help="Continue this logged conversation (any unique prefix of its id).",
+)
 @click.option("--no-log", is_flag=True, help="Do not write this chat to the conversation log.")
 @click.option("--db", "db_url", default=None, metavar="URL", help=DB_HELP)
-@click.option("--history-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Input history file (default: repl_history in the user data folder).")
-def chat(model: str, decoder_spec: str, steer_specs: tuple[str, ...], system_text: str | None,
-         system_file: str | None, prompt_format: str, seed: int | None, max_new_tokens: int, device: str | None,
-         dtype: str, continue_last: bool, conversation_id: str | None, no_log: bool, db_url: str | None,
-         history_file: Path | None) -> None:
+@click.option(
+    "--history-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Input history file (default: repl_history in the user data folder).",
+)
+def chat(
+    model: str,
+    decoder_spec: str,
+    steer_specs: tuple[str, ...],
+    system_text: str | None,
+    system_file: str | None,
+    prompt_format: str,
+    seed: int | None,
+    max_new_tokens: int,
+    device: str | None,
+    dtype: str,
+    continue_last: bool,
+    conversation_id: str | None,
+    no_log: bool,
+    db_url: str | None,
+    history_file: Path | None,
+) -> None:
     """Talk with a model in the terminal.
 
     Replies stream as they are generated. Ctrl-C stops a reply (the partial reply is
@@ -45,9 +93,8 @@ def chat(model: str, decoder_spec: str, steer_specs: tuple[str, ...], system_tex
     `chatcore logs`) unless --no-log.
     """
     from chatcore.adapters.repl.app import ChatConfig, start_chat
-    from chatcore.prompting import system_prompt_option, validate_format_name
-
     from chatcore.errors import OptionError
+    from chatcore.prompting import system_prompt_option, validate_format_name
 
     # A bad file or format name fails before the log opens and the model loads.
     if conversation_id is not None and not conversation_id.strip():
@@ -56,9 +103,21 @@ def chat(model: str, decoder_spec: str, steer_specs: tuple[str, ...], system_tex
         raise OptionError("give --cid ID or --continue, not both")
     validate_format_name(prompt_format)
     system = system_prompt_option(system_text, system_file)
-    start_chat(ChatConfig(
-        model=model, decoder_spec=decoder_spec, steer_specs=steer_specs, system=system, prompt_format=prompt_format,
-        seed=seed, max_new_tokens=max_new_tokens,
-        device=device, dtype=dtype, continue_last=continue_last, conversation_id=conversation_id, no_log=no_log,
-        db_url=db_url, history_file=history_file,
-    ))
+    start_chat(
+        ChatConfig(
+            model=model,
+            decoder_spec=decoder_spec,
+            steer_specs=steer_specs,
+            system=system,
+            prompt_format=prompt_format,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            device=device,
+            dtype=dtype,
+            continue_last=continue_last,
+            conversation_id=conversation_id,
+            no_log=no_log,
+            db_url=db_url,
+            history_file=history_file,
+        )
+    )

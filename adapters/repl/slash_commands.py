@@ -137,8 +137,10 @@ def unquote_spec(rest: str) -> str:
 
 def describe_system(text: str | None, default: str | None = None) -> str:
     if not text and default:
-        return ("no system prompt of its own: the model's chat template adds its default (/system TEXT replaces it):\n"
-                + "\n".join(f"  {line}" for line in display_safe(default).splitlines()))
+        return (
+            "no system prompt of its own: the model's chat template adds its default (/system TEXT replaces it):\n"
+            + "\n".join(f"  {line}" for line in display_safe(default).splitlines())
+        )
     if not text:
         return "no system prompt (/system TEXT sets one)"
     return "system prompt:\n" + "\n".join(f"  {line}" for line in display_safe(text).splitlines())
@@ -155,16 +157,20 @@ def help_command(state: "ChatState", rest: str) -> Outcome:
 @command("/decoder", "/decoder [NAME key=value ...]", "show or switch the decoder (e.g. /decoder top-k top_k=20)")
 def decoder_command(state: "ChatState", rest: str) -> Outcome:
     if not rest:
-        return Outcome(output=f"decoder: {describe_decoder(state)}\navailable: "
-                              f"{available(state.engine.registry.decoders)}")
+        return Outcome(
+            output=f"decoder: {describe_decoder(state)}\navailable: {available(state.engine.registry.decoders)}"
+        )
     name, settings = parse_spec(unquote_spec(rest))
     state.engine.make_decoder(name, settings)  # validates before anything changes
     state.options.decoder, state.options.decoder_settings = name, settings
     return Outcome(output=f"decoder: {describe_decoder(state)}")
 
 
-@command("/steer", "/steer NAME key=value ... | off [NAME]",
-         "turn a steerer on (or change its settings), or off (all, or one)")
+@command(
+    "/steer",
+    "/steer NAME key=value ... | off [NAME]",
+    "turn a steerer on (or change its settings), or off (all, or one)",
+)
 def steer_command(state: "ChatState", rest: str) -> Outcome:
     active = [name for name, _ in state.options.steerers]
     if not rest:
@@ -222,15 +228,18 @@ CLEAR_WORDS = ("clear", "off")
 @command("/system", "/system [TEXT | clear]", "show, set or clear the system prompt (from the next reply on)")
 def system_command(state: "ChatState", rest: str) -> Outcome:
     if not rest:
-        return Outcome(output=describe_system(state.current.system,
-                                              state.engine.format_for(state.current).default_system))
+        return Outcome(
+            output=describe_system(state.current.system, state.engine.format_for(state.current).default_system)
+        )
     if rest.lower() in CLEAR_WORDS:
         had = state.current.system is not None
         state.set_system(None)
         return Outcome(output="system prompt cleared" if had else "no system prompt to clear")
     state.set_system(rest)
-    return Outcome(output=describe_system(state.current.system, state.engine.format_for(state.current).default_system)
-                   + "\n(used from the next reply on)")
+    return Outcome(
+        output=describe_system(state.current.system, state.engine.format_for(state.current).default_system)
+        + "\n(used from the next reply on)"
+    )
 
 
 @command("/format", "/format [NAME | auto]", "show or switch the prompt format (how turns become the prompt)")
@@ -331,8 +340,10 @@ def resume_command(state: "ChatState", rest: str) -> Outcome:
     conversation = _store(state).resume(state.engine, rest.split()[0])
     state.switch_to(conversation)
     title = one_line(str(conversation.meta.get("title") or ""), 60)
-    header = (f"resumed {conversation.id[:SHORT_ID]} ({count(len(conversation.turns), 'turn')})"
-              f"{': ' + title if title else ''}")
+    header = (
+        f"resumed {conversation.id[:SHORT_ID]} ({count(len(conversation.turns), 'turn')})"
+        f"{': ' + title if title else ''}"
+    )
     recent = format_turns(state, limit=6)
     return Outcome(output=header + ("\n" + recent if recent else ""))
 

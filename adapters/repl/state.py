@@ -65,8 +65,9 @@ class ChatState:
         return self.conversation
 
     def new_conversation(self) -> "Conversation":
-        self.conversation = self.engine.conversation(system=self.system, prompt_format=self.prompt_format,
-                                                     adapter=ADAPTER)
+        self.conversation = self.engine.conversation(
+            system=self.system, prompt_format=self.prompt_format, adapter=ADAPTER
+        )
         self.last_response = None
         return self.conversation
 
@@ -85,8 +86,9 @@ class ChatState:
         from chatcore.prompting import check_system_fits, clean_system_prompt
 
         cleaned = clean_system_prompt(text)
-        check_system_fits(self.engine.format_for(self.current), cleaned, self.engine.loaded.max_positions,
-                          self.options.max_new_tokens)
+        check_system_fits(
+            self.engine.format_for(self.current), cleaned, self.engine.loaded.max_positions, self.options.max_new_tokens
+        )
         self.current.system = self.system = cleaned
         return cleaned
 

@@ -123,8 +123,12 @@ def typing_held(fd: int) -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSANOW, saved)  # TCSANOW: keep what was typed ahead
 
 
-def run_loop(state: "ChatState", read_line: ReadLine, out: IO[str],
-             while_streaming: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+def run_loop(
+    state: "ChatState",
+    read_line: ReadLine,
+    out: IO[str],
+    while_streaming: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
     """Read lines until /quit or end of input, answering each; ``while_streaming`` wraps each reply."""
     while True:
         show_notices(state, out)
@@ -239,8 +243,13 @@ def history_path() -> Path:
     return user_data_path() / HISTORY_FILENAME
 
 
-def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, input: Any = None,
-                          output: Any = None, keep_history: bool = True) -> ReadLine:
+def prompt_toolkit_reader(
+    state: "ChatState",
+    history_file: Path | None = None,
+    input: Any = None,
+    output: Any = None,
+    keep_history: bool = True,
+) -> ReadLine:
     """A prompt-toolkit session: history file, completion, toolbar, multi-line."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.application.current import get_app
@@ -328,8 +337,11 @@ def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, 
         text = event.current_buffer.text
         limit, kind = longest_line(text)
         length = len(text) + dropped[0]
-        event.app.exit(exception=InputTooLong(
-            f"the {kind} is {length:,} characters long; the limit is {limit:,}; nothing was sent"))
+        event.app.exit(
+            exception=InputTooLong(
+                f"the {kind} is {length:,} characters long; the limit is {limit:,}; nothing was sent"
+            )
+        )
 
     def toolbar() -> str:
         if dropped[0]:
@@ -355,9 +367,15 @@ def prompt_toolkit_reader(state: "ChatState", history_file: Path | None = None, 
     return read_line
 
 
-def run_terminal(state: "ChatState", out: IO[str] | None = None, interactive: bool | None = None,
-                 history_file: Path | None = None, input: Any = None, output: Any = None,
-                 keep_history: bool = True) -> None:
+def run_terminal(
+    state: "ChatState",
+    out: IO[str] | None = None,
+    interactive: bool | None = None,
+    history_file: Path | None = None,
+    input: Any = None,
+    output: Any = None,
+    keep_history: bool = True,
+) -> None:
     """Chat until /quit or Ctrl-D, with prompt-toolkit when on a terminal."""
     out = out if out is not None else sys.stdout
     if interactive is None:

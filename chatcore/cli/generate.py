@@ -24,23 +24,58 @@ def read_turns(data: bytes) -> tuple[str, ...]:
 @click.command()
 @click.argument("turns", nargs=-1, required=True)
 @click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
-@click.option("-d", "--decoder", "decoder_spec", default="top-k", show_default=True,
-              help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".')
-@click.option("-s", "--steer", "steer_specs", multiple=True,
-              help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.')
+@click.option(
+    "-d",
+    "--decoder",
+    "decoder_spec",
+    default="top-k",
+    show_default=True,
+    help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".',
+)
+@click.option(
+    "-s",
+    "--steer",
+    "steer_specs",
+    multiple=True,
+    help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.',
+)
 @click.option("--system", "system_text", default=None, help="System prompt (persona) for the reply.")
 @click.option("--system-file", type=click.Path(), default=None, help="Read the system prompt from a UTF-8 text file.")
-@click.option("--format", "prompt_format", default="auto", show_default=True,
-              help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...")
+@click.option(
+    "--format",
+    "prompt_format",
+    default="auto",
+    show_default=True,
+    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...",
+)
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True,
-              help="Reply budget in tokens (capped by the room the prompt leaves in the context).")
+@click.option(
+    "-n",
+    "--max-new-tokens",
+    type=click.IntRange(1, 4096),
+    default=64,
+    show_default=True,
+    help="Reply budget in tokens (capped by the room the prompt leaves in the context).",
+)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the reply with its provenance as JSON.")
-def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs: tuple[str, ...],
-             system_text: str | None, system_file: str | None, prompt_format: str,
-             seed: int | None, max_new_tokens: int, device: str | None, dtype: str, as_json: bool) -> None:
+def generate(
+    turns: tuple[str, ...],
+    model: str,
+    decoder_spec: str,
+    steer_specs: tuple[str, ...],
+    system_text: str | None,
+    system_file: str | None,
+    prompt_format: str,
+    seed: int | None,
+    max_new_tokens: int,
+    device: str | None,
+    dtype: str,
+    as_json: bool,
+) -> None:
     """Reply once to TURNS (oldest first; the last is the user's message).
 
     A single TURN is one message. Several TURNS are a scripted conversation whose
@@ -54,8 +89,9 @@ def generate(turns: tuple[str, ...], model: str, decoder_spec: str, steer_specs:
         turns = read_turns(sys.stdin.buffer.read())
     decoder, decoder_settings = parse_spec(decoder_spec)
     steerers = [parse_spec(spec) for spec in steer_specs]
-    options = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, steerers=steerers,
-                           seed=seed, max_new_tokens=max_new_tokens)
+    options = ReplyOptions(
+        decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, seed=seed, max_new_tokens=max_new_tokens
+    )
     # Everything that needs no model fails before the model loads.
     from chatcore.text import clean_message
 

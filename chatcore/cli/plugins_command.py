@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
@@ -16,19 +17,21 @@ def plugins(as_json: bool) -> None:
 
     host = get_plugin_host()
     registry = Registry.build(host)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in host.plugins():
-        rows.append({
-            "name": info.name,
-            "module": info.module,
-            "distribution": info.distribution,
-            "version": info.version,
-            "builtin": info.builtin,
-            "hooks": info.hooks,
-            "decoders": sorted(e.name for e in registry.decoders.values() if e.plugin == info.name),
-            "steerers": sorted(e.name for e in registry.steerers.values() if e.plugin == info.name),
-            "prompt_sets": sorted(e.name for e in registry.prompt_sets.values() if e.plugin == info.name),
-        })
+        rows.append(
+            {
+                "name": info.name,
+                "module": info.module,
+                "distribution": info.distribution,
+                "version": info.version,
+                "builtin": info.builtin,
+                "hooks": info.hooks,
+                "decoders": sorted(e.name for e in registry.decoders.values() if e.plugin == info.name),
+                "steerers": sorted(e.name for e in registry.steerers.values() if e.plugin == info.name),
+                "prompt_sets": sorted(e.name for e in registry.prompt_sets.values() if e.plugin == info.name),
+            }
+        )
     problems = [{"plugin": p.plugin, "stage": p.stage, "message": p.message} for p in host.problems]
     if as_json:
         click.echo(json.dumps({"plugins": rows, "problems": problems}, indent=2))

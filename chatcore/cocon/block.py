@@ -210,7 +210,9 @@ class CoconBlock(nn.Module):
         blocked = torch.finfo(dtype).min
         query_positions = torch.arange(P + queries_from, P + T, device=device)  # (Tq,)
         key_positions = torch.arange(P + T, device=device)  # (P + T,)
-        visible = (key_positions[None, :] <= query_positions[:, None])[None] & key_valid[:, None, :].bool()  # (B, Tq, P+T)
+        visible = (key_positions[None, :] <= query_positions[:, None])[None] & key_valid[
+            :, None, :
+        ].bool()  # (B, Tq, P+T)
         zero = torch.zeros((), dtype=dtype, device=device)
         sequence = torch.where(visible, zero, torch.full((), blocked, dtype=dtype, device=device))
         if S == 0:

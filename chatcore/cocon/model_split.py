@@ -35,7 +35,8 @@ class SplitModel:
         n_layer = self.anatomy.n_layer
         if not 1 <= split_layer < n_layer:
             raise UnsupportedModelError(
-                f"the CoCon split layer must be between 1 and {n_layer - 1} for a {n_layer}-layer model, got {split_layer}"
+                f"the CoCon split layer must be between 1 and {n_layer - 1} for a {n_layer}-layer model, "
+                f"got {split_layer}"
             )
         self.model = model
         self.split_layer = split_layer
@@ -80,8 +81,13 @@ class SplitModel:
         ``embed`` would scale a token's (Gemma multiplies by sqrt(width))."""
         return self.anatomy.soft_embed(probabilities)
 
-    def pass_inputs(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                    key_valid: torch.Tensor | None = None, cache: Any = None) -> BlockInputs:
+    def pass_inputs(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+        cache: Any = None,
+    ) -> BlockInputs:
         """Masks and rotary embeddings for T new positions (``hidden`` (B, T, C)), shared by
         alpha and beta; build it before alpha runs on ``cache``.
 
@@ -96,13 +102,15 @@ class SplitModel:
         return self.anatomy.block_inputs(hidden, position_ids, key_valid, cache)
 
     # -- the halves --------------------------------------------------------------------
-    def alpha(self, hidden: torch.Tensor, inputs: BlockInputs,
-              collect: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def alpha(
+        self, hidden: torch.Tensor, inputs: BlockInputs, collect: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Blocks [0, split): (B, T, C) embeddings -> (B, T, C) hidden states at the split."""
         return self.anatomy.run_blocks(hidden, range(0, self.split_layer), inputs, collect)
 
-    def beta(self, hidden: torch.Tensor, inputs: BlockInputs,
-             collect: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def beta(
+        self, hidden: torch.Tensor, inputs: BlockInputs, collect: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Blocks [split, n) then the final norm: (B, T, C) -> (B, T, C)."""
         hidden = self.anatomy.run_blocks(hidden, range(self.split_layer, self.n_layer), inputs, collect)
         hidden = self.anatomy.final(hidden)

@@ -150,8 +150,9 @@ class CoconPipeline:
         if content_bias is None and content is not None and content_length:
             content_bias = content.bias
         steer_from = min(max(prompt_length - 1 - past, 0), T)
-        steered, keys, values = block(hidden, key_valid.bool(), past_keys, past_values, content_length,
-                                      content_bias, queries_from=steer_from)  # (B, Tq, C)
+        steered, keys, values = block(
+            hidden, key_valid.bool(), past_keys, past_values, content_length, content_bias, queries_from=steer_from
+        )  # (B, Tq, C)
         beta_input = torch.cat([hidden[:, :steer_from], steered], dim=1) if steer_from else steered
         if collect is not None:
             collect[-1] = beta_input  # the residual stream the upper layers actually read

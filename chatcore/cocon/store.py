@@ -78,8 +78,13 @@ def check_compatible(info: dict[str, Any], fingerprint: dict[str, Any], block_na
         )
 
 
-def save_block(block: "CoconBlock", directory: str | Path, base_model: dict[str, Any],
-               training: dict[str, Any] | None = None, dtype: str = "float16") -> Path:
+def save_block(
+    block: "CoconBlock",
+    directory: str | Path,
+    base_model: dict[str, Any],
+    training: dict[str, Any] | None = None,
+    dtype: str = "float16",
+) -> Path:
     """Write the block's weights (in ``dtype``) and its config with the base model's fingerprint."""
     import torch
     from safetensors.torch import save_file
@@ -89,8 +94,13 @@ def save_block(block: "CoconBlock", directory: str | Path, base_model: dict[str,
     target = getattr(torch, dtype)
     tensors = {name: tensor.detach().to("cpu", target).contiguous() for name, tensor in block.state_dict().items()}
     save_file(tensors, str(directory / BLOCK_FILE))
-    info = {"format": "chatcore-cocon/1", "block": block.config.to_dict(), "base_model": base_model,
-            "training": training or {}, "dtype": dtype}
+    info = {
+        "format": "chatcore-cocon/1",
+        "block": block.config.to_dict(),
+        "base_model": base_model,
+        "training": training or {},
+        "dtype": dtype,
+    }
     (directory / CONFIG_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return directory
 
@@ -134,8 +144,9 @@ def resolve_block(name: str | None, fingerprint: dict[str, Any], model_name: str
 _loaded: dict[tuple[str, str, str], tuple["CoconBlock", dict[str, Any]]] = {}
 
 
-def load_block(directory: str | Path, device: "str | torch.device" = "cpu",
-               dtype: "torch.dtype | None" = None) -> tuple["CoconBlock", dict[str, Any]]:
+def load_block(
+    directory: str | Path, device: "str | torch.device" = "cpu", dtype: "torch.dtype | None" = None
+) -> tuple["CoconBlock", dict[str, Any]]:
     """The block in ``directory`` (eval mode, on ``device`` in ``dtype``) and its config.
 
     Loaded blocks are kept, per folder, device and dtype: a reply does not re-read files.

@@ -111,10 +111,20 @@ class CoconTrainConfig:
             self.content_max_tokens = self.continuation_tokens
         if self.min_history_tokens is None:
             self.min_history_tokens = self.history_tokens
-        positive = ("steps", "batch_size", "history_tokens", "min_history_tokens", "continuation_tokens",
-                    "content_max_tokens",
-                    "short_content_max_tokens", "cycle_tokens", "cycle_batch_size", "disc_every", "eval_every",
-                    "eval_windows")
+        positive = (
+            "steps",
+            "batch_size",
+            "history_tokens",
+            "min_history_tokens",
+            "continuation_tokens",
+            "content_max_tokens",
+            "short_content_max_tokens",
+            "cycle_tokens",
+            "cycle_batch_size",
+            "disc_every",
+            "eval_every",
+            "eval_windows",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -122,19 +132,36 @@ class CoconTrainConfig:
         if self.continuation_tokens < 2:
             raise ValueError(f"`continuation_tokens` must be at least 2, got {self.continuation_tokens}")
         if self.min_history_tokens > self.history_tokens:
-            raise ValueError(f"`min_history_tokens` ({self.min_history_tokens}) must not exceed "
-                             f"`history_tokens` ({self.history_tokens})")
+            raise ValueError(
+                f"`min_history_tokens` ({self.min_history_tokens}) must not exceed "
+                f"`history_tokens` ({self.history_tokens})"
+            )
         if self.content_max_tokens > self.continuation_tokens:
-            raise ValueError(f"`content_max_tokens` ({self.content_max_tokens}) must not exceed "
-                             f"`continuation_tokens` ({self.continuation_tokens})")
+            raise ValueError(
+                f"`content_max_tokens` ({self.content_max_tokens}) must not exceed "
+                f"`continuation_tokens` ({self.continuation_tokens})"
+            )
         self.short_content_max_tokens = min(self.short_content_max_tokens, self.content_max_tokens)
-        for name in ("short_content_share", "turn_start_share", "no_history_share", "content_mask_prob", "heldout",
-                     "plain_target"):
+        for name in (
+            "short_content_share",
+            "turn_start_share",
+            "no_history_share",
+            "content_mask_prob",
+            "heldout",
+            "plain_target",
+        ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"`{name}` must be between 0 and 1, got {value}")
-        for name in ("self_weight", "null_weight", "cycle_weight", "adv_weight", "weight_decay", "span_rarity",
-                     "span_weight"):
+        for name in (
+            "self_weight",
+            "null_weight",
+            "cycle_weight",
+            "adv_weight",
+            "weight_decay",
+            "span_rarity",
+            "span_weight",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"`{name}` must be a non-negative number, got {value}")
@@ -192,8 +219,15 @@ def default_split_layer(n_layer: int) -> int:
 class WindowSampler:
     """Random windows of a token stream: (B, history + continuation) token ids."""
 
-    def __init__(self, stream: torch.Tensor, eos: int, history: int, continuation: int,
-                 turn_start_share: float, turn_starts: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        stream: torch.Tensor,
+        eos: int,
+        history: int,
+        continuation: int,
+        turn_start_share: float,
+        turn_starts: torch.Tensor | None = None,
+    ) -> None:
         """turn_starts: where replies start in ``stream``; default: after every ``eos``."""
         self.stream = stream
         self.history = history
@@ -207,8 +241,9 @@ class WindowSampler:
 
     def sample(self, batch: int, generator: torch.Generator) -> torch.Tensor:
         at_turn = torch.rand(batch, generator=generator) < self.turn_start_share
-        anywhere = torch.randint(self.history, self.stream.numel() - self.length + self.history + 1, (batch,),
-                                 generator=generator)
+        anywhere = torch.randint(
+            self.history, self.stream.numel() - self.length + self.history + 1, (batch,), generator=generator
+        )
         if self.turn_starts.numel():
             picks = self.turn_starts[torch.randint(0, self.turn_starts.numel(), (batch,), generator=generator)]
             split_points = torch.where(at_turn, picks, anywhere)
@@ -244,8 +279,11 @@ def render_dialogues(dialogues: Any, prompt_format: Any) -> tuple[torch.Tensor, 
                 continue
             roles = ["assistant" if (len(chunk) - index) % 2 == 1 else "user" for index in range(len(chunk))]
             messages = [Message(role, text) for role, text in zip(roles, chunk)]  # type: ignore[arg-type]
-            prompts = {index: prompt_format.render(messages[:index])
-                       for index, message in enumerate(messages) if message.role == "assistant" and index > 0}
+            prompts = {
+                index: prompt_format.render(messages[:index])
+                for index, message in enumerate(messages)
+                if message.role == "assistant" and index > 0
+            }
             ids = prompts[len(messages) - 1] + prompt_format.encode_text(chunk[-1]) + [end]
             for prompt in prompts.values():
                 # A template may render a turn differently once more turns follow it: only
@@ -290,8 +328,13 @@ def weighted_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch
     return (losses * weights).sum() / weights.sum()
 
 
-def mixed_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, teacher: torch.Tensor,
-                  teacher_share: torch.Tensor | float) -> torch.Tensor:
+def mixed_lm_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    teacher: torch.Tensor,
+    teacher_share: torch.Tensor | float,
+) -> torch.Tensor:
     """Cross-entropy against a per-position mix of the text's token and a teacher's
     distribution, averaged with per-position ``weights``.
 
@@ -315,8 +358,9 @@ def plain_logits(split: SplitModel, alpha_hidden: torch.Tensor, history_length: 
     return split.head(split.beta(alpha_hidden, split.pass_inputs(alpha_hidden))[:, history_length - 1 :]).float()
 
 
-def self_token_bias(queries: int, content_start: int, content_length: int, dtype: torch.dtype,
-                    device: torch.device) -> torch.Tensor:
+def self_token_bias(
+    queries: int, content_start: int, content_length: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """(1, Tq, S) bias hiding, from the query that predicts continuation token q, the content
     position that holds token q (content = continuation[content_start : content_start + S])."""
     q = torch.arange(queries, device=device)[:, None]
@@ -337,8 +381,9 @@ class CoconLosses:
     """The reconstruction losses on one batch of windows (the discriminator's part is
     scored by the loop, which owns the discriminator)."""
 
-    def __init__(self, pipeline: CoconPipeline, config: CoconTrainConfig,
-                 token_counts: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, pipeline: CoconPipeline, config: CoconTrainConfig, token_counts: torch.Tensor | None = None
+    ) -> None:
         """token_counts: (V,) how often each token occurs in the training text; short
         content spans then favour rare tokens (see ``content_span``)."""
         self.pipeline = pipeline
@@ -389,8 +434,9 @@ class CoconLosses:
             hide = torch.bernoulli(probabilities, generator=generator).bool().to(content_hidden.device)
         return self.block.content_keys_values(content_hidden, hide)
 
-    def __call__(self, windows: torch.Tensor, generator: torch.Generator, with_cycle: bool,
-                 with_adv: bool) -> BatchLosses:
+    def __call__(
+        self, windows: torch.Tensor, generator: torch.Generator, with_cycle: bool, with_adv: bool
+    ) -> BatchLosses:
         """windows: (B, history + continuation) token ids."""
         config, split = self.config, self.split
         hs = self.history_length(generator)
@@ -436,14 +482,16 @@ class CoconLosses:
             if teacher is None:
                 result.losses["null"] = lm_loss(logits, targets)
             else:
-                result.losses["null"] = mixed_lm_loss(logits, targets, torch.ones_like(weights), teacher,
-                                                      config.plain_target)
+                result.losses["null"] = mixed_lm_loss(
+                    logits, targets, torch.ones_like(weights), teacher, config.plain_target
+                )
         if (with_cycle or with_adv) and hs > 0:
             self.cycle(windows, hs, alpha_hidden, targets, with_cycle, with_adv, result)
         return result
 
-    def generate_soft(self, history: torch.Tensor, content_keys: torch.Tensor, content_values: torch.Tensor,
-                      tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate_soft(
+        self, history: torch.Tensor, content_keys: torch.Tensor, content_values: torch.Tensor, tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Continue ``history`` (B, hs) for ``tokens`` steps with the content, feeding back the
         expected embedding under each step's distribution (differentiable), through the
         same cached steps as in chat.
@@ -453,9 +501,12 @@ class CoconLosses:
 
         B, hs = history.shape
         device = history.device
-        content = ContentMemory(content_keys, content_values,
-                                torch.zeros(1, 1, content_keys.size(2), dtype=content_keys.dtype, device=device),
-                                (content_keys.size(2),))
+        content = ContentMemory(
+            content_keys,
+            content_values,
+            torch.zeros(1, 1, content_keys.size(2), dtype=content_keys.dtype, device=device),
+            (content_keys.size(2),),
+        )
         key_valid = torch.ones(B, hs + tokens, dtype=torch.long, device=device)
         positions = torch.arange(hs, device=device).expand(B, hs)
         output = self.pipeline.forward(key_valid[:, :hs], positions, hs, content, input_ids=history)
@@ -467,13 +518,22 @@ class CoconLosses:
             if t == tokens - 1:
                 break
             position = torch.full((B, 1), hs + t, device=device)
-            output = self.pipeline.forward(key_valid[:, : hs + t + 1], position, hs, content,
-                                           inputs_embeds=embedding, cache=output.cache)
+            output = self.pipeline.forward(
+                key_valid[:, : hs + t + 1], position, hs, content, inputs_embeds=embedding, cache=output.cache
+            )
             steered.append(output.steered)
         return torch.cat(embeddings, dim=1), torch.cat(steered, dim=1)
 
-    def cycle(self, windows: torch.Tensor, hs: int, alpha_hidden: torch.Tensor, targets: torch.Tensor,
-              with_cycle: bool, with_adv: bool, result: BatchLosses) -> None:
+    def cycle(
+        self,
+        windows: torch.Tensor,
+        hs: int,
+        alpha_hidden: torch.Tensor,
+        targets: torch.Tensor,
+        with_cycle: bool,
+        with_adv: bool,
+        result: BatchLosses,
+    ) -> None:
         """Sample i's content after sample i-1's history -> a soft generation y; then y as
         the content must reconstruct sample i's continuation after its own history (hs tokens)."""
         config, split, block = self.config, self.split, self.block
@@ -508,8 +568,13 @@ def _lr_at(step: int, config: CoconTrainConfig) -> float:
     return floor + 0.5 * (config.learning_rate - floor) * (1 + math.cos(math.pi * progress))
 
 
-def heldout_losses(pipeline: CoconPipeline, windows: torch.Tensor, config: CoconTrainConfig,
-                   autocast: Any, token_counts: torch.Tensor | None = None) -> dict[str, float]:
+def heldout_losses(
+    pipeline: CoconPipeline,
+    windows: torch.Tensor,
+    config: CoconTrainConfig,
+    autocast: Any,
+    token_counts: torch.Tensor | None = None,
+) -> dict[str, float]:
     """Per-token losses on fixed held-out windows: the plain model ("plain"), the block
     with no content ("null"), the whole continuation as content, self-token masked, so
     the number reflects use of the content rather than copying ("self"), and one token
@@ -568,8 +633,10 @@ def _init_from_block(block: CoconBlock, name: str, model: Any, tokenizer: Any, m
     theirs = {key: getattr(source.config, key) for key in shape}
     ours = {key: getattr(block.config, key) for key in shape}
     if theirs != ours:
-        raise ChatcoreError(f"--init-block {name!r} has another shape ({theirs}) than this run's block ({ours}); "
-                            f"give the same --split-layer")
+        raise ChatcoreError(
+            f"--init-block {name!r} has another shape ({theirs}) than this run's block ({ours}); "
+            f"give the same --split-layer"
+        )
     block.load_state_dict({key: value.float() for key, value in source.state_dict().items()})
     return dict(info.get("training") or {})
 
@@ -606,11 +673,18 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     n_layer = anatomy_of(model).n_layer
     split_layer = config.split_layer or default_split_layer(n_layer)
     if split_layer >= n_layer:
-        raise ChatcoreError(f"--split-layer {split_layer} leaves no blocks for LM-beta: model {config.model!r} has "
-                            f"{n_layer}; give 1 to {n_layer - 1}")
+        raise ChatcoreError(
+            f"--split-layer {split_layer} leaves no blocks for LM-beta: model {config.model!r} has "
+            f"{n_layer}; give 1 to {n_layer - 1}"
+        )
     split = SplitModel(model, split_layer)
-    block_config = CoconConfig(n_embd=split.n_embd, n_head=split.n_head, split_layer=split_layer,
-                               layer_norm_epsilon=norm_epsilon(model.config), dropout=config.dropout)
+    block_config = CoconConfig(
+        n_embd=split.n_embd,
+        n_head=split.n_head,
+        split_layer=split_layer,
+        layer_norm_epsilon=norm_epsilon(model.config),
+        dropout=config.dropout,
+    )
     block = CoconBlock(block_config).to(device)
     init_training: dict[str, Any] | None = None  # the starting block's own record, kept with the new one
     if config.init_block is not None and not resume:
@@ -629,23 +703,29 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     prompt_format = make_prompt_format(config.prompt_format, model, tokenizer, config.model)
     if prompt_format.name == "dialogpt":  # turns joined by EOS: every turn start is a reply start
         train_stream, train_starts = encode_dialogues(train_set, tokenizer), None
-        heldout_stream, heldout_starts = (encode_dialogues(heldout_set, tokenizer), None) if heldout_set \
-            else (train_stream, None)
+        heldout_stream, heldout_starts = (
+            (encode_dialogues(heldout_set, tokenizer), None) if heldout_set else (train_stream, None)
+        )
     else:
         train_stream, train_starts = render_dialogues(train_set, prompt_format)
-        heldout_stream, heldout_starts = render_dialogues(heldout_set, prompt_format) if heldout_set \
-            else (train_stream, train_starts)
-    sampler = WindowSampler(train_stream, eos, config.history_tokens, config.continuation_tokens,
-                            config.turn_start_share, train_starts)
-    heldout_sampler = WindowSampler(heldout_stream, eos, config.history_tokens, config.continuation_tokens,
-                                    config.turn_start_share, heldout_starts)
+        heldout_stream, heldout_starts = (
+            render_dialogues(heldout_set, prompt_format) if heldout_set else (train_stream, train_starts)
+        )
+    sampler = WindowSampler(
+        train_stream, eos, config.history_tokens, config.continuation_tokens, config.turn_start_share, train_starts
+    )
+    heldout_sampler = WindowSampler(
+        heldout_stream, eos, config.history_tokens, config.continuation_tokens, config.turn_start_share, heldout_starts
+    )
     heldout_windows = heldout_sampler.sample(config.eval_windows, torch.Generator().manual_seed(config.seed + 1))
 
     decay = [p for p in block.parameters() if p.dim() >= 2]
     no_decay = [p for p in block.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.learning_rate, betas=(0.9, 0.98))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+        betas=(0.9, 0.98),
+    )
     disc_optimizer = torch.optim.AdamW(discriminator.parameters(), lr=config.learning_rate, betas=(0.5, 0.98))
     generator = torch.Generator().manual_seed(config.seed)
     step, elapsed = 0, 0.0
@@ -670,14 +750,30 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     losses_fn = CoconLosses(pipeline, config, token_counts)
 
     def save(heldout: dict[str, float]) -> None:
-        torch.save({"block": block.state_dict(), "discriminator": discriminator.state_dict(),
-                    "optimizer": optimizer.state_dict(), "disc_optimizer": disc_optimizer.state_dict(),
-                    "step": step, "elapsed": elapsed, "history": history, "generator": generator.get_state(),
-                    "torch_rng": torch.get_rng_state(), "block_config": block_config.to_dict(),
-                    "config": asdict(config), "init_training": init_training}, checkpoint_path)
-        training = {"corpus": config.corpus, "steps": step, "seconds": round(elapsed, 1),
-                    "heldout_loss": {k: round(v, 4) for k, v in heldout.items()},
-                    "settings": {k: v for k, v in asdict(config).items() if k not in ("out_dir", "extra", "device")}}
+        torch.save(
+            {
+                "block": block.state_dict(),
+                "discriminator": discriminator.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "disc_optimizer": disc_optimizer.state_dict(),
+                "step": step,
+                "elapsed": elapsed,
+                "history": history,
+                "generator": generator.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "block_config": block_config.to_dict(),
+                "config": asdict(config),
+                "init_training": init_training,
+            },
+            checkpoint_path,
+        )
+        training = {
+            "corpus": config.corpus,
+            "steps": step,
+            "seconds": round(elapsed, 1),
+            "heldout_loss": {k: round(v, 4) for k, v in heldout.items()},
+            "settings": {k: v for k, v in asdict(config).items() if k not in ("out_dir", "extra", "device")},
+        }
         if init_training is not None:
             training["init_block_training"] = init_training
         save_block(block, out_dir / BLOCK_DIR, base_model, training, dtype=config.save_dtype)
@@ -698,9 +794,14 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
             if fake is not None:
                 # Non-saturating generator loss: the block's outputs should look real.
                 losses["adv"] = F.binary_cross_entropy_with_logits(
-                    discriminator(fake).float(), torch.ones(fake.size(0), device=device))
-        weights = {"self": config.self_weight, "null": config.null_weight, "cycle": config.cycle_weight,
-                   "adv": config.adv_weight}
+                    discriminator(fake).float(), torch.ones(fake.size(0), device=device)
+                )
+        weights = {
+            "self": config.self_weight,
+            "null": config.null_weight,
+            "cycle": config.cycle_weight,
+            "adv": config.adv_weight,
+        }
         total = sum(weights[name] * value for name, value in losses.items())
         optimizer.zero_grad(set_to_none=True)
         total.backward()
@@ -713,8 +814,9 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
                 assert batch.real is not None
                 real_logits = discriminator(batch.real.detach()).float()
                 fake_logits = discriminator(fake.detach()).float()
-                disc_loss = (F.binary_cross_entropy_with_logits(real_logits, torch.ones_like(real_logits))
-                             + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits)))
+                disc_loss = F.binary_cross_entropy_with_logits(
+                    real_logits, torch.ones_like(real_logits)
+                ) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
             disc_optimizer.zero_grad(set_to_none=True)
             disc_loss.backward()
             disc_optimizer.step()
@@ -730,14 +832,20 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
             elapsed = time.perf_counter() - started
             heldout = heldout_losses(pipeline, heldout_windows, config, autocast, token_counts)
             history.append({"step": step, **heldout})
-            bar.write(f"step {step}/{config.steps}  held-out loss: plain {heldout['plain']:.4f}  "
-                      f"no content {heldout['null']:.4f}  self-reconstruction {heldout['self']:.4f}  "
-                      f"one-token content {heldout['word']:.4f}  KL(plain || no content) {heldout['null_kl']:.4f}")
+            bar.write(
+                f"step {step}/{config.steps}  held-out loss: plain {heldout['plain']:.4f}  "
+                f"no content {heldout['null']:.4f}  self-reconstruction {heldout['self']:.4f}  "
+                f"one-token content {heldout['word']:.4f}  KL(plain || no content) {heldout['null_kl']:.4f}"
+            )
             save(heldout)
     bar.close()
     elapsed = time.perf_counter() - started
-    result = CoconTrainResult(steps=step, seconds=elapsed, parameters=sum(p.numel() for p in block.parameters()),
-                              heldout={k: v for k, v in heldout.items() if k != "step"},
-                              block_dir=str(out_dir / BLOCK_DIR))
+    result = CoconTrainResult(
+        steps=step,
+        seconds=elapsed,
+        parameters=sum(p.numel() for p in block.parameters()),
+        heldout={k: v for k, v in heldout.items() if k != "step"},
+        block_dir=str(out_dir / BLOCK_DIR),
+    )
     (out_dir / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result

@@ -64,8 +64,33 @@ _FUNCTION_WORDS = frozenset(
     "will would can could".split()
 )
 # Endings that make a close variant of a word: plurals, verb forms, -ly/-al/-ian/-ness ...
-_SUFFIXES = ("", "s", "es", "e", "ed", "d", "ing", "er", "ers", "y", "ly", "al", "ally", "ian", "ians", "ist",
-             "ists", "ic", "ful", "ness", "ies", "ily", "iness", "ier", "iest")
+_SUFFIXES = (
+    "",
+    "s",
+    "es",
+    "e",
+    "ed",
+    "d",
+    "ing",
+    "er",
+    "ers",
+    "y",
+    "ly",
+    "al",
+    "ally",
+    "ian",
+    "ians",
+    "ist",
+    "ists",
+    "ic",
+    "ful",
+    "ness",
+    "ies",
+    "ily",
+    "iness",
+    "ier",
+    "iest",
+)
 
 
 def content_keywords(content: str) -> list[str]:
@@ -87,7 +112,7 @@ def is_variant(word: str, keyword: str) -> bool:
     if len(keyword) > 3 and keyword[-1] in "ey":
         stems.add(keyword[:-1])
     for stem in stems:
-        if word.startswith(stem) and word[len(stem):] in _SUFFIXES:
+        if word.startswith(stem) and word[len(stem) :] in _SUFFIXES:
             return True
     return False
 

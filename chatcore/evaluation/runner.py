@@ -44,14 +44,20 @@ class EvalReport:
         headers = ["", "n", "ppl", "dist-1", "dist-2", "dist-3", "len", "degen", "attr", "tok/s"]
         lines = []
         for row in self.rows:
-            lines.append([
-                row.label, str(row.count),
-                f"{row.perplexity:.1f}" if row.perplexity is not None else "-",
-                f"{row.distinct_1:.3f}", f"{row.distinct_2:.3f}", f"{row.distinct_3:.3f}",
-                f"{row.mean_length:.1f}", f"{row.degenerate_share:.1%}",
-                f"{row.attribute_share:.1%}" if row.attribute_share is not None else "-",
-                f"{row.tokens_per_s:.0f}" if row.tokens_per_s is not None else "-",
-            ])
+            lines.append(
+                [
+                    row.label,
+                    str(row.count),
+                    f"{row.perplexity:.1f}" if row.perplexity is not None else "-",
+                    f"{row.distinct_1:.3f}",
+                    f"{row.distinct_2:.3f}",
+                    f"{row.distinct_3:.3f}",
+                    f"{row.mean_length:.1f}",
+                    f"{row.degenerate_share:.1%}",
+                    f"{row.attribute_share:.1%}" if row.attribute_share is not None else "-",
+                    f"{row.tokens_per_s:.0f}" if row.tokens_per_s is not None else "-",
+                ]
+            )
             for key, value in row.extra.items():
                 if key not in headers:
                     headers.append(key)
@@ -63,7 +69,9 @@ class EvalReport:
         return "\n".join(out)
 
 
-def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]], system: str | None = None) -> float | None:
+def reply_perplexity(
+    engine: "Engine", pairs: Sequence[tuple[list[str], str]], system: str | None = None
+) -> float | None:
     """exp(mean NLL per token) of each reply (and the token that ends it) given its context, in
     the engine's prompt format, under the plain model: no steering, no decoder."""
     import torch
@@ -88,15 +96,22 @@ def reply_perplexity(engine: "Engine", pairs: Sequence[tuple[list[str], str]], s
             continue
         ids = torch.tensor([prompt + reply_ids], device=engine.loaded.device)
         with torch.inference_mode():
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 : -1].float()  # (R, V)
+            logits = (
+                model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 : -1].float()
+            )  # (R, V)
         targets = ids[0, len(prompt) :]
         total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         total_tokens += targets.numel()
     return math.exp(total_nll / total_tokens) if total_tokens else None
 
 
-def summarize(label: str, replies: Sequence[str], perplexity: float | None, vocabulary: set[str] | None,
-              tokens_per_s: float | None = None) -> EvalRow:
+def summarize(
+    label: str,
+    replies: Sequence[str],
+    perplexity: float | None,
+    vocabulary: set[str] | None,
+    tokens_per_s: float | None = None,
+) -> EvalRow:
     return EvalRow(
         label=label,
         count=len(replies),
@@ -107,7 +122,8 @@ def summarize(label: str, replies: Sequence[str], perplexity: float | None, voca
         mean_length=sum(len(words(r)) for r in replies) / max(1, len(replies)),
         degenerate_share=sum(is_degenerate(r) for r in replies) / max(1, len(replies)),
         attribute_share=(sum(contains_any(r, vocabulary) for r in replies) / max(1, len(replies)))
-        if vocabulary is not None else None,
+        if vocabulary is not None
+        else None,
         tokens_per_s=tokens_per_s,
     )
 
@@ -170,13 +186,29 @@ def evaluate(
         samples.append(sample)
     if submitted:
         seconds = time.perf_counter() - started_all
-    rows = [summarize(label, replies, reply_perplexity(engine, pairs, system), vocabulary,
-                      new_tokens / seconds if seconds else None)]
+    rows = [
+        summarize(
+            label,
+            replies,
+            reply_perplexity(engine, pairs, system),
+            vocabulary,
+            new_tokens / seconds if seconds else None,
+        )
+    ]
     references = [(c.turns, c.reference) for c in contexts if c.reference]
     if include_reference and references:
-        rows.append(summarize("human", [r for _, r in references], reply_perplexity(engine, references, system),
-                              vocabulary))
-    settings = {"model": engine.loaded.name, "decoder": options.decoder, "decoder_settings": options.decoder_settings,
-                "steerers": options.steerers, "max_new_tokens": options.max_new_tokens, "seed": seed,
-                "contexts": len(contexts), "system": system, "prompt_format": engine.prompt_format.name}
+        rows.append(
+            summarize("human", [r for _, r in references], reply_perplexity(engine, references, system), vocabulary)
+        )
+    settings = {
+        "model": engine.loaded.name,
+        "decoder": options.decoder,
+        "decoder_settings": options.decoder_settings,
+        "steerers": options.steerers,
+        "max_new_tokens": options.max_new_tokens,
+        "seed": seed,
+        "contexts": len(contexts),
+        "system": system,
+        "prompt_format": engine.prompt_format.name,
+    }
     return EvalReport(rows, samples, settings)

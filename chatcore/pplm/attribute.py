@@ -96,8 +96,13 @@ class BagOfWords(AttributeModel):
     is such a piece (a small vocabulary) keeps them.
     """
 
-    def __init__(self, words: Sequence[str], start_mask: "torch.Tensor", inner_mask: "torch.Tensor",
-                 continuations: dict[tuple[int, ...], tuple[int, ...]]) -> None:
+    def __init__(
+        self,
+        words: Sequence[str],
+        start_mask: "torch.Tensor",
+        inner_mask: "torch.Tensor",
+        continuations: dict[tuple[int, ...], tuple[int, ...]],
+    ) -> None:
         self.words = list(words)
         self.start_mask = start_mask  # (V,) bool: next-token targets at the start of the reply
         self.inner_mask = inner_mask  # (V,) bool: ... inside the reply
@@ -133,8 +138,10 @@ class BagOfWords(AttributeModel):
             for bag, token in strong or weak:
                 bag.add(token)
         if not start and not inner:
-            raise OptionError("pplm: none of the words can be steered with this tokenizer "
-                              f"(words: {', '.join(words[:5])}{', ...' if len(words) > 5 else ''})")
+            raise OptionError(
+                "pplm: none of the words can be steered with this tokenizer "
+                f"(words: {', '.join(words[:5])}{', ...' if len(words) > 5 else ''})"
+            )
         # One position without targets would give an infinite loss: borrow the other's.
         start, inner = start or inner, inner or start
 
@@ -163,7 +170,7 @@ class BagOfWords(AttributeModel):
             if bool(emptied.any()):
                 targets[emptied] = base
         if generated > 0 and self.max_prefix:
-            tails = sequences[:, -min(generated, self.max_prefix):].tolist()
+            tails = sequences[:, -min(generated, self.max_prefix) :].tolist()
             for row, tokens in enumerate(tails):
                 for k in range(1, len(tokens) + 1):
                     following = self.continuations.get(tuple(tokens[-k:]))
@@ -180,8 +187,12 @@ class BagOfWords(AttributeModel):
         return -torch.logsumexp(in_bag, dim=-1)  # (b,)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "bag-of-words", "words": len(self.words),
-                "start_tokens": int(self.start_mask.sum()), "inner_tokens": int(self.inner_mask.sum())}
+        return {
+            "kind": "bag-of-words",
+            "words": len(self.words),
+            "start_tokens": int(self.start_mask.sum()),
+            "inner_tokens": int(self.inner_mask.sum()),
+        }
 
 
 # -- discriminator heads -----------------------------------------------------------------------------
@@ -302,8 +313,12 @@ class DiscriminatorHead(AttributeModel):
         return torch.nn.functional.cross_entropy(scores, labels, reduction="none")
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "discriminator", "classes": self.config.classes,
-                "class": self.config.classes[self.class_index], "layer": self.layer}
+        return {
+            "kind": "discriminator",
+            "classes": self.config.classes,
+            "class": self.config.classes[self.class_index],
+            "layer": self.layer,
+        }
 
 
 def check_head_fits(config: HeadConfig, model: Any, tokenizer: Any, model_name: str, head_name: str) -> None:
@@ -325,8 +340,9 @@ def check_head_fits(config: HeadConfig, model: Any, tokenizer: Any, model_name: 
         )
 
 
-def load_head(name_or_path: str, model: Any, tokenizer: Any, model_name: str, class_label: str,
-              device: Any = "cpu") -> DiscriminatorHead:
+def load_head(
+    name_or_path: str, model: Any, tokenizer: Any, model_name: str, class_label: str, device: Any = "cpu"
+) -> DiscriminatorHead:
     """Load a head for ``model``; refuse it if it was trained for another model."""
     from safetensors.torch import load_file
 

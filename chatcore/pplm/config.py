@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 # The default step, summed over the perturbed layers (PerturbConfig.step_size): chatcore-tiny's
 # measured 1.0 per layer on its top 3 layers.
 LAYER_STEPS = 3.0
@@ -111,5 +110,6 @@ class PerturbConfig:
 
     def optimises(self, step: int) -> bool:
         """Whether the perturbation is optimised at decoding step ``step`` (0 = first reply token)."""
-        return (self.num_iterations > 0 and self.stepsize != 0 and step < self.grad_length
-                and step % self.steer_every == 0)
+        return (
+            self.num_iterations > 0 and self.stepsize != 0 and step < self.grad_length and step % self.steer_every == 0
+        )

@@ -77,8 +77,9 @@ class GrowingPast:
 
         keys = past[0][0]
         batch, heads, length, head_dim = keys.shape
-        self.buffer = torch.empty((2 * len(past), batch, heads, max(capacity, length + 1), head_dim),
-                                  dtype=keys.dtype, device=keys.device)
+        self.buffer = torch.empty(
+            (2 * len(past), batch, heads, max(capacity, length + 1), head_dim), dtype=keys.dtype, device=keys.device
+        )
         for index, (layer_keys, layer_values) in enumerate(past):
             self.buffer[2 * index, :, :, :length] = layer_keys
             self.buffer[2 * index + 1, :, :, :length] = layer_values
@@ -102,8 +103,14 @@ class GrowingPast:
         else:
             self.buffer[layers, rows, :, recent] += deltas.to(self.buffer.dtype)
 
-    def add_recent_products(self, key_a: "torch.Tensor", key_b: "torch.Tensor", value_a: "torch.Tensor",
-                            value_b: "torch.Tensor", first_layer: int = 0) -> None:
+    def add_recent_products(
+        self,
+        key_a: "torch.Tensor",
+        key_b: "torch.Tensor",
+        value_a: "torch.Tensor",
+        value_b: "torch.Tensor",
+        first_layer: int = 0,
+    ) -> None:
         """Add deltas given as products, ``key_a @ key_b`` per layer from ``first_layer`` up
         ((layers', B, H, W, r) @ (layers', B, H, r, D)) and the same for values, to the most
         recent W positions, in place, without building the deltas."""

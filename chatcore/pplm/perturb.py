@@ -26,8 +26,9 @@ Two ways to run the passes, with the same results (tests/test_pplm_runner.py):
   are kept as low-rank factors (:class:`chatcore.pplm.runner.LowRankDeltas`): with one
   query per row and head the gradient w.r.t. a layer's deltas is a sum of outer products
   (one per query head of a key/value head), recovered from the gradients of two small
-  probes, so neither the deltas nor their gradients are built at full size. When the perturbation starts from the plain past (no carried perturbation,
-  every row writing) the plain pass is the first iteration's forward.
+  probes, so neither the deltas nor their gradients are built at full size. When the
+  perturbation starts from the plain past (no carried perturbation, every row writing)
+  the plain pass is the first iteration's forward.
 - **generic** (any other model, or other steerers inside PPLM, whose edits must take
   part): every pass is the inner step on a fresh ``DynamicCache`` built from past +
   dense deltas (a forward appends to the cache it is given, so a cache is never reused),
@@ -61,8 +62,8 @@ import torch
 
 from chatcore.pplm.attribute import AttributeInputs, AttributeModel
 from chatcore.pplm.config import PerturbConfig
-from chatcore.pplm.runner import LowRankDeltas, RunOutput, Start
 from chatcore.pplm.kv import GrowingPast, Past, fresh_cache, normal, past_length, past_of, select_rows
+from chatcore.pplm.runner import LowRankDeltas, RunOutput, Start
 from chatcore.step import Step, StepOutput, StepState
 
 # Probabilities below this count as this in the KL term (as the paper's code does), so a
@@ -105,8 +106,12 @@ def key_mask_of(attention_mask: torch.Tensor) -> torch.Tensor | None:
 
 
 def _select_state(state: StepState, rows: torch.Tensor) -> StepState:
-    return state.replace(input_ids=state.input_ids[rows], sequences=state.sequences[rows],
-                         attention_mask=state.attention_mask[rows], position_ids=state.position_ids[rows])
+    return state.replace(
+        input_ids=state.input_ids[rows],
+        sequences=state.sequences[rows],
+        attention_mask=state.attention_mask[rows],
+        position_ids=state.position_ids[rows],
+    )
 
 
 def kl_divergence(log_probs: torch.Tensor, reference_log_probs: torch.Tensor) -> torch.Tensor:
@@ -116,8 +121,9 @@ def kl_divergence(log_probs: torch.Tensor, reference_log_probs: torch.Tensor) ->
     return (log_probs.exp() * (log_p - log_q)).sum(-1)
 
 
-def fuse(logits: torch.Tensor, plain_log_probs: torch.Tensor, perturbed_log_probs: torch.Tensor,
-         gm_scale: float) -> torch.Tensor:
+def fuse(
+    logits: torch.Tensor, plain_log_probs: torch.Tensor, perturbed_log_probs: torch.Tensor, gm_scale: float
+) -> torch.Tensor:
     """Scores whose softmax is p~^gm * p^(1-gm) (normalised): the plain ``logits`` shifted by
     gm * (log p~ - log p). Tokens the plain pass rules out (-inf) stay ruled out."""
     if gm_scale == 0.0:
@@ -172,8 +178,15 @@ class Perturbation:
     tuning, off by default).
     """
 
-    def __init__(self, config: PerturbConfig, attribute: AttributeModel, model: Any, eos_token_id: int,
-                 runner: Any = None, max_new_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        config: PerturbConfig,
+        attribute: AttributeModel,
+        model: Any,
+        eos_token_id: int,
+        runner: Any = None,
+        max_new_tokens: int = 0,
+    ) -> None:
         self.config = config
         self.attribute = attribute
         self.model = model
@@ -184,8 +197,12 @@ class Perturbation:
         self.trace: list[dict[str, Any]] | None = None
         self.batch_size = 0
         # Updated in place: the steerer hands this dict to the response's provenance.
-        self.summary: dict[str, Any] = {"attribute": attribute.describe(), "optimised_steps": 0, "inner_calls": 0,
-                                        "runner_passes": 0}
+        self.summary: dict[str, Any] = {
+            "attribute": attribute.describe(),
+            "optimised_steps": 0,
+            "inner_calls": 0,
+            "runner_passes": 0,
+        }
         self.reset()
 
     def reset(self) -> None:
@@ -220,8 +237,12 @@ class Perturbation:
     def step(self, inner: Step, state: StepState) -> StepOutput:
         if state.step == 0:
             self.reset()
-        state = state.replace(input_ids=normal(state.input_ids), sequences=normal(state.sequences),
-                              attention_mask=normal(state.attention_mask), position_ids=normal(state.position_ids))
+        state = state.replace(
+            input_ids=normal(state.input_ids),
+            sequences=normal(state.sequences),
+            attention_mask=normal(state.attention_mask),
+            position_ids=normal(state.position_ids),
+        )
         past_len = state.sequences.size(1) - 1
         optimise = self.config.optimises(state.step) and past_len >= 1
         if past_len < 1 or (self._perturbed is None and not optimise):
@@ -261,8 +282,9 @@ class Perturbation:
 
         deltas = None
         if optimise:
-            deltas = self._optimise(forward, fed, base, plain, context=lambda rows: self._hidden_context(
-                past_of(plain.cache), rows))
+            deltas = self._optimise(
+                forward, fed, base, plain, context=lambda rows: self._hidden_context(past_of(plain.cache), rows)
+            )
         if deltas is None and self._perturbed is None:
             return self._finish(state, plain)
         with torch.no_grad():
@@ -286,13 +308,26 @@ class Perturbation:
         starts: dict[int, Start] = {}  # per fed-token tensor: what no delta changes
         first_layer = self.config.first_perturbed_layer(len(runner.layers))
 
-        def forward(sub_state: StepState, sub_base: Past, deltas: LowRankDeltas | None,
-                    probes: tuple[torch.Tensor, torch.Tensor] | None, hidden: bool) -> RunOutput:
+        def forward(
+            sub_state: StepState,
+            sub_base: Past,
+            deltas: LowRankDeltas | None,
+            probes: tuple[torch.Tensor, torch.Tensor] | None,
+            hidden: bool,
+        ) -> RunOutput:
             self.summary["runner_passes"] += 1
             key = id(sub_state.input_ids)
-            output = runner.forward(sub_base, sub_state.position_ids, input_ids=sub_state.input_ids,
-                                    key_mask=key_mask_of(sub_state.attention_mask), deltas=deltas, probes=probes,
-                                    hidden_states=hidden, start=starts.get(key), from_layer=first_layer)
+            output = runner.forward(
+                sub_base,
+                sub_state.position_ids,
+                input_ids=sub_state.input_ids,
+                key_mask=key_mask_of(sub_state.attention_mask),
+                deltas=deltas,
+                probes=probes,
+                hidden_states=hidden,
+                start=starts.get(key),
+                from_layer=first_layer,
+            )
             assert output.start is not None
             starts[key] = output.start
             return output
@@ -314,20 +349,27 @@ class Perturbation:
                 hidden = tuple(h.detach() for h in first.hidden_states)
             return StepOutput(logits=first.logits.detach(), cache=state.cache, hidden_states=hidden)
 
-        merge = (optimise and plain is None and self._perturbed is None and not self.attribute.needs_hidden
-                 and bool(self.active_rows(fed).all()))
+        merge = (
+            optimise
+            and plain is None
+            and self._perturbed is None
+            and not self.attribute.needs_hidden
+            and bool(self.active_rows(fed).all())
+        )
         if plain is None and not merge:
             with torch.no_grad():
                 plain = plain_output(forward(state, plain_past, None, None, wants_hidden))
         deltas: LowRankDeltas | None = None
         rows: torch.Tensor | None = None
         if optimise:
+
             def context(rows: torch.Tensor | None) -> dict[str, Any]:
                 assert plain is not None
                 return self._hidden_context(past_of(plain.cache), rows)
 
-            deltas, rows, first = self._optimise_lean(forward, fed, base, plain, context,
-                                                      first_hidden=state.output_hidden_states)
+            deltas, rows, first = self._optimise_lean(
+                forward, fed, base, plain, context, first_hidden=state.output_hidden_states
+            )
             if plain is None:
                 assert first is not None
                 plain = plain_output(first)
@@ -344,8 +386,9 @@ class Perturbation:
                     capacity = past_len + 1 + max(self.max_new_tokens - state.step, 1)
                     self._perturbed = GrowingPast(base, capacity)
                 if deltas is not None and rows is None:
-                    self._perturbed.add_recent_products(deltas.key_a, deltas.key_b, deltas.value_a, deltas.value_b,
-                                                        first_layer)
+                    self._perturbed.add_recent_products(
+                        deltas.key_a, deltas.key_b, deltas.value_a, deltas.value_b, first_layer
+                    )
                 elif deltas is not None:
                     self._perturbed.add_recent(deltas.dense(), rows, first_layer)
                 self._perturbed.append(perturbed.new)
@@ -377,8 +420,13 @@ class Perturbation:
         return fed.input_ids[:, -1] != self.eos_token_id
 
     # -- the gradient iterations -----------------------------------------------------------------
-    def _rows_and_window(self, fed: StepState, base: Past, plain: StepOutput | None,
-                         context: Callable[[torch.Tensor | None], dict[str, Any]]) -> "_Setup | None":
+    def _rows_and_window(
+        self,
+        fed: StepState,
+        base: Past,
+        plain: StepOutput | None,
+        context: Callable[[torch.Tensor | None], dict[str, Any]],
+    ) -> "_Setup | None":
         """What the iterations of this step share, for the rows still writing (None if none is)."""
         config = self.config
         self.batch_size = fed.input_ids.size(0)
@@ -399,16 +447,27 @@ class Perturbation:
             reference = reference if rows is None else reference[rows]
         record = None
         if self.trace is not None:
-            record = {"step": fed.step, "past_length": length, "window": window, "attribute": [], "kl": [],
-                      "grad_norm": []}
+            record = {
+                "step": fed.step,
+                "past_length": length,
+                "window": window,
+                "attribute": [],
+                "kl": [],
+                "grad_norm": [],
+            }
             self.trace.append(record)
         return _Setup(
-            rows=rows, state=sub_state, base=sub_base, window=window,
+            rows=rows,
+            state=sub_state,
+            base=sub_base,
+            window=window,
             first_layer=self.config.first_perturbed_layer(len(base)),
             weights=window_weights(window, True, fed.input_ids.device) if config.decay else None,
             targets=self.attribute.step_targets(sub_state.sequences, fed.prompt_length),
-            reference=reference, hidden_context=context(rows) if self.attribute.needs_hidden else None,
-            record=record)
+            reference=reference,
+            hidden_context=context(rows) if self.attribute.needs_hidden else None,
+            record=record,
+        )
 
     def _loss(self, setup: "_Setup", log_probs: torch.Tensor, output: Any) -> torch.Tensor:
         """Attribute loss + kl_scale * KL, summed over rows (they are independent)."""
@@ -423,8 +482,14 @@ class Perturbation:
             setup.record["kl"].append(kl.detach().tolist())
         return (attribute_loss + self.config.kl_scale * kl).sum()
 
-    def _optimise(self, forward: Forward, fed: StepState, base: Past, plain: StepOutput,
-                  context: Callable[[torch.Tensor | None], dict[str, Any]]) -> torch.Tensor | None:
+    def _optimise(
+        self,
+        forward: Forward,
+        fed: StepState,
+        base: Past,
+        plain: StepOutput,
+        context: Callable[[torch.Tensor | None], dict[str, Any]],
+    ) -> torch.Tensor | None:
         """The final dense deltas of every row, (2 * perturbed layers, B, H, W, D) with zeros
         for finished rows, or None if all have finished."""
         setup = self._rows_and_window(fed, base, plain, context)
@@ -433,8 +498,12 @@ class Perturbation:
         keys = setup.base[0][0]
         # One leaf for all perturbed layers' key and value deltas: one gradient tensor, one update.
         layers = len(setup.base) - setup.first_layer
-        delta = torch.zeros((2 * layers, keys.size(0), keys.size(1), setup.window, keys.size(3)),
-                            dtype=torch.float32, device=keys.device, requires_grad=True)
+        delta = torch.zeros(
+            (2 * layers, keys.size(0), keys.size(1), setup.window, keys.size(3)),
+            dtype=torch.float32,
+            device=keys.device,
+            requires_grad=True,
+        )
         weights = None if setup.weights is None else setup.weights.view(1, 1, 1, -1, 1)
         for _ in range(self.config.num_iterations):
             with torch.enable_grad():
@@ -452,8 +521,9 @@ class Perturbation:
         return full.index_copy_(1, setup.rows, final)
 
     @torch.no_grad()
-    def _step_deltas(self, delta: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor | None,
-                     rows: torch.Tensor | None) -> torch.Tensor:
+    def _step_deltas(
+        self, delta: torch.Tensor, grad: torch.Tensor, weights: torch.Tensor | None, rows: torch.Tensor | None
+    ) -> torch.Tensor:
         """delta -= step * w * g / n ** gamma, per row and layer; returns the (b,) mean of n.
 
         n is the largest norm of w * g seen so far in this reply (per row and layer, keys
@@ -471,10 +541,15 @@ class Perturbation:
         delta.sub_(grad * scales.view(*scales.shape, 1, 1, 1))
         return norms.mean(1)
 
-    def _optimise_lean(self, forward: Callable[..., RunOutput], fed: StepState, base: Past,
-                       plain: StepOutput | None, context: Callable[[torch.Tensor | None], dict[str, Any]],
-                       first_hidden: bool = False,
-                       ) -> tuple[LowRankDeltas | None, torch.Tensor | None, RunOutput | None]:
+    def _optimise_lean(
+        self,
+        forward: Callable[..., RunOutput],
+        fed: StepState,
+        base: Past,
+        plain: StepOutput | None,
+        context: Callable[[torch.Tensor | None], dict[str, Any]],
+        first_hidden: bool = False,
+    ) -> tuple[LowRankDeltas | None, torch.Tensor | None, RunOutput | None]:
         """As :meth:`_optimise`, with low-rank deltas: returns the final deltas of the rows
         still writing (None if none is), those rows (None: all), and the first iteration's
         pass when ``plain`` is None (then that pass, from zero deltas, is the plain pass)."""
@@ -489,27 +564,43 @@ class Perturbation:
         first: RunOutput | None = None
         for iteration in range(self.config.num_iterations):
             with torch.enable_grad():
-                probes = (keys.new_zeros((layers, batch, heads, group, setup.window), requires_grad=True),
-                          keys.new_zeros((layers, batch, heads, group, head_dim), requires_grad=True))
-                output = forward(setup.state, setup.base, deltas, probes,
-                                 needs_hidden or (first_hidden and iteration == 0))
+                probes = (
+                    keys.new_zeros((layers, batch, heads, group, setup.window), requires_grad=True),
+                    keys.new_zeros((layers, batch, heads, group, head_dim), requires_grad=True),
+                )
+                output = forward(
+                    setup.state, setup.base, deltas, probes, needs_hidden or (first_hidden and iteration == 0)
+                )
                 log_probs = torch.log_softmax(output.logits.float(), dim=-1)  # (b, V)
                 if setup.reference is None:  # this pass is the plain one
                     first, setup.reference = output, log_probs.detach()
                 score_grad, output_grad = torch.autograd.grad(self._loss(setup, log_probs, output), probes)
             assert output.queries is not None and output.window_probs is not None
-            deltas, norms = self._step_low_rank(deltas, score_grad.float(), output.queries.float(),
-                                                output.window_probs.float(), output_grad.float(),
-                                                setup.weights, setup.rows)
+            deltas, norms = self._step_low_rank(
+                deltas,
+                score_grad.float(),
+                output.queries.float(),
+                output.window_probs.float(),
+                output_grad.float(),
+                setup.weights,
+                setup.rows,
+            )
             if setup.record is not None:
                 setup.record["grad_norm"].append(norms.tolist())
         self.summary["optimised_steps"] += 1
         return deltas, setup.rows, first
 
     @torch.no_grad()
-    def _step_low_rank(self, deltas: LowRankDeltas | None, score_grad: torch.Tensor, queries: torch.Tensor,
-                       window_probs: torch.Tensor, output_grad: torch.Tensor, weights: torch.Tensor | None,
-                       rows: torch.Tensor | None) -> tuple[LowRankDeltas, torch.Tensor]:
+    def _step_low_rank(
+        self,
+        deltas: LowRankDeltas | None,
+        score_grad: torch.Tensor,
+        queries: torch.Tensor,
+        window_probs: torch.Tensor,
+        output_grad: torch.Tensor,
+        weights: torch.Tensor | None,
+        rows: torch.Tensor | None,
+    ) -> tuple[LowRankDeltas, torch.Tensor]:
         """The step of :meth:`_step_deltas` on low-rank deltas; returns them and the (b,) mean of n.
 
         Per layer, row and key/value head the key deltas' gradient is score_grad^T @ query,
@@ -529,8 +620,12 @@ class Perturbation:
         squares = (squared_norm(score_grad, queries) + squared_norm(window_probs, output_grad)).sum(-1)  # (layers, b)
         norms = self._running_norm_max(squares.sqrt().t() + NORM_EPSILON, rows)  # (b, layers)
         scales = (-config.step_size(norms.size(1)) / norms.pow(config.gamma)).t()[:, :, None, None, None]
-        step = ((score_grad * scales).transpose(-1, -2), queries, (window_probs * scales).transpose(-1, -2),
-                output_grad)
+        step = (
+            (score_grad * scales).transpose(-1, -2),
+            queries,
+            (window_probs * scales).transpose(-1, -2),
+            output_grad,
+        )
         deltas = LowRankDeltas(*step) if deltas is None else deltas.plus(*step)
         return deltas, norms.mean(1)
 
@@ -564,8 +659,9 @@ class Perturbation:
             previous = previous[rows] if previous is not None else None
         return {"past": past, "previous": previous, "count": self.hidden_count}
 
-    def _mean_hidden(self, output: Pass, log_probs: torch.Tensor, fed: StepState,
-                     context: dict[str, Any]) -> torch.Tensor:
+    def _mean_hidden(
+        self, output: Pass, log_probs: torch.Tensor, fed: StepState, context: dict[str, Any]
+    ) -> torch.Tensor:
         """(b, C) mean over the reply's earlier positions (plain), the fed token (perturbed)
         and ``horizon_length`` soft tokens: expected embeddings under the predicted
         distribution, run from the plain past (gradients reach the deltas through them)."""
@@ -588,16 +684,25 @@ class Perturbation:
                 position = position + 1
                 if cache is None:  # the runner, as for the other passes
                     self.summary["runner_passes"] += 1
-                    future = self.runner.forward(past, position, inputs_embeds=soft, key_mask=key_mask_of(mask),
-                                                 hidden_states=True)
+                    future = self.runner.forward(
+                        past, position, inputs_embeds=soft, key_mask=key_mask_of(mask), hidden_states=True
+                    )
                     hidden, logits = future.hidden_states[layer][:, -1], future.logits
                     if index + 1 < horizon:
-                        past = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
-                                for (k, v), (nk, nv) in zip(past, future.new)]
+                        past = [
+                            (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
+                            for (k, v), (nk, nv) in zip(past, future.new)
+                        ]
                 else:
-                    out = self.model(inputs_embeds=soft, past_key_values=cache, attention_mask=mask,
-                                     position_ids=position, use_cache=True, output_hidden_states=True,
-                                     logits_to_keep=1)
+                    out = self.model(
+                        inputs_embeds=soft,
+                        past_key_values=cache,
+                        attention_mask=mask,
+                        position_ids=position,
+                        use_cache=True,
+                        output_hidden_states=True,
+                        logits_to_keep=1,
+                    )
                     hidden, logits, cache = out.hidden_states[layer][:, -1], out.logits[:, -1], out.past_key_values
                 total = total + hidden.float()
                 probs = torch.softmax(logits[:, :vocab].float(), dim=-1)

@@ -116,12 +116,17 @@ class LowRankDeltas:
     def window(self) -> int:
         return int(self.key_a.size(3))
 
-    def plus(self, key_a: torch.Tensor, key_b: torch.Tensor, value_a: torch.Tensor,
-             value_b: torch.Tensor) -> "LowRankDeltas":
+    def plus(
+        self, key_a: torch.Tensor, key_b: torch.Tensor, value_a: torch.Tensor, value_b: torch.Tensor
+    ) -> "LowRankDeltas":
         """These deltas plus g more outer products per layer, row and head: key_a, value_a
         (layers, B, H_kv, W, g); key_b, value_b (layers, B, H_kv, g, D)."""
-        return LowRankDeltas(torch.cat([self.key_a, key_a], dim=-1), torch.cat([self.key_b, key_b], dim=-2),
-                             torch.cat([self.value_a, value_a], dim=-1), torch.cat([self.value_b, value_b], dim=-2))
+        return LowRankDeltas(
+            torch.cat([self.key_a, key_a], dim=-1),
+            torch.cat([self.key_b, key_b], dim=-2),
+            torch.cat([self.value_a, value_a], dim=-1),
+            torch.cat([self.value_b, value_b], dim=-2),
+        )
 
     def dense(self) -> torch.Tensor:
         """(2 * layers, B, H_kv, W, D): keys and values of each layer in turn."""
@@ -187,7 +192,7 @@ class _GPT2Layer:
         self.activation = ACTIVATIONS[config.activation_function]
         scale = 1.0
         if getattr(config, "scale_attn_weights", True):
-            scale = self.head_dim ** -0.5
+            scale = self.head_dim**-0.5
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(index + 1)
         weight, bias = _pair(block.attn.c_attn)
@@ -233,11 +238,14 @@ class _RotaryLayer:
 
     def __init__(self, anatomy: "Anatomy", index: int) -> None:
         block, parts = anatomy.block(index), anatomy.attention(index)
-        self.kv_heads, self.group, self.head_dim = anatomy.n_kv_head, anatomy.n_head // anatomy.n_kv_head, \
-            anatomy.head_dim
+        self.kv_heads, self.group, self.head_dim = (
+            anatomy.n_kv_head,
+            anatomy.n_head // anatomy.n_kv_head,
+            anatomy.head_dim,
+        )
         self.input_norm, self.post_norm, self.mlp = block.input_layernorm, block.post_attention_layernorm, block.mlp
         self.q_norm, self.k_norm = getattr(parts.module, "q_norm", None), getattr(parts.module, "k_norm", None)
-        self.scale = float(getattr(parts.module, "scaling", self.head_dim ** -0.5))
+        self.scale = float(getattr(parts.module, "scaling", self.head_dim**-0.5))
         queries = anatomy.n_head * self.head_dim
         keys = self.kv_heads * self.head_dim
         if parts.fused_qkv is not None:
@@ -260,8 +268,9 @@ class _RotaryLayer:
         output = parts.output
         self.attn_out = (output.weight.detach(), None if output.bias is None else output.bias.detach())
 
-    def project(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, C) block input -> q (B, H_kv, G, D) scaled and rotated, k (rotated) and v (B, H_kv, 1, D)."""
         batch = x.size(0)
         q, k, v = F.linear(self.input_norm(x), *self.qkv).split(self.sizes, dim=-1)
@@ -300,10 +309,20 @@ class _SingleQueryAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_probe: torch.Tensor | None,
-                keys: torch.Tensor, values: torch.Tensor, key_a: torch.Tensor | None, key_b_t: torch.Tensor | None,
-                value_a: torch.Tensor | None, value_b: torch.Tensor | None,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        score_probe: torch.Tensor | None,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_a: torch.Tensor | None,
+        key_b_t: torch.Tensor | None,
+        value_a: torch.Tensor | None,
+        value_b: torch.Tensor | None,
+        mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         length = keys.size(2)
         scores = q @ keys.transpose(-1, -2)  # (B, H_kv, G, L)
         window = 0
@@ -332,8 +351,9 @@ class _SingleQueryAttention(torch.autograd.Function):
         length, window = keys.size(2), ctx.window
         grad_probs = torch.cat([grad_out @ values.transpose(-1, -2), (grad_out * v).sum(-1, keepdim=True)], dim=-1)
         if value_a is not None:
-            grad_probs[..., length - value_a.size(2) : length] += \
-                (grad_out @ value_b.transpose(-1, -2)) @ value_a.transpose(-1, -2)
+            grad_probs[..., length - value_a.size(2) : length] += (
+                grad_out @ value_b.transpose(-1, -2)
+            ) @ value_a.transpose(-1, -2)
         grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))  # softmax backward
         past_grad, new_grad = grad_scores[..., :length], grad_scores[..., length:]
         grad_q = grad_k = grad_v = grad_probe = None
@@ -381,11 +401,20 @@ class Runner:
         """False while the model trains (dropout is on): then its own forward must run."""
         return not self.model.training
 
-    def forward(self, past: "Past", position_ids: torch.Tensor, *, input_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-                deltas: LowRankDeltas | None = None,
-                probes: tuple[torch.Tensor, torch.Tensor] | None = None,
-                hidden_states: bool = False, start: "Start | None" = None, from_layer: int = 0) -> RunOutput:
+    def forward(
+        self,
+        past: "Past",
+        position_ids: torch.Tensor,
+        *,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        deltas: LowRankDeltas | None = None,
+        probes: tuple[torch.Tensor, torch.Tensor] | None = None,
+        hidden_states: bool = False,
+        start: "Start | None" = None,
+        from_layer: int = 0,
+    ) -> RunOutput:
         """Run one new position per row after ``past``.
 
         past:          per layer (keys, values), each (B, H_kv, L, D); not modified, not copied.
@@ -414,8 +443,14 @@ class Runner:
         factors: list[tuple[torch.Tensor, ...]] | None = None
         if deltas is not None:
             dtype = projections[0].dtype
-            factors = list(zip(*(t.to(dtype).unbind(0) for t in (deltas.key_a, deltas.key_b.transpose(-1, -2),
-                                                                  deltas.value_a, deltas.value_b))))
+            factors = list(
+                zip(
+                    *(
+                        t.to(dtype).unbind(0)
+                        for t in (deltas.key_a, deltas.key_b.transpose(-1, -2), deltas.value_a, deltas.value_b)
+                    )
+                )
+            )
         score_probes = output_probes = None
         if probes is not None:
             score_probes, output_probes = probes[0].unbind(0), probes[1].unbind(0)
@@ -431,8 +466,9 @@ class Runner:
             output_probe = None if output_probes is None else output_probes[offset]
             if index > from_layer:
                 projections = self.layers[index].project(x, start.rotary)
-            x, k, v, probs, q = self._block(index, x, projections, past[index], mask,
-                                            (key_a, key_b_t, value_a, value_b), score_probe, output_probe)
+            x, k, v, probs, q = self._block(
+                index, x, projections, past[index], mask, (key_a, key_b_t, value_a, value_b), score_probe, output_probe
+            )
             if output_probe is not None:
                 assert score_probe is not None
                 length = past[index][0].size(2)
@@ -445,14 +481,24 @@ class Runner:
         if hidden_states:
             states.append(x)
         logits = self.anatomy.logits(x).float()
-        return RunOutput(logits=logits, new=new,
-                         hidden_states=tuple(h.unsqueeze(1) for h in states) if hidden_states else None,
-                         queries=torch.stack(queries) if queries else None,
-                         window_probs=torch.stack(window_probs) if window_probs else None,
-                         start=start)
+        return RunOutput(
+            logits=logits,
+            new=new,
+            hidden_states=tuple(h.unsqueeze(1) for h in states) if hidden_states else None,
+            queries=torch.stack(queries) if queries else None,
+            window_probs=torch.stack(window_probs) if window_probs else None,
+            start=start,
+        )
 
-    def _start(self, past: "Past", position_ids: torch.Tensor, input_ids: torch.Tensor | None,
-               inputs_embeds: torch.Tensor | None, key_mask: torch.Tensor | None, layer: int) -> Start:
+    def _start(
+        self,
+        past: "Past",
+        position_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        layer: int,
+    ) -> Start:
         """The input, and the layers below ``layer`` (which no delta reaches)."""
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"from_layer must be in [0, {len(self.layers)}), got {layer}")
@@ -472,10 +518,17 @@ class Runner:
             projections = self.layers[index + 1].project(x, rotary)
         return Start(layer=layer, x=x, projections=projections, rotary=rotary, new=new, states=states)
 
-    def _block(self, index: int, x: torch.Tensor, projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-               layer_past: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-               factors: tuple[torch.Tensor | None, ...], score_probe: torch.Tensor | None,
-               output_probe: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def _block(
+        self,
+        index: int,
+        x: torch.Tensor,
+        projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        layer_past: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        factors: tuple[torch.Tensor | None, ...],
+        score_probe: torch.Tensor | None,
+        output_probe: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
         """One transformer block from its input ``x`` and projections: the block's output, the
         fed token's key and value, the attention probabilities and the (scaled) query."""
         q, k, v = projections

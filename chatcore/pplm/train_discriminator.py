@@ -75,8 +75,10 @@ class TrainResult:
     def summary(self) -> str:
         counts = ", ".join(f"{label} {count}" for label, count in self.counts.items())
         validation = f"{self.validation_accuracy:.1%}" if self.validation_accuracy is not None else "-"
-        return (f"head saved to {self.path} (classes: {counts}); accuracy {self.train_accuracy:.1%} on training "
-                f"examples, {validation} held out; {self.seconds:.0f} s")
+        return (
+            f"head saved to {self.path} (classes: {counts}); accuracy {self.train_accuracy:.1%} on training "
+            f"examples, {validation} held out; {self.seconds:.0f} s"
+        )
 
 
 # -- labelled data --------------------------------------------------------------------------------
@@ -103,8 +105,13 @@ def read_labelled_file(path: str | Path) -> list[LabelledText]:
                 raise CorpusError(f"{path}:{number}: expected label<TAB>text")
         if not isinstance(label, (str, int)) or not isinstance(text, str) or not str(label).strip() or not text.strip():
             raise CorpusError(f"{path}:{number}: expected a non-empty label and text")
-        examples.append(LabelledText(str(label).strip(), " ".join(text.split()),
-                                     tuple(" ".join(turn.split()) for turn in context if turn.strip())))
+        examples.append(
+            LabelledText(
+                str(label).strip(),
+                " ".join(text.split()),
+                tuple(" ".join(turn.split()) for turn in context if turn.strip()),
+            )
+        )
     check_classes(examples, str(path))
     return examples
 
@@ -118,16 +125,19 @@ def check_classes(examples: Sequence[LabelledText], source: str) -> None:
         raise CorpusError(f"{source}: label(s) {', '.join(small)} have fewer than 2 examples")
 
 
-def sentiment_examples(positive_from: float = 0.5, negative_from: float = -0.4,
-                       context_turns: int = 2) -> list[LabelledText]:
+def sentiment_examples(
+    positive_from: float = 0.5, negative_from: float = -0.4, context_turns: int = 2
+) -> list[LabelledText]:
     """Chitchat utterances of the training split that VADER scores at least
     ``positive_from`` (positive) or at most ``negative_from`` (negative), each with up
     to ``context_turns`` turns before it."""
     try:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
     except ImportError:
-        raise OptionError("the built-in sentiment labels need the vaderSentiment package "
-                          "(pip install vaderSentiment), or give --data FILE") from None
+        raise OptionError(
+            "the built-in sentiment labels need the vaderSentiment package "
+            "(pip install vaderSentiment), or give --data FILE"
+        ) from None
     from chatcore.training.corpus import load_chitchat, split_heldout
 
     train, _ = split_heldout(load_chitchat())
@@ -172,8 +182,14 @@ def resolve_layer(layer: int, num_layers: int) -> int:
     return resolved
 
 
-def extract_features(loaded: "LoadedModel", examples: Sequence[LabelledText], layer: int, batch_size: int = 64,
-                     max_tokens: int = 64, context_tokens: int = 96) -> "torch.Tensor":
+def extract_features(
+    loaded: "LoadedModel",
+    examples: Sequence[LabelledText],
+    layer: int,
+    batch_size: int = 64,
+    max_tokens: int = 64,
+    context_tokens: int = 96,
+) -> "torch.Tensor":
     """(N, C) float32: per example, the mean hidden state at ``layer`` over the EOS that
     closes its context (or a lone EOS) and its text's tokens."""
     import torch
@@ -205,8 +221,12 @@ def extract_features(loaded: "LoadedModel", examples: Sequence[LabelledText], la
                 ids[row, : len(tokens)] = torch.tensor(tokens)
                 mask[row, : len(tokens)] = 1
                 span[row, reply_start : len(tokens)] = 1.0
-            output = loaded.model(input_ids=ids.to(loaded.device), attention_mask=mask.to(loaded.device),
-                                  output_hidden_states=True, logits_to_keep=1)
+            output = loaded.model(
+                input_ids=ids.to(loaded.device),
+                attention_mask=mask.to(loaded.device),
+                output_hidden_states=True,
+                logits_to_keep=1,
+            )
             hidden = output.hidden_states[layer].float()  # (b, T, C)
             weights = span.to(hidden.device).unsqueeze(-1)
             mean = (hidden * weights).sum(1) / weights.sum(1)
@@ -214,8 +234,9 @@ def extract_features(loaded: "LoadedModel", examples: Sequence[LabelledText], la
     return features
 
 
-def fit_head(features: "torch.Tensor", labels: "torch.Tensor", num_classes: int,
-             settings: TrainSettings) -> tuple["torch.Tensor", "torch.Tensor"]:
+def fit_head(
+    features: "torch.Tensor", labels: "torch.Tensor", num_classes: int, settings: TrainSettings
+) -> tuple["torch.Tensor", "torch.Tensor"]:
     """Fit weight (K, C) and bias (K,) of a linear classifier by full-batch AdamW."""
     import torch
 
@@ -241,9 +262,14 @@ def accuracy(weight: "torch.Tensor", bias: "torch.Tensor", features: "torch.Tens
     return float((predictions == labels).float().mean())
 
 
-def train_discriminator(loaded: "LoadedModel", examples: Sequence[LabelledText], out: str | Path,
-                        settings: TrainSettings | None = None, source: str = "",
-                        progress: Callable[[str], None] | None = None) -> TrainResult:
+def train_discriminator(
+    loaded: "LoadedModel",
+    examples: Sequence[LabelledText],
+    out: str | Path,
+    settings: TrainSettings | None = None,
+    source: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> TrainResult:
     """Fit a head on ``loaded``'s frozen features of ``examples`` and save it to ``out``."""
     import torch
 
@@ -258,8 +284,10 @@ def train_discriminator(loaded: "LoadedModel", examples: Sequence[LabelledText],
     chosen = balance(examples, settings.per_class, settings.seed)
     classes = sorted({example.label for example in chosen})
     counts = dict(Counter(example.label for example in chosen))
-    say(f"{len(chosen)} examples ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
-        f"features from layer {layer} of {loaded.name} ...")
+    say(
+        f"{len(chosen)} examples ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
+        f"features from layer {layer} of {loaded.name} ..."
+    )
     features = extract_features(loaded, chosen, layer, settings.batch_size, settings.max_tokens)
     labels = torch.tensor([classes.index(e.label) for e in chosen], dtype=torch.long)
     held = int(len(chosen) * settings.validation_share)
@@ -269,11 +297,19 @@ def train_discriminator(loaded: "LoadedModel", examples: Sequence[LabelledText],
     train_accuracy = accuracy(weight, bias, train_x, train_y)
     validation_accuracy = accuracy(weight, bias, val_x, val_y) if held else None
     config = HeadConfig(
-        classes=classes, hidden_size=hidden_size, num_layers=num_layers, layer=layer,
-        tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer), base_model=loaded.name,
-        training={"source": source, "examples": counts, "epochs": settings.epochs,
-                  "train_accuracy": round(train_accuracy, 4),
-                  "validation_accuracy": round(validation_accuracy, 4) if validation_accuracy is not None else None},
+        classes=classes,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        layer=layer,
+        tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+        base_model=loaded.name,
+        training={
+            "source": source,
+            "examples": counts,
+            "epochs": settings.epochs,
+            "train_accuracy": round(train_accuracy, 4),
+            "validation_accuracy": round(validation_accuracy, 4) if validation_accuracy is not None else None,
+        },
     )
     path = save_head(out, weight, bias, config)
     return TrainResult(path, classes, counts, train_accuracy, validation_accuracy, time.perf_counter() - started)

@@ -42,8 +42,11 @@ def batchable(reply: "PreparedReply") -> bool:
     """Whether ``reply`` can share a batch: a token decoder using the shared loop, and
     only steerers that declare ``shares_batch``."""
     decoder = reply.decoder
-    return (isinstance(decoder, TokenDecoder) and type(decoder).decode is TokenDecoder.decode
-            and all(type(s).shares_batch for s in reply.steerers))
+    return (
+        isinstance(decoder, TokenDecoder)
+        and type(decoder).decode is TokenDecoder.decode
+        and all(type(s).shares_batch for s in reply.steerers)
+    )
 
 
 def mergeable_cache(cache: Any) -> bool:
@@ -86,8 +89,13 @@ class DecodingBatch:
         return len(self.rows)
 
     # -- joining -----------------------------------------------------------------------
-    def start_row(self, handle: "Handle", reply: "PreparedReply", session: "GenerationSession",
-                  prefix: "tuple[int, Layers | None]" = (0, None)) -> tuple[BatchRow, Any]:
+    def start_row(
+        self,
+        handle: "Handle",
+        reply: "PreparedReply",
+        session: "GenerationSession",
+        prefix: "tuple[int, Layers | None]" = (0, None),
+    ) -> tuple[BatchRow, Any]:
         """Run the row's prompt alone (through all its steerers) and choose its first token.
 
         ``prefix``: the key/values of the prompt's first tokens (from the prefix cache), so
@@ -104,15 +112,27 @@ class DecodingBatch:
             # The prefill runs the model; later steps hand back this row's share of the batch's pass.
             return model(state) if row.shared_output is None else row.shared_output
 
-        row = BatchRow(handle=handle, reply=reply, session=session, tokens=list(prompt),
-                       prompt_length=len(prompt), step=compose(inner, reply.steerers))
+        row = BatchRow(
+            handle=handle,
+            reply=reply,
+            session=session,
+            tokens=list(prompt),
+            prompt_length=len(prompt),
+            step=compose(inner, reply.steerers),
+        )
         row.stops = torch.tensor(sorted(session.stop_ids), dtype=torch.long, device=self.device)
         row.banned = torch.tensor(sorted(session.banned_token_ids), dtype=torch.long, device=self.device)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         cache = cache_from_layers(layers, self.model.config) if layers is not None else None
-        state = StepState(input_ids=ids[:, reused:], sequences=ids, attention_mask=torch.ones_like(ids),
-                          position_ids=torch.arange(reused, len(prompt), device=self.device)[None], cache=cache,
-                          step=0, prompt_length=len(prompt))
+        state = StepState(
+            input_ids=ids[:, reused:],
+            sequences=ids,
+            attention_mask=torch.ones_like(ids),
+            position_ids=torch.arange(reused, len(prompt), device=self.device)[None],
+            cache=cache,
+            step=0,
+            prompt_length=len(prompt),
+        )
         with torch.inference_mode():
             output = row.step(state)
         row.cached = len(prompt)
@@ -124,19 +144,26 @@ class DecodingBatch:
         none), alone and without steerers (its scores are not used); returns the grown cache."""
         import torch
 
-        ids = torch.tensor([prompt[:done + size]], dtype=torch.long, device=self.device)
+        ids = torch.tensor([prompt[: done + size]], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            output = self.model(input_ids=ids[:, done:], attention_mask=torch.ones_like(ids),
-                                position_ids=torch.arange(done, done + size, device=self.device)[None],
-                                past_key_values=cache, use_cache=True, logits_to_keep=1)
+            output = self.model(
+                input_ids=ids[:, done:],
+                attention_mask=torch.ones_like(ids),
+                position_ids=torch.arange(done, done + size, device=self.device)[None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         return output.past_key_values
 
     def layers_of(self, row: BatchRow) -> "Layers":
         """The key/values of every token ``row`` has fed the model: (1, H, cached, D) per layer."""
         index = self.rows.index(row)
         start = self.width - row.cached
-        return [(layer.keys[index:index + 1, :, start:], layer.values[index:index + 1, :, start:])
-                for layer in self.cache.layers]
+        return [
+            (layer.keys[index : index + 1, :, start:], layer.values[index : index + 1, :, start:])
+            for layer in self.cache.layers
+        ]
 
     def join(self, row: BatchRow, cache: Any) -> None:
         """Add a started row and its cache (of its ``cached`` columns) to the batch."""
@@ -171,8 +198,8 @@ class DecodingBatch:
         width = max(row.cached for row in self.rows)
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, self.width - width:]
-            layer.values = layer.values[index, :, self.width - width:]
+            layer.keys = layer.keys[index, :, self.width - width :]
+            layer.values = layer.values[index, :, self.width - width :]
         self.width = width
 
     # -- one step ----------------------------------------------------------------------
@@ -183,11 +210,17 @@ class DecodingBatch:
         last = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.long, device=self.device)
         attention = torch.zeros((len(self.rows), self.width + 1), dtype=torch.long, device=self.device)
         for index, row in enumerate(self.rows):
-            attention[index, self.width - row.cached:] = 1
+            attention[index, self.width - row.cached :] = 1
         positions = torch.tensor([[row.cached] for row in self.rows], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            output = self.model(input_ids=last, attention_mask=attention, position_ids=positions,
-                                past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            output = self.model(
+                input_ids=last,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self.cache = output.past_key_values
         self.width += 1
         for row in self.rows:
@@ -201,9 +234,15 @@ class DecodingBatch:
         if not row.reply.steerers:
             return logits
         ids = torch.tensor([row.tokens], dtype=torch.long, device=self.device)
-        state = StepState(input_ids=ids[:, -1:], sequences=ids, attention_mask=torch.ones_like(ids),
-                          position_ids=torch.tensor([[row.cached - 1]], device=self.device), cache=None,
-                          step=row.generated, prompt_length=row.prompt_length)
+        state = StepState(
+            input_ids=ids[:, -1:],
+            sequences=ids,
+            attention_mask=torch.ones_like(ids),
+            position_ids=torch.tensor([[row.cached - 1]], device=self.device),
+            cache=None,
+            step=row.generated,
+            prompt_length=row.prompt_length,
+        )
         row.shared_output = StepOutput(logits=logits, cache=None)
         with torch.inference_mode():
             return row.step(state).logits
@@ -215,6 +254,7 @@ class DecodingBatch:
         session = row.session
         decoder = row.reply.decoder
         assert isinstance(decoder, TokenDecoder)
+        assert row.banned is not None and row.stops is not None, "the row was not started"
         with torch.inference_mode():
             scores = restrict_scores(logits, row.banned, row.stops, early=row.generated < session.min_new_tokens)
             history = torch.tensor([row.tokens], dtype=torch.long, device=self.device)

@@ -80,10 +80,10 @@ class PrefixCache:
         if size > self.budget:
             return
         for other in list(self.entries):
-            if len(other) >= len(key) and other[:len(key)] == key:
+            if len(other) >= len(key) and other[: len(key)] == key:
                 self.entries.move_to_end(other)  # an entry that covers these tokens already
                 return
-            if len(other) < len(key) and key[:len(other)] == other:
+            if len(other) < len(key) and key[: len(other)] == other:
                 self._remove(other)  # this one covers the shorter entry
         # Own copies: the batch's tensors are views that later steps would keep alive.
         owned = [(k.clone(), v.clone()) for k, v in layers]

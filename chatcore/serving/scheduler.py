@@ -85,9 +85,14 @@ class SoloRow:
 class Scheduler:
     """Decodes every submitted reply on one thread, batching those that can share a step."""
 
-    def __init__(self, engine: "Engine", max_batch: int = DEFAULT_MAX_BATCH,
-                 max_waiting: int = DEFAULT_MAX_WAITING, prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+    def __init__(
+        self,
+        engine: "Engine",
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise OptionError(f"`max_batch` must be a positive integer, got {max_batch!r}")
         if not isinstance(max_waiting, int) or max_waiting < 0:
@@ -115,8 +120,13 @@ class Scheduler:
         self.steps = 0  # batched forward passes so far (for tests and benchmarks)
 
     # -- the callers' side -------------------------------------------------------------
-    def submit(self, source: "Conversation | Sequence[Message]", options: "ReplyOptions | None" = None,
-               listener: Callable[[Event], None] | None = None, prompt_format: "PromptFormat | None" = None) -> Handle:
+    def submit(
+        self,
+        source: "Conversation | Sequence[Message]",
+        options: "ReplyOptions | None" = None,
+        listener: Callable[[Event], None] | None = None,
+        prompt_format: "PromptFormat | None" = None,
+    ) -> Handle:
         """Queue a reply to a conversation or to messages (system first if any); raises
         ServerBusy when the queue is full. Starts the scheduler's thread if needed."""
         from chatcore.conversation import Conversation
@@ -124,15 +134,18 @@ class Scheduler:
 
         if isinstance(source, Conversation):
             # Rendered from its messages as they are now: the caller's thread may add turns meanwhile.
-            source, prompt_format = source.messages(), self.engine.format_for(source)
+            prompt_format = self.engine.format_for(source)
+            source = source.messages()
         handle = Handle(listener)
         request = Request(list(source), options or ReplyOptions(), handle, prompt_format)
         with self._lock:
             if self._stopping:
                 raise ChatcoreError("the scheduler has stopped")
             if len(self._accepted) >= self.max_batch + self.max_waiting:
-                raise ServerBusy(f"the server is busy: {self.max_batch} replies in progress and "
-                                 f"{len(self._accepted) - self.max_batch} waiting; try again shortly")
+                raise ServerBusy(
+                    f"the server is busy: {self.max_batch} replies in progress and "
+                    f"{len(self._accepted) - self.max_batch} waiting; try again shortly"
+                )
             self.waiting.append(request)
             self._accepted.add(handle)
             handle._on_cancel = self._wake
@@ -155,7 +168,7 @@ class Scheduler:
 
     def in_flight(self) -> int:
         """Replies being decoded; a cancelled one no longer counts, so its slot is free at once."""
-        return sum(not row.handle.cancelled for row in [*self.batch.rows, *self.prefilling, *self.solo])
+        return sum(not row.handle.cancelled for row in self._rows())
 
     def start(self) -> None:
         with self._lock:
@@ -195,7 +208,7 @@ class Scheduler:
                     self._lock.wait()
                 if self._stopping:
                     break
-                admitted = []
+                admitted: list[Request] = []
                 while self.waiting and self.in_flight() + len(admitted) < self.max_batch:
                     admitted.append(self.waiting.popleft())
             try:
@@ -219,7 +232,7 @@ class Scheduler:
         return [*self.batch.rows, *self.prefilling, *self.solo]
 
     def _fail_all(self, error: ChatcoreError) -> None:
-        rows = [*self.batch.rows, *self.prefilling]
+        rows: list[BatchRow | Prefill] = [*self.batch.rows, *self.prefilling]
         self.batch, self.prefilling = DecodingBatch(self.engine), []
         for row in rows:
             row.handle._end("error", error)
@@ -252,8 +265,9 @@ class Scheduler:
         except Exception as error:  # never let one request take the thread down
             handle._end("error", ChatcoreError(f"the reply failed to start: {type(error).__name__}: {error}"))
 
-    def _start_row(self, handle: Handle, reply: "PreparedReply", session: "GenerationSession",
-                   prefix: "tuple[int, Layers | None]") -> None:
+    def _start_row(
+        self, handle: Handle, reply: "PreparedReply", session: "GenerationSession", prefix: "tuple[int, Layers | None]"
+    ) -> None:
         """Run the rest of the prompt through the row's steerers, choose its first token, join the batch."""
         try:
             row, cache = self.batch.start_row(handle, reply, session, prefix)
@@ -269,8 +283,9 @@ class Scheduler:
                 try:
                     prefill.cache = self.batch.run_chunk(prompt, prefill.done, prefill.cache, self.prefill_chunk)
                 except Exception as error:
-                    raise ChatcoreError(f"the model failed while reading the prompt: {type(error).__name__}: "
-                                        f"{error}") from error
+                    raise ChatcoreError(
+                        f"the model failed while reading the prompt: {type(error).__name__}: {error}"
+                    ) from error
                 prefill.done += self.prefill_chunk
                 return
             self.prefilling.remove(prefill)
@@ -311,7 +326,7 @@ class Scheduler:
                 layers = self.batch.layers_of(row)
             else:
                 layers = [(layer.keys, layer.values) for layer in cache.layers]
-            self.prefix_cache.store(row.tokens[:row.cached], layers)
+            self.prefix_cache.store(row.tokens[: row.cached], layers)
             row.tokens.pop()
             row.handle._end(reason)  # type: ignore[arg-type]
             return False
@@ -344,7 +359,7 @@ class Scheduler:
         ended = []
         for index, row in enumerate(self.batch.rows):
             try:
-                token = self.batch.choose(row, self.batch.steer(row, logits[index:index + 1]))
+                token = self.batch.choose(row, self.batch.steer(row, logits[index : index + 1]))
             except Exception as error:
                 ended.append(row)
                 row.handle._end("error", blame(self.engine, row.reply, error))
@@ -380,4 +395,3 @@ class Scheduler:
             with torch.inference_mode():  # as in _step_solo: the loop leaves its own block
                 close()
         row.handle._end(reason, error)
-

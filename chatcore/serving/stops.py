@@ -29,10 +29,10 @@ class StopStrings:
         if found:
             self.hit = True
             self.pending = ""
-            return text[:min(found)]
+            return text[: min(found)]
         hold = self._held_tail(text)
-        self.pending = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold]
+        self.pending = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold]
 
     def flush(self) -> str:
         """The held-back text at the end of the reply (no stop string came)."""

@@ -70,8 +70,11 @@ def data_lines(path: str | Path, what: str) -> list[tuple[int, str]]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         raise CorpusError(f"{what} {str(path)!r} is not UTF-8 text") from None
-    return [(number, line) for number, line in enumerate(lines, start=1)
-            if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        (number, line)
+        for number, line in enumerate(lines, start=1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def json_line(path: str | Path, number: int, line: str) -> Any:

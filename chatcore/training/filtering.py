@@ -41,12 +41,13 @@ import math
 import operator
 import re
 import time
-import tomllib
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
+
+import tomllib
 
 from chatcore.errors import CorpusError, OptionError
 from chatcore.training.corpus import Dialogue
@@ -344,7 +345,9 @@ def bland_threshold(config: FilterConfig, corpus_words: int) -> int:
     return max(config.bland_min_count, math.ceil(round(scaled, 6)))  # round: 10.000000001 is 10
 
 
-def gather_stats(items: Sequence[TokenizedDialogue], config: FilterConfig, matcher: BlocklistMatcher | None) -> CorpusStats:
+def gather_stats(
+    items: Sequence[TokenizedDialogue], config: FilterConfig, matcher: BlocklistMatcher | None
+) -> CorpusStats:
     """Word and trigram counts, done on integer word ids with numpy: counting 2.4
     million trigram tuples in a Counter takes seconds, ``np.unique`` a fraction of one."""
     import numpy as np
@@ -654,7 +657,9 @@ class FilterReport:
             lines.append(f"examples removed by {report.name}:")
             for example in shown:
                 source = f"{example.source!r} -> " if example.source else ""
-                lines.append(f"  [{example.dialogue_id} #{example.turn}] {source}{example.target!r}  ({example.reason})")
+                lines.append(
+                    f"  [{example.dialogue_id} #{example.turn}] {source}{example.target!r}  ({example.reason})"
+                )
         return "\n".join(lines)
 
 
@@ -693,7 +698,9 @@ def split_dialogue(dialogue: Dialogue, removed: Sequence[bool], min_turns: int =
     if not any(removed):
         return [dialogue] if len(dialogue.turns) >= min_turns else []
     return [
-        Dialogue(id=f"{dialogue.id}/{number}", turns=tuple(dialogue.turns[i] for i in run), community=dialogue.community)
+        Dialogue(
+            id=f"{dialogue.id}/{number}", turns=tuple(dialogue.turns[i] for i in run), community=dialogue.community
+        )
         for number, run in enumerate(kept_runs(removed), start=1)
         if len(run) >= min_turns
     ]
@@ -717,8 +724,10 @@ def filter_dialogues(
     rules = build_rules(config, stats, matcher)
     reports = {rule.name: RuleReport(rule.name, rule.description, "on") for rule in rules}
     report = FilterReport(
-        rules=[reports.get(name) or RuleReport(name, "", "off" if not config.enabled(name) else "n/a")
-               for name in RULE_NAMES],
+        rules=[
+            reports.get(name) or RuleReport(name, "", "off" if not config.enabled(name) else "n/a")
+            for name in RULE_NAMES
+        ],
         dialogues_in=len(items),
         exchanges_in=stats.exchanges,
         words_in=stats.words,

@@ -108,8 +108,9 @@ def train_model_command(
         corpus, heldout, filter_config, on_filter_report if context.is_main else None
     )
     if not train_set:
-        raise ChatcoreError("the training split is empty: lower the held-out fraction, add dialogues "
-                            "or relax the filter")
+        raise ChatcoreError(
+            "the training split is empty: lower the held-out fraction, add dialogues or relax the filter"
+        )
     out_path = Path(config.out_dir)
     if context.is_main:
         out_path.mkdir(parents=True, exist_ok=True)
@@ -149,8 +150,15 @@ def train_model_command(
     train_stream = encode_dialogues(train_set, tokenizer, reverse=reverse)
     heldout_stream = encode_dialogues(heldout_set, tokenizer, reverse=reverse) if heldout_set else train_stream[:0]
     filter_settings = None if filter_config is None else _changed_settings(filter_config)
-    config.extra.update({"corpus": corpus, "reverse": reverse, "heldout_fraction": heldout, "init_from": init_from,
-                         "filter": filter_settings})
+    config.extra.update(
+        {
+            "corpus": corpus,
+            "reverse": reverse,
+            "heldout_fraction": heldout,
+            "init_from": init_from,
+            "filter": filter_settings,
+        }
+    )
     result = train(model, tokenizer, train_stream, heldout_stream, config, resume=resume, progress=progress)
     if not context.is_main:
         return result

@@ -199,7 +199,7 @@ def _records(path: Path) -> Iterable[tuple[int, Any]]:
 
 
 def detect_format(path: str | Path) -> str:
-    """"dialogues", "tree" or "log", from the first record of a JSONL file."""
+    """ "dialogues", "tree" or "log", from the first record of a JSONL file."""
     path = Path(path)
     if not path.is_file():
         raise CorpusError(f"corpus file not found: {path}")

@@ -119,15 +119,20 @@ def check_trainable(model: Any, block_size: int) -> None:
 
     name = type(model).__name__
     config = getattr(model, "config", None)
-    if config is None or not callable(getattr(model, "forward", None)) or not hasattr(model, "get_output_embeddings") \
-            or model.get_output_embeddings() is None:
+    if (
+        config is None
+        or not callable(getattr(model, "forward", None))
+        or not hasattr(model, "get_output_embeddings")
+        or model.get_output_embeddings() is None
+    ):
         raise ChatcoreError(f"{name} is not a causal language model with an LM head; chatcore trains only those")
     if not any(p.requires_grad for p in model.parameters()):
         raise ChatcoreError(f"{name} has no trainable weights (a quantized model cannot be fine-tuned here)")
     positions = max_positions_of(config)
     if block_size > positions:
-        raise ChatcoreError(f"block size {block_size} exceeds the model's {positions} positions: "
-                            f"use --block-size {positions} or less")
+        raise ChatcoreError(
+            f"block size {block_size} exceeds the model's {positions} positions: use --block-size {positions} or less"
+        )
 
 
 def _lr_at(step: int, total: int, config: TrainConfig) -> float:
@@ -349,8 +354,13 @@ def train(
             step = round(step * steps_per_epoch / saved_steps_per_epoch)
             best_step = round(best_step * steps_per_epoch / saved_steps_per_epoch) if best_step >= 0 else best_step
             if context.is_main:
-                logger.warning("resuming with %d blocks per step instead of %s: continuing at step %d of %d",
-                               global_batch, state.get("global_batch"), step, total_steps)
+                logger.warning(
+                    "resuming with %d blocks per step instead of %s: continuing at step %d of %d",
+                    global_batch,
+                    state.get("global_batch"),
+                    step,
+                    total_steps,
+                )
 
     train_model = raw_model
     if context.enabled:
@@ -457,8 +467,10 @@ def train(
                 else:
                     val = loss_value
                 if show:
-                    bar.write(f"step {step}/{total_steps}  train loss {loss_value:.4f}  held-out loss {val:.4f}  "
-                              f"ppl {math.exp(min(val, 50)):.2f}")
+                    bar.write(
+                        f"step {step}/{total_steps}  train loss {loss_value:.4f}  held-out loss {val:.4f}  "
+                        f"ppl {math.exp(min(val, 50)):.2f}"
+                    )
                 if val < best_val:
                     best_val, best_step = val, step
                     save_best()
@@ -482,8 +494,12 @@ def train(
         parameters=sum(p.numel() for p in raw_model.parameters()),
     )
     if context.is_main:
-        result_json = {**asdict(result), "best_val_perplexity": result.best_val_perplexity,
-                       "world_size": context.world_size, "global_batch": global_batch}
+        result_json = {
+            **asdict(result),
+            "best_val_perplexity": result.best_val_perplexity,
+            "world_size": context.world_size,
+            "global_batch": global_batch,
+        }
         (out_dir / "result.json").write_text(json.dumps(result_json, indent=2))
     barrier()
     finish_distributed()

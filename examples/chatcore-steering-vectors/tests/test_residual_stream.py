@@ -15,15 +15,20 @@ from chatcore_steering_vectors.steerer import split_prompts
 
 FOOD = {
     "positive": "I love cooking dinner|let us talk about food|pizza and pasta are delicious"
-                "|I am hungry, what should I eat?",
-    "negative": "I love playing soccer|let us talk about movies|my job is boring"
-                "|I am tired, what should I do?",
+    "|I am hungry, what should I eat?",
+    "negative": "I love playing soccer|let us talk about movies|my job is boring|I am tired, what should I do?",
 }
 
 
 def session_for(loaded, steerers, prompt_ids=(1, 2, 3), max_new_tokens=4):
-    return GenerationSession(model=loaded, prompt_ids=list(prompt_ids), steerers=list(steerers),
-                             max_new_tokens=max_new_tokens, generator=torch.Generator().manual_seed(0), seed=0)
+    return GenerationSession(
+        model=loaded,
+        prompt_ids=list(prompt_ids),
+        steerers=list(steerers),
+        max_new_tokens=max_new_tokens,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
+    )
 
 
 def prepared(engine, **settings):
@@ -34,8 +39,15 @@ def prepared(engine, **settings):
 
 def prompt_state(ids):
     input_ids = torch.tensor([ids])
-    return StepState(input_ids=input_ids, sequences=input_ids, attention_mask=torch.ones_like(input_ids),
-                     position_ids=torch.arange(len(ids)).unsqueeze(0), cache=None, step=0, prompt_length=len(ids))
+    return StepState(
+        input_ids=input_ids,
+        sequences=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        position_ids=torch.arange(len(ids)).unsqueeze(0),
+        cache=None,
+        step=0,
+        prompt_length=len(ids),
+    )
 
 
 def block_inputs(model, index, run):
@@ -143,7 +155,9 @@ def test_batched_cached_decoding_matches_a_full_forward_per_row(chatcore_engine,
         steps = tokens.index(loaded.eos_token_id) + 1 if loaded.eos_token_id in tokens else len(tokens)
         ids = torch.tensor([prompt + tokens[: steps - 1]])
 
-        def add(module, args, output, start=len(prompt) - 1 if positions == "new" else 0):
+        start = len(prompt) - 1 if positions == "new" else 0
+
+        def add(module, args, output, start=start):
             hidden = output[0] if isinstance(output, tuple) else output
             steered = torch.cat([hidden[:, :start], hidden[:, start:] + steerer.addition], dim=1)
             return (steered, *output[1:]) if isinstance(output, tuple) else steered
@@ -166,13 +180,22 @@ def test_llama_style_models_are_steered_at_their_decoder_layers(chatcore_tiny_mo
 
     torch.manual_seed(0)
     tokenizer = chatcore_tiny_model.tokenizer
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
     model = LlamaForCausalLM(config).eval()
     assert find_blocks(model) is model.model.layers
-    loaded = LoadedModel(name="tiny-llama", path="", model=model, tokenizer=tokenizer, device="cpu",
-                         dtype=torch.float32)
+    loaded = LoadedModel(
+        name="tiny-llama", path="", model=model, tokenizer=tokenizer, device="cpu", dtype=torch.float32
+    )
     steerer = ActivationAddition.from_options(FOOD)
     steerer.prepare(session_for(loaded, [steerer]))
     assert steerer.block is model.model.layers[1]  # a third of three layers

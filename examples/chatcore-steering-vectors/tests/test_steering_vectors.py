@@ -8,9 +8,8 @@ from chatcore.testing import compare_to_baseline
 
 FOOD = {
     "positive": "I love cooking dinner|let us talk about food|pizza and pasta are delicious"
-                "|I am hungry, what should I eat?",
-    "negative": "I love playing soccer|let us talk about movies|my job is boring"
-                "|I am tired, what should I do?",
+    "|I am hungry, what should I eat?",
+    "negative": "I love playing soccer|let us talk about movies|my job is boring|I am tired, what should I do?",
 }
 
 
@@ -18,14 +17,17 @@ def test_the_package_registers_the_steerer(chatcore_engine):
     assert chatcore_engine.registry.steerers["activation-addition"].plugin == "chatcore_steering_vectors"
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"positive": ""}, "`positive` must give at least one prompt"),
-    ({"negative": " | "}, "`negative` must give at least one prompt"),
-    ({"strength": "1000"}, "`strength` must be between -100 and 100, got 1000.0"),
-    ({"layer": "-1"}, "`layer` must be a non-negative integer, got -1"),
-    ({"positions": "some"}, "`positions` must be one of all, new, got 'some'"),
-    ({"colour": "red"}, "unknown setting for steerer 'activation-addition': 'colour'"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"positive": ""}, "`positive` must give at least one prompt"),
+        ({"negative": " | "}, "`negative` must give at least one prompt"),
+        ({"strength": "1000"}, "`strength` must be between -100 and 100, got 1000.0"),
+        ({"layer": "-1"}, "`layer` must be a non-negative integer, got -1"),
+        ({"positions": "some"}, "`positions` must be one of all, new, got 'some'"),
+        ({"colour": "red"}, "unknown setting for steerer 'activation-addition': 'colour'"),
+    ],
+)
 def test_bad_settings_are_refused_by_name(chatcore_engine, settings, message):
     with pytest.raises(OptionError, match=message):
         chatcore_engine.make_steerer("activation-addition", {**FOOD, **settings})
@@ -63,8 +65,13 @@ def test_the_vector_is_computed_once_and_shared_by_every_reply(chatcore_conversa
 def test_steering_toward_food_makes_food_replies_more_common(chatcore_engine_factory, chatcore_bundled_model):
     engine = chatcore_engine_factory(model=chatcore_bundled_model)
     comparison = compare_to_baseline(
-        engine, "activation-addition", {**FOOD, "layer": 3, "strength": 2},
-        contexts=openers()[:12], seeds=[0], vocabulary="food", max_new_tokens=24,
+        engine,
+        "activation-addition",
+        {**FOOD, "layer": 3, "strength": 2},
+        contexts=openers()[:12],
+        seeds=[0],
+        vocabulary="food",
+        max_new_tokens=24,
     )
     assert comparison.steered.attribute_share >= comparison.baseline.attribute_share + 0.2
     assert comparison.perplexity_ratio < 10

@@ -38,8 +38,9 @@ def upgrade() -> None:
     op.create_table(
         "messages",
         sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-        sa.Column("conversation_id", sa.String(64), sa.ForeignKey("conversations.id", ondelete="CASCADE"),
-                  nullable=False),
+        sa.Column(
+            "conversation_id", sa.String(64), sa.ForeignKey("conversations.id", ondelete="CASCADE"), nullable=False
+        ),
         sa.Column("role", sa.String(16), nullable=False),
         sa.Column("text", sa.Text, nullable=False),
         sa.Column("created", sa.DateTime, nullable=False),

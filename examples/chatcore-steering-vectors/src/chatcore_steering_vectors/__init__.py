@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import chatcore
-
 from chatcore_steering_vectors.steerer import ActivationAddition, ActivationAdditionSettings
 
 __all__ = ["ActivationAddition", "ActivationAdditionSettings", "register_steerers"]

@@ -77,8 +77,9 @@ def add_to_output(block: "torch.nn.Module", change: Callable[["torch.Tensor"], "
     return block.register_forward_hook(hook)
 
 
-def mean_block_output(model: "torch.nn.Module", block: "torch.nn.Module", prompts: Sequence[Sequence[int]],
-                      pool: Pool) -> "torch.Tensor":
+def mean_block_output(
+    model: "torch.nn.Module", block: "torch.nn.Module", prompts: Sequence[Sequence[int]], pool: Pool
+) -> "torch.Tensor":
     """The output of ``block`` for each prompt, pooled over its tokens ("mean") or taken
     at its last token ("last"), then averaged over the prompts. Returns (C,)."""
     import torch

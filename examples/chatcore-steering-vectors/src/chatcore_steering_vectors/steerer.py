@@ -16,7 +16,6 @@ from chatcore.errors import OptionError
 from chatcore.steering import Steerer
 from chatcore.step import Step, StepOutput, StepState
 from chatcore.text import encode_text
-
 from chatcore_steering_vectors.residual import Pool, add_to_output, find_blocks, mean_block_output
 
 if TYPE_CHECKING:
@@ -92,8 +91,9 @@ class ActivationAddition(Steerer):
         block = blocks[layer]
         positive = [encode(p) for p in split_prompts(settings.positive)]
         negative = [encode(p) for p in split_prompts(settings.negative)]
-        vector = (mean_block_output(model.model, block, positive, settings.pool)
-                  - mean_block_output(model.model, block, negative, settings.pool))  # (C,)
+        vector = mean_block_output(model.model, block, positive, settings.pool) - mean_block_output(
+            model.model, block, negative, settings.pool
+        )  # (C,)
         return layer, vector
 
     def prepare(self, session: "GenerationSession") -> None:
@@ -128,4 +128,3 @@ class ActivationAddition(Steerer):
                 handle.remove()
 
         return steered
-
