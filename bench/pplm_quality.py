@@ -55,7 +55,7 @@ def main() -> None:
     from chatcore.evaluation.runner import evaluate
     from chatcore.options import parse_key_values
     from chatcore.plugin_manager import PluginHost
-    from chatcore.plugins.bow_bias import WORDLIST_DIR, read_word_file
+    from chatcore.wordlists import WORDLIST_DIR, read_word_file
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -431,8 +431,6 @@ def cocon_command(
 
 @chatcore.hookimpl(trylast=True)
 def register_commands(cli: Any) -> None:
-    # The `train` group belongs to chatcore.plugins.train_commands; it is a module-level
-    # object, so adding to it does not depend on the order plugins register in.
-    from chatcore.plugins.train_commands import train as train_group
+    from chatcore.cli.train import train_group
 
-    train_group.add_command(cocon_command)
+    train_group(cli).add_command(cocon_command)

@@ -141,7 +141,7 @@ def eval_command(
 
 
 def load_vocabulary(attribute: str) -> set[str]:
-    from chatcore.plugins.bow_bias import WORDLIST_DIR, builtin_topics, read_word_file
+    from chatcore.wordlists import WORDLIST_DIR, builtin_topics, read_word_file
 
     if attribute in builtin_topics():
         return set(read_word_file(WORDLIST_DIR / f"{attribute}.txt"))

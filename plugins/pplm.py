@@ -16,10 +16,10 @@ import click
 
 import chatcore
 from chatcore.errors import OptionError
-from chatcore.plugins.bow_bias import builtin_topics, check_word_sources, collect_words
 from chatcore.pplm.config import PerturbConfig
 from chatcore.steering import Steerer
 from chatcore.step import Step
+from chatcore.wordlists import builtin_topics, check_word_sources, collect_words
 
 if TYPE_CHECKING:
     from chatcore.decoding import GenerationSession
@@ -209,10 +209,6 @@ def register_steerers(register: Callable[[type], None]) -> None:
 
 @chatcore.hookimpl(trylast=True)
 def register_commands(cli: click.Group) -> None:
-    # `discriminator` joins the `train` group of the train_commands plugin; the group is
-    # added here as well, so the command exists whichever plugin's hook runs first.
-    from chatcore.plugins.train_commands import train
+    from chatcore.cli.train import train_group
 
-    train.add_command(train_discriminator_command)
-    if "train" not in cli.commands:
-        cli.add_command(train)
+    train_group(cli).add_command(train_discriminator_command)

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import chatcore
 from chatcore.decoding import Candidate, GenerationSession
-from chatcore.plugins.bow_bias import check_word_sources, collect_words
-from chatcore.plugins.mmi import CandidateDecoder, CandidateSettings
+from chatcore.sampling import CandidateDecoder, CandidateSettings
+from chatcore.wordlists import check_word_sources, collect_words
 
 
 @dataclass
 class RankSettings(CandidateSettings):
-    """Candidate sampling (see chatcore.plugins.mmi.CandidateSettings) and the bag of words.
+    """Candidate sampling (see chatcore.sampling.CandidateSettings) and the bag of words.
 
     topic:  a built-in word list (food, sports, ...).
     words:  words or phrases (comma list).

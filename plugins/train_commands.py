@@ -8,22 +8,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 import chatcore
+from chatcore.cli.train import train, train_group
 
 if TYPE_CHECKING:
     from chatcore.training.filtering import FilterConfig, FilterReport
-
-
-@click.group()
-def train() -> None:
-    """Train a tokenizer or a dialogue model (forward, or reverse for MMI).
-
-    Corpora: "chitchat" (built in) or a JSONL file of dialogues
-    ({"id": "...", "turns": ["hi", "hello, how are you?", ...]}), of thread-tree
-    messages ({"id", "parent_id", "text", "community"}) or of chat-log messages
-    ({"channel", "author", "text", "time"}). The held-out split is by thread and the
-    same for every command; the training split is filtered DialoGPT-style unless
-    --no-filter is given.
-    """
 
 
 corpus_option = click.option("--corpus", default="chitchat", show_default=True, help='"chitchat" or a JSONL file.')
@@ -325,4 +313,4 @@ def train_model(
 
 @chatcore.hookimpl(trylast=True)
 def register_commands(cli: click.Group) -> None:
-    cli.add_command(train)
+    train_group(cli)

@@ -629,13 +629,15 @@ def test_history_lengths_are_drawn_between_the_bounds(loaded, tiny_block_dir):
 
 
 def test_train_cocon_command_is_registered():
+    import click
     from click.testing import CliRunner
 
+    from chatcore.cli.train import train
     from chatcore.plugins import cocon
-    from chatcore.plugins.train_commands import train
 
-    cocon.register_commands(None)
-    assert "cocon" in train.commands
+    cli = click.Group()
+    cocon.register_commands(cli)  # on its own: the train group comes with it
+    assert cli.commands["train"] is train and "cocon" in train.commands
     result = CliRunner().invoke(train, ["cocon", "--help"])
     assert result.exit_code == 0
     for option in (
@@ -769,11 +771,12 @@ def test_cocon_replies_on_every_family_under_greedy_top_k_and_mmi(family_model, 
 def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_path):
     import shlex
 
+    import click
     from click.testing import CliRunner
 
+    from chatcore.cli.train import train
     from chatcore.models import load_model
     from chatcore.plugins import cocon
-    from chatcore.plugins.train_commands import train
     from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
 
     folder = build_tiny_model(
@@ -826,7 +829,7 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
         "cpu",
         "--quiet",
     ]
-    cocon.register_commands(None)
+    cocon.register_commands(click.Group())
     result = CliRunner().invoke(train, arguments)
     assert result.exit_code == 0, result.output
     assert "3 steps" in result.output

@@ -68,7 +68,7 @@ def test_wheel_imports_every_builtin_and_has_no_bare_packages(tmp_path: Path) ->
         "chatcore/training/blocklist.txt",
         "chatcore/evaluation/openers.txt",
         "chatcore/bundled/chatcore-tiny/config.json",
-        "chatcore/plugins/wordlists/food.txt",
+        "chatcore/bundled/wordlists/food.txt",
         "chatcore/bundled/cocon-chatcore-tiny/cocon_block.safetensors",
         "chatcore/pplm/heads/sentiment.safetensors",
     ):

@@ -7,8 +7,8 @@ import pytest
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import OptionError
 from chatcore.evaluation.metrics import contains_any, is_degenerate
-from chatcore.plugins.bow_bias import WORDLIST_DIR, read_word_file
 from chatcore.plugins.rank import choose_on_topic
+from chatcore.wordlists import WORDLIST_DIR, read_word_file
 
 
 @pytest.fixture(scope="module")
