@@ -12,7 +12,6 @@ the finished candidates, recording them in ``session.candidates``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -69,7 +68,6 @@ class GenerationSession:
     messages: list["Message"] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
-    first_token_time: float | None = None
 
     @property
     def eos_token_id(self) -> int:
@@ -149,8 +147,6 @@ class GenerationSession:
                 sequences[:, length] = tokens
                 attention[:, length] = (~finished).long()
                 length += 1
-                if self.first_token_time is None:
-                    self.first_token_time = time.perf_counter()
                 yield tokens
                 finished |= torch.isin(tokens, stops)
                 if bool(finished.all()):

@@ -26,7 +26,9 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def _convert(field_name: str, annotation: Any, raw: Any) -> Any:
+def convert_value(field_name: str, annotation: Any, raw: Any) -> Any:
+    """``raw`` (a ``key=value`` string, or a value from a settings file) as ``annotation``
+    says; OptionError naming ``field_name`` when it cannot be."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
@@ -37,7 +39,7 @@ def _convert(field_name: str, annotation: Any, raw: Any) -> Any:
         errors = []
         for option in non_none:
             try:
-                return _convert(field_name, option, raw)
+                return convert_value(field_name, option, raw)
             except OptionError as error:
                 errors.append(str(error))
         raise OptionError(errors[0] if errors else f"`{field_name}`: cannot parse {raw!r}")
@@ -50,10 +52,12 @@ def _convert(field_name: str, annotation: Any, raw: Any) -> Any:
         items: Iterable[Any]
         if isinstance(raw, str):
             items = [item.strip() for item in raw.split(",") if item.strip()]
-        else:
+        elif isinstance(raw, (list, tuple)):
             items = list(raw)
+        else:
+            raise OptionError(f"`{field_name}` must be a list (comma-separated), got {raw!r}")
         inner = args[0] if args else str
-        converted = [_convert(field_name, inner, item) for item in items]
+        converted = [convert_value(field_name, inner, item) for item in items]
         return tuple(converted) if origin is tuple else converted
     if annotation is bool:
         if isinstance(raw, bool):
@@ -148,7 +152,7 @@ def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str 
     converted = {}
     for key, raw in values.items():
         name = key.replace("-", "_")
-        converted[name] = _convert(name, fields[name], raw)
+        converted[name] = convert_value(name, fields[name], raw)
     try:
         return settings_cls(**converted)
     except OptionError:

@@ -96,6 +96,18 @@ class PluginHost:
         except Exception as error:  # PluginValidationError, ValueError (duplicate name), ...
             self.report(name, "register", error)
             return False
+        wrappers = sorted(
+            caller.name
+            for caller in self.pm.get_hookcallers(plugin) or []
+            for impl in caller.get_hookimpls()
+            if impl.plugin is plugin and (impl.hookwrapper or impl.wrapper)
+        )
+        if wrappers:
+            # call_each calls implementations one by one (a failing one is skipped): a wrapper
+            # around the others would never run, so it is refused rather than ignored.
+            self.pm.unregister(plugin)
+            self.report(name, "register", f"hook wrappers are not supported on chatcore hooks: {', '.join(wrappers)}")
+            return False
         self.infos[name] = info or PluginInfo(
             name=name,
             module=getattr(plugin, "__name__", type(plugin).__name__),
@@ -192,9 +204,7 @@ class PluginHost:
         """
         caller = getattr(self.pm.hook, hook_name)
         results = []
-        for impl in reversed(caller.get_hookimpls()):
-            if impl.hookwrapper or impl.wrapper:
-                continue
+        for impl in reversed(caller.get_hookimpls()):  # no wrappers: register() refuses them
             try:
                 arguments = {name: kwargs[name] for name in impl.argnames}
                 results.append((impl.plugin_name, impl.function(**arguments)))

@@ -710,3 +710,15 @@ def test_no_built_in_plugin_imports_another():
             if any(name == "chatcore.plugins" or name.startswith("chatcore.plugins.") for name in names):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+def test_a_hook_wrapper_is_refused_loudly_not_skipped(host):
+    class Wrapping:
+        @chatcore.hookimpl(wrapper=True)
+        def on_response(self, conversation, response):
+            return (yield)
+
+    assert not host.register(Wrapping(), "wrapping")
+    assert problems_of(host) == [("wrapping", "register")]
+    assert "hook wrappers are not supported on chatcore hooks: on_response" in host.problems[0].message
+    assert host.pm.get_plugin("wrapping") is None

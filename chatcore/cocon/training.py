@@ -40,7 +40,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,6 @@ class CoconTrainConfig:
     precision: str = "auto"  # auto | fp32 | bf16
     save_dtype: str = "float16"
     threads: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.content_max_tokens is None:

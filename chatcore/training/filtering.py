@@ -50,6 +50,7 @@ from typing import Any, Protocol
 import tomllib
 
 from chatcore.errors import CorpusError, OptionError
+from chatcore.options import convert_value, settings_fields
 from chatcore.training.corpus import Dialogue
 
 RULE_NAMES = ("community", "url", "markup", "length", "repeat", "blocklist", "top-words", "bland")
@@ -139,43 +140,20 @@ class FilterConfig:
         """A copy with ``values`` applied; strings are converted to each field's type,
         so the same path serves config files and ``--filter-set key=value``."""
         known = self.field_names()
+        fields = settings_fields(type(self))
         changes: dict[str, Any] = {}
         for key, raw in values.items():
             name = key.replace("-", "_")
             if name not in known:
                 raise OptionError(f"{origin}: unknown filter setting {key!r}; known: {', '.join(known)}")
-            changes[name] = _coerce(name, raw, getattr(self, name), origin)
+            try:
+                changes[name] = convert_value(name, fields[name], raw)
+            except OptionError as error:
+                raise OptionError(f"{origin}: {error}") from None
         try:
             return replace(self, **changes)
         except ValueError as error:
             raise OptionError(f"{origin}: {error}") from None
-
-
-def _coerce(name: str, raw: Any, current: Any, origin: str) -> Any:
-    if name == "disable":
-        if isinstance(raw, str):
-            return tuple(n.strip() for n in raw.split(",") if n.strip())
-        if isinstance(raw, (list, tuple)) and all(isinstance(n, str) for n in raw):
-            return tuple(raw)
-        raise OptionError(f"{origin}: `disable` must be a list of rule names, got {raw!r}")
-    if name == "blocklist_path":
-        if raw is None or isinstance(raw, str):
-            return raw or None
-        raise OptionError(f"{origin}: `blocklist_path` must be a file path, got {raw!r}")
-    if not isinstance(raw, str):
-        if isinstance(current, float) and isinstance(raw, int) and not isinstance(raw, bool):
-            return float(raw)
-        return raw  # __post_init__ checks the type
-    if isinstance(current, bool):
-        return raw.lower() in ("1", "true", "yes", "on")
-    try:
-        if isinstance(current, int):
-            return int(raw)
-        if isinstance(current, float):
-            return float(raw)
-    except ValueError:
-        raise OptionError(f"{origin}: `{name}` must be a number, got {raw!r}") from None
-    return raw
 
 
 def load_filter_config(path: str | Path, base: FilterConfig | None = None) -> FilterConfig:

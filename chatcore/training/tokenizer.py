@@ -7,7 +7,6 @@ separates turns, as in DialoGPT.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -45,8 +44,3 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency:
     )
     wrapped.model_max_length = 1024
     return wrapped
-
-
-def save_tokenizer(tokenizer: "PreTrainedTokenizerFast", directory: str | Path) -> None:
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(str(directory))
