@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.chatcore-installed
 
-.PHONY: chat test test-fast lint bench venv clean
+.PHONY: chat test test-fast test-floor lint bench venv clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,17 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q
 	$(PY) -m pytest -q $(EXAMPLE)/tests
+	$(MAKE) test-floor
+
+# The oldest transformers release pyproject.toml allows, installed beside the venv's
+# newer one (in .floor/, first on the path), under the fast tests.
+TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+test-floor: $(STAMP)
+	test -f .floor/.transformers-$(TRANSFORMERS_FLOOR) || { rm -rf .floor && \
+		$(PY) -m pip install --quiet --target .floor "transformers==$(TRANSFORMERS_FLOOR)" && \
+		touch .floor/.transformers-$(TRANSFORMERS_FLOOR); }
+	PYTHONPATH=.floor $(PY) -c "import transformers; assert transformers.__version__ == '$(TRANSFORMERS_FLOOR)'"
+	PYTHONPATH=.floor $(PY) -m pytest -q -m "not slow"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -50,7 +61,7 @@ bench: $(STAMP)
 	$(PY) bench/decode_speed.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) .floor build dist *.egg-info
 
 # The conversation log's tests start a throwaway PostgreSQL cluster: the server from the
 # distribution's packages (installed here when missing and we are root), the driver from

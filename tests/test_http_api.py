@@ -524,3 +524,23 @@ def test_serve_refuses_a_log_it_cannot_open_before_loading_the_model(tmp_path):
     result = runner.invoke(build_cli(), ["serve", "--port", "0", "--model", "nope", "--db", str(blocked / "log.db")])
     assert result.exit_code != 0 and "Traceback" not in result.output and "nope" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_a_reply_with_a_control_character_comes_back_as_history_and_continues_its_conversation():
+    from chatcore.adapters.http_api.completions import to_messages
+    from chatcore.adapters.http_api.errors import ApiError
+    from chatcore.adapters.http_api.request_log import _assistant, thread_key
+    from chatcore.adapters.http_api.schema import ChatCompletionRequest
+
+    def parsed(*messages):
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": list(messages)})
+
+    first = [{"role": "user", "content": "hi"}]
+    reply = "well\x05 hello"  # a small model can write a control character
+    follow_up = parsed(*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "and?"})
+    messages = to_messages(follow_up, None)  # the server's own reply is not refused
+    assert messages[1].text == "well hello"
+    sent_first = to_messages(parsed(*first), None)
+    assert thread_key(messages[:-1]) == thread_key([*sent_first, _assistant(reply)])
+    with pytest.raises(ApiError, match="contains a control character"):
+        to_messages(parsed({"role": "user", "content": "bad\x05"}), None)

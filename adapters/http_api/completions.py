@@ -24,6 +24,20 @@ if TYPE_CHECKING:
 ALLOWED_CONTROLS = {"\n", "\t", "\r"}
 
 
+def without_controls(text: str) -> str:
+    """``text`` without the control characters a request may not carry."""
+    return "".join(c for c in text if c in ALLOWED_CONTROLS or unicodedata.category(c) not in ("Cc", "Cs"))
+
+
+def history_text(reply: str) -> str:
+    """A reply as it comes back in the next request's history: a tiny or odd model may
+    write a control character, which a client then sends back as the assistant's turn;
+    it is dropped there rather than refused."""
+    from chatcore.text import clean_message
+
+    return clean_message(without_controls(reply))
+
+
 def to_messages(request: ChatCompletionRequest, default_system: str | None) -> list["Message"]:
     """The request's messages as chatcore's: system messages first (joined), the user's last."""
     from chatcore.prompting import Message, clean_system_prompt
@@ -34,6 +48,8 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
     for index, message in enumerate(request.messages):
         param = f"messages.[{index}].content"
         text = message.text()
+        if message.role == "assistant":  # the server's own earlier reply
+            text = without_controls(text)
         bad = next((c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in ALLOWED_CONTROLS), None)
         if bad is not None:
             raise ApiError(400, f"messages[{index}] contains a control character (U+{ord(bad):04X})", param)

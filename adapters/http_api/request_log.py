@@ -131,7 +131,12 @@ class RequestLog:
         self._executor.shutdown()
 
 
-def _assistant(text: str) -> "Message":
+def _assistant(reply: str) -> "Message":
+    """The reply as the next request of the conversation will carry it."""
+    from chatcore.adapters.http_api.completions import history_text
     from chatcore.prompting import Message
 
-    return Message("assistant", text)
+    try:
+        return Message("assistant", history_text(reply))
+    except Exception:  # an empty reply: the client cannot send it back as it was
+        return Message("assistant", reply)
