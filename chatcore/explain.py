@@ -58,7 +58,7 @@ def explain(provenance: dict[str, Any], every_candidate: bool = True) -> list[st
         lines.append(f"{key}: {one_line(str(value), 200)}")
     if "prompt_tokens" in provenance:
         lines.append(
-            f"context: {provenance.get('prompt_tokens')} tokens of {provenance.get('model', '?')}'s, "
+            f"context: {provenance.get('prompt_tokens')} prompt tokens ({provenance.get('model', '?')}), "
             f"{provenance.get('history_turns_used', '?')} turn(s) used, "
             f"{provenance.get('history_turns_dropped', 0)} older turn(s) left out"
         )
