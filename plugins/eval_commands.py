@@ -9,20 +9,13 @@ from typing import Any
 import click
 
 import chatcore
+from chatcore.cli.options import model_option, plugin_options, prompt_options
 from chatcore.errors import ChatcoreError
 
 
 @click.command("eval")
-@click.option("-m", "--model", default="chatcore-tiny", show_default=True)
-@click.option(
-    "-d",
-    "--decoder",
-    "decoder_spec",
-    default="top-k",
-    show_default=True,
-    help='Decoder and settings, e.g. "top-k top_k=20".',
-)
-@click.option("-s", "--steer", "steer_specs", multiple=True, help="Steerer and settings; repeatable, applied in order.")
+@model_option
+@plugin_options
 @click.option(
     "-p",
     "--prompts",
@@ -42,15 +35,7 @@ from chatcore.errors import ChatcoreError
     "--samples", type=click.IntRange(0, 100_000), default=5, show_default=True, help="Sample replies to print."
 )
 @click.option("--device", default=None)
-@click.option("--system", "system_text", default=None, help="System prompt (persona) for every reply.")
-@click.option("--system-file", type=click.Path(), default=None, help="Read the system prompt from a UTF-8 text file.")
-@click.option(
-    "--format",
-    "prompt_format",
-    default="auto",
-    show_default=True,
-    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...",
-)
+@prompt_options("System prompt (persona) for every reply.")
 @click.option("--json", "json_path", default=None, help="Also write the full report (with every reply) to this file.")
 @click.option(
     "--batch",

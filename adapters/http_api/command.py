@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from chatcore.cli.options import model_option, prompt_options
+
 if TYPE_CHECKING:
     import socket
 
@@ -37,22 +39,14 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     help="Address to listen on (0.0.0.0 listens on every interface: set --api-key then).",
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
+@model_option
 @click.option(
     "--api-key",
     envvar="CHATCORE_API_KEY",
     default=None,
     help="Require `Authorization: Bearer KEY` on every request (or set CHATCORE_API_KEY).",
 )
-@click.option("--system", "system_text", default=None, help="System prompt of requests that bring none.")
-@click.option("--system-file", type=click.Path(), default=None, help="Read that system prompt from a UTF-8 text file.")
-@click.option(
-    "--format",
-    "prompt_format",
-    default="auto",
-    show_default=True,
-    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...",
-)
+@prompt_options("System prompt of requests that bring none.")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Replies decoded at once.")
 @click.option(
     "--max-waiting",

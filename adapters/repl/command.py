@@ -7,34 +7,13 @@ from pathlib import Path
 import click
 
 from chatcore.adapters.conversation_log.commands import DB_HELP
+from chatcore.cli.options import model_option, plugin_options, prompt_options
 
 
 @click.command("chat")
-@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
-@click.option(
-    "-d",
-    "--decoder",
-    "decoder_spec",
-    default="top-k",
-    show_default=True,
-    help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".',
-)
-@click.option(
-    "-s",
-    "--steer",
-    "steer_specs",
-    multiple=True,
-    help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.',
-)
-@click.option("--system", "system_text", default=None, help="System prompt (persona) of the conversation.")
-@click.option("--system-file", type=click.Path(), default=None, help="Read the system prompt from a UTF-8 text file.")
-@click.option(
-    "--format",
-    "prompt_format",
-    default="auto",
-    show_default=True,
-    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...",
-)
+@model_option
+@plugin_options
+@prompt_options("System prompt (persona) of the conversation.")
 @click.option(
     "--seed",
     type=click.IntRange(0, 2**63 - 1),

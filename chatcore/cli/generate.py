@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from chatcore.cli.options import model_option, plugin_options, prompt_options
 from chatcore.cli.specs import parse_spec
 
 
@@ -23,31 +24,9 @@ def read_turns(data: bytes) -> tuple[str, ...]:
 
 @click.command()
 @click.argument("turns", nargs=-1, required=True)
-@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="Bundled name, local folder or hub id.")
-@click.option(
-    "-d",
-    "--decoder",
-    "decoder_spec",
-    default="top-k",
-    show_default=True,
-    help='Decoder and settings, e.g. "top-k top_k=20 temperature=0.7".',
-)
-@click.option(
-    "-s",
-    "--steer",
-    "steer_specs",
-    multiple=True,
-    help='Steerer and settings, e.g. "bow-bias topic=food strength=4". Repeatable; applied in order.',
-)
-@click.option("--system", "system_text", default=None, help="System prompt (persona) for the reply.")
-@click.option("--system-file", type=click.Path(), default=None, help="Read the system prompt from a UTF-8 text file.")
-@click.option(
-    "--format",
-    "prompt_format",
-    default="auto",
-    show_default=True,
-    help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt, ...",
-)
+@model_option
+@plugin_options
+@prompt_options("System prompt (persona) for the reply.")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
 @click.option(
     "-n",
