@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from chatcore.options import Configurable
-from chatcore.processors import NoRepeatNGram, RepetitionPenalty, ScoreProcessor
+from chatcore.processors import ScoreProcessor, chain, no_repeat_ngram, repetition_penalty
 from chatcore.steering import Steerer, compose
 from chatcore.step import Step, StepState, model_step
 
@@ -95,6 +95,7 @@ class GenerationSession:
         (left-padded). A row that emitted a stop token keeps receiving EOS and is ignored;
         the loop ends when every row has finished or after ``max_new_tokens`` steps.
         """
+        processing = chain(processors)
         import torch
 
         device = self.model.device
@@ -140,8 +141,7 @@ class GenerationSession:
                 scores = output.logits
                 history = sequences[:, :length]
                 scores = restrict_scores(scores, banned, stops, early=step_index < self.min_new_tokens)
-                for processor in processors:
-                    scores = processor(history, scores)
+                scores = processing(history, scores)
                 tokens = select(scores, self.generator)  # (B,)
                 tokens = torch.where(finished, torch.full_like(tokens, eos), tokens)
                 sequences[:, length] = tokens
@@ -189,10 +189,10 @@ class TokenDecoder(Decoder):
         processors: list[ScoreProcessor] = []
         penalty = getattr(self.settings, "repetition_penalty", 1.0)
         if penalty != 1.0:
-            processors.append(RepetitionPenalty(penalty))
+            processors.append(repetition_penalty(penalty))
         ngram = getattr(self.settings, "no_repeat_ngram_size", 0)
         if ngram:
-            processors.append(NoRepeatNGram(ngram))
+            processors.append(no_repeat_ngram(ngram))
         return processors
 
     def processors(self) -> list[ScoreProcessor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from chatcore.decoding import Decoder, GenerationSession, RepetitionSettings, TokenDecoder
-from chatcore.processors import ScoreProcessor, Temperature, TopK, TopP
+from chatcore.processors import ScoreProcessor, temperature, top_k, top_p
 from chatcore.steering import Steerer
 from chatcore.step import Step, StepOutput, StepState
 
@@ -49,10 +49,10 @@ class TopKDecoder(TokenDecoder):
         settings = self.settings
         processors = self.repetition_processors()
         if settings.temperature != 1.0:
-            processors.append(Temperature(settings.temperature))
-        processors.append(TopK(settings.top_k))
+            processors.append(temperature(settings.temperature))
+        processors.append(top_k(settings.top_k))
         if settings.top_p < 1.0:
-            processors.append(TopP(settings.top_p))
+            processors.append(top_p(settings.top_p))
         return processors
 
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatcore.decoding import TokenDecoder, restrict_scores
 from chatcore.errors import ChatcoreError
+from chatcore.processors import chain
 from chatcore.serving.prefix_cache import Layers, cache_from_layers
 from chatcore.steering import compose
 from chatcore.step import StepOutput, StepState, model_step
@@ -258,8 +259,7 @@ class DecodingBatch:
         with torch.inference_mode():
             scores = restrict_scores(logits, row.banned, row.stops, early=row.generated < session.min_new_tokens)
             history = torch.tensor([row.tokens], dtype=torch.long, device=self.device)
-            for processor in decoder.processors():
-                scores = processor(history, scores)
+            scores = chain(decoder.processors())(history, scores)
             return int(decoder.select(scores, session.generator)[0])
 
 
