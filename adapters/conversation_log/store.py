@@ -27,7 +27,7 @@ import re
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +39,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from chatcore.adapters.conversation_log import schema
 from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError, UnknownConversationError
 from chatcore.adapters.conversation_log.models import ConversationRow, MessageRow, utc_now
+from chatcore.adapters.conversation_log.records import (
+    ConversationRecord,
+    ConversationSummary,
+    MessageRecord,
+    SearchHit,
+)
 
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation, Turn
@@ -48,102 +54,6 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 REPLACEMENT = "\ufffd"  # stands for a lone surrogate, which no UTF-8 database can hold
 NUL_SYMBOL = "\u2400"  # stands for NUL where the database refuses it (PostgreSQL)
 _FTS_MIN_CHARS = 3  # a trigram index cannot answer shorter queries
-
-
-@dataclass
-class MessageRecord:
-    id: int
-    conversation_id: str
-    role: str
-    text: str
-    created: datetime
-    author_id: str | None = None
-    token_count: int | None = None
-    prompt_tokens: int | None = None
-    latency_s: float | None = None
-    first_token_s: float | None = None
-    decoder: dict[str, Any] | None = None
-    steerers: list[Any] | None = None
-    candidates: list[Any] | None = None
-    seed: int | None = None
-    interrupted: bool = False
-    superseded: bool = False
-    provenance: dict[str, Any] | None = None
-
-    @classmethod
-    def from_row(cls, row: MessageRow) -> "MessageRecord":
-        return cls(
-            id=row.id,
-            conversation_id=row.conversation_id,
-            role=row.role,
-            text=row.text,
-            created=row.created,
-            author_id=row.author_id,
-            token_count=row.token_count,
-            prompt_tokens=row.prompt_tokens,
-            latency_s=row.latency_s,
-            first_token_s=row.first_token_s,
-            decoder=row.decoder,
-            steerers=row.steerers,
-            candidates=row.candidates,
-            seed=row.seed,
-            interrupted=bool(row.interrupted),
-            superseded=bool(row.superseded),
-            provenance=row.provenance,
-        )
-
-    def full_provenance(self) -> dict[str, Any]:
-        """The reply's provenance as the engine gave it (candidates included)."""
-        provenance = dict(self.provenance or {})
-        if self.candidates:
-            provenance["candidates"] = self.candidates
-        return provenance
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["created"] = self.created.isoformat()
-        return data
-
-
-@dataclass
-class ConversationSummary:
-    id: str
-    created: datetime
-    updated: datetime
-    adapter: str | None
-    channel_key: str | None
-    model: str | None
-    title: str | None
-    message_count: int
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["created"] = self.created.isoformat()
-        data["updated"] = self.updated.isoformat()
-        return data
-
-
-@dataclass
-class ConversationRecord(ConversationSummary):
-    system: str | None = None
-    prompt_format: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    messages: list[MessageRecord] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = super().to_dict()
-        data["messages"] = [message.to_dict() for message in self.messages]
-        return data
-
-
-@dataclass
-class SearchHit:
-    conversation_id: str
-    title: str | None
-    message: MessageRecord
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"conversation_id": self.conversation_id, "title": self.title, "message": self.message.to_dict()}
 
 
 def _sqlite_connect(dbapi_connection: Any, connection_record: Any) -> None:
