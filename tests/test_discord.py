@@ -699,16 +699,21 @@ async def test_a_slow_command_is_deferred_and_answered_by_follow_up(harness: Har
     monkeypatch.setattr(slash_module, "DEFER_AFTER_S", 0.05)
     member = harness.member(0)
     dm = await member.create_dm()
-    release = threading.Event()
-    busy = harness.worker.submit(lambda runtime, control: release.wait(10))  # the worker is "generating"
-    await wait_until(lambda: harness.worker.running)
+    started, release = threading.Event(), threading.Event()
+
+    def hold(runtime, control):  # the worker is busy with something slow
+        started.set()
+        return release.wait(10)
+
+    busy = harness.worker.submit(hold)
+    await wait_until(started.is_set)  # this job itself, not one still finishing before it
     fake = interaction(member, dm)
     command = asyncio.ensure_future(harness.bot.tree.get_command("chat").get_command("reset").callback(fake))
-    for _ in range(200):
-        if fake.response.deferred is not None:
+    for _ in range(1000):  # 0.05 s, or more on a busy machine
+        if fake.response.deferred is not None or command.done():
             break
         await asyncio.sleep(0.01)
-    assert fake.response.deferred == (False, True) and not command.done()
+    assert fake.response.deferred == (False, True) and not command.done(), fake.response.sent
     release.set()
     await command
     await busy
