@@ -378,12 +378,6 @@ class Noting(Steerer):
         self.note(session, {"label": self.settings.label})
 
 
-class NotingPlugin:
-    @chatcore.hookimpl
-    def register_steerers(self, register):
-        register(Noting)
-
-
 def test_two_instances_of_one_steerer_keep_their_own_details(loaded, host):
     host.register(NotingPlugin(), "noting-plugin")
     engine = Engine(loaded, host=host)
@@ -420,14 +414,17 @@ class Prepared(Steerer):
         self.note(session, self.shared)
 
 
-class PreparedPlugin:
+class NotingPlugin:
+    """Registers the two steerers above."""
+
     @chatcore.hookimpl
     def register_steerers(self, register):
+        register(Noting)
         register(Prepared)
 
 
 def test_a_steerers_setup_runs_once_per_engine_and_settings_and_every_reply_shares_it(loaded, host):
-    host.register(PreparedPlugin(), "prepared-plugin")
+    host.register(NotingPlugin(), "noting-plugin")
     engine = Engine(loaded, host=host)
     Prepared.setups.clear()
 
