@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError
+from chatcore.models import cache_keyword
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +53,7 @@ BLOCK_LISTS = ("layers", "h", "blocks")
 FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm")
 POSITION_EMBEDDINGS = ("wpe", "embed_positions")
 EMBEDDING_DROPOUTS = ("drop", "emb_dropout", "embed_dropout")
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")  # newest name first
 ATTENTIONS = ("self_attn", "attn", "attention")
 MLPS = ("mlp", "feed_forward")
 QUERY_PROJECTIONS = ("q_proj", "query")
@@ -167,10 +169,10 @@ class Anatomy:
         self.layer_kinds = self._layer_kinds()
 
         parameters = inspect.signature(blocks[0].forward).parameters
-        self._cache_argument = (
-            "past_key_values"
-            if "past_key_values" in parameters
-            else ("layer_past" if "layer_past" in parameters else None)
+        # transformers 5.24 renamed the blocks' `past_key_values` to `cache`; older GPT-2 blocks say `layer_past`.
+        self._cache_argument = next(
+            (argument for argument in CACHE_ARGUMENTS if argument in parameters),
+            None,
         )
         self._takes = {
             argument: argument in parameters for argument in ("position_embeddings", "position_ids", "use_cache")
@@ -178,7 +180,7 @@ class Anatomy:
         if self._cache_argument is None:
             raise UnsupportedModelError(
                 f"the blocks of {name} ({type(blocks[0]).__name__}) take no cache argument "
-                f"chatcore knows (past_key_values, layer_past)"
+                f"chatcore knows ({', '.join(CACHE_ARGUMENTS)})"
             )
 
     def __repr__(self) -> str:
@@ -302,7 +304,7 @@ class Anatomy:
             "config": self.config,
             "inputs_embeds": hidden,
             "attention_mask": attention_mask,
-            "past_key_values": cache,
+            cache_keyword(create_causal_mask): cache,
             "position_ids": position_ids,
         }
         builders = {FULL_ATTENTION: create_causal_mask, SLIDING_ATTENTION: create_sliding_window_causal_mask}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -225,3 +227,31 @@ def quiet_loading() -> Iterator[None]:
     finally:
         hf_logging.set_tqdm_hook(previous)
         hub_logger.setLevel(level)
+
+
+# transformers 5.24 renamed the key/value cache argument and output field from
+# `past_key_values` to `cache`; the old name still works there, with a warning, until 5.40.
+CACHE = "cache"
+LEGACY_CACHE = "past_key_values"
+
+
+def cache_keyword(function: Any) -> str:
+    """The name ``function`` (a model, its ``forward``, or a transformers helper) gives the
+    key/value cache argument: ``cache`` on transformers 5.24 and later, else ``past_key_values``."""
+    target = type(function).forward if hasattr(function, "forward") and not inspect.isfunction(function) else function
+    return _cache_keyword(target)
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_keyword(function: Any) -> str:
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return LEGACY_CACHE
+    return CACHE if CACHE in parameters else LEGACY_CACHE
+
+
+def output_cache(output: Any) -> Any:
+    """The key/value cache a model's forward returned, under either name."""
+    cache = output.get(CACHE) if hasattr(output, "get") else getattr(output, CACHE, None)
+    return cache if cache is not None else getattr(output, LEGACY_CACHE, None)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from chatcore.models import cache_keyword, output_cache
+
 if TYPE_CHECKING:
     import torch
 
@@ -88,14 +90,14 @@ def model_step(model: Any) -> Step:
             input_ids=state.input_ids,
             attention_mask=state.attention_mask,
             position_ids=state.position_ids,
-            past_key_values=state.cache,
+            **{cache_keyword(model): state.cache},
             use_cache=True,
             output_hidden_states=state.output_hidden_states,
             logits_to_keep=1,  # only the last position's scores are needed
         )
         return StepOutput(
             logits=output.logits[:, -1, :].float(),
-            cache=output.past_key_values,
+            cache=output_cache(output),
             hidden_states=output.hidden_states if state.output_hidden_states else None,
         )
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chatcore.anatomy import UnsupportedModelError, anatomy_of
+from chatcore.models import cache_keyword
 from chatcore.testing import ARCHITECTURES, build_tiny_model
 
 
@@ -62,7 +63,7 @@ def test_blocks_run_by_hand_give_the_models_logits_with_cache_and_padding(tiny) 
                 input_ids=ids[:, start:end],
                 attention_mask=mask[:, :end],
                 position_ids=positions[:, start:end],
-                past_key_values=theirs,
+                **{cache_keyword(model): theirs},
                 use_cache=True,
             ).logits
             got = manual_logits(anatomy, ids[:, start:end], mask[:, :end], positions[:, start:end], ours)

@@ -22,6 +22,7 @@ from chatcore.cocon.store import (
 from chatcore.decoding import GenerationSession
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import OptionError
+from chatcore.models import cache_keyword
 from chatcore.plugins.bow_bias import word_variants
 from chatcore.text import encode_text
 
@@ -697,7 +698,7 @@ def test_alpha_then_beta_equals_the_plain_model_with_cache_and_left_padding(fami
                 input_ids=ids[:, start:end],
                 attention_mask=valid[:, :end],
                 position_ids=positions[:, start:end],
-                past_key_values=theirs,
+                **{cache_keyword(model): theirs},
                 use_cache=True,
             ).logits
             embeddings = split.embed(positions[:, start:end], input_ids=ids[:, start:end])

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from chatcore.models import cache_keyword, output_cache
 from chatcore.pplm.attribute import AttributeInputs, AttributeModel
 from chatcore.pplm.config import PerturbConfig
 from chatcore.pplm.kv import GrowingPast, Past, fresh_cache, normal, past_length, past_of, select_rows
@@ -696,14 +697,14 @@ class Perturbation:
                 else:
                     out = self.model(
                         inputs_embeds=soft,
-                        past_key_values=cache,
+                        **{cache_keyword(self.model): cache},
                         attention_mask=mask,
                         position_ids=position,
                         use_cache=True,
                         output_hidden_states=True,
                         logits_to_keep=1,
                     )
-                    hidden, logits, cache = out.hidden_states[layer][:, -1], out.logits[:, -1], out.past_key_values
+                    hidden, logits, cache = out.hidden_states[layer][:, -1], out.logits[:, -1], output_cache(out)
                 total = total + hidden.float()
                 probs = torch.softmax(logits[:, :vocab].float(), dim=-1)
         return total / (context["count"] + 1 + horizon)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatcore.decoding import TokenDecoder, restrict_scores
 from chatcore.errors import ChatcoreError
+from chatcore.models import cache_keyword, output_cache
 from chatcore.processors import chain
 from chatcore.serving.prefix_cache import Layers, cache_from_layers
 from chatcore.steering import compose
@@ -151,11 +152,11 @@ class DecodingBatch:
                 input_ids=ids[:, done:],
                 attention_mask=torch.ones_like(ids),
                 position_ids=torch.arange(done, done + size, device=self.device)[None],
-                past_key_values=cache,
+                **{cache_keyword(self.model): cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
-        return output.past_key_values
+        return output_cache(output)
 
     def layers_of(self, row: BatchRow) -> "Layers":
         """The key/values of every token ``row`` has fed the model: (1, H, cached, D) per layer."""
@@ -218,11 +219,11 @@ class DecodingBatch:
                 input_ids=last,
                 attention_mask=attention,
                 position_ids=positions,
-                past_key_values=self.cache,
+                **{cache_keyword(self.model): self.cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
-        self.cache = output.past_key_values
+        self.cache = output_cache(output)
         self.width += 1
         for row in self.rows:
             row.cached += 1

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError, OptionError
+from chatcore.models import output_cache
 from chatcore.serving.batch import BatchRow, DecodingBatch, batchable, blame, mergeable_cache
 from chatcore.serving.prefix_cache import Layers, PrefixCache, cache_from_layers
 from chatcore.serving.requests import Event, Handle, ServerBusy
@@ -304,7 +305,7 @@ class Scheduler:
             ids = torch.tensor([[self.engine.eos_token_id]], device=self.engine.loaded.device)
             with torch.inference_mode():
                 output = self.engine.loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
-            self._can_merge = mergeable_cache(output.past_key_values)
+            self._can_merge = mergeable_cache(output_cache(output))
         return self._can_merge
 
     def _advance(self, row: BatchRow, cache: Any = None) -> bool:
