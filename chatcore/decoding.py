@@ -16,7 +16,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from chatcore.options import Configurable
+from pydantic import NonNegativeInt, PositiveFloat
+
+from chatcore.options import Configurable, Settings
 from chatcore.processors import ScoreProcessor, chain, no_repeat_ngram, repetition_penalty
 from chatcore.steering import Steerer, compose
 from chatcore.step import Step, StepState, model_step
@@ -210,17 +212,11 @@ class TokenDecoder(Decoder):
             yield token
 
 
-@dataclass
-class RepetitionSettings:
+class RepetitionSettings(Settings):
     """Repetition controls shared by the token decoders (0 / 1.0 switch them off)."""
 
-    no_repeat_ngram_size: int = 0
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
-            raise ValueError(
-                f"`no_repeat_ngram_size` must be a non-negative integer, got {self.no_repeat_ngram_size!r}"
-            )
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"`repetition_penalty` must be a positive number, got {self.repetition_penalty}")
+    no_repeat_ngram_size: NonNegativeInt = 0
+    """Never repeat an n-gram of this many tokens (0: off)."""
+    repetition_penalty: PositiveFloat = 1.0
+    """Penalise tokens already in the sequence by this factor, as transformers' repetition
+    penalty does (1.0: off)."""

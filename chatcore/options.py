@@ -1,15 +1,26 @@
-"""Typed, validated settings for decoders and steerers.
+"""Typed, validated settings for decoders and steerers, as pydantic models.
 
-Every decoder and steerer declares its settings as a dataclass. ``parse_settings``
-turns ``key=value`` strings (from the CLI, the REPL or Discord) into that dataclass,
-converting each value to the field's type and refusing unknown keys. Range checks
-live in the dataclass's ``__post_init__`` and raise ``ValueError`` naming the field
-and the value; they are reported as :class:`~chatcore.errors.OptionError`.
+Every decoder and steerer declares its settings as a subclass of :class:`Settings` (a
+pydantic model): field types, ranges (``Annotated[int, Field(ge=1)]``) and per-field help
+(the docstring under a field) in one place, and a JSON schema for completion and the HTTP
+API. ``parse_settings`` turns ``key=value`` strings (from the CLI, the REPL or Discord)
+into that model; unknown keys and bad values become one-line
+:class:`~chatcore.errors.OptionError` messages naming the field and the value.
+
+The text a user types is read as follows (on top of pydantic's own conversion):
+``a,b,c`` is a list, ``none`` or an empty value unsets an optional setting, a JSON
+object fills a ``dict``, ``~`` in a ``Path`` is the home folder, and ``true`` / ``false``
+(``yes``/``no``, ``on``/``off``, ``1``/``0``) are booleans. A boolean is not a number.
+
+A plain stdlib dataclass is still accepted as ``Settings`` (pydantic validates its
+fields, then its ``__post_init__`` runs), so plugins written against the earlier
+interface keep working.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -17,128 +28,309 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+import annotated_types
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+
 from chatcore.errors import OptionError
 
 T = TypeVar("T")
 C = TypeVar("C", bound="Configurable")
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+__all__ = [
+    "Configurable",
+    "Settings",
+    "check_settings_class",
+    "parse_key_values",
+    "parse_settings",
+    "settings_dict",
+    "settings_fields",
+    "settings_help",
+    "settings_schema",
+]
 
 
-def convert_value(field_name: str, annotation: Any, raw: Any) -> Any:
-    """``raw`` (a ``key=value`` string, or a value from a settings file) as ``annotation``
-    says; OptionError naming ``field_name`` when it cannot be."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        non_none = [a for a in args if a is not type(None)]
-        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "")):
-            if type(None) in args:
-                return None
-        errors = []
-        for option in non_none:
-            try:
-                return convert_value(field_name, option, raw)
-            except OptionError as error:
-                errors.append(str(error))
-        raise OptionError(errors[0] if errors else f"`{field_name}`: cannot parse {raw!r}")
-    if origin is typing.Literal:
-        if raw not in args:
-            choices = ", ".join(str(a) for a in args)
-            raise OptionError(f"`{field_name}` must be one of {choices}, got {raw!r}")
-        return raw
-    if origin in (tuple, list):
-        items: Iterable[Any]
+class Settings(BaseModel):
+    """The base of decoder and steerer settings.
+
+    Unknown fields are refused, numbers must be finite, assignments are validated, and
+    the docstring under a field is its help text. Building one with bad values raises
+    :class:`~chatcore.errors.OptionError` (a ``ValueError``) in one line.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+        arbitrary_types_allowed=False,
+    )
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as error:
+            raise OptionError(describe_error(error, type(self))) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_typed_text(cls, values: Any) -> Any:
+        if isinstance(values, Mapping):
+            return prepare_values(settings_fields(cls), values)
+        return values
+
+
+# -- reading typed text ---------------------------------------------------------------
+
+
+def _strip_annotated(annotation: Any) -> Any:
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
+def _optional_parts(annotation: Any) -> tuple[Any, bool]:
+    """(the annotation without ``None``, whether ``None`` is allowed)."""
+    annotation = _strip_annotated(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        rest = [_strip_annotated(a) for a in args if a is not type(None)]
+        allows_none = len(rest) < len(args)
+        return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), allows_none  # noqa: UP007
+    return annotation, annotation is type(None)
+
+
+def prepare_value(name: str, annotation: Any, raw: Any) -> Any:
+    """``raw`` with the text conventions above applied for a field of type ``annotation``;
+    pydantic converts and checks the result."""
+    kind, allows_none = _optional_parts(annotation)
+    if allows_none and (raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", ""))):
+        return None
+    origin = typing.get_origin(kind)
+    if origin in (list, tuple) or kind in (list, tuple):
         if isinstance(raw, str):
-            items = [item.strip() for item in raw.split(",") if item.strip()]
-        elif isinstance(raw, (list, tuple)):
-            items = list(raw)
-        else:
-            raise OptionError(f"`{field_name}` must be a list (comma-separated), got {raw!r}")
-        inner = args[0] if args else str
-        converted = [convert_value(field_name, inner, item) for item in items]
-        return tuple(converted) if origin is tuple else converted
-    if annotation is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in _TRUE | _FALSE:
-            return raw.lower() in _TRUE
-        raise OptionError(f"`{field_name}` must be true or false, got {raw!r}")
-    if annotation is int:
-        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-            raise OptionError(f"`{field_name}` must be an integer, got {raw!r}")
-        try:
-            return int(raw)
-        except (TypeError, ValueError):
-            raise OptionError(f"`{field_name}` must be an integer, got {raw!r}") from None
-    if annotation is float:
-        if isinstance(raw, bool):
-            raise OptionError(f"`{field_name}` must be a number, got {raw!r}")
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise OptionError(f"`{field_name}` must be a number, got {raw!r}") from None
-        if value != value or value in (float("inf"), float("-inf")):
-            raise OptionError(f"`{field_name}` must be a finite number, got {raw!r}")
-        return value
-    if annotation is str:
-        if not isinstance(raw, str):
-            raise OptionError(f"`{field_name}` must be text, got {raw!r}")
+            return [item.strip() for item in raw.split(",") if item.strip()]
+        if not isinstance(raw, (list, tuple)):
+            raise OptionError(f"`{name}` must be a list (comma-separated), got {raw!r}")
         return raw
-    if annotation is Path:
-        if isinstance(raw, Path):
-            return raw
-        if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:
-            raise OptionError(f"`{field_name}` must be a file path, got {raw!r}")
-        return Path(raw).expanduser()
-    if annotation is dict or origin is dict:
+    if (kind in (int, float)) and isinstance(raw, bool):
+        what = "an integer" if kind is int else "a number"
+        raise OptionError(f"`{name}` must be {what}, got {raw!r}")
+    if kind is dict or origin is dict:
         value = raw
         if isinstance(raw, str):
             try:
                 value = json.loads(raw)
             except ValueError:
-                raise OptionError(f'`{field_name}` must be a JSON object such as {{"a": 1}}, got {raw!r}') from None
+                value = None
         if not isinstance(value, dict):
-            raise OptionError(f'`{field_name}` must be a JSON object such as {{"a": 1}}, got {raw!r}')
+            raise OptionError(f'`{name}` must be a JSON object such as {{"a": 1}}, got {raw!r}')
         return value
-    if annotation is Any:
-        return raw
-    raise OptionError(f"`{field_name}`: chatcore cannot convert settings of type {annotation!r}")
+    if kind is Path and not isinstance(raw, Path):
+        if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:
+            raise OptionError(f"`{name}` must be a file path, got {raw!r}")
+        return Path(raw).expanduser()
+    return raw
+
+
+def prepare_values(fields: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: prepare_value(key, fields[key], raw) if key in fields else raw for key, raw in values.items()}
+
+
+# -- one-line messages from pydantic's errors -----------------------------------------------
+
+_TYPE_PHRASES = {
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "finite_number": "a finite number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "text",
+    "list_type": "a list (comma-separated)",
+    "tuple_type": "a list (comma-separated)",
+    "dict_type": 'a JSON object such as {"a": 1}',
+    "path_type": "a file path",
+}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else str(value)
+
+
+def range_phrase(metadata: Iterable[Any], integer: bool) -> str:
+    """How a field's bounds read in an error: "a positive integer", "in (0, 1]" ..."""
+    low = high = None
+    low_open = high_open = False
+    for item in metadata:
+        if isinstance(item, annotated_types.Interval):
+            parts: Iterable[Any] = [
+                annotated_types.Gt(item.gt) if item.gt is not None else None,
+                annotated_types.Ge(item.ge) if item.ge is not None else None,
+                annotated_types.Lt(item.lt) if item.lt is not None else None,
+                annotated_types.Le(item.le) if item.le is not None else None,
+            ]
+        else:
+            parts = [item]
+        for part in parts:
+            if isinstance(part, annotated_types.Gt):
+                low, low_open = part.gt, True
+            elif isinstance(part, annotated_types.Ge):
+                low, low_open = part.ge, False
+            elif isinstance(part, annotated_types.Lt):
+                high, high_open = part.lt, True
+            elif isinstance(part, annotated_types.Le):
+                high, high_open = part.le, False
+    if integer:
+        if low is not None and low_open:
+            low, low_open = low + 1, False
+        if high is not None and high_open:
+            high, high_open = high - 1, False
+        if high is None:
+            if low == 1:
+                return "a positive integer"
+            if low == 0:
+                return "a non-negative integer"
+            return f"an integer of at least {low}"
+        if low is None:
+            return f"an integer of at most {high}"
+        return f"an integer from {low} to {high}"
+    if high is None and low is not None:
+        if low == 0:
+            return "a positive number" if low_open else "a non-negative number"
+        return f"a number {'above' if low_open else 'of at least'} {_number(low)}"
+    if low is None and high is not None:
+        return f"a number {'below' if high_open else 'of at most'} {_number(high)}"
+    if low is None or high is None:
+        return "in range"
+    if not low_open and not high_open:
+        return f"between {_number(low)} and {_number(high)}"
+    return f"in {'(' if low_open else '['}{_number(low)}, {_number(high)}{')' if high_open else ']'}"
+
+
+def _field_infos(settings_cls: type) -> dict[str, FieldInfo]:
+    if isinstance(settings_cls, type) and issubclass(settings_cls, BaseModel):
+        return dict(settings_cls.model_fields)
+    hints = typing.get_type_hints(settings_cls, include_extras=True)
+    infos = {}
+    for field in dataclasses.fields(settings_cls):
+        if field.init:
+            default = field.default if field.default is not dataclasses.MISSING else ...
+            infos[field.name] = FieldInfo.from_annotated_attribute(hints[field.name], default)
+    return infos
+
+
+def _constraints(info: FieldInfo) -> list[Any]:
+    """A field's bounds, wherever they are written: on the field, or inside ``X | None``."""
+    found = list(info.metadata)
+    if typing.get_origin(info.annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(info.annotation):
+            if typing.get_origin(arg) is typing.Annotated:
+                found += FieldInfo.from_annotation(arg).metadata
+    return found
+
+
+def describe_error(error: ValidationError, settings_cls: type) -> str:
+    """The first of pydantic's errors as one line: "`top_k` must be a positive integer, got 0"."""
+    first = error.errors(include_url=False)[0]
+    kind, loc, raw = first["type"], first["loc"], first.get("input")
+    if kind in ("value_error", "assertion_error"):
+        cause = (first.get("ctx") or {}).get("error")
+        text = str(cause) if cause is not None else first["msg"]
+        # A check on one field's value may leave the field's name to the message.
+        return text if not loc or text.startswith("`") else f"`{loc[0]}` {text}"
+    name = str(loc[0]) if loc else ""
+    where = f"`{name}`" + (" entries" if len(loc) > 1 else "")
+    if kind == "extra_forbidden":
+        return f"unknown setting {name!r}"
+    if kind in _TYPE_PHRASES:
+        return f"{where} must be {_TYPE_PHRASES[kind]}, got {raw!r}"
+    if kind == "string_too_short":
+        least = (first.get("ctx") or {}).get("min_length", 1)
+        return (
+            f"{where} must not be empty, got {raw!r}" if least == 1 else f"{where} must have {least} characters or more"
+        )
+    info = _field_infos(settings_cls).get(name)
+    annotation = _optional_parts(info.annotation)[0] if info is not None else None
+    if info is not None and len(loc) > 1 and typing.get_origin(annotation) in (list, tuple):
+        info = FieldInfo.from_annotation(typing.get_args(annotation)[0])  # an entry's own type and range
+        annotation = info.annotation
+    if kind == "literal_error" and typing.get_origin(annotation) is typing.Literal:
+        choices = ", ".join(str(a) for a in typing.get_args(annotation))
+        return f"{where} must be one of {choices}, got {raw!r}"
+    if kind in _RANGE_ERRORS and info is not None:
+        integer = annotation is int
+        shown = raw
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            try:
+                shown = int(raw) if integer else float(raw)
+            except ValueError:
+                pass
+        return f"{where} must be {range_phrase(_constraints(info), integer)}, got {shown!r}"
+    message = first["msg"].replace("Input should be", "must be").replace("Value should", "must")
+    return f"{where} {message[0].lower() + message[1:]}, got {raw!r}"
+
+
+# -- the settings interface used by the rest of chatcore -------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter(settings_cls: type) -> TypeAdapter[Any]:
+    return TypeAdapter(settings_cls)
 
 
 def check_settings_class(settings_cls: type) -> None:
-    """Refuse (TypeError) a Settings class with a field of a type the conversion rules
-    do not cover, when its plugin registers it rather than when someone sets it."""
+    """Refuse (TypeError), when its plugin registers, a Settings class pydantic cannot
+    validate or describe: neither a pydantic model nor a dataclass, or a field of a type
+    that has no schema."""
     if settings_cls is object:  # no settings
         return
-    if not dataclasses.is_dataclass(settings_cls):
-        raise TypeError(f"Settings must be a dataclass, got {settings_cls!r}")
-    for name, annotation in settings_fields(settings_cls).items():
-        if not _convertible(annotation):
+    if not (
+        (isinstance(settings_cls, type) and issubclass(settings_cls, BaseModel))
+        or dataclasses.is_dataclass(settings_cls)
+    ):
+        raise TypeError(f"Settings must be a chatcore.options.Settings model (or a dataclass), got {settings_cls!r}")
+    try:
+        infos = _field_infos(settings_cls)
+    except NameError as error:
+        raise TypeError(f"Settings {settings_cls.__name__}: a setting's type cannot be resolved ({error})") from None
+    for name, info in infos.items():
+        try:
+            TypeAdapter(info.annotation).json_schema()
+        except Exception:  # pydantic's schema errors have several types
             raise TypeError(
-                f"setting `{name}` of {settings_cls.__name__}: chatcore cannot convert "
-                f"{annotation!r} (use int, float, bool, str, Literal, Path, dict, a list or "
-                "tuple of those, or one of them | None)"
-            )
-
-
-def _convertible(annotation: Any) -> bool:
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return all(_convertible(a) for a in args if a is not type(None))
-    if origin is typing.Literal or annotation in (bool, int, float, str, Path, dict, Any) or origin is dict:
-        return True
-    if origin in (tuple, list):
-        return not args or all(_convertible(a) for a in args if a is not Ellipsis)
-    return False
+                f"setting `{name}` of {settings_cls.__name__}: chatcore cannot convert {info.annotation!r} "
+                "(use a type pydantic validates: int, float, bool, str, Literal, Path, dict, a list or tuple of "
+                "those, or one of them | None)"
+            ) from None
+    try:
+        _adapter(settings_cls).json_schema()
+    except Exception as error:
+        raise TypeError(f"Settings {settings_cls.__name__}: {str(error).splitlines()[0]}") from None
 
 
 def settings_fields(settings_cls: type) -> dict[str, Any]:
-    """Field name -> resolved type annotation."""
-    hints = typing.get_type_hints(settings_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(settings_cls) if f.init}
+    """Field name -> type annotation (without ``Annotated`` metadata)."""
+    if settings_cls is object:
+        return {}
+    return {name: info.annotation for name, info in _field_infos(settings_cls).items()}
+
+
+def settings_help(settings_cls: type) -> dict[str, str]:
+    """Field name -> its help text (the field's description; empty when it has none)."""
+    if settings_cls is object:
+        return {}
+    return {name: info.description or "" for name, info in _field_infos(settings_cls).items()}
+
+
+def settings_schema(settings_cls: type) -> dict[str, Any]:
+    """The JSON schema of a Settings class (types, defaults, ranges, choices, help)."""
+    if settings_cls is object:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return _adapter(settings_cls).json_schema()
 
 
 def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str = "") -> T:
@@ -149,16 +341,26 @@ def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str 
     if unknown:
         known = ", ".join(fields) or "none"
         raise OptionError(f"unknown setting{where}: {', '.join(map(repr, unknown))} (known: {known})")
-    converted = {}
-    for key, raw in values.items():
-        name = key.replace("-", "_")
-        converted[name] = convert_value(name, fields[name], raw)
+    named = {key.replace("-", "_"): raw for key, raw in values.items()}
+    if settings_cls is object:
+        return settings_cls()
     try:
-        return settings_cls(**converted)
-    except OptionError:
-        raise
+        return typing.cast(T, _adapter(settings_cls).validate_python(prepare_values(fields, named)))
+    except ValidationError as error:
+        raise OptionError(f"{describe_error(error, settings_cls)}{where}") from None
+    except OptionError as error:
+        raise OptionError(f"{error}{where}") from None
     except (ValueError, TypeError) as error:
         raise OptionError(f"{error}{where}") from error
+
+
+def settings_dict(settings: Any) -> dict[str, Any]:
+    """A JSON-friendly view of a settings object (for provenance and the log)."""
+    if isinstance(settings, BaseModel):
+        return settings.model_dump(mode="json")
+    if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
+        return typing.cast(dict[str, Any], _adapter(type(settings)).dump_python(settings, mode="json"))
+    return {}
 
 
 class Configurable:
@@ -186,16 +388,19 @@ class Configurable:
         """The values setting ``name`` may take when they are a short list, for completion
         (the REPL offers them after ``name=``); empty when any value of its type goes.
 
-        The default reads ``Literal[...]`` and ``bool`` annotations. A plugin whose
-        setting is checked against a list only at run time (a topic name) overrides it.
+        The default reads the field's JSON schema (an ``enum`` from ``Literal[...]``, or a
+        boolean). A plugin whose setting is checked against a list only at run time (a
+        topic name) overrides it.
         """
-        kind = settings_fields(cls.Settings).get(name)
-        if typing.get_origin(kind) in (typing.Union, types.UnionType):
-            options = [arg for arg in typing.get_args(kind) if arg is not type(None)]
-            kind = options[0] if len(options) == 1 else None
-        if typing.get_origin(kind) is typing.Literal:
-            return [str(value) for value in typing.get_args(kind)]
-        if kind is bool:
+        properties = settings_schema(cls.Settings).get("properties", {})
+        schema = properties.get(name) or {}
+        options = [schema, *schema.get("anyOf", [])]
+        for option in options:
+            if "enum" in option:
+                return [str(value) for value in option["enum"]]
+            if "const" in option and len(options) <= 3:
+                return [str(option["const"])]
+        if any(option.get("type") == "boolean" for option in options):
             return ["true", "false"]
         return []
 
@@ -209,12 +414,3 @@ def parse_key_values(pairs: Iterable[str]) -> dict[str, str]:
             raise OptionError(f"expected key=value, got {pair!r}")
         result[key.strip()] = value
     return result
-
-
-def settings_dict(settings: Any) -> dict[str, Any]:
-    """A JSON-friendly view of a settings dataclass (for provenance and the log)."""
-    out = {}
-    for field in dataclasses.fields(settings):
-        value = getattr(settings, field.name)
-        out[field.name] = list(value) if isinstance(value, tuple) else value
-    return out

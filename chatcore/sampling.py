@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
 from chatcore.decoding import Decoder, GenerationSession, RepetitionSettings, TokenDecoder
 from chatcore.processors import ScoreProcessor, temperature, top_k, top_p
@@ -24,20 +25,13 @@ if TYPE_CHECKING:
     from chatcore.reranking import ContinuationScore
 
 
-@dataclass
 class TopKSettings(RepetitionSettings):
-    top_k: int = 40
-    top_p: float = 1.0
-    temperature: float = 0.8
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"`top_k` must be a positive integer, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p}")
-        if not self.temperature > 0:
-            raise ValueError(f"`temperature` must be a positive number, got {self.temperature}")
+    top_k: PositiveInt = 40
+    """Sample from this many best tokens."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling: keep the best tokens whose probabilities add up to this share (1.0: off)."""
+    temperature: PositiveFloat = 0.8
+    """Divide the scores by this before sampling (lower: more predictable)."""
 
 
 class TopKDecoder(TokenDecoder):
@@ -67,35 +61,20 @@ class TopKDecoder(TokenDecoder):
 MAX_CANDIDATES = 512
 
 
-@dataclass
 class CandidateSettings(TopKSettings):
-    """Sampling several candidates in one batch (the top-k settings, with 3-gram blocking on).
-
-    candidates:            how many replies to sample (one batch).
-    quorum:                stop sampling once this share of the candidates has ended at EOS; the
-                           others are cut off there and win only if no candidate ended (1: wait
-                           for every candidate, as the batch would otherwise run until its
-                           longest reply ends).
-    """
+    """Sampling several candidates in one batch (the top-k settings, with 3-gram blocking on)."""
 
     # Rerankers reward what a loop repeats (the reverse model the source's words, a word
     # list its words), so much that a candidate stuck in a loop ("teleportation or
     # teleportation or ...") tends to win; blocking repeated 3-grams while sampling keeps
     # such candidates out of the pool.
-    no_repeat_ngram_size: int = 3
-    candidates: int = 8
-    quorum: float = 0.5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if (
-            not isinstance(self.candidates, int)
-            or isinstance(self.candidates, bool)
-            or not 1 <= self.candidates <= MAX_CANDIDATES
-        ):
-            raise ValueError(f"`candidates` must be an integer from 1 to {MAX_CANDIDATES}, got {self.candidates!r}")
-        if isinstance(self.quorum, bool) or not isinstance(self.quorum, (int, float)) or not 0 < self.quorum <= 1:
-            raise ValueError(f"`quorum` must be a number in (0, 1], got {self.quorum!r}")
+    no_repeat_ngram_size: NonNegativeInt = 3
+    """Never repeat an n-gram of this many tokens (0: off)."""
+    candidates: Annotated[int, Field(ge=1, le=MAX_CANDIDATES)] = 8
+    """How many replies to sample (one batch)."""
+    quorum: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """Stop sampling once this share of the candidates has ended at EOS; the others are cut
+    off there and win only if no candidate ended (1: wait for every candidate)."""
 
     def quorum_rows(self) -> int:
         """How many candidates must have ended before sampling stops."""
@@ -114,7 +93,7 @@ class CandidateDecoder(Decoder):
 
     def sampler(self) -> TopKDecoder:
         """The top-k decoder that samples the candidates, with this decoder's sampling settings."""
-        sampling = {f.name: getattr(self.settings, f.name) for f in fields(TopKSettings)}
+        sampling = {name: getattr(self.settings, name) for name in TopKSettings.model_fields}
         return TopKDecoder(TopKSettings(**sampling))
 
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":

@@ -58,7 +58,7 @@ version = "0.1.0"
 description = "The $steerer steerer for chatcore."
 readme = "README.md"
 requires-python = ">=3.10"
-dependencies = ["chatcore"]
+dependencies = ["chatcore", "pydantic>=2.11"]
 
 [project.optional-dependencies]
 test = ["pytest>=8"]
@@ -92,10 +92,12 @@ shorter and a negative one longer. Replace the body of `wrap` with your method.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field
 
 import chatcore
+from chatcore.options import Settings
 from chatcore.steering import Steerer
 from chatcore.step import Step, StepOutput, StepState
 
@@ -103,15 +105,12 @@ if TYPE_CHECKING:
     from chatcore.decoding import GenerationSession
 
 
-@dataclass
-class ${class_name}Settings:
-    """What `--steer "$steerer strength=4"` sets; values arrive converted to these types."""
+class ${class_name}Settings(Settings):
+    """What `--steer "$steerer strength=4"` sets: a pydantic model, so values arrive
+    converted and checked, and the docstring under a field is its help text."""
 
-    strength: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not -100.0 <= self.strength <= 100.0:
-            raise ValueError(f"`strength` must be between -100 and 100, got {self.strength}")
+    strength: Annotated[float, Field(ge=-100, le=100)] = 2.0
+    """Added to the end-of-turn score: positive ends replies sooner, negative later."""
 
 
 class $class_name(Steerer):

@@ -9,11 +9,13 @@ its first k-1 tokens, so multi-token words are completed rather than just starte
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field, model_validator
 
 import chatcore
 from chatcore.errors import OptionError
+from chatcore.options import Settings
 from chatcore.steering import Steerer
 from chatcore.step import Step, StepOutput, StepState
 from chatcore.text import encode_text
@@ -32,17 +34,20 @@ def word_variants(word: str) -> set[str]:
     return {prefix + form for form in forms for prefix in ("", " ")}
 
 
-@dataclass
-class BowBiasSettings:
+class BowBiasSettings(Settings):
     words: tuple[str, ...] = ()
+    """Words or phrases (comma list)."""
     topic: str | None = None
+    """A built-in word list (food, sports, ...)."""
     file: str | None = None
-    strength: float = 2.0
+    """A word file, one word or phrase per line."""
+    strength: Annotated[float, Field(ge=-100.0, le=100.0)] = 2.0
+    """Added to each word's token scores (negative: avoid the words)."""
 
-    def __post_init__(self) -> None:
-        if not -100.0 <= self.strength <= 100.0:
-            raise ValueError(f"`strength` must be between -100 and 100, got {self.strength}")
+    @model_validator(mode="after")
+    def _check_sources(self) -> BowBiasSettings:
         check_word_sources(self.topic, self.file)
+        return self
 
     def all_words(self) -> list[str]:
         return collect_words(self.words, self.topic, self.file)

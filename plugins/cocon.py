@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import click
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 import chatcore
 from chatcore.errors import ChatcoreError, OptionError
+from chatcore.options import Settings
 from chatcore.steering import Steerer
 from chatcore.step import Step, StepOutput, StepState
 from chatcore.text import encode_text
@@ -36,39 +37,32 @@ class SteererOrderError(ChatcoreError):
     """``cocon`` was not given first among the steerers."""
 
 
-@dataclass
-class CoconSettings:
-    """The ``cocon`` steerer's settings.
-
-    content:       one or more content texts (comma list). Empty: the block without
-                   content, which stays close to the plain model.
-    tau:           the content bias: one value for every content, or one per content;
-                   none given: the block's own default (``default_tau`` in its
-                   cocon_config.json, 0 if it has none).
-    block:         a bundled block name or a block folder; default: the bundled block
-                   trained for the loaded model.
-    leading_space: encode each content as it reads inside a sentence (" pizza"), the
-                   form a reply would contain it in.
-    """
+class CoconSettings(Settings):
+    """The ``cocon`` steerer's settings."""
 
     content: tuple[str, ...] = ()
-    tau: tuple[float, ...] = ()
-    block: str | None = None
+    """One or more content texts (comma list). Empty: the block without content, which stays
+    close to the plain model."""
+    tau: tuple[Annotated[float, Field(ge=-TAU_LIMIT, le=TAU_LIMIT)], ...] = ()
+    """The content bias: one value for every content, or one per content; none given: the
+    block's own default (`default_tau` in its cocon_config.json, 0 if it has none)."""
+    block: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] | None = None
+    """A bundled block name or a block folder; default: the bundled block trained for the
+    loaded model."""
     leading_space: bool = True
+    """Encode each content as it reads inside a sentence (" pizza"), the form a reply would
+    contain it in."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.content, str):
-            self.content = (self.content,)
-        if isinstance(self.tau, (int, float)):
-            self.tau = (float(self.tau),)
-        self.content = tuple(text.strip() for text in self.content if text.strip())
-        for value in self.tau:
-            if not math.isfinite(value) or abs(value) > TAU_LIMIT:
-                raise ValueError(f"`tau` values must be between -{TAU_LIMIT:g} and {TAU_LIMIT:g}, got {value}")
+    @field_validator("content")
+    @classmethod
+    def _drop_blank(cls, content: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(text.strip() for text in content if text.strip())
+
+    @model_validator(mode="after")
+    def _tau_per_content(self) -> CoconSettings:
         if len(self.tau) > 1 and len(self.tau) != len(self.content):
             raise ValueError(f"`tau` must give one value or one per content ({len(self.content)}), got {len(self.tau)}")
-        if self.block is not None and not self.block.strip():
-            raise ValueError(f"`block` must name a block, got {self.block!r}")
+        return self
 
     def taus(self, default: float = 0.0) -> list[float]:
         """One tau per content; ``default`` (the block's) when none was given."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import chatcore
@@ -13,7 +12,6 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
 class GreedySettings(RepetitionSettings):
     pass
 

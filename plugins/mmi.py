@@ -18,11 +18,11 @@ EOS; source turns newest first, from the conversation's messages as text), as
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, StringConstraints
 
 import chatcore
 from chatcore.decoding import Candidate, GenerationSession
@@ -33,36 +33,21 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
 class MMISettings(CandidateSettings):
-    """Candidate sampling (see CandidateSettings), the reverse model, and the selection rule.
+    """Candidate sampling (see CandidateSettings), the reverse model, and the selection rule."""
 
-    reverse_model:         bundled name, local folder or hub id of the reverse model.
-    source_turns:          how many of the latest turns form the source (1: the user's turn).
-    weight:                score = reverse + weight * forward (0: pure MMI, as in DialoGPT).
-    length_normalize:      use the forward log-probability per token instead of its sum.
-    selection:             argmax of the scores, or a draw from softmax(scores / selection_temperature).
-    """
-
-    reverse_model: str = DEFAULT_REVERSE_MODEL
-    source_turns: int = 1
-    weight: float = 0.0
+    reverse_model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] = DEFAULT_REVERSE_MODEL
+    """Bundled name, local folder or hub id of the reverse model."""
+    source_turns: PositiveInt = 1
+    """How many of the latest turns form the source (1: the user's turn)."""
+    weight: NonNegativeFloat = 0.0
+    """score = reverse + weight * forward (0: pure MMI, as in DialoGPT)."""
     length_normalize: bool = True
+    """Use the forward log-probability per token instead of its sum."""
     selection: Literal["argmax", "sample"] = "argmax"
-    selection_temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.reverse_model, str) or not self.reverse_model.strip():
-            raise ValueError(f"`reverse_model` must name a model, got {self.reverse_model!r}")
-        if not isinstance(self.source_turns, int) or self.source_turns < 1:
-            raise ValueError(f"`source_turns` must be a positive integer, got {self.source_turns!r}")
-        if not math.isfinite(self.weight) or self.weight < 0:
-            raise ValueError(f"`weight` must be a non-negative number, got {self.weight}")
-        if self.selection not in ("argmax", "sample"):
-            raise ValueError(f"`selection` must be one of argmax, sample, got {self.selection!r}")
-        if not self.selection_temperature > 0:
-            raise ValueError(f"`selection_temperature` must be a positive number, got {self.selection_temperature}")
+    """The argmax of the scores, or a draw from softmax(scores / selection_temperature)."""
+    selection_temperature: PositiveFloat = 1.0
+    """The temperature of `selection=sample`."""
 
 
 def combined_scores(forward: Sequence[float], reverse: Sequence[float], weight: float) -> list[float]:

@@ -9,10 +9,10 @@ Also registers ``chatcore train discriminator``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import click
+from pydantic import model_validator
 
 import chatcore
 from chatcore.errors import OptionError
@@ -26,19 +26,23 @@ if TYPE_CHECKING:
     from chatcore.pplm.perturb import Perturbation
 
 
-@dataclass
 class PPLMSettings(PerturbConfig):
     """The attribute (words, a topic, a word file, or a discriminator head and its class)
     and the perturbation's knobs (see chatcore.pplm.config.PerturbConfig)."""
 
     topic: str | None = None
+    """A built-in word list (food, sports, ...)."""
     words: tuple[str, ...] = ()
+    """Words or phrases (comma list)."""
     file: str | None = None
+    """A word file, one word or phrase per line."""
     discriminator: str | None = None
+    """A discriminator head: a bundled name or a folder (`chatcore train discriminator`)."""
     class_label: str | None = None
+    """The discriminator's class to steer towards."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    @model_validator(mode="after")
+    def _one_attribute(self) -> PPLMSettings:
         check_word_sources(self.topic, self.file)
         has_words = bool(self.topic or self.file or any(w.strip() for w in self.words))
         if self.discriminator is not None:
@@ -56,13 +60,13 @@ class PPLMSettings(PerturbConfig):
                 "pplm needs an attribute: `topic=NAME`, `words=a,b,c`, `file=PATH`, "
                 "or `discriminator=NAME|PATH class_label=LABEL`"
             )
+        return self
 
     def all_words(self) -> list[str]:
         return collect_words(self.words, self.topic, self.file)
 
     def perturb_config(self) -> PerturbConfig:
-        fields = PerturbConfig.__dataclass_fields__
-        return PerturbConfig(**{name: getattr(self, name) for name in fields})
+        return PerturbConfig(**{name: getattr(self, name) for name in PerturbConfig.model_fields})
 
 
 class PPLMSteerer(Steerer):

@@ -16,7 +16,8 @@ Candidates come from the same batched, quorum-stopped pass as ``mmi``'s.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+
+from pydantic import model_validator
 
 import chatcore
 from chatcore.decoding import Candidate, GenerationSession
@@ -24,24 +25,22 @@ from chatcore.sampling import CandidateDecoder, CandidateSettings
 from chatcore.wordlists import check_word_sources, collect_words
 
 
-@dataclass
 class RankSettings(CandidateSettings):
-    """Candidate sampling (see chatcore.sampling.CandidateSettings) and the bag of words.
-
-    topic:  a built-in word list (food, sports, ...).
-    words:  words or phrases (comma list).
-    file:   a word file, one word or phrase per line.
-    """
+    """Candidate sampling (see chatcore.sampling.CandidateSettings) and the bag of words."""
 
     topic: str | None = None
+    """A built-in word list (food, sports, ...)."""
     words: tuple[str, ...] = ()
+    """Words or phrases (comma list)."""
     file: str | None = None
+    """A word file, one word or phrase per line."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    @model_validator(mode="after")
+    def _needs_words(self) -> RankSettings:
         check_word_sources(self.topic, self.file)
         if not self.all_words():
             raise ValueError("rank needs words to rank by: `topic=NAME`, `words=a,b,c` or `file=PATH`")
+        return self
 
     def all_words(self) -> list[str]:
         return collect_words(self.words, self.topic, self.file)

@@ -10,7 +10,6 @@ of a given text: the way to make the model "say" ``@everyone``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import sys
 import time
@@ -109,7 +108,7 @@ class Harness:
         return self.config.members[index]
 
     def listen_in(self, *channels: Any) -> None:
-        self.bot.settings = dataclasses.replace(self.bot.settings, channels=tuple(c.id for c in channels))
+        self.bot.settings = self.bot.settings.model_copy(update={"channels": tuple(c.id for c in channels)})
 
     async def say(self, content: str, channel: Any, member: Any) -> list[discord.Message]:
         """Send a message as ``member`` and return what the bot sent in answer."""
@@ -542,7 +541,7 @@ async def test_reset_in_a_guild_needs_manage_server(harness: Harness):
 @pytest.mark.asyncio
 async def test_a_configured_role_may_change_the_decoder(harness: Harness):
     channel = harness.channel(0)
-    harness.bot.settings = dataclasses.replace(harness.bot.settings, admin_roles=("Moderators",))
+    harness.bot.settings = harness.bot.settings.model_copy(update={"admin_roles": ("Moderators",)})
     moderator = await make_manager(harness, harness.member(0), permissions=0, name="Moderators")
     assert not moderator.guild_permissions.manage_guild
     fake = await slash(harness, "decoder", moderator, channel, spec="greedy")
@@ -1086,7 +1085,7 @@ def test_the_system_prompt_comes_from_the_settings_file_or_the_options(tmp_path)
         (None, {"system_file": str(tmp_path / "none.txt")}, "does not exist"),
         (None, {"system_file": str(tmp_path)}, "is not a file"),
         (None, {"system": "x" * 40_000}, "`system`: the system prompt is 40,000 characters long"),
-        (None, {"prompt_format": ""}, "`prompt_format` must name a prompt format"),
+        (None, {"prompt_format": ""}, "`prompt_format` must not be empty, got ''"),
     ]:
         with pytest.raises(ChatcoreError) as error:
             load_settings(path, overrides)

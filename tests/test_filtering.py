@@ -258,7 +258,7 @@ def test_config_updates_from_strings_and_files(tmp_path):
         ({"max_words": "many"}, "`max_words` must be an integer, got 'many'"),
         ({"bland_share": "half"}, "`bland_share` must be a number, got 'half'"),
         ({"disable": 3}, "`disable` must be a list (comma-separated), got 3"),
-        ({"bland_share": 1.5}, "`bland_share` must be a share in (0, 1]"),
+        ({"bland_share": 1.5}, "`bland_share` must be in (0, 1], got 1.5"),
         ({"markup_pattern": "[unclosed"}, "`markup_pattern` is not a valid regular expression"),
         ({"repeat_count": 1}, "`repeat_count` must be an integer of at least 2"),
     ],

@@ -182,6 +182,26 @@ def test_requests_without_the_key_get_401(serving):
     assert response.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_plugins_lists_decoders_and_steerers_with_the_schema_of_their_settings(serving, client):
+    assert call(f"{serving[1].url}/plugins").status_code == 401
+    listing = call(f"{serving[1].url}/plugins", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    cards = {(card["object"], card["id"]): card for card in listing["data"]}
+    assert {("decoder", "greedy"), ("decoder", "top-k"), ("steerer", "bow-bias")} <= set(cards)
+    top_k = cards["decoder", "top-k"]["settings"]["properties"]["top_k"]
+    assert top_k["type"] == "integer" and top_k["default"] == 40 and top_k["exclusiveMinimum"] == 0
+    assert top_k["description"] == "Sample from this many best tokens."
+    assert cards["decoder", "top-k"]["settings"]["additionalProperties"] is False
+    strength = cards["steerer", "bow-bias"]["settings"]["properties"]["strength"]
+    assert (strength["minimum"], strength["maximum"]) == (-100, 100) and strength["description"]
+    # What the schema describes is what a request may send: a value past its bound is refused by name.
+    model = model_name(client)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], extra_body={"decoder": "top-k top_k=0"}
+        )
+    assert "`top_k` must be a positive integer, got 0" in caught.value.message
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from chatcore.decoding import GenerationSession
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import ChatcoreError, OptionError
+from chatcore.models import output_cache
 from chatcore.plugin_manager import PluginHost
 from chatcore.plugins import pplm as pplm_plugin
 from chatcore.plugins.pplm import PPLMSteerer
@@ -153,7 +154,7 @@ def first_step(loaded, steerer, prompt, rows=1, prompt_length=None):
     ("settings", "message"),
     [
         ({}, "needs an attribute"),
-        ({"topic": "food", "stepsize": -1}, "`stepsize` must be a number between 0"),
+        ({"topic": "food", "stepsize": -1}, "`stepsize` must be between 0 and 10, got -1.0"),
         ({"topic": "food", "num_iterations": 0.5}, "`num_iterations` must be an integer"),
         ({"topic": "food", "gm_scale": 1.5}, "`gm_scale`"),
         ({"topic": "nope"}, "`topic` must be one of"),
@@ -162,8 +163,8 @@ def first_step(loaded, steerer, prompt, rows=1, prompt_length=None):
         ({"discriminator": "sentiment"}, "`class_label` is needed"),
         ({"discriminator": "no-such-head", "class_label": "x"}, "no head file"),
         ({"topic": "food", "steer_every": 0}, "`steer_every`"),
-        ({"topic": "food", "layer_share": 0}, "`layer_share` must be above 0"),
-        ({"topic": "food", "layer_share": 1.5}, "`layer_share` must be a number between 0"),
+        ({"topic": "food", "layer_share": 0}, "`layer_share` must be in \\(0, 1\\], got 0.0"),
+        ({"topic": "food", "layer_share": 1.5}, "`layer_share` must be in \\(0, 1\\], got 1.5"),
     ],
 )
 def test_settings_are_validated(settings, message):
@@ -393,7 +394,7 @@ def test_history_is_never_rewritten(loaded):
                 step=index + 1,
                 prompt_length=len(prompt),
             )
-        full = loaded.model(input_ids=ids[:, :-1], use_cache=True).past_key_values
+        full = output_cache(loaded.model(input_ids=ids[:, :-1], use_cache=True))
     assert steerer.perturbation.perturbed_past is not None  # the steering did change its own past
     for (keys, values), (full_keys, full_values) in zip(past_of(output.cache), past_of(full)):
         assert keys.shape == full_keys.shape
@@ -671,14 +672,13 @@ def test_train_discriminator_command(tiny_model_dir, tmp_path):
 
 def test_the_settings_table_shows_every_knob_with_its_default():
     """docs/pplm.md's settings table lists each PerturbConfig field with the default the code has."""
-    import dataclasses
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "pplm.md").read_text(encoding="utf-8")
-    for field in dataclasses.fields(PerturbConfig):
+    for name, field in PerturbConfig.model_fields.items():
         default = field.default
         shown = str(default).lower() if isinstance(default, bool) else str(default)
-        assert f"| `{field.name}` | {shown} |" in docs, f"docs/pplm.md: no row `{field.name}` with default {shown}"
+        assert f"| `{name}` | {shown} |" in docs, f"docs/pplm.md: no row `{name}` with default {shown}"
 
 
 # -- Llama-family models ---------------------------------------------------------------------------

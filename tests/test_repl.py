@@ -419,6 +419,10 @@ def test_completion_of_commands_names_and_settings(state, store):
     assert texts(state, "/decoder top-k top_k=") == []  # any number goes: nothing to offer
     assert texts(state, "/steer ") == ["off", "bow-bias"]
     assert texts(state, "/steer bow-bias st") == ["strength="]
+    # Each setting comes with its help: the docstring under the field.
+    help_of = {s.text: s.meta for s in completions(state, "/decoder top-k t")}
+    assert help_of["top_k="] == "Sample from this many best tokens."
+    assert help_of["temperature="].startswith("Divide the scores by this")
     assert texts(state, "/steer off ") == []
     assert texts(state, "/form") == ["/format"] and texts(state, "/sys") == ["/system"]
     assert texts(state, "/format ") == ["auto", "chat-template", "dialogpt"]

@@ -15,12 +15,22 @@ import logging
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from chatcore.errors import ChatcoreError, OptionError
-from chatcore.options import parse_settings
+from chatcore.options import Settings, parse_settings
 from chatcore.prompting import AUTO, clean_system_prompt, read_system_file
 
 TOKEN_ENV = "DISCORD_TOKEN"
@@ -29,152 +39,114 @@ SYSTEM_KEYS = {"system", "system_file"}
 
 logger = logging.getLogger("chatcore.discord")
 
-
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+Named = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
 
-def _non_negative_number(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
-        raise ValueError(f"`{name}` must be a non-negative number, got {value!r}")
+def _snowflake(value: int) -> int:
+    # Discord ids are positive 64-bit integers ("snowflakes").
+    if not 0 < value < 2**64:
+        raise ValueError(f"must list Discord ids (positive integers), got {value!r}")
+    return value
 
 
-def _snowflakes(name: str, values: tuple[int, ...]) -> None:
-    for value in values:
-        # Discord ids are positive 64-bit integers ("snowflakes").
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**64:
-            raise ValueError(f"`{name}` must list Discord ids (positive integers), got {value!r}")
+Snowflake = Annotated[int, AfterValidator(_snowflake)]
 
 
-@dataclass
-class DiscordSettings:
-    """Everything ``chatcore discord`` can be told, with defaults that are safe to deploy.
+class DiscordSettings(Settings):
+    """Everything ``chatcore discord`` can be told, with defaults that are safe to deploy."""
 
-    model:             bundled model name, local folder or hub id.
-    device:            cpu, cuda, cuda:1 ... (default: cuda when present).
-    threads:           torch CPU threads for inference (default: torch's choice).
-    decoder:           decoder spec, e.g. "top-k top_k=20 temperature=0.7".
-    steer:             steerer specs applied to every conversation, in order.
-    system:            the system prompt (persona) of every conversation; admins may
-                       override it per server and per channel (/chat system).
-    prompt_format:     how turns become the prompt: auto (the model's chat template if
-                       it has one, else dialogpt), chat-template, dialogpt, or a plugin's.
-    max_new_tokens:    the longest reply, in tokens.
-    min_new_tokens:    replies are at least this many tokens.
-    channels:          channel or thread ids where every message is answered (a thread
-                       inside a listed channel counts too); elsewhere only DMs and
-                       mentions are answered.
-    guilds:            guild ids to sync the slash commands to at start (instant);
-                       none: sync globally (can take up to an hour to appear).
-    admin_roles:       role ids or names that may change the decoder and steering in a
-                       guild, besides members with the Manage Server permission.
-    max_batch:         replies decoded together in one batch (the serving scheduler's
-                       batch size); channels beyond it wait in the queue.
-    queue_size:        replies waiting for a place in the batch; beyond it the bot says
-                       it is busy.
-    cooldown_s:        seconds a user waits between two messages the bot answers.
-    shard_count:       split the bot's gateway connection into this many shards
-                       (discord.py's ``AutoShardedClient``); none: one connection, or
-                       as many shards as Discord recommends when ``shard_ids`` is empty
-                       and ``shard_count`` is 0.
-    shard_ids:         the shards this process runs (with ``shard_count``); several
-                       processes, each with its own ids, then share one bot, and
-                       ``db`` on PostgreSQL gives them one log. Empty: every shard.
-    reply_timeout_s:   a reply still generating after this long is cut short.
-    shutdown_grace_s:  on SIGTERM / Ctrl-C, how long the reply in flight may finish.
-    max_conversations: conversations kept in memory; older ones resume from the log.
-    locked_settings:   decoder and steerer settings that name files or models on the
-                       bot's machine: /chat decoder and /chat steer refuse them (as they
-                       refuse any value that looks like a path); the settings file may
-                       still use them.
-    log:               log conversations (resumed after a restart); false keeps them
-                       in memory only.
-    db:                the conversation log's database: an SQLAlchemy URL or an SQLite
-                       file path (default: ``$CHATCORE_DB`` or the user data folder).
-    """
-
-    model: str = "chatcore-tiny"
+    model: Named = "chatcore-tiny"
+    """Bundled model name, local folder or hub id."""
     device: str | None = None
-    threads: int | None = None
-    decoder: str = "top-k"
-    steer: tuple[str, ...] = ()
+    """cpu, cuda, cuda:1 ... (default: cuda when present)."""
+    threads: PositiveInt | None = None
+    """torch CPU threads for inference (default: torch's choice)."""
+    decoder: Named = "top-k"
+    """Decoder spec, e.g. "top-k top_k=20 temperature=0.7"."""
+    steer: tuple[Named, ...] = ()
+    """Steerer specs applied to every conversation, in order."""
     system: str | None = None
-    prompt_format: str = AUTO
-    max_new_tokens: int = 64
-    min_new_tokens: int = 1
-    channels: tuple[int, ...] = ()
-    guilds: tuple[int, ...] = ()
+    """The system prompt (persona) of every conversation; admins may override it per server and per channel (/chat
+    system)."""
+    prompt_format: Named = AUTO
+    """How turns become the prompt: auto (the model's chat template if it has one, else dialogpt), chat-template,
+    dialogpt, or a plugin's."""
+    max_new_tokens: PositiveInt = 64
+    """The longest reply, in tokens."""
+    min_new_tokens: NonNegativeInt = 1
+    """Replies are at least this many tokens."""
+    channels: tuple[Snowflake, ...] = ()
+    """Channel or thread ids where every message is answered (a thread inside a listed channel counts too);
+    elsewhere only DMs and mentions are answered."""
+    guilds: tuple[Snowflake, ...] = ()
+    """Guild ids to sync the slash commands to at start (instant); none: sync globally (can take up to an hour to
+    appear)."""
     admin_roles: tuple[int | str, ...] = ()
-    max_batch: int = 8
-    queue_size: int = 8
-    cooldown_s: float = 2.0
-    shard_count: int | None = None
-    shard_ids: tuple[int, ...] = ()
-    reply_timeout_s: float = 120.0
-    shutdown_grace_s: float = 10.0
-    max_conversations: int = 1000
+    """Role ids or names that may change the decoder and steering in a guild, besides members with the Manage Server
+    permission."""
+    max_batch: PositiveInt = 8
+    """Replies decoded together in one batch (the serving scheduler's batch size); channels beyond it wait in the
+    queue."""
+    queue_size: PositiveInt = 8
+    """Replies waiting for a place in the batch; beyond it the bot says it is busy."""
+    cooldown_s: NonNegativeFloat = 2.0
+    """Seconds a user waits between two messages the bot answers."""
+    shard_count: NonNegativeInt | None = None
+    """Split the bot's gateway connection into this many shards (discord.py's ``AutoShardedClient``); none: one
+    connection, or as many shards as Discord recommends when ``shard_ids`` is empty and ``shard_count`` is 0."""
+    shard_ids: tuple[NonNegativeInt, ...] = ()
+    """The shards this process runs (with ``shard_count``); several processes, each with its own ids, then share one
+    bot, and ``db`` on PostgreSQL gives them one log. Empty: every shard."""
+    reply_timeout_s: PositiveFloat = 120.0
+    """A reply still generating after this long is cut short."""
+    shutdown_grace_s: NonNegativeFloat = 10.0
+    """On SIGTERM / Ctrl-C, how long the reply in flight may finish."""
+    max_conversations: PositiveInt = 1000
+    """Conversations kept in memory; older ones resume from the log."""
     locked_settings: tuple[str, ...] = ("file", "discriminator", "block", "reverse_model", "model", "path")
+    """Decoder and steerer settings that name files or models on the bot's machine: /chat decoder and /chat steer
+    refuse them (as they refuse any value that looks like a path); the settings file may still use them."""
     log: bool = True
-    db: str | None = None
+    """Log conversations (resumed after a restart); false keeps them in memory only."""
+    db: Named | None = None
+    """The conversation log's database: an SQLAlchemy URL or an SQLite file path (default: ``$CHATCORE_DB`` or the
+    user data folder)."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model.strip():
-            raise ValueError(f"`model` must name a model, got {self.model!r}")
-        if self.threads is not None:
-            _positive_int("threads", self.threads)
-        if not isinstance(self.decoder, str) or not self.decoder.strip():
-            raise ValueError(f"`decoder` must be a decoder spec such as 'top-k', got {self.decoder!r}")
-        for spec in self.steer:
-            if not isinstance(spec, str) or not spec.strip():
-                raise ValueError(f"`steer` must list steerer specs such as 'bow-bias topic=food', got {spec!r}")
+    @field_validator("system")
+    @classmethod
+    def _clean_system(cls, system: str | None) -> str | None:
         try:
-            self.system = clean_system_prompt(self.system)
+            return clean_system_prompt(system)
         except ChatcoreError as error:
             raise ValueError(f"`system`: {error}") from None
-        if not isinstance(self.prompt_format, str) or not self.prompt_format.strip():
-            raise ValueError(f"`prompt_format` must name a prompt format such as 'auto', got {self.prompt_format!r}")
-        _positive_int("max_new_tokens", self.max_new_tokens)
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+
+    @field_validator("admin_roles")
+    @classmethod
+    def _roles(cls, roles: tuple[int | str, ...]) -> tuple[int | str, ...]:
+        for role in roles:
+            if not (isinstance(role, int) and role > 0 or isinstance(role, str) and role.strip()):
+                raise ValueError(f"`admin_roles` must list role ids or names, got {role!r}")
+        return roles
+
+    @model_validator(mode="after")
+    def _check_together(self) -> DiscordSettings:
+        if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"`min_new_tokens` must be an integer between 0 and max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens!r}"
             )
-        _snowflakes("channels", self.channels)
-        _snowflakes("guilds", self.guilds)
-        for role in self.admin_roles:
-            if isinstance(role, bool) or not (
-                isinstance(role, int) and role > 0 or isinstance(role, str) and role.strip()
-            ):
-                raise ValueError(f"`admin_roles` must list role ids or names, got {role!r}")
-        _positive_int("max_batch", self.max_batch)
-        _positive_int("queue_size", self.queue_size)
-        _positive_int("max_conversations", self.max_conversations)
-        self._check_shards()
-        for name in ("cooldown_s", "reply_timeout_s", "shutdown_grace_s"):
-            _non_negative_number(name, getattr(self, name))
-        if self.reply_timeout_s == 0:
-            raise ValueError("`reply_timeout_s` must be a positive number, got 0")
-        if self.db is not None and (not isinstance(self.db, str) or not self.db.strip()):
-            raise ValueError(f"`db` must be a database URL or file path, got {self.db!r}")
-
-    def _check_shards(self) -> None:
-        if self.shard_count is not None:
-            if not isinstance(self.shard_count, int) or isinstance(self.shard_count, bool) or self.shard_count < 0:
-                raise ValueError(
-                    f"`shard_count` must be a non-negative integer (0: as Discord recommends), got {self.shard_count!r}"
-                )
         if not self.shard_ids:
-            return
+            return self
         if not self.shard_count:
             raise ValueError("`shard_ids` needs `shard_count`: how many shards the bot has in all")
         for shard_id in self.shard_ids:
-            if not isinstance(shard_id, int) or isinstance(shard_id, bool) or not 0 <= shard_id < self.shard_count:
+            if shard_id >= self.shard_count:
                 raise ValueError(
                     f"`shard_ids` must be shard numbers from 0 to {self.shard_count - 1}, got {shard_id!r}"
                 )
         if len(set(self.shard_ids)) != len(self.shard_ids):
             raise ValueError(f"`shard_ids` lists a shard twice: {list(self.shard_ids)}")
+        return self
 
     @property
     def sharded(self) -> bool:

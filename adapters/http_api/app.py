@@ -1,6 +1,8 @@
 """The Starlette application: routes, authentication, body limits and the error boundary.
 
     GET  /v1/models             the one model served
+    GET  /v1/plugins            the decoders and steerers a request may name, with the
+                                JSON schema of their settings
     POST /v1/chat/completions   a reply (JSON, or server-sent events with ``"stream": true``)
 
 Every error is an OpenAI error object with a 4xx/5xx status, never a traceback.
@@ -26,9 +28,11 @@ from chatcore.adapters.http_api.completions import Completion, served_model_name
 from chatcore.adapters.http_api.errors import ApiError, error_body
 from chatcore.adapters.http_api.schema import ChatCompletionRequest
 from chatcore.errors import ChatcoreError
+from chatcore.options import settings_schema
 
 if TYPE_CHECKING:
     from chatcore.adapters.http_api.request_log import RequestLog
+    from chatcore.registry import Registry
     from chatcore.serving import Scheduler
 
 DEFAULT_MAX_BODY = 1_000_000  # bytes
@@ -71,6 +75,10 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         if request.path_params["model"] != model:
             raise unknown_model(request.path_params["model"], model)
         return JSONResponse(model_card(model))
+
+    async def plugins(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": plugin_cards(scheduler.engine.registry)})
 
     async def chat_completions(request: Request) -> Response:
         authorize(request)
@@ -134,6 +142,7 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         routes=[
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model_detail, methods=["GET"]),
+            Route("/v1/plugins", plugins, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         ],
         exception_handlers={
@@ -147,6 +156,25 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
 
 def model_card(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "chatcore"}
+
+
+def plugin_cards(registry: "Registry") -> list[dict[str, Any]]:
+    """One card per decoder and steerer: its name (what ``decoder`` and ``steer`` take), kind,
+    description, the plugin that registered it, and the JSON schema of its settings (types,
+    defaults, ranges, choices and each field's help)."""
+    cards = []
+    for kind, table in (("decoder", registry.decoders), ("steerer", registry.steerers)):
+        for name, entry in sorted(table.items()):
+            cards.append(
+                {
+                    "id": name,
+                    "object": kind,
+                    "description": getattr(entry.value, "description", "") or "",
+                    "plugin": entry.plugin,
+                    "settings": settings_schema(entry.value.Settings),
+                }
+            )
+    return cards
 
 
 def unknown_model(asked: str, model: str) -> ApiError:

@@ -1,7 +1,7 @@
 """Tab completion and the bottom toolbar, as plain functions of the chat state.
 
 The names come from the engine's registry and the setting keys from each plugin's
-``Settings`` dataclass, so a third-party decoder or steerer completes like a built-in.
+``Settings`` model (with each field's help), so a third-party decoder or steerer completes like a built-in.
 The prompt-toolkit wrappers live in ``terminal.py``.
 """
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatcore.options import settings_fields
+from chatcore.options import settings_fields, settings_help
+from chatcore.text import one_line
 
 if TYPE_CHECKING:
     from chatcore.adapters.repl.state import ChatState
@@ -25,12 +26,18 @@ class Suggestion:
 
 
 def _setting_keys(entry: Any, given: list[str]) -> list[tuple[str, str]]:
+    """Each setting not given yet, with its help (the field's docstring) or else its type."""
     try:
         fields = settings_fields(entry.value.Settings)
+        help_texts = settings_help(entry.value.Settings)
     except Exception:  # a plugin with odd Settings must not break completion
         return []
     used = {word.split("=", 1)[0].replace("-", "_") for word in given}
-    return [(f"{name}=", getattr(kind, "__name__", str(kind))) for name, kind in fields.items() if name not in used]
+    return [
+        (f"{name}=", one_line(help_texts.get(name) or getattr(kind, "__name__", str(kind)), 80))
+        for name, kind in fields.items()
+        if name not in used
+    ]
 
 
 def _setting_values(entry: Any, key: str) -> list[tuple[str, str]]:

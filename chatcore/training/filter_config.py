@@ -6,14 +6,22 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import tomllib
+from pydantic import (
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+)
 
 from chatcore.errors import OptionError
-from chatcore.options import convert_value, settings_fields
+from chatcore.options import Settings, parse_settings
 
 RULE_NAMES = ("community", "url", "markup", "length", "repeat", "blocklist", "top-words", "bland")
 DEFAULT_BLOCKLIST = Path(__file__).with_name("blocklist.txt")
@@ -34,87 +42,85 @@ def words_of(text: str) -> list[str]:
 # -- configuration -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class FilterConfig:
+Share = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class FilterConfig(Settings):
     """Which rules run and with what thresholds. Every field has a working default."""
 
-    disable: tuple[str, ...] = ()
-    source_turns: int = 1
-    url_pattern: str = DEFAULT_URL_PATTERN
-    markup_pattern: str = DEFAULT_MARKUP_PATTERN
-    max_words: int = 200
-    repeat_count: int = 3
-    blocklist_path: str | None = None
-    community_share: float = 0.1
-    community_min_lines: int = 20
-    top_words: int = 50
-    top_words_min_words: int = 5
-    bland_share: float = 0.9
-    bland_min_count: int = 20
-    bland_reference_count: float = 1000.0
-    bland_reference_words: float = 1.8e9
-    min_turns: int = 2
-    examples: int = 3
+    model_config = ConfigDict(frozen=True)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.disable, str):
-            object.__setattr__(self, "disable", tuple(n.strip() for n in self.disable.split(",") if n.strip()))
-        else:
-            object.__setattr__(self, "disable", tuple(self.disable))
-        for name in self.disable:
+    disable: tuple[str, ...] = ()
+    """Rules that do not run (comma list)."""
+    source_turns: PositiveInt = 1
+    """How many turns before a reply form its context."""
+    url_pattern: str = DEFAULT_URL_PATTERN
+    """A regular expression for links."""
+    markup_pattern: str = DEFAULT_MARKUP_PATTERN
+    """A regular expression for markup."""
+    max_words: PositiveInt = 200
+    """A longer turn is dropped."""
+    repeat_count: Annotated[int, Field(ge=2)] = 3
+    """A turn that repeats a word or phrase this many times is dropped."""
+    blocklist_path: str | None = None
+    """A blocklist file instead of the bundled one."""
+    community_share: Share = 0.1
+    community_min_lines: PositiveInt = 20
+    top_words: PositiveInt = 50
+    top_words_min_words: NonNegativeInt = 5
+    bland_share: Share = 0.9
+    bland_min_count: NonNegativeInt = 20
+    bland_reference_count: PositiveFloat = 1000.0
+    bland_reference_words: PositiveFloat = 1.8e9
+    min_turns: PositiveInt = 2
+    """A conversation left with fewer turns is dropped."""
+    examples: NonNegativeInt = 3
+    """Examples of each rule's drops shown in the report."""
+
+    @field_validator("disable")
+    @classmethod
+    def _known_rules(cls, disable: tuple[str, ...]) -> tuple[str, ...]:
+        for name in disable:
             if name not in RULE_NAMES:
                 raise ValueError(f"`disable` names an unknown rule {name!r}; rules: {', '.join(RULE_NAMES)}")
-        positive = ("source_turns", "max_words", "community_min_lines", "top_words", "min_turns")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
-        for name in ("top_words_min_words", "bland_min_count", "examples"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}")
-        if not isinstance(self.repeat_count, int) or self.repeat_count < 2:
-            raise ValueError(f"`repeat_count` must be an integer of at least 2, got {self.repeat_count!r}")
-        for name in ("community_share", "bland_share"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-                raise ValueError(f"`{name}` must be a share in (0, 1], got {value!r}")
-        for name in ("bland_reference_count", "bland_reference_words"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"`{name}` must be a positive number, got {value!r}")
-        for name in ("url_pattern", "markup_pattern"):
-            try:
-                re.compile(getattr(self, name))
-            except (re.error, TypeError) as error:
-                raise ValueError(f"`{name}` is not a valid regular expression: {error}") from None
-        if self.blocklist_path is not None and not Path(self.blocklist_path).is_file():
-            raise ValueError(f"`blocklist_path` is not a file: {self.blocklist_path}")
+        return disable
+
+    @field_validator("url_pattern", "markup_pattern")
+    @classmethod
+    def _pattern(cls, pattern: str, info: ValidationInfo) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"`{info.field_name}` is not a valid regular expression: {error}") from None
+        return pattern
+
+    @field_validator("blocklist_path")
+    @classmethod
+    def _blocklist(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"`blocklist_path` is not a file: {path}")
+        return path
 
     def enabled(self, rule: str) -> bool:
         return rule not in self.disable
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return tuple(cls.model_fields)
 
     def updated(self, values: Mapping[str, Any], origin: str = "filter settings") -> FilterConfig:
         """A copy with ``values`` applied; strings are converted to each field's type,
         so the same path serves config files and ``--filter-set key=value``."""
         known = self.field_names()
-        fields = settings_fields(type(self))
         changes: dict[str, Any] = {}
         for key, raw in values.items():
             name = key.replace("-", "_")
             if name not in known:
                 raise OptionError(f"{origin}: unknown filter setting {key!r}; known: {', '.join(known)}")
-            try:
-                changes[name] = convert_value(name, fields[name], raw)
-            except OptionError as error:
-                raise OptionError(f"{origin}: {error}") from None
+            changes[name] = raw
         try:
-            return replace(self, **changes)
-        except ValueError as error:
+            return parse_settings(FilterConfig, {**self.model_dump(), **changes})
+        except OptionError as error:
             raise OptionError(f"{origin}: {error}") from None
 
 

@@ -183,10 +183,8 @@ def train_model_command(
 
 def _changed_settings(config: FilterConfig) -> dict[str, Any]:
     """The filter settings that differ from the defaults ({} for the default filter)."""
-    from dataclasses import asdict
-
-    defaults = asdict(DEFAULT_FILTER)
-    return {key: value for key, value in asdict(config).items() if defaults[key] != value}
+    defaults = DEFAULT_FILTER.model_dump()
+    return {key: value for key, value in config.model_dump().items() if defaults[key] != value}
 
 
 def _filter_summary(settings: dict[str, Any] | None, report: FilterReport | None) -> dict[str, Any] | str:

@@ -8,11 +8,12 @@ output of the same block, which moves every later layer toward the positive prom
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import Field, NonNegativeInt, ValidationInfo, field_validator
 
 from chatcore.errors import OptionError
+from chatcore.options import Settings
 from chatcore.steering import Steerer
 from chatcore.step import Step, StepOutput, StepState
 from chatcore.text import encode_text
@@ -32,34 +33,30 @@ def split_prompts(text: str) -> list[str]:
     return [part.strip() for part in text.split(PROMPT_SEPARATOR) if part.strip()]
 
 
-@dataclass
-class ActivationAdditionSettings:
-    """positive / negative: prompts separated by ``|``; their counts may differ.
-    layer: the block whose output is steered (default: a third of the way up).
-    strength: how many times the vector is added (negative steers away).
-    positions: "all" steers the prompt and the reply; "new" only the positions the
-        reply is generated from (the prompt's final EOS, then each new token).
-    pool: how a prompt's activations become one vector: "mean" over its tokens, or
-        its "last" token (the EOS that ends it, where a reply would start).
-    """
-
+class ActivationAdditionSettings(Settings):
     positive: str = ""
+    """Prompts separated by `|` whose activations the reply is pushed towards."""
     negative: str = ""
-    layer: int | None = None
-    strength: float = 2.0
+    """Prompts separated by `|` whose activations the reply is pushed away from (their counts may differ)."""
+    layer: NonNegativeInt | None = None
+    """The block whose output is steered (default: a third of the way up)."""
+    strength: Annotated[float, Field(ge=-100, le=100)] = 2.0
+    """How many times the vector is added (negative steers away)."""
     positions: Literal["all", "new"] = "all"
+    """"all" steers the prompt and the reply; "new" only the positions the reply is generated
+    from (the prompt's final EOS, then each new token)."""
     pool: Pool = "mean"
+    """How a prompt's activations become one vector: "mean" over its tokens, or its "last"
+    token (the EOS that ends it, where a reply would start)."""
 
-    def __post_init__(self) -> None:
-        for name in ("positive", "negative"):
-            if not split_prompts(getattr(self, name)):
-                raise ValueError(
-                    f"`{name}` must give at least one prompt (separate several with |), got {getattr(self, name)!r}"
-                )
-        if self.layer is not None and (not isinstance(self.layer, int) or self.layer < 0):
-            raise ValueError(f"`layer` must be a non-negative integer, got {self.layer!r}")
-        if not math.isfinite(self.strength) or abs(self.strength) > 100:
-            raise ValueError(f"`strength` must be between -100 and 100, got {self.strength}")
+    @field_validator("positive", "negative")
+    @classmethod
+    def _has_prompts(cls, text: str, info: ValidationInfo) -> str:
+        if not split_prompts(text):
+            raise ValueError(
+                f"`{info.field_name}` must give at least one prompt (separate several with |), got {text!r}"
+            )
+        return text
 
 
 class ActivationAddition(Steerer):
