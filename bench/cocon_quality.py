@@ -81,7 +81,7 @@ def main() -> None:
         report = evaluate(
             engine,
             contexts,
-            dataclasses.replace(options, steerers=steerers),
+            options.replace(steerers=steerers),
             label=label,
             seed=args.seed,
             include_reference=False,

@@ -78,12 +78,11 @@ def main() -> None:
     results: dict[str, object] = {"contexts": len(contexts), "decoder": args.decoder}
 
     def run(label: str, steerers: list, vocabulary: set[str] | None, options: ReplyOptions | None = None):
-        import dataclasses
 
         report = evaluate(
             engine,
             contexts,
-            dataclasses.replace(options or base, steerers=steerers),
+            (options or base).replace(steerers=steerers),
             label=label,
             vocabulary=vocabulary,
             seed=args.seed,
@@ -134,10 +133,7 @@ def main() -> None:
                     {"pplm": dataclasses_dict(steered), "share_ratio": share_ratio, "perplexity_ratio": ppl_ratio}
                 )
             if args.rank is not None:
-                import dataclasses
-
-                ranked = dataclasses.replace(
-                    base,
+                ranked = base.replace(
                     decoder="rank",
                     decoder_settings={**decoder_settings, "topic": topic, **parse_key_values(args.rank.split())},
                 )

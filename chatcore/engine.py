@@ -12,13 +12,16 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import NonNegativeInt, PositiveInt, model_validator
 
 from chatcore.conversation import Conversation
 from chatcore.decoding import Decoder, GenerationSession
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
+from chatcore.options import Settings
 from chatcore.plugin_manager import PluginHost, get_plugin_host
 from chatcore.prompting import (
     AUTO,
@@ -40,27 +43,30 @@ BUILTIN_FORMATS = "chatcore.plugins.prompt_formats"
 MAX_SHARED_SETUPS = 32  # Steerer.setup results kept per engine
 
 
-@dataclass
-class ReplyOptions:
+class ReplyOptions(Settings):
     """How to produce one reply. Decoder and steerers are names plus raw settings."""
 
     decoder: str = DEFAULT_DECODER
-    decoder_settings: dict[str, Any] = field(default_factory=dict)
-    steerers: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    seed: int | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    min_new_tokens: int = 1
+    """The decoder's name."""
+    decoder_settings: dict[str, Any] = {}
+    """The decoder's settings, as given (checked when the decoder is built)."""
+    steerers: list[tuple[str, dict[str, Any]]] = []
+    """(name, settings) of each steerer, in order."""
+    seed: NonNegativeInt | None = None
+    """The random seed (None: a fresh one per reply)."""
+    max_new_tokens: PositiveInt = DEFAULT_MAX_NEW_TOKENS
+    """The longest reply, in tokens."""
+    min_new_tokens: NonNegativeInt = 1
+    """Replies are at least this many tokens."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise OptionError(f"`max_new_tokens` must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+    @model_validator(mode="after")
+    def _min_within_max(self) -> ReplyOptions:
+        if self.min_new_tokens > self.max_new_tokens:
             raise OptionError(
                 f"`min_new_tokens` must be an integer between 0 and max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens!r}"
             )
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
-            raise OptionError(f"`seed` must be a non-negative integer, got {self.seed!r}")
+        return self
 
 
 @dataclass
@@ -215,11 +221,8 @@ class Engine:
         return self.scripted(turns, system).reply(options, **overrides)
 
     def respond(self, conversation: Conversation, options: ReplyOptions | None = None, **overrides: Any) -> Response:
-        import dataclasses
 
-        options = (
-            dataclasses.replace(options or ReplyOptions(), **overrides) if overrides else (options or ReplyOptions())
-        )
+        options = (options or ReplyOptions()).replace(**overrides) if overrides else (options or ReplyOptions())
         reply = self.prepare_reply(conversation, options)
         return Response(
             lambda: self.reply_tokens(reply), self.tokenizer, reply.provenance, finalize=conversation._record

@@ -26,7 +26,7 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 import annotated_types
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
@@ -71,6 +71,10 @@ class Settings(BaseModel):
             super().__init__(**values)
         except ValidationError as error:
             raise OptionError(describe_error(error, type(self))) from None
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes`` applied and checked (as ``dataclasses.replace`` does for a dataclass)."""
+        return type(self)(**{**{name: getattr(self, name) for name in type(self).model_fields}, **changes})
 
     @model_validator(mode="before")
     @classmethod

@@ -12,7 +12,6 @@ chatcore's pytest plugin (:mod:`chatcore.pytest_plugin`) wraps these as fixtures
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -243,7 +242,7 @@ def compare_to_baseline(
     else:
         words = set(vocabulary) if vocabulary is not None else None
     plain = ReplyOptions(decoder=decoder, decoder_settings=dict(decoder_settings or {}), max_new_tokens=max_new_tokens)
-    runs = {"baseline": plain, "steered": dataclasses.replace(plain, steerers=[(steerer, settings)])}
+    runs = {"baseline": plain, "steered": plain.replace(steerers=[(steerer, settings)])}
     reports: dict[str, list[EvalReport]] = {}
     for label, options in runs.items():
         reports[label] = [

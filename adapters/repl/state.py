@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,7 +103,7 @@ class ChatState:
 
     def reply(self) -> "Response":
         """A lazy reply to the conversation so far, with the current options and seed."""
-        options = dataclasses.replace(self.options, seed=self.next_seed)
+        options = self.options.replace(seed=self.next_seed)
         if self.scheduler is not None:
             response = self.scheduler.respond(self.current, options)
         else:

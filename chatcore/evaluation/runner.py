@@ -145,7 +145,6 @@ def evaluate(
     replies are decoded together; each is the same as alone (the seeds are per reply),
     and tokens per second is then the whole set's, over its wall time.
     """
-    import dataclasses
 
     from chatcore.errors import ChatcoreError
 
@@ -157,11 +156,11 @@ def evaluate(
         for index, context in enumerate(contexts):
             try:
                 conversation = engine.scripted(context.turns, system)
-                submitted.append(scheduler.respond(conversation, dataclasses.replace(options, seed=seed + index)))
+                submitted.append(scheduler.respond(conversation, options.replace(seed=seed + index)))
             except ChatcoreError as error:
                 submitted.append(error)
     for index, context in enumerate(contexts):
-        run_options = dataclasses.replace(options, seed=seed + index)
+        run_options = options.replace(seed=seed + index)
         started = time.perf_counter()
         try:
             if submitted:
