@@ -95,7 +95,17 @@ def _train_in_process(corpus: Path, tokenizer_dir: Path, out_dir: Path, **settin
         config,
         progress=False,
     )
-    return result, torch.load(out_dir / "checkpoint.pt", weights_only=False)
+    return result, _checkpoint(out_dir)
+
+
+def _checkpoint(out_dir: Path) -> dict:
+    """The model's weights and the loop's counters in the run's checkpoint folder."""
+    from safetensors.torch import load_file
+
+    from chatcore.training.accelerated import read_progress
+
+    folder = out_dir / "checkpoint"
+    return {"model": load_file(folder / "model.safetensors"), **read_progress(folder)}
 
 
 def _assert_same_weights(first: dict, second: dict) -> None:
@@ -152,13 +162,11 @@ def test_torchrun_two_cpu_processes_then_resume_on_one(tiny_corpus, tmp_path):
     assert result["world_size"] == 2 and result["global_batch"] == 4
     assert len(seen[0]) == len(seen[1]) == 2 * result["steps"]
     assert set(seen[0]).isdisjoint(seen[1])
-    assert (out / "best" / "config.json").is_file() and (out / "checkpoint.pt").is_file()
+    assert (out / "best" / "config.json").is_file() and (out / "checkpoint" / "model.safetensors").is_file()
 
     # Two ranks of 2 blocks train exactly like one process with batches of 4.
-    import torch
-
     _, single_state = _train_in_process(corpus, tokenizer_dir, tmp_path / "single", batch_size=4, epochs=0.15)
-    distributed_state = torch.load(out / "checkpoint.pt", weights_only=False)
+    distributed_state = _checkpoint(out)
     assert distributed_state["step"] == single_state["step"]
     _assert_same_weights(distributed_state["model"], single_state["model"])
 
