@@ -114,7 +114,7 @@ def make_accelerator(device: str | None, precision: str, grad_accum: int = 1) ->
         raise ChatcoreError(f"cannot train with precision {precision!r} on {device}: {error}") from None
 
     def unwrapped_weights(models: list[Any], weights: list[Any], output_dir: str) -> None:
-        weights[:] = [accelerator.unwrap_model(model).state_dict() for model in models]
+        weights[:] = [_untied(accelerator.unwrap_model(model).state_dict()) for model in models]
 
     def unwrapped_models(models: list[Any], input_dir: str) -> None:
         models[:] = [accelerator.unwrap_model(model) for model in models]
@@ -122,6 +122,20 @@ def make_accelerator(device: str | None, precision: str, grad_accum: int = 1) ->
     accelerator.register_save_state_pre_hook(unwrapped_weights)
     accelerator.register_load_state_pre_hook(unwrapped_models)
     return accelerator
+
+
+def _untied(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor once: tied weights (GPT-2's embedding and LM head) share
+    one, which safetensors stores once and its loader ties back."""
+    from accelerate.utils import id_tensor_storage
+
+    seen: set[Any] = set()
+    kept = {}
+    for name, tensor in state.items():
+        if id_tensor_storage(tensor) not in seen:
+            seen.add(id_tensor_storage(tensor))
+            kept[name] = tensor
+    return kept
 
 
 class Progress:
