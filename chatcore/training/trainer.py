@@ -389,7 +389,7 @@ def train(
     if world_size > 1:
         from accelerate.utils import broadcast_object_list
 
-        shared = [best_val, best_step]
+        shared: list[Any] = [best_val, best_step]
         broadcast_object_list(shared, from_process=0)
         best_val, best_step = shared
     result = TrainResult(
