@@ -649,7 +649,7 @@ def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_bl
 
 
 def test_the_span_weight_weighs_the_content_positions():
-    from chatcore.cocon.training import lm_loss, weighted_lm_loss
+    from chatcore.cocon.losses import lm_loss, weighted_lm_loss
 
     torch.manual_seed(0)
     logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
@@ -662,7 +662,7 @@ def test_the_span_weight_weighs_the_content_positions():
 
 
 def test_the_plain_target_mixes_the_text_with_the_plain_models_distribution():
-    from chatcore.cocon.training import mixed_lm_loss, weighted_lm_loss
+    from chatcore.cocon.losses import mixed_lm_loss, weighted_lm_loss
 
     torch.manual_seed(0)
     logits, targets = torch.randn(2, 5, 11, requires_grad=True), torch.randint(0, 11, (2, 5))
@@ -684,7 +684,8 @@ def test_the_plain_target_mixes_the_text_with_the_plain_models_distribution():
 
 
 def test_history_lengths_are_drawn_between_the_bounds(loaded, tiny_block_dir):
-    from chatcore.cocon.training import CoconLosses, CoconTrainConfig
+    from chatcore.cocon.losses import CoconLosses
+    from chatcore.cocon.training import CoconTrainConfig
 
     block, _ = load_block(tiny_block_dir)
     pipeline = CoconPipeline(SplitModel(loaded.model, block.config.split_layer), block.float())
@@ -924,7 +925,8 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
 
 
 def test_dialogues_are_rendered_as_chat_prompts_with_the_reply_starts(tmp_path):
-    from chatcore.cocon.training import CONVERSATION_TURNS, make_prompt_format, render_dialogues
+    from chatcore.cocon.training import make_prompt_format
+    from chatcore.cocon.windows import CONVERSATION_TURNS, render_dialogues
     from chatcore.models import load_model
     from chatcore.prompting import scripted_messages
     from chatcore.testing import CHATML_TEMPLATE, build_tiny_model

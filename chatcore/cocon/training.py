@@ -41,25 +41,12 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.nn import functional as F
-
-from chatcore.anatomy import anatomy_of
-from chatcore.cocon.block import CoconBlock, CoconConfig
-from chatcore.cocon.heldout import heldout_losses
-from chatcore.cocon.losses import (
-    CoconLosses,
-    HiddenDiscriminator,
-    lm_loss,
-    mixed_lm_loss,
-    weighted_lm_loss,
-)
-from chatcore.cocon.model_split import SplitModel
-from chatcore.cocon.pipeline import CoconPipeline
-from chatcore.cocon.windows import CONVERSATION_TURNS, WindowSampler, render_dialogues
 from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from chatcore.cocon.block import CoconBlock
 
 BLOCK_DIR = "block"
 
@@ -218,21 +205,6 @@ def default_split_layer(n_layer: int) -> int:
     return max(1, min(n_layer - 1, n_layer // 3))
 
 
-# Re-exported: what tests and callers read from here.
-__all__ = [
-    "CONVERSATION_TURNS",
-    "CoconLosses",
-    "CoconTrainConfig",
-    "CoconTrainResult",
-    "make_prompt_format",
-    "train_cocon",
-    "lm_loss",
-    "mixed_lm_loss",
-    "weighted_lm_loss",
-    "render_dialogues",
-]
-
-
 # -- the loop ----------------------------------------------------------------------------
 
 
@@ -263,9 +235,18 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     Accelerate places the block, runs bf16 autocast, clips gradients and checkpoints the
     run (block, discriminator, both optimizers, the learning-rate scheduler, the random state, the
     window generator and the loop's counters), so ``resume`` continues exactly."""
+    import torch
+    from torch.nn import functional as F
     from tqdm.auto import tqdm
 
+    from chatcore.anatomy import anatomy_of
+    from chatcore.cocon.block import CoconBlock, CoconConfig
+    from chatcore.cocon.heldout import heldout_losses
+    from chatcore.cocon.losses import CoconLosses, HiddenDiscriminator
+    from chatcore.cocon.model_split import SplitModel
+    from chatcore.cocon.pipeline import CoconPipeline
     from chatcore.cocon.store import model_fingerprint, save_block
+    from chatcore.cocon.windows import WindowSampler, render_dialogues
     from chatcore.models import load_model
     from chatcore.training.accelerated import (
         CHECKPOINT_DIR,
