@@ -196,6 +196,14 @@ def test_a_checkpoint_of_the_old_format_is_refused_in_one_line(tmp_path):
         checkpoint_to_resume(tmp_path)
 
 
+def test_fp16_on_the_cpu_is_refused_in_one_line():
+    from chatcore.errors import ChatcoreError
+    from chatcore.training.accelerated import make_accelerator
+
+    with pytest.raises(ChatcoreError, match="fp16 needs a GPU"):
+        make_accelerator("cpu", "fp16")
+
+
 @pytest.mark.slow
 def test_torchrun_two_cpu_processes_then_resume_on_one(tiny_corpus, tmp_path):
     corpus, tokenizer_dir = tiny_corpus

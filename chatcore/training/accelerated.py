@@ -103,6 +103,8 @@ def make_accelerator(device: str | None, precision: str, grad_accum: int = 1) ->
             import torch
 
             torch.cuda.set_device(int(device.partition(":")[2]))
+    if device == "cpu" and mixed_precision(precision, device) == "fp16":
+        raise ChatcoreError("--precision fp16 needs a GPU: on the CPU use bf16 or fp32")
     try:
         accelerator = Accelerator(
             cpu=device == "cpu",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from chatcore.errors import ChatcoreError, ModelLoadError
-from chatcore.training.accelerated import distributed_context, process_state
+from chatcore.training.accelerated import checkpoint_to_resume, distributed_context, process_state
 from chatcore.training.corpus import Dialogue
 from chatcore.training.filtering import FilterConfig, FilterReport
 from chatcore.training.threads import load_dialogues, split_heldout_by_thread
@@ -96,6 +96,8 @@ def train_model_command(
     from chatcore.training.data import encode_dialogues
 
     context = distributed_context()
+    if resume:
+        checkpoint_to_resume(Path(config.out_dir))  # refuses a missing or old checkpoint before any work
     train_set, heldout_set, report = training_dialogues(
         corpus, heldout, filter_config, on_filter_report if context.is_main else None
     )
