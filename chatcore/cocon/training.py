@@ -233,8 +233,8 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     """Train a CoCon block for ``config.model``; writes OUT/checkpoint/ and OUT/block/.
 
     Accelerate places the block, runs bf16 autocast, clips gradients and checkpoints the
-    run (block, discriminator, both optimizers, the learning-rate scheduler, the random state, the
-    window generator and the loop's counters), so ``resume`` continues exactly."""
+    run (block, discriminator, both optimizers, the learning-rate scheduler, the random
+    state, the window generator and the loop's counters), so ``resume`` continues exactly."""
     import torch
     from torch.nn import functional as F
     from tqdm.auto import tqdm

@@ -241,7 +241,8 @@ def train(
     resume: bool = False,
     progress: bool = True,
 ) -> TrainResult:
-    """Train ``model`` on ``train_stream``; keep the best held-out checkpoint in out_dir/best."""
+    """Train ``model`` on ``train_stream``; keep the best held-out model in out_dir/best and
+    the run's latest state in out_dir/checkpoint (``resume`` continues from it)."""
     import torch
     from tqdm.auto import tqdm
 
