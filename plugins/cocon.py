@@ -194,7 +194,7 @@ def register_steerers(register: Callable[[type], None]) -> None:
     "out_dir",
     required=True,
     type=click.Path(file_okay=False),
-    help="Run folder: checkpoint.pt, and block/ (the block to load with block=OUT/block).",
+    help="Run folder: checkpoint/, and block/ (the block to load with block=OUT/block).",
 )
 @click.option("--corpus", default="chitchat", show_default=True, help='"chitchat" or a JSONL file of dialogues.')
 @click.option("--heldout", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
@@ -330,7 +330,7 @@ def register_steerers(register: Callable[[type], None]) -> None:
 @click.option(
     "--threads", type=click.IntRange(1, 1024), default=None, help="torch CPU threads (default: torch's own choice)."
 )
-@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt.")
+@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint/.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def cocon_command(
     model: str,

@@ -179,7 +179,7 @@ def train_filter(
     "out_dir",
     required=True,
     type=click.Path(file_okay=False),
-    help="Run folder: checkpoint.pt, and best/ (a Hugging Face model folder).",
+    help="Run folder: checkpoint/, and best/ (a Hugging Face model folder).",
 )
 @click.option("--reverse", is_flag=True, help="Train the reverse model P(source | response) for MMI.")
 @click.option("--tokenizer", "tokenizer_path", default=None, help="Tokenizer folder (default: train one).")
@@ -221,7 +221,7 @@ def train_filter(
 @click.option(
     "--save-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float16", show_default=True
 )
-@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint.pt.")
+@click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint/.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @filter_options(with_switch=True)
 def train_model(

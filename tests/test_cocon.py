@@ -527,6 +527,79 @@ def test_training_writes_a_loadable_block_and_resumes(loaded, tiny_model_dir, tm
     assert resumed.steps == 3
 
 
+class _Stop(Exception):
+    """Raised in the middle of a training run, as a crash or a kill would end it."""
+
+
+def test_an_interrupted_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    """Stopped after its first checkpoint and resumed, a run ends with the very weights of a
+    run never stopped: the checkpoint restores the step, the scheduler, the window generator
+    and the random state (the block's dropout draws from it)."""
+    from safetensors.torch import load_file
+
+    from chatcore.cocon.losses import CoconLosses
+    from chatcore.cocon.training import CoconTrainConfig, train_cocon
+    from chatcore.training.accelerated import read_progress
+
+    corpus = tmp_path / "dialogues.jsonl"
+    turns = ["hi, how was the weekend?", "great, we went hiking in the hills", "nice, was it cold up there", "a bit"]
+    corpus.write_text((json.dumps({"turns": turns}) + "\n") * 6)
+    config = dict(
+        model=str(tiny_model_dir),
+        corpus=str(corpus),
+        heldout=0.0,
+        steps=4,
+        batch_size=4,
+        history_tokens=8,
+        continuation_tokens=6,
+        cycle_tokens=3,
+        cycle_batch_size=2,
+        cycle_from_step=1,
+        adv_from_step=1,
+        disc_every=1,
+        eval_every=2,
+        eval_windows=4,
+        warmup_steps=2,
+        dropout=0.1,
+        device="cpu",
+    )
+    whole = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "whole"), **config), progress=False)
+
+    batches = []
+    original = CoconLosses.__call__
+
+    def stop_at_the_fourth_batch(self, *args, **kwargs):
+        batches.append(1)
+        if len(batches) == 4:
+            raise _Stop
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CoconLosses, "__call__", stop_at_the_fourth_batch)
+    cut = CoconTrainConfig(out_dir=str(tmp_path / "cut"), **config)
+    with pytest.raises(_Stop):
+        train_cocon(cut, progress=False)
+    checkpoint = tmp_path / "cut" / "checkpoint"
+    assert read_progress(checkpoint)["step"] == 2
+    assert torch.load(checkpoint / "scheduler.bin", weights_only=False)["last_epoch"] == 2
+    saved_rng = torch.load(checkpoint / "random_states_0.pkl", weights_only=False)["torch_manual_seed"]
+
+    rng_at_start = []
+
+    def record_the_rng(self, *args, **kwargs):
+        if not rng_at_start:
+            rng_at_start.append(torch.get_rng_state())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CoconLosses, "__call__", record_the_rng)
+    resumed = train_cocon(cut, resume=True, progress=False)
+    assert resumed.steps == 4 and torch.equal(rng_at_start[0], saved_rng)
+    for name in ("model.safetensors", "model_1.safetensors"):  # the block, the discriminator
+        ours, theirs = load_file(checkpoint / name), load_file(tmp_path / "whole" / "checkpoint" / name)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+    assert resumed.heldout == whole.heldout
+
+
 def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_block_dir, tmp_path):
     from chatcore.cocon.training import CoconTrainConfig, train_cocon
 
@@ -577,7 +650,7 @@ def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_bl
 
 
 def test_the_span_weight_weighs_the_content_positions():
-    from chatcore.cocon.training import lm_loss, weighted_lm_loss
+    from chatcore.cocon.losses import lm_loss, weighted_lm_loss
 
     torch.manual_seed(0)
     logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
@@ -590,7 +663,7 @@ def test_the_span_weight_weighs_the_content_positions():
 
 
 def test_the_plain_target_mixes_the_text_with_the_plain_models_distribution():
-    from chatcore.cocon.training import mixed_lm_loss, weighted_lm_loss
+    from chatcore.cocon.losses import mixed_lm_loss, weighted_lm_loss
 
     torch.manual_seed(0)
     logits, targets = torch.randn(2, 5, 11, requires_grad=True), torch.randint(0, 11, (2, 5))
@@ -612,7 +685,8 @@ def test_the_plain_target_mixes_the_text_with_the_plain_models_distribution():
 
 
 def test_history_lengths_are_drawn_between_the_bounds(loaded, tiny_block_dir):
-    from chatcore.cocon.training import CoconLosses, CoconTrainConfig
+    from chatcore.cocon.losses import CoconLosses
+    from chatcore.cocon.training import CoconTrainConfig
 
     block, _ = load_block(tiny_block_dir)
     pipeline = CoconPipeline(SplitModel(loaded.model, block.config.split_layer), block.float())
@@ -852,7 +926,8 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
 
 
 def test_dialogues_are_rendered_as_chat_prompts_with_the_reply_starts(tmp_path):
-    from chatcore.cocon.training import CONVERSATION_TURNS, make_prompt_format, render_dialogues
+    from chatcore.cocon.training import make_prompt_format
+    from chatcore.cocon.windows import CONVERSATION_TURNS, render_dialogues
     from chatcore.models import load_model
     from chatcore.prompting import scripted_messages
     from chatcore.testing import CHATML_TEMPLATE, build_tiny_model

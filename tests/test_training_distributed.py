@@ -74,7 +74,9 @@ def tiny_corpus(tmp_path_factory):
     return corpus, folder / "tokenizer"
 
 
-def _train_in_process(corpus: Path, tokenizer_dir: Path, out_dir: Path, **settings):
+def _train_in_process(
+    corpus: Path, tokenizer_dir: Path, out_dir: Path, resume=False, shape=SHAPE, on_forward=None, **settings
+):
     import torch
     from transformers import AutoTokenizer
 
@@ -85,7 +87,9 @@ def _train_in_process(corpus: Path, tokenizer_dir: Path, out_dir: Path, **settin
     train_set, heldout_set, _ = training_dialogues(str(corpus), 0.1, None)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     torch.manual_seed(0)
-    model = build_model(tokenizer, ModelShape(**SHAPE))
+    model = build_model(tokenizer, ModelShape(**shape))
+    if on_forward is not None:
+        model.register_forward_pre_hook(on_forward)
     config = TrainConfig(out_dir=str(out_dir), **{**TRAIN, **settings})
     result = train(
         model,
@@ -93,9 +97,20 @@ def _train_in_process(corpus: Path, tokenizer_dir: Path, out_dir: Path, **settin
         encode_dialogues(train_set, tokenizer),
         encode_dialogues(heldout_set, tokenizer),
         config,
+        resume=resume,
         progress=False,
     )
-    return result, torch.load(out_dir / "checkpoint.pt", weights_only=False)
+    return result, _checkpoint(out_dir)
+
+
+def _checkpoint(out_dir: Path) -> dict:
+    """The model's weights and the loop's counters in the run's checkpoint folder."""
+    from safetensors.torch import load_file
+
+    from chatcore.training.accelerated import read_progress
+
+    folder = out_dir / "checkpoint"
+    return {"model": load_file(folder / "model.safetensors"), **read_progress(folder)}
 
 
 def _assert_same_weights(first: dict, second: dict) -> None:
@@ -116,6 +131,77 @@ def test_gradient_accumulation_matches_one_large_batch(tiny_corpus, tmp_path):
     assert large.steps == accumulated.steps > 2
     assert large.tokens_seen == accumulated.tokens_seen
     _assert_same_weights(large_state["model"], accumulated_state["model"])
+
+
+class _Stop(Exception):
+    """Raised in the middle of a training run, as a crash or a kill would end it."""
+
+
+def test_an_interrupted_run_resumes_exactly(tiny_corpus, tmp_path):
+    """Stopped after a checkpoint and resumed, a run ends with the very weights of a run
+    never stopped: the checkpoint restores the step, the optimizer, the scheduler and the
+    random state (dropout draws from it)."""
+    import torch
+
+    corpus, tokenizer_dir = tiny_corpus
+    settings = dict(batch_size=2, epochs=0.2, eval_every=2, shape={**SHAPE, "dropout": 0.1})
+    whole, whole_state = _train_in_process(corpus, tokenizer_dir, tmp_path / "whole", **settings)
+    assert whole.steps >= 5
+
+    forwards = []
+
+    def stop_in_the_fifth_step(module, args):
+        if module.training:
+            forwards.append(torch.get_rng_state())
+            if len(forwards) == 5:
+                raise _Stop
+
+    cut = tmp_path / "cut"
+    with pytest.raises(_Stop):
+        _train_in_process(corpus, tokenizer_dir, cut, on_forward=stop_in_the_fifth_step, **settings)
+    checkpoint = cut / "checkpoint"
+    assert _checkpoint(cut)["step"] == 4
+    assert torch.load(checkpoint / "scheduler.bin", weights_only=False)["last_epoch"] == 4
+    saved_rng = torch.load(checkpoint / "random_states_0.pkl", weights_only=False)["torch_manual_seed"]
+
+    forwards.clear()
+
+    def record(module, args):
+        if module.training:
+            forwards.append(torch.get_rng_state())
+
+    resumed, resumed_state = _train_in_process(corpus, tokenizer_dir, cut, resume=True, on_forward=record, **settings)
+    assert torch.equal(forwards[0], saved_rng)  # the random state where the checkpoint left it
+    assert len(forwards) == whole.steps - 4  # the steps after the checkpoint, and only those
+    assert resumed.steps == whole.steps and resumed.tokens_seen == whole.tokens_seen
+    assert resumed_state.keys() == whole_state.keys()
+    for name, weight in whole_state["model"].items():
+        assert torch.equal(resumed_state["model"][name], weight), name
+    schedules = [
+        torch.load(run / "checkpoint" / "scheduler.bin", weights_only=False) for run in (cut, tmp_path / "whole")
+    ]
+    assert schedules[0]["last_epoch"] == whole.steps
+    for key in ("last_epoch", "base_lrs", "_last_lr"):
+        assert schedules[0][key] == schedules[1][key], key
+
+
+def test_a_checkpoint_of_the_old_format_is_refused_in_one_line(tmp_path):
+    from chatcore.errors import ChatcoreError
+    from chatcore.training.accelerated import checkpoint_to_resume
+
+    with pytest.raises(ChatcoreError, match=r"no checkpoint in .*checkpoint$"):
+        checkpoint_to_resume(tmp_path)
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(ChatcoreError, match=r"checkpoint.pt is in the format of an older chatcore.*without --resume"):
+        checkpoint_to_resume(tmp_path)
+
+
+def test_fp16_on_the_cpu_is_refused_in_one_line():
+    from chatcore.errors import ChatcoreError
+    from chatcore.training.accelerated import make_accelerator
+
+    with pytest.raises(ChatcoreError, match="fp16 needs a GPU"):
+        make_accelerator("cpu", "fp16")
 
 
 @pytest.mark.slow
@@ -152,13 +238,11 @@ def test_torchrun_two_cpu_processes_then_resume_on_one(tiny_corpus, tmp_path):
     assert result["world_size"] == 2 and result["global_batch"] == 4
     assert len(seen[0]) == len(seen[1]) == 2 * result["steps"]
     assert set(seen[0]).isdisjoint(seen[1])
-    assert (out / "best" / "config.json").is_file() and (out / "checkpoint.pt").is_file()
+    assert (out / "best" / "config.json").is_file() and (out / "checkpoint" / "model.safetensors").is_file()
 
     # Two ranks of 2 blocks train exactly like one process with batches of 4.
-    import torch
-
     _, single_state = _train_in_process(corpus, tokenizer_dir, tmp_path / "single", batch_size=4, epochs=0.15)
-    distributed_state = torch.load(out / "checkpoint.pt", weights_only=False)
+    distributed_state = _checkpoint(out)
     assert distributed_state["step"] == single_state["step"]
     _assert_same_weights(distributed_state["model"], single_state["model"])
 

@@ -36,34 +36,18 @@ The losses (Chan et al., 2021, section 3), each with its weight:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.nn import functional as F
-
-from chatcore.anatomy import anatomy_of
-from chatcore.cocon.block import CoconBlock, CoconConfig
-from chatcore.cocon.losses import (
-    CoconLosses,
-    HiddenDiscriminator,
-    lm_loss,
-    mixed_lm_loss,
-    plain_logits,
-    self_token_bias,
-    weighted_lm_loss,
-)
-from chatcore.cocon.model_split import SplitModel
-from chatcore.cocon.pipeline import CoconPipeline
-from chatcore.cocon.windows import CONVERSATION_TURNS, WindowSampler, render_dialogues
 from chatcore.errors import ChatcoreError
 
-CHECKPOINT_FILE = "checkpoint.pt"
+if TYPE_CHECKING:
+    from chatcore.cocon.block import CoconBlock
+
 BLOCK_DIR = "block"
 
 
@@ -221,82 +205,7 @@ def default_split_layer(n_layer: int) -> int:
     return max(1, min(n_layer - 1, n_layer // 3))
 
 
-# Re-exported: what tests and callers read from here.
-__all__ = [
-    "CONVERSATION_TURNS",
-    "CoconLosses",
-    "CoconTrainConfig",
-    "CoconTrainResult",
-    "make_prompt_format",
-    "train_cocon",
-    "lm_loss",
-    "mixed_lm_loss",
-    "weighted_lm_loss",
-    "render_dialogues",
-]
-
-
 # -- the loop ----------------------------------------------------------------------------
-
-
-def _lr_at(step: int, config: CoconTrainConfig) -> float:
-    if step < config.warmup_steps:
-        return config.learning_rate * (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
-    floor = config.learning_rate * config.min_lr_ratio
-    return floor + 0.5 * (config.learning_rate - floor) * (1 + math.cos(math.pi * progress))
-
-
-def heldout_losses(
-    pipeline: CoconPipeline,
-    windows: torch.Tensor,
-    config: CoconTrainConfig,
-    autocast: Any,
-    token_counts: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Per-token losses on fixed held-out windows: the plain model ("plain"), the block
-    with no content ("null"), the whole continuation as content, self-token masked, so
-    the number reflects use of the content rather than copying ("self"), and one token
-    of the continuation as the content, as a one-word content in chat ("word": the
-    continuation's rarest token by ``token_counts``, else a random one)."""
-    split, block = pipeline.split, pipeline.block
-    hs = config.history_tokens
-    content_max = int(config.content_max_tokens or config.continuation_tokens)
-    was_training = block.training
-    block.eval()
-    sums = {"plain": 0.0, "null": 0.0, "self": 0.0, "word": 0.0, "null_kl": 0.0}
-    count = 0
-    picks = torch.Generator().manual_seed(config.seed + 2)
-    counts = token_counts.to(split.device) if token_counts is not None else None
-    with torch.no_grad(), autocast():
-        for first in range(0, windows.size(0), config.batch_size):
-            batch = windows[first : first + config.batch_size].to(split.device)
-            inputs, targets = batch[:, :-1], batch[:, hs:]
-            B = inputs.size(0)
-            alpha_hidden = split.hidden_at_split(inputs)  # (B, L, C)
-            plain = plain_logits(split, alpha_hidden, hs)  # (B, Tq, V)
-            continuation = batch[:, hs : hs + content_max]
-            keys, values = block.content_keys_values(split.hidden_at_split(continuation))
-            bias = self_token_bias(targets.size(1), 0, continuation.size(1), keys.dtype, keys.device)
-            if counts is None:
-                word_at = torch.randint(0, targets.size(1), (B, 1), generator=picks).to(split.device)
-            else:
-                word_at = counts[targets].argmin(dim=1, keepdim=True)  # (B, 1)
-            word_keys, word_values = block.content_keys_values(split.hidden_at_split(targets.gather(1, word_at)))
-            n = targets.numel()
-            sums["plain"] += lm_loss(plain, targets).item() * n
-            null = pipeline.full_forward(alpha_hidden, hs)[0]
-            sums["null"] += lm_loss(null, targets).item() * n
-            plain_log = F.log_softmax(plain, dim=-1)
-            kl = (plain_log.exp() * (plain_log - F.log_softmax(null.float(), dim=-1))).sum(dim=-1)  # (B, Tq)
-            sums["null_kl"] += kl.sum().item()
-            self_logits = pipeline.full_forward(alpha_hidden, hs, keys, values, bias)[0]
-            sums["self"] += lm_loss(self_logits, targets).item() * n
-            word_logits = pipeline.full_forward(alpha_hidden, hs, word_keys, word_values)[0]
-            sums["word"] += lm_loss(word_logits, targets).item() * n
-            count += n
-    block.train(was_training)
-    return {name: value / max(1, count) for name, value in sums.items()}
 
 
 def _init_from_block(block: CoconBlock, name: str, model: Any, tokenizer: Any, model_name: str) -> dict[str, Any]:
@@ -321,28 +230,48 @@ def _init_from_block(block: CoconBlock, name: str, model: Any, tokenizer: Any, m
 
 
 def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool = True) -> CoconTrainResult:
-    """Train a CoCon block for ``config.model``; writes OUT/checkpoint.pt and OUT/block/."""
+    """Train a CoCon block for ``config.model``; writes OUT/checkpoint/ and OUT/block/.
+
+    Accelerate places the block, runs bf16 autocast, clips gradients and checkpoints the
+    run (block, discriminator, both optimizers, the learning-rate scheduler, the random
+    state, the window generator and the loop's counters), so ``resume`` continues exactly."""
+    import torch
+    from torch.nn import functional as F
     from tqdm.auto import tqdm
 
+    from chatcore.anatomy import anatomy_of
+    from chatcore.cocon.block import CoconBlock, CoconConfig
+    from chatcore.cocon.heldout import heldout_losses
+    from chatcore.cocon.losses import CoconLosses, HiddenDiscriminator
+    from chatcore.cocon.model_split import SplitModel
+    from chatcore.cocon.pipeline import CoconPipeline
     from chatcore.cocon.store import model_fingerprint, save_block
-    from chatcore.models import load_model, pick_device
+    from chatcore.cocon.windows import WindowSampler, render_dialogues
+    from chatcore.models import load_model
+    from chatcore.training.accelerated import (
+        CHECKPOINT_DIR,
+        Progress,
+        checkpoint_to_resume,
+        distributed_context,
+        load_checkpoint,
+        make_accelerator,
+        read_progress,
+        save_checkpoint,
+    )
     from chatcore.training.corpus import load_corpus, split_heldout
     from chatcore.training.data import encode_dialogues
+    from chatcore.training.schedule import move_schedule, warmup_cosine
 
+    if distributed_context().enabled:
+        raise ChatcoreError("chatcore train cocon runs in one process: start it without torchrun")
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = pick_device(config.device)
-    precision = config.precision
-    if precision == "auto":
-        precision = "bf16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "fp32"
-    if precision == "bf16":
-        autocast = lambda: torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)  # noqa: E731
-    else:
-        autocast = contextlib.nullcontext
-
     out_dir = Path(config.out_dir)
+    checkpoint = checkpoint_to_resume(out_dir) if resume else out_dir / CHECKPOINT_DIR
+    accelerator = make_accelerator(config.device, config.precision)
+    device = str(accelerator.device)
+    autocast = accelerator.autocast
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_path = out_dir / CHECKPOINT_FILE
     torch.manual_seed(config.seed)
 
     loaded = load_model(config.model, device=device, dtype="float32")
@@ -406,46 +335,41 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         betas=(0.9, 0.98),
     )
     disc_optimizer = torch.optim.AdamW(discriminator.parameters(), lr=config.learning_rate, betas=(0.5, 0.98))
+    schedule = warmup_cosine(optimizer, config.warmup_steps, config.steps, config.min_lr_ratio)
+    block, discriminator, optimizer, disc_optimizer, _ = accelerator.prepare(
+        block, discriminator, optimizer, disc_optimizer, schedule
+    )
+    state = Progress()
+    accelerator.register_for_checkpointing(state)
     generator = torch.Generator().manual_seed(config.seed)
     step, elapsed = 0, 0.0
     history: list[dict[str, float]] = []
     if resume:
-        if not checkpoint_path.exists():
-            raise ChatcoreError(f"--resume: no checkpoint at {checkpoint_path}")
-        state = torch.load(checkpoint_path, map_location=device, weights_only=False)
-        if state["block_config"] != block_config.to_dict():
-            raise ChatcoreError(f"--resume: the checkpoint's block ({state['block_config']}) does not match this run")
-        block.load_state_dict(state["block"])
-        discriminator.load_state_dict(state["discriminator"])
-        optimizer.load_state_dict(state["optimizer"])
-        disc_optimizer.load_state_dict(state["disc_optimizer"])
-        step, elapsed, history = state["step"], state["elapsed"], state["history"]
-        init_training = state.get("init_training")
-        generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
+        saved_block = read_progress(checkpoint)["block_config"]
+        if saved_block != block_config.to_dict():
+            raise ChatcoreError(f"--resume: the checkpoint's block ({saved_block}) does not match this run")
+        load_checkpoint(accelerator, checkpoint)
+        saved = state.values
+        step, elapsed, history = saved["step"], saved["elapsed"], saved["history"]
+        init_training = saved["init_training"]
+        generator.set_state(saved["generator"])
+        move_schedule(schedule, step, config.learning_rate)
 
     base_model = {"name": config.model, "fingerprint": model_fingerprint(model, tokenizer)}
     token_counts = torch.bincount(train_stream, minlength=int(model.get_input_embeddings().weight.shape[0]))
     losses_fn = CoconLosses(pipeline, config, token_counts)
 
     def save(heldout: dict[str, float]) -> None:
-        torch.save(
-            {
-                "block": block.state_dict(),
-                "discriminator": discriminator.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "disc_optimizer": disc_optimizer.state_dict(),
-                "step": step,
-                "elapsed": elapsed,
-                "history": history,
-                "generator": generator.get_state(),
-                "torch_rng": torch.get_rng_state(),
-                "block_config": block_config.to_dict(),
-                "config": asdict(config),
-                "init_training": init_training,
-            },
-            checkpoint_path,
-        )
+        state.values = {
+            "step": step,
+            "elapsed": elapsed,
+            "history": history,
+            "generator": generator.get_state(),
+            "block_config": block_config.to_dict(),
+            "config": asdict(config),
+            "init_training": init_training,
+        }
+        save_checkpoint(accelerator, checkpoint)
         training = {
             "corpus": config.corpus,
             "steps": step,
@@ -464,8 +388,8 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     while step < config.steps:
         with_cycle = config.cycle_weight > 0 and step >= config.cycle_from_step
         with_adv = config.adv_weight > 0 and step >= config.adv_from_step
-        for group in optimizer.param_groups + disc_optimizer.param_groups:
-            group["lr"] = _lr_at(step, config)
+        for group in disc_optimizer.param_groups:  # the discriminator follows the block's schedule
+            group["lr"] = schedule.get_last_lr()[0]
         windows = sampler.sample(config.batch_size, generator).to(device)
         with autocast():
             batch = losses_fn(windows, generator, with_cycle, with_adv)
@@ -483,8 +407,8 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         }
         total = sum(weights[name] * value for name, value in losses.items())
         optimizer.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(block.parameters(), config.grad_clip)
+        accelerator.backward(total)
+        accelerator.clip_grad_norm_(block.parameters(), config.grad_clip)
         optimizer.step()
         discriminator.zero_grad(set_to_none=True)  # the generator loss above left gradients there
 
@@ -497,10 +421,11 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
                     real_logits, torch.ones_like(real_logits)
                 ) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
             disc_optimizer.zero_grad(set_to_none=True)
-            disc_loss.backward()
+            accelerator.backward(disc_loss)
             disc_optimizer.step()
             losses["disc"] = disc_loss
 
+        schedule.step()
         step += 1
         for name, value in losses.items():
             current = float(value.detach())

@@ -13,19 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from chatcore.errors import ChatcoreError, ModelLoadError
+from chatcore.training.accelerated import checkpoint_to_resume, distributed_context, process_state
 from chatcore.training.corpus import Dialogue
 from chatcore.training.filtering import FilterConfig, FilterReport
 from chatcore.training.threads import load_dialogues, split_heldout_by_thread
-from chatcore.training.trainer import (
-    ModelShape,
-    TrainConfig,
-    TrainResult,
-    barrier,
-    build_model,
-    distributed_context,
-    init_distributed,
-    train,
-)
+from chatcore.training.trainer import ModelShape, TrainConfig, TrainResult, build_model, train
 
 DEFAULT_FILTER = FilterConfig()
 ReportCallback = Callable[[FilterReport], None]
@@ -104,6 +96,8 @@ def train_model_command(
     from chatcore.training.data import encode_dialogues
 
     context = distributed_context()
+    if resume:
+        checkpoint_to_resume(Path(config.out_dir))  # refuses a missing or old checkpoint before any work
     train_set, heldout_set, report = training_dialogues(
         corpus, heldout, filter_config, on_filter_report if context.is_main else None
     )
@@ -132,7 +126,7 @@ def train_model_command(
         if tokenizer_path:
             tokenizer = _load_tokenizer(tokenizer_path)
         elif context.enabled:
-            init_distributed(config.device)
+            processes = process_state(config.device)
             shared_path = out_path / "tokenizer"
             if context.is_main:
                 from chatcore.training.tokenizer import train_tokenizer
@@ -140,7 +134,7 @@ def train_model_command(
                 train_tokenizer((t for d in train_set for t in d.turns), vocab_size=vocab_size).save_pretrained(
                     str(shared_path)
                 )
-            barrier()
+            processes.wait_for_everyone()
             tokenizer = _load_tokenizer(str(shared_path))
         else:
             from chatcore.training.tokenizer import train_tokenizer

@@ -1,0 +1,191 @@
+"""Hugging Face Accelerate under chatcore's training loops: the run's Accelerator (device,
+torchrun processes, mixed precision, gradient accumulation) and its checkpoint folder.
+
+A checkpoint is ``OUT/checkpoint/``, written by ``Accelerator.save_state``: the trained
+modules' weights (``model.safetensors``, ``model_1.safetensors``, ...), the optimizers
+(``optimizer.bin``, ...), the learning-rate schedulers (``scheduler.bin``, ...), the fp16
+GradScaler (``scaler.pt``), each process's random state (Python, NumPy, torch CPU and
+CUDA: ``random_states_<rank>.pkl``) and the loop's own counters
+(``custom_checkpoint_0.pkl``, see :class:`Progress`). Weights are saved without the
+DistributedDataParallel wrapper, so a checkpoint resumes on any number of processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator, PartialState
+
+CHECKPOINT_DIR = "checkpoint"
+PROGRESS_FILE = "custom_checkpoint_0.pkl"  # Accelerate's name for the first registered object
+OLD_CHECKPOINT_FILE = "checkpoint.pt"  # the single-file format before Accelerate
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process stands in a torchrun launch (rank 0 of 1 when run plainly)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def distributed_context() -> DistributedContext:
+    """Read the rank and world size that torchrun (or any env:// launcher) exports."""
+    try:
+        return DistributedContext(
+            rank=int(os.environ.get("RANK", "0")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        )
+    except ValueError as error:
+        raise ChatcoreError(f"bad RANK / LOCAL_RANK / WORLD_SIZE in the environment: {error}") from None
+
+
+def _on_cpu(device: str | None) -> bool:
+    """Whether ``device`` (None: CUDA when present) keeps the run off the GPU."""
+    import torch
+
+    return device == "cpu" or (device is None and not torch.cuda.is_available())
+
+
+def process_state(device: str | None) -> "PartialState":
+    """This process's place in the launch; under torchrun, joining the process group
+    (NCCL on GPUs, gloo with ``device='cpu'``). Call it with the run's own device."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=_on_cpu(device))
+
+
+def mixed_precision(precision: str, device: str) -> str:
+    """Accelerate's mixed-precision mode for a ``precision`` setting on ``device``
+    (``auto``: bf16 on a GPU that has it, else fp32)."""
+    import torch
+
+    if precision == "auto":
+        precision = "bf16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "fp32"
+    return "no" if precision == "fp32" else precision
+
+
+def make_accelerator(device: str | None, precision: str, grad_accum: int = 1) -> "Accelerator":
+    """The Accelerator of one training run on ``device`` (None: CUDA when present; under
+    torchrun each process takes its local GPU). The optimizer step, scheduler step and
+    gradient clipping are the loop's to call, once per optimizer step."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from chatcore.models import pick_device
+
+    distributed = distributed_context().enabled
+    # Each run sets its own device, precision and accumulation: forget the previous run's
+    # in this process (a torchrun launch keeps its process group).
+    AcceleratorState._reset_state(reset_partial_state=not distributed)
+    GradientState._reset_state()
+    if distributed:
+        device = "cpu" if _on_cpu(device) else "cuda"
+    else:
+        device = pick_device(device)
+        if device.startswith("cuda:"):
+            import torch
+
+            torch.cuda.set_device(int(device.partition(":")[2]))
+    if device == "cpu" and mixed_precision(precision, device) == "fp16":
+        raise ChatcoreError("--precision fp16 needs a GPU: on the CPU use bf16 or fp32")
+    try:
+        accelerator = Accelerator(
+            cpu=device == "cpu",
+            mixed_precision=mixed_precision(precision, device),
+            gradient_accumulation_steps=grad_accum,
+            step_scheduler_with_optimizer=False,
+        )
+    except ValueError as error:
+        raise ChatcoreError(f"cannot train with precision {precision!r} on {device}: {error}") from None
+
+    def unwrapped_weights(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        weights[:] = [_untied(accelerator.unwrap_model(model).state_dict()) for model in models]
+
+    def unwrapped_models(models: list[Any], input_dir: str) -> None:
+        models[:] = [accelerator.unwrap_model(model) for model in models]
+
+    accelerator.register_save_state_pre_hook(unwrapped_weights)
+    accelerator.register_load_state_pre_hook(unwrapped_models)
+    return accelerator
+
+
+def _untied(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor once: tied weights (GPT-2's embedding and LM head) share
+    one, which safetensors stores once and its loader ties back."""
+    from accelerate.utils import id_tensor_storage
+
+    seen: set[Any] = set()
+    kept = {}
+    for name, tensor in state.items():
+        if id_tensor_storage(tensor) not in seen:
+            seen.add(id_tensor_storage(tensor))
+            kept[name] = tensor
+    return kept
+
+
+class Progress:
+    """A loop's own state (step, counters, its data generator, settings), saved and
+    restored with Accelerate's: register it with ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.values = dict(state)
+
+
+def checkpoint_to_resume(out_dir: Path) -> Path:
+    """The checkpoint folder in ``out_dir`` that ``--resume`` continues from; a missing one,
+    or one in the format before Accelerate, is refused in one line."""
+    folder = out_dir / CHECKPOINT_DIR
+    if (folder / PROGRESS_FILE).is_file():
+        return folder
+    if (out_dir / OLD_CHECKPOINT_FILE).is_file():
+        raise ChatcoreError(
+            f"--resume: {out_dir / OLD_CHECKPOINT_FILE} is in the format of an older chatcore, which cannot be "
+            f"resumed: train again without --resume (or into another --out folder)"
+        )
+    raise ChatcoreError(f"--resume: no checkpoint in {folder}")
+
+
+def read_progress(folder: Path) -> dict[str, Any]:
+    """The loop's own state saved in checkpoint ``folder`` (without loading the rest)."""
+    import torch
+
+    state: dict[str, Any] = torch.load(folder / PROGRESS_FILE, map_location="cpu", weights_only=True)
+    return state
+
+
+def save_checkpoint(accelerator: "Accelerator", folder: Path) -> None:
+    """Write the run's state into ``folder``; every process calls it (each writes its own
+    random state) and waits for the others."""
+    accelerator.save_state(str(folder))
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(accelerator: "Accelerator", folder: Path) -> None:
+    """Restore the state :func:`save_checkpoint` wrote into the prepared objects."""
+    accelerator.load_state(str(folder))
+    # The checkpoint was taken between optimizer steps: accumulation starts afresh (with
+    # this run's grad_accum, which may differ from the saved run's).
+    accelerator.step = 0
