@@ -167,7 +167,8 @@ def _number(value: float) -> str:
 
 def range_phrase(metadata: Iterable[Any], integer: bool) -> str:
     """How a field's bounds read in an error: "a positive integer", "in (0, 1]" ..."""
-    low = high = None
+    low: Any = None
+    high: Any = None
     low_open = high_open = False
     for item in metadata:
         if isinstance(item, annotated_types.Interval):
@@ -220,7 +221,7 @@ def _field_infos(settings_cls: type) -> dict[str, FieldInfo]:
         return dict(settings_cls.model_fields)
     hints = typing.get_type_hints(settings_cls, include_extras=True)
     infos = {}
-    for field in dataclasses.fields(settings_cls):
+    for field in dataclasses.fields(typing.cast(Any, settings_cls)):
         if field.init:
             default = field.default if field.default is not dataclasses.MISSING else ...
             infos[field.name] = FieldInfo.from_annotated_attribute(hints[field.name], default)
@@ -303,7 +304,7 @@ def check_settings_class(settings_cls: type) -> None:
         raise TypeError(f"Settings {settings_cls.__name__}: a setting's type cannot be resolved ({error})") from None
     for name, info in infos.items():
         try:
-            TypeAdapter(info.annotation).json_schema()
+            TypeAdapter(typing.cast(Any, info.annotation)).json_schema()
         except Exception:  # pydantic's schema errors have several types
             raise TypeError(
                 f"setting `{name}` of {settings_cls.__name__}: chatcore cannot convert {info.annotation!r} "
@@ -349,7 +350,8 @@ def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str 
     if settings_cls is object:
         return settings_cls()
     try:
-        return typing.cast(T, _adapter(settings_cls).validate_python(prepare_values(fields, named)))
+        adapter = _adapter(typing.cast(type, settings_cls))
+        return typing.cast(T, adapter.validate_python(prepare_values(fields, named)))
     except ValidationError as error:
         raise OptionError(f"{describe_error(error, settings_cls)}{where}") from None
     except OptionError as error:
