@@ -27,53 +27,47 @@ positions, C = n_embd, H = n_head, D = C // H.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from torch import nn
 from torch.nn import functional as F
 
+from chatcore.options import Settings
 
-@dataclass
-class CoconConfig:
-    """The block's shape and the layer it sits at.
 
-    n_embd, n_head:  must match the base model's width and heads.
-    split_layer:     LM-alpha is blocks [0, split_layer), LM-beta [split_layer, n_layer).
-    n_inner:         the MLP's hidden width (default 4 * n_embd).
-    """
+class CoconConfig(Settings):
+    """The block's shape and the layer it sits at."""
 
-    n_embd: int
-    n_head: int
-    split_layer: int
-    n_inner: int | None = None
-    layer_norm_epsilon: float = 1e-5
-    dropout: float = 0.1
-    init_std: float = 0.02
+    n_embd: PositiveInt
+    """Must match the base model's width."""
+    n_head: PositiveInt
+    """Must match the base model's heads."""
+    split_layer: PositiveInt
+    """LM-alpha is blocks [0, split_layer), LM-beta [split_layer, n_layer)."""
+    n_inner: PositiveInt | None = None
+    """The MLP's hidden width (default 4 * n_embd)."""
+    layer_norm_epsilon: PositiveFloat = 1e-5
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+    init_std: PositiveFloat = 0.02
 
-    def __post_init__(self) -> None:
-        for name in ("n_embd", "n_head", "split_layer"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> CoconConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"`n_embd` ({self.n_embd}) must be divisible by `n_head` ({self.n_head})")
-        if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner < 1):
-            raise ValueError(f"`n_inner` must be a positive integer or None, got {self.n_inner!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
+        return self
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "CoconConfig":
-        known = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+        known = {k: v for k, v in values.items() if k in cls.model_fields}
         return cls(**known)
 
 

@@ -37,13 +37,15 @@ The losses (Chan et al., 2021, section 3), each with its weight:
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from chatcore.errors import ChatcoreError
+from chatcore.options import Settings
 
 if TYPE_CHECKING:
     from chatcore.cocon.block import CoconBlock
@@ -51,78 +53,79 @@ if TYPE_CHECKING:
 BLOCK_DIR = "block"
 
 
-@dataclass
-class CoconTrainConfig:
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class CoconTrainConfig(Settings):
+    """How a CoCon block is trained (`chatcore train cocon`)."""
+
     out_dir: str
     model: str = "chatcore-tiny"
     corpus: str = "chitchat"
-    heldout: float = 0.05
-    prompt_format: str = "auto"  # the prompt format the windows are rendered in, as chat renders prompts
-    split_layer: int | None = None  # default: n_layer // 3 (at least 1)
-    steps: int = 2000
-    batch_size: int = 16
-    history_tokens: int = 32  # the longest history
-    min_history_tokens: int | None = None  # default: history_tokens (every history as long)
-    continuation_tokens: int = 24
-    content_max_tokens: int | None = None  # default: the whole continuation
-    short_content_share: float = 0.5  # share of batches whose content is a short span
-    short_content_max_tokens: int = 4
-    span_rarity: float = 1.0  # short spans start at token t with weight count(t) ** -span_rarity
-    span_weight: float = 1.0  # self loss weight, relative to the rest, at the positions a short content holds
-    plain_target: float = 0.0  # share of the target taken from the plain model where no content token is due
-    init_block: str | None = None  # start from this block's weights (a folder or bundled name): fine-tuning
-    turn_start_share: float = 0.75  # share of windows whose continuation starts a turn
-    no_history_share: float = 0.05  # share of batches trained with the start vector, no history
-    content_mask_prob: float = 0.1  # content hidden states replaced by the mask vector
+    heldout: Share = 0.05
+    prompt_format: str = "auto"
+    """The prompt format the windows are rendered in, as chat renders prompts."""
+    split_layer: PositiveInt | None = None
+    """The layer the block sits at (default: n_layer // 3, at least 1)."""
+    steps: PositiveInt = 2000
+    batch_size: PositiveInt = 16
+    history_tokens: PositiveInt = 32
+    """The longest history."""
+    min_history_tokens: PositiveInt | None = None
+    """The shortest history (default: history_tokens, every history as long)."""
+    continuation_tokens: Annotated[int, Field(ge=2)] = 24
+    content_max_tokens: PositiveInt | None = None
+    """The longest content (default: the whole continuation)."""
+    short_content_share: Share = 0.5
+    """Share of batches whose content is a short span."""
+    short_content_max_tokens: PositiveInt = 4
+    span_rarity: NonNegativeFloat = 1.0
+    """Short spans start at token t with weight count(t) ** -span_rarity."""
+    span_weight: NonNegativeFloat = 1.0
+    """Self loss weight, relative to the rest, at the positions a short content holds."""
+    plain_target: Share = 0.0
+    """Share of the target taken from the plain model where no content token is due."""
+    init_block: str | None = None
+    """Start from this block's weights (a folder or bundled name): fine-tuning."""
+    turn_start_share: Share = 0.75
+    """Share of windows whose continuation starts a turn."""
+    no_history_share: Share = 0.05
+    """Share of batches trained with the start vector, no history."""
+    content_mask_prob: Share = 0.1
+    """Content hidden states replaced by the mask vector."""
     self_token_mask: bool = True
-    self_weight: float = 1.0
-    null_weight: float = 1.0
-    cycle_weight: float = 1.0
-    adv_weight: float = 0.2
-    cycle_from_step: int = 500
-    adv_from_step: int = 500
-    cycle_tokens: int = 8
-    cycle_batch_size: int = 8
-    disc_every: int = 5
-    learning_rate: float = 5e-4
+    self_weight: NonNegativeFloat = 1.0
+    null_weight: NonNegativeFloat = 1.0
+    cycle_weight: NonNegativeFloat = 1.0
+    adv_weight: NonNegativeFloat = 0.2
+    cycle_from_step: NonNegativeInt = 500
+    adv_from_step: NonNegativeInt = 500
+    cycle_tokens: PositiveInt = 8
+    cycle_batch_size: PositiveInt = 8
+    disc_every: PositiveInt = 5
+    learning_rate: PositiveFloat = 5e-4
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
+    warmup_steps: NonNegativeInt = 100
+    weight_decay: NonNegativeFloat = 0.01
     grad_clip: float = 1.0
     dropout: float = 0.1
-    eval_every: int = 200
-    eval_windows: int = 128
+    eval_every: PositiveInt = 200
+    eval_windows: PositiveInt = 128
     seed: int = 1234
     device: str | None = None
-    precision: str = "auto"  # auto | fp32 | bf16
-    save_dtype: str = "float16"
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    save_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     threads: int | None = None
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> CoconTrainConfig:
+        # Defaults that follow other settings, and the short span clamped to the content: set
+        # in place (not assigned, which would run these checks again).
         if self.content_max_tokens is None:
-            self.content_max_tokens = self.continuation_tokens
+            self.__dict__["content_max_tokens"] = self.continuation_tokens
         if self.min_history_tokens is None:
-            self.min_history_tokens = self.history_tokens
-        positive = (
-            "steps",
-            "batch_size",
-            "history_tokens",
-            "min_history_tokens",
-            "continuation_tokens",
-            "content_max_tokens",
-            "short_content_max_tokens",
-            "cycle_tokens",
-            "cycle_batch_size",
-            "disc_every",
-            "eval_every",
-            "eval_windows",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
-        if self.continuation_tokens < 2:
-            raise ValueError(f"`continuation_tokens` must be at least 2, got {self.continuation_tokens}")
+            self.__dict__["min_history_tokens"] = self.history_tokens
+        assert self.min_history_tokens is not None and self.content_max_tokens is not None
         if self.min_history_tokens > self.history_tokens:
             raise ValueError(
                 f"`min_history_tokens` ({self.min_history_tokens}) must not exceed "
@@ -133,42 +136,8 @@ class CoconTrainConfig:
                 f"`content_max_tokens` ({self.content_max_tokens}) must not exceed "
                 f"`continuation_tokens` ({self.continuation_tokens})"
             )
-        self.short_content_max_tokens = min(self.short_content_max_tokens, self.content_max_tokens)
-        for name in (
-            "short_content_share",
-            "turn_start_share",
-            "no_history_share",
-            "content_mask_prob",
-            "heldout",
-            "plain_target",
-        ):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"`{name}` must be between 0 and 1, got {value}")
-        for name in (
-            "self_weight",
-            "null_weight",
-            "cycle_weight",
-            "adv_weight",
-            "weight_decay",
-            "span_rarity",
-            "span_weight",
-        ):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"`{name}` must be a non-negative number, got {value}")
-        for name in ("cycle_from_step", "adv_from_step", "warmup_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"`learning_rate` must be positive, got {self.learning_rate}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"`precision` must be one of auto, fp32, bf16, got {self.precision!r}")
-        if self.save_dtype not in ("float16", "bfloat16", "float32"):
-            raise ValueError(f"`save_dtype` must be one of float16, bfloat16, float32, got {self.save_dtype!r}")
-        if self.split_layer is not None and (not isinstance(self.split_layer, int) or self.split_layer < 1):
-            raise ValueError(f"`split_layer` must be a positive integer, got {self.split_layer!r}")
+        self.__dict__["short_content_max_tokens"] = min(self.short_content_max_tokens, self.content_max_tokens)
+        return self
 
 
 @dataclass
@@ -366,7 +335,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
             "history": history,
             "generator": generator.get_state(),
             "block_config": block_config.to_dict(),
-            "config": asdict(config),
+            "config": config.model_dump(),
             "init_training": init_training,
         }
         save_checkpoint(accelerator, checkpoint)
@@ -375,7 +344,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
             "steps": step,
             "seconds": round(elapsed, 1),
             "heldout_loss": {k: round(v, 4) for k, v in heldout.items()},
-            "settings": {k: v for k, v in asdict(config).items() if k not in ("out_dir", "extra", "device")},
+            "settings": {k: v for k, v in config.model_dump().items() if k not in ("out_dir", "extra", "device")},
         }
         if init_training is not None:
             training["init_block_training"] = init_training
