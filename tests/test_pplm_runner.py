@@ -10,6 +10,8 @@ import torch
 from chatcore.decoding import GenerationSession
 from chatcore.plugins.pplm import PPLMSteerer
 from chatcore.pplm.kv import GrowingPast, fresh_cache, past_of
+from chatcore.pplm.lean_passes import LowRankGradient
+from chatcore.pplm.model_passes import DenseGradient
 from chatcore.pplm.perturb import apply_deltas
 from chatcore.pplm.runner import LowRankDeltas, Runner, supports
 from chatcore.steering import Steerer
@@ -215,6 +217,30 @@ def test_probe_gradients_are_the_dense_delta_gradients(any_model):
     got = torch.stack([key_grad, value_grad], dim=1).flatten(0, 1)
     assert expected.abs().max() > 0
     assert torch.allclose(got, expected, atol=1e-6, rtol=1e-4)
+
+
+def test_low_rank_and_dense_gradients_take_the_same_step():
+    """The two runners' gradients: the low-rank one (factors per key/value head) has the
+    norms of, and takes the step of, the dense gradient its factors multiply out to."""
+    generator = torch.Generator().manual_seed(0)
+    layers, batch, heads, group, window, head_dim = 2, 3, 2, 2, 4, 5
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    score_grad, queries = draw(layers, batch, heads, group, window), draw(layers, batch, heads, group, head_dim)
+    window_probs, output_grad = draw(layers, batch, heads, group, window), draw(layers, batch, heads, group, head_dim)
+    low_rank = LowRankGradient(score_grad, queries, window_probs, output_grad)
+    keys = score_grad.transpose(-1, -2) @ queries  # (layers, B, H_kv, W, D)
+    values = window_probs.transpose(-1, -2) @ output_grad
+    dense = DenseGradient(torch.stack([keys, values], dim=1).flatten(0, 1))
+    assert low_rank.squared_norms().shape == (layers, batch)
+    assert torch.allclose(low_rank.squared_norms(), dense.squared_norms())
+    scales = draw(layers, batch).abs()
+    taken = low_rank.step(None, scales)
+    start = torch.zeros(2 * layers, batch, heads, window, head_dim, dtype=torch.float64)
+    assert torch.allclose(taken.dense(), dense.step(start.clone(), scales))
+    assert torch.allclose(low_rank.step(taken, scales).dense(), dense.step(dense.step(start, scales), scales))
 
 
 def test_growing_past():
