@@ -37,7 +37,9 @@ COCON_PLUGINS = (
 def random_block(n_embd: int, n_head: int, split_layer: int, seed: int = 0) -> CoconBlock:
     """An untrained block with weights large enough that it changes what it touches."""
     torch.manual_seed(seed)
-    return CoconBlock(CoconConfig(n_embd=n_embd, n_head=n_head, split_layer=split_layer, dropout=0.0, init_std=0.3)).eval()
+    return CoconBlock(
+        CoconConfig(n_embd=n_embd, n_head=n_head, split_layer=split_layer, dropout=0.0, init_std=0.3)
+    ).eval()
 
 
 @pytest.fixture(scope="module")

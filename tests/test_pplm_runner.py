@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from chatcore.decoding import GenerationSession
+from chatcore.models import cache_keyword, output_cache
 from chatcore.plugins.pplm import PPLMSteerer
 from chatcore.pplm.kv import GrowingPast, fresh_cache, past_of
+from chatcore.pplm.lean_passes import LowRankGradient
+from chatcore.pplm.model_passes import DenseGradient
 from chatcore.pplm.perturb import apply_deltas
 from chatcore.pplm.runner import LowRankDeltas, Runner, supports
 from chatcore.steering import Steerer
@@ -82,7 +85,7 @@ def model_pass(model, ids, mask, positions, past, dense=None):
         input_ids=ids[:, -1:],
         attention_mask=mask,
         position_ids=positions[:, -1:],
-        past_key_values=cache,
+        **{cache_keyword(model): cache},
         use_cache=True,
         output_hidden_states=True,
     )
@@ -100,9 +103,11 @@ def test_runner_matches_the_model_forward(any_model, padded, with_deltas):
         ids, mask, positions = ids[:, -8:], torch.ones_like(mask[:, -8:]), torch.arange(8).expand(2, -1)
     with torch.no_grad():
         past = past_of(
-            model(
-                input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
-            ).past_key_values
+            output_cache(
+                model(
+                    input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
+                )
+            )
         )
         deltas = random_low_rank(past, window=4, rank=2) if with_deltas else None
         reference = model_pass(model, ids, mask, positions, past, None if deltas is None else deltas.dense())
@@ -120,7 +125,7 @@ def test_runner_matches_the_model_forward(any_model, padded, with_deltas):
     for ours, theirs in zip(mine.hidden_states, reference.hidden_states):
         assert ours.shape == theirs[:, -1:].shape
         assert torch.allclose(ours, theirs[:, -1:], atol=1e-5)
-    for (keys, values), layer in zip(mine.new, reference.past_key_values.layers):
+    for (keys, values), layer in zip(mine.new, output_cache(reference).layers):
         assert torch.allclose(keys, layer.keys[:, :, -1:], atol=1e-5)
         assert torch.allclose(values, layer.values[:, :, -1:], atol=1e-5)
 
@@ -135,9 +140,11 @@ def test_runner_from_a_layer_reuses_what_lies_below(any_model):
     runner = Runner(model)
     with torch.no_grad():
         past = past_of(
-            model(
-                input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
-            ).past_key_values
+            output_cache(
+                model(
+                    input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
+                )
+            )
         )
         plain = runner.forward(past, positions[:, -1:], input_ids=ids[:, -1:], key_mask=mask.bool(), from_layer=top)
         full = random_low_rank(past, window=4, rank=2)
@@ -147,7 +154,7 @@ def test_runner_from_a_layer_reuses_what_lies_below(any_model):
             input_ids=ids[:, -1:],
             attention_mask=mask,
             position_ids=positions[:, -1:],
-            past_key_values=fresh_cache(apply_deltas(past, dense, top), model.config),
+            **{cache_keyword(model): fresh_cache(apply_deltas(past, dense, top), model.config)},
             use_cache=True,
             output_hidden_states=True,
         )
@@ -168,7 +175,7 @@ def test_runner_from_a_layer_reuses_what_lies_below(any_model):
     assert mine.hidden_states is not None and len(mine.hidden_states) == len(reference.hidden_states)
     for ours, theirs in zip(mine.hidden_states, reference.hidden_states):
         assert torch.allclose(ours, theirs[:, -1:], atol=1e-5)
-    for (keys, values), layer in zip(mine.new, reference.past_key_values.layers):
+    for (keys, values), layer in zip(mine.new, output_cache(reference).layers):
         assert torch.allclose(keys, layer.keys[:, :, -1:], atol=1e-5)
         assert torch.allclose(values, layer.values[:, :, -1:], atol=1e-5)
     with pytest.raises(ValueError, match="from_layer"):
@@ -183,9 +190,11 @@ def test_probe_gradients_are_the_dense_delta_gradients(any_model):
     ids, mask, positions = padded_batch(loaded, ["what should we cook tonight?", "hello there!"])
     with torch.no_grad():
         past = past_of(
-            model(
-                input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
-            ).past_key_values
+            output_cache(
+                model(
+                    input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1], use_cache=True
+                )
+            )
         )
     window = 5
     deltas = random_low_rank(past, window=window, rank=1, scale=0.2)
@@ -215,6 +224,30 @@ def test_probe_gradients_are_the_dense_delta_gradients(any_model):
     got = torch.stack([key_grad, value_grad], dim=1).flatten(0, 1)
     assert expected.abs().max() > 0
     assert torch.allclose(got, expected, atol=1e-6, rtol=1e-4)
+
+
+def test_low_rank_and_dense_gradients_take_the_same_step():
+    """The two runners' gradients: the low-rank one (factors per key/value head) has the
+    norms of, and takes the step of, the dense gradient its factors multiply out to."""
+    generator = torch.Generator().manual_seed(0)
+    layers, batch, heads, group, window, head_dim = 2, 3, 2, 2, 4, 5
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    score_grad, queries = draw(layers, batch, heads, group, window), draw(layers, batch, heads, group, head_dim)
+    window_probs, output_grad = draw(layers, batch, heads, group, window), draw(layers, batch, heads, group, head_dim)
+    low_rank = LowRankGradient(score_grad, queries, window_probs, output_grad)
+    keys = score_grad.transpose(-1, -2) @ queries  # (layers, B, H_kv, W, D)
+    values = window_probs.transpose(-1, -2) @ output_grad
+    dense = DenseGradient(torch.stack([keys, values], dim=1).flatten(0, 1))
+    assert low_rank.squared_norms().shape == (layers, batch)
+    assert torch.allclose(low_rank.squared_norms(), dense.squared_norms())
+    scales = draw(layers, batch).abs()
+    taken = low_rank.step(None, scales)
+    start = torch.zeros(2 * layers, batch, heads, window, head_dim, dtype=torch.float64)
+    assert torch.allclose(taken.dense(), dense.step(start.clone(), scales))
+    assert torch.allclose(low_rank.step(taken, scales).dense(), dense.step(dense.step(start, scales), scales))
 
 
 def test_growing_past():

@@ -7,8 +7,15 @@ of one-token forward (and backward) passes, whatever the history's length.
 - :mod:`chatcore.pplm.attribute`  what to steer towards: a bag of words or a
   discriminator head (the attribute model contract, saving and loading heads);
 - :mod:`chatcore.pplm.perturb`    the perturbation of the past, one decoding step at a time;
+- :mod:`chatcore.pplm.loop`       its gradient iterations (loss, normalised steps), written once;
+- :mod:`chatcore.pplm.passes`     the runner interface the step and the loop work through, with
+  its two runners: :mod:`chatcore.pplm.model_passes` (the inner step, dense deltas) and
+  :mod:`chatcore.pplm.lean_passes` (the lean runner, low-rank deltas);
+- :mod:`chatcore.pplm.hidden`     the discriminator's mean hidden state of the reply;
 - :mod:`chatcore.pplm.runner`     a lean one-token forward for GPT-2 and Llama-family models,
-  from the past as tensors, and low-rank key/value deltas;
+  from the past as tensors (its blocks in :mod:`chatcore.pplm.layers`, its attention in
+  :mod:`chatcore.pplm.attention`);
+- :mod:`chatcore.pplm.deltas`     key/value deltas, dense and low-rank;
 - :mod:`chatcore.pplm.kv`         key/value caches as plain tensors and back, a growing past;
 - :mod:`chatcore.pplm.train_discriminator`  training a head on a frozen model.
 

@@ -31,25 +31,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from chatcore.anatomy import FULL_ATTENTION, anatomy_of
+from chatcore.pplm.attention import SingleQueryAttention
+from chatcore.pplm.deltas import LowRankDeltas
+from chatcore.pplm.layers import ACTIVATIONS, GPT2Layer, Layer, Projections, RotaryLayer
 
 if TYPE_CHECKING:
-    from chatcore.anatomy import Anatomy
     from chatcore.pplm.kv import Past
+
+__all__ = ["LowRankDeltas", "RunOutput", "Runner", "Start", "supports", "unsupported_reason"]
 
 # Rotary families whose blocks are "x + attn(norm(x)); x + mlp(norm(x))" with no other
 # terms (no soft-capped attention, no extra norms, no residual multipliers).
 ROTARY_FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3")
-
-# transformers' names for the GELU variants GPT-2 checkpoints use, as torch functions.
-ACTIVATIONS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-}
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -59,8 +54,9 @@ def unsupported_reason(model: Any) -> str | None:
     if model_type == "gpt2":
         if type(model).__name__ != "GPT2LMHeadModel" or getattr(config, "add_cross_attention", False):
             return "a GPT-2 model other than GPT2LMHeadModel without cross-attention"
-        if getattr(config, "activation_function", None) not in ACTIVATIONS:
-            return f"GPT-2 activation {config.activation_function!r}"
+        activation = getattr(config, "activation_function", None)
+        if activation not in ACTIVATIONS:
+            return f"GPT-2 activation {activation!r}"
         return None
     if model_type not in ROTARY_FAMILIES:
         return f"model type {model_type!r} (the runner knows gpt2, {', '.join(ROTARY_FAMILIES)})"
@@ -87,59 +83,6 @@ def unsupported_reason(model: Any) -> str | None:
 def supports(model: Any) -> bool:
     """Whether :class:`Runner` computes exactly what this model's forward does."""
     return unsupported_reason(model) is None
-
-
-@dataclass
-class LowRankDeltas:
-    """Key and value deltas over the most recent W positions of every layer, as sums of
-    outer products: per layer, row and key/value head, ``delta_keys = key_a @ key_b``
-    (W, r) @ (r, D), and the same for values.
-
-    With one query per row and query head, the gradient of anything w.r.t. a layer's key
-    deltas is, per key/value head, a sum of G outer products (the score gradients over the
-    window times the query, for each of the G query heads that read this key/value head),
-    and so is the one w.r.t. its value deltas (the window's attention probabilities times
-    the output gradient). Every PPLM step adds these G products, so after n iterations
-    the deltas have rank n * G: kept that way, a pass reads the window through (r, W)
-    and (r, D) factors instead of (W, D) tensors, and the dense deltas are never built
-    unless they are baked into a past.
-
-    key_a, value_a: (layers, B, H_kv, W, r); key_b, value_b: (layers, B, H_kv, r, D).
-    """
-
-    key_a: torch.Tensor
-    key_b: torch.Tensor
-    value_a: torch.Tensor
-    value_b: torch.Tensor
-
-    @property
-    def window(self) -> int:
-        return int(self.key_a.size(3))
-
-    def plus(
-        self, key_a: torch.Tensor, key_b: torch.Tensor, value_a: torch.Tensor, value_b: torch.Tensor
-    ) -> "LowRankDeltas":
-        """These deltas plus g more outer products per layer, row and head: key_a, value_a
-        (layers, B, H_kv, W, g); key_b, value_b (layers, B, H_kv, g, D)."""
-        return LowRankDeltas(
-            torch.cat([self.key_a, key_a], dim=-1),
-            torch.cat([self.key_b, key_b], dim=-2),
-            torch.cat([self.value_a, value_a], dim=-1),
-            torch.cat([self.value_b, value_b], dim=-2),
-        )
-
-    def dense(self) -> torch.Tensor:
-        """(2 * layers, B, H_kv, W, D): keys and values of each layer in turn."""
-        return torch.stack([self.key_a @ self.key_b, self.value_a @ self.value_b], dim=1).flatten(0, 1)
-
-    def expand_rows(self, rows: torch.Tensor, batch: int) -> "LowRankDeltas":
-        """The deltas of ``rows`` placed in a batch of ``batch`` rows (zeros elsewhere)."""
-
-        def place(tensor: torch.Tensor) -> torch.Tensor:
-            full = tensor.new_zeros((tensor.size(0), batch, *tensor.shape[2:]))
-            return full.index_copy_(1, rows, tensor)
-
-        return LowRankDeltas(place(self.key_a), place(self.key_b), place(self.value_a), place(self.value_b))
 
 
 @dataclass
@@ -172,207 +115,10 @@ class Start:
 
     layer: int
     x: torch.Tensor
-    projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    projections: Projections
     rotary: tuple[torch.Tensor, torch.Tensor] | None
     new: "Past"
     states: list[torch.Tensor]
-
-
-def _pair(module: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return module.weight.detach(), module.bias.detach()
-
-
-class _GPT2Layer:
-    """A GPT-2 block: LayerNorms, fused Conv1D projections (weights (in, out)), a GELU MLP."""
-
-    def __init__(self, anatomy: "Anatomy", index: int) -> None:
-        config, block = anatomy.config, anatomy.block(index)
-        self.heads, self.head_dim, self.hidden = anatomy.n_head, anatomy.head_dim, anatomy.width
-        self.eps = float(config.layer_norm_epsilon)
-        self.activation = ACTIVATIONS[config.activation_function]
-        scale = 1.0
-        if getattr(config, "scale_attn_weights", True):
-            scale = self.head_dim**-0.5
-        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
-            scale /= float(index + 1)
-        weight, bias = _pair(block.attn.c_attn)
-        if scale != 1.0:  # the attention's scale, folded into the query projection
-            weight, bias = weight.clone(), bias.clone()
-            weight[:, : self.hidden] *= scale
-            bias[: self.hidden] *= scale
-        self.ln_1, self.qkv, self.attn_out = _pair(block.ln_1), (weight, bias), _pair(block.attn.c_proj)
-        self.ln_2, self.fc, self.proj = _pair(block.ln_2), _pair(block.mlp.c_fc), _pair(block.mlp.c_proj)
-
-    def project(self, x: torch.Tensor, rotary: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, C) block input -> q (B, H, 1, D) scaled, k and v (B, H, 1, D)."""
-        h = F.layer_norm(x, (self.hidden,), self.ln_1[0], self.ln_1[1], self.eps)
-        qkv = torch.addmm(self.qkv[1], h, self.qkv[0])
-        q, k, v = qkv.view(x.size(0), 3, self.heads, 1, self.head_dim).unbind(1)
-        return q, k, v
-
-    def finish(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        """The block's output from its input and the attention output (B, H, 1, D)."""
-        x = x + torch.addmm(self.attn_out[1], attention.reshape(x.size(0), -1), self.attn_out[0])
-        h = F.layer_norm(x, (self.hidden,), self.ln_2[0], self.ln_2[1], self.eps)
-        h = self.activation(torch.addmm(self.fc[1], h, self.fc[0]))
-        return x + torch.addmm(self.proj[1], h, self.proj[0])
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of (..., D) by (cos, sin) (..., R), R <= D: the first R features
-    rotate (halves swapped, as transformers' ``rotate_half``), the rest pass."""
-    rotary = cos.size(-1)
-    turned, passed = x[..., :rotary], x[..., rotary:]
-    first, second = turned.chunk(2, dim=-1)
-    turned = turned * cos + torch.cat([-second, first], dim=-1) * sin
-    return turned if passed.size(-1) == 0 else torch.cat([turned, passed], dim=-1)
-
-
-class _RotaryLayer:
-    """A Llama-family block: ``x + o_proj(attn(norm(x)))``, then ``x + mlp(norm(x))``.
-
-    The norms and the MLP are the block's own modules (RMSNorm variants, gated MLPs:
-    whatever the family uses); the query, key and value projections are one matrix
-    product (the three weights side by side, the attention's scale folded into the
-    query's rows, unless a per-head query norm comes first)."""
-
-    def __init__(self, anatomy: "Anatomy", index: int) -> None:
-        block, parts = anatomy.block(index), anatomy.attention(index)
-        self.kv_heads, self.group, self.head_dim = (
-            anatomy.n_kv_head,
-            anatomy.n_head // anatomy.n_kv_head,
-            anatomy.head_dim,
-        )
-        self.input_norm, self.post_norm, self.mlp = block.input_layernorm, block.post_attention_layernorm, block.mlp
-        self.q_norm, self.k_norm = getattr(parts.module, "q_norm", None), getattr(parts.module, "k_norm", None)
-        self.scale = float(getattr(parts.module, "scaling", self.head_dim**-0.5))
-        queries = anatomy.n_head * self.head_dim
-        keys = self.kv_heads * self.head_dim
-        if parts.fused_qkv is not None:
-            weight = parts.fused_qkv.weight.detach().clone()
-            bias = None if parts.fused_qkv.bias is None else parts.fused_qkv.bias.detach().clone()
-        else:
-            projections = (parts.query, parts.key, parts.value)
-            weight = torch.cat([p.weight.detach() for p in projections])
-            bias = None
-            if parts.query.bias is not None:
-                bias = torch.cat([p.bias.detach() for p in projections])
-        assert weight.size(0) == queries + 2 * keys, (weight.shape, queries, keys)
-        self.folded = self.q_norm is None
-        if self.folded:
-            weight[:queries] *= self.scale
-            if bias is not None:
-                bias[:queries] *= self.scale
-        self.qkv = (weight, bias)
-        self.sizes = (queries, keys, keys)
-        output = parts.output
-        self.attn_out = (output.weight.detach(), None if output.bias is None else output.bias.detach())
-
-    def project(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, C) block input -> q (B, H_kv, G, D) scaled and rotated, k (rotated) and v (B, H_kv, 1, D)."""
-        batch = x.size(0)
-        q, k, v = F.linear(self.input_norm(x), *self.qkv).split(self.sizes, dim=-1)
-        q = q.view(batch, self.kv_heads, self.group, self.head_dim)  # query head h reads key/value head h // G
-        k = k.view(batch, self.kv_heads, 1, self.head_dim)
-        v = v.view(batch, self.kv_heads, 1, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        cos, sin = rotary
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if not self.folded:
-            q = q * self.scale
-        return q, k, v
-
-    def finish(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-        """The block's output from its input and the attention output (B, H_kv, G, D)."""
-        x = x + F.linear(attention.reshape(x.size(0), -1), *self.attn_out)
-        return x + self.mlp(self.post_norm(x))
-
-
-class _SingleQueryAttention(torch.autograd.Function):
-    """Attention of one query per row and query head over the past (with low-rank deltas
-    and a probe on its most recent W positions) and the row's own new key, with the
-    backward written out.
-
-    Through autograd the same computation records some twenty small nodes per layer; on a
-    small model their bookkeeping costs as much as the arithmetic. Inputs: q (B, H_kv, G, D),
-    the G query heads that read each key/value head, scaled; k, v (B, H_kv, 1, D);
-    score_probe (B, H_kv, G, W) or None; keys, values (B, H_kv, L, D); the deltas' factors
-    (key_a (B, H_kv, W, r), key_b_t (B, H_kv, D, r), value_a (B, H_kv, W, r), value_b
-    (B, H_kv, r, D)) or None; mask (B, 1, 1, L + 1) bool or None. Returns the output
-    (B, H_kv, G, D) and the attention probabilities (B, H_kv, G, L + 1). The deltas'
-    factors and the mask are constants (no gradient).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        score_probe: torch.Tensor | None,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        key_a: torch.Tensor | None,
-        key_b_t: torch.Tensor | None,
-        value_a: torch.Tensor | None,
-        value_b: torch.Tensor | None,
-        mask: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        length = keys.size(2)
-        scores = q @ keys.transpose(-1, -2)  # (B, H_kv, G, L)
-        window = 0
-        if key_a is not None or score_probe is not None:
-            window = key_a.size(2) if key_a is not None else score_probe.size(-1)  # type: ignore[union-attr]
-            recent = scores[..., length - window :]
-            if key_a is not None:
-                recent += (q @ key_b_t) @ key_a.transpose(-1, -2)
-            if score_probe is not None:
-                recent += score_probe
-        scores = torch.cat([scores, (q * k).sum(-1, keepdim=True)], dim=-1)  # (B, H_kv, G, L + 1)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = probs[..., :length] @ values + probs[..., length:] * v
-        if value_a is not None:
-            out += (probs[..., length - value_a.size(2) : length] @ value_a) @ value_b
-        ctx.save_for_backward(q, k, v, probs, keys, values, key_a, key_b_t, value_a, value_b)
-        ctx.window = window
-        ctx.mark_non_differentiable(probs)
-        return out, probs
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor, _: Any) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, probs, keys, values, key_a, key_b_t, value_a, value_b = ctx.saved_tensors
-        length, window = keys.size(2), ctx.window
-        grad_probs = torch.cat([grad_out @ values.transpose(-1, -2), (grad_out * v).sum(-1, keepdim=True)], dim=-1)
-        if value_a is not None:
-            grad_probs[..., length - value_a.size(2) : length] += (
-                grad_out @ value_b.transpose(-1, -2)
-            ) @ value_a.transpose(-1, -2)
-        grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))  # softmax backward
-        past_grad, new_grad = grad_scores[..., :length], grad_scores[..., length:]
-        grad_q = grad_k = grad_v = grad_probe = None
-        if ctx.needs_input_grad[0]:
-            grad_q = past_grad @ keys + new_grad * k
-            if key_a is not None:
-                grad_q += (past_grad[..., length - window :] @ key_a) @ key_b_t.transpose(-1, -2)
-        if ctx.needs_input_grad[1]:  # the G query heads of a key/value head all read its new key
-            grad_k = (new_grad * q).sum(2, keepdim=True)
-        if ctx.needs_input_grad[2]:
-            grad_v = (probs[..., length:] * grad_out).sum(2, keepdim=True)
-        if ctx.needs_input_grad[3]:
-            grad_probe = past_grad[..., length - window :]
-        grad_keys = grad_values = None  # a past that depends on what is optimised (the soft horizon's)
-        if ctx.needs_input_grad[4]:
-            grad_keys = past_grad.transpose(-1, -2) @ q
-        if ctx.needs_input_grad[5]:
-            grad_values = probs[..., :length].transpose(-1, -2) @ grad_out
-        return grad_q, grad_k, grad_v, grad_probe, grad_keys, grad_values, None, None, None, None, None
 
 
 class Runner:
@@ -394,8 +140,8 @@ class Runner:
         self.kv_heads = anatomy.n_kv_head
         self.group = anatomy.n_head // anatomy.n_kv_head  # query heads per key/value head
         self.head_dim = anatomy.head_dim
-        family = _GPT2Layer if model.config.model_type == "gpt2" else _RotaryLayer
-        self.layers: list[Any] = [family(anatomy, index) for index in range(anatomy.n_layer)]
+        family = GPT2Layer if model.config.model_type == "gpt2" else RotaryLayer
+        self.layers: list[Layer] = [family(anatomy, index) for index in range(anatomy.n_layer)]
 
     def usable(self) -> bool:
         """False while the model trains (dropout is on): then its own forward must run."""
@@ -522,7 +268,7 @@ class Runner:
         self,
         index: int,
         x: torch.Tensor,
-        projections: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        projections: Projections,
         layer_past: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         factors: tuple[torch.Tensor | None, ...],
@@ -533,7 +279,7 @@ class Runner:
         fed token's key and value, the attention probabilities and the (scaled) query."""
         q, k, v = projections
         keys, values = layer_past
-        out, probs = _SingleQueryAttention.apply(q, k, v, score_probe, keys, values, *factors, mask)
+        out, probs = SingleQueryAttention.apply(q, k, v, score_probe, keys, values, *factors, mask)
         if output_probe is not None:
             out = out + output_probe
         return self.layers[index].finish(x, out), k, v, probs, q
