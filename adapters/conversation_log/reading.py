@@ -24,7 +24,7 @@ from chatcore.adapters.conversation_log.records import (
 )
 
 if TYPE_CHECKING:
-    from chatcore.conversation import Conversation, Turn
+    from chatcore.conversation import Conversation, Role, Turn
     from chatcore.engine import Engine
 
 _FTS_MIN_CHARS = 3  # a trigram index cannot answer shorter queries
@@ -192,7 +192,7 @@ class StoreReading(StoreConnection):
             meta: dict[str, Any] = {"log_message_id": message.id}
             if message.role == "bot":
                 meta["provenance"] = message.full_provenance()
-            role = "bot" if message.role == "bot" else "user"
+            role: Role = "bot" if message.role == "bot" else "user"
             turns.append(Turn(role, message.text, message.created, message.interrupted, meta))
         return turns
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -38,6 +38,11 @@ def storable(value: Any, *, nul: bool = True) -> Any:
     if isinstance(value, (list, tuple)):
         return [storable(item, nul=nul) for item in value]
     return value
+
+
+def _rowcount(result: sa.Result[Any]) -> int:
+    """The rows an INSERT, UPDATE or DELETE touched (SQLAlchemy runs those into a CursorResult)."""
+    return int(cast("sa.CursorResult[Any]", result).rowcount or 0)
 
 
 class StoreWriting(StoreReading):
@@ -106,7 +111,7 @@ class StoreWriting(StoreReading):
             else:
                 from sqlalchemy.dialects.postgresql import insert  # type: ignore[assignment]
             inserted = session.execute(insert(ConversationRow).values(**values).on_conflict_do_nothing())
-            return bool(inserted.rowcount)  # type: ignore[attr-defined]
+            return bool(_rowcount(inserted))
         session.add(ConversationRow(**values))
         session.flush()
         return True
@@ -211,7 +216,7 @@ class StoreWriting(StoreReading):
         with self._session("delete a conversation", write=True) as session:
             deleted = session.execute(sa.delete(MessageRow).where(MessageRow.conversation_id == full_id))
             session.execute(sa.delete(ConversationRow).where(ConversationRow.id == full_id))
-            return int(deleted.rowcount or 0)
+            return _rowcount(deleted)
 
     def delete_author(self, author_id: str) -> int:
         """Delete every message written by ``author_id`` (a deletion request); returns the count.
@@ -224,4 +229,4 @@ class StoreWriting(StoreReading):
             deleted = session.execute(sa.delete(MessageRow).where(MessageRow.author_id == author_id))
             still_used = sa.select(MessageRow.id).where(MessageRow.conversation_id == ConversationRow.id).exists()
             session.execute(sa.delete(ConversationRow).where(ConversationRow.id.in_(conversation_ids), ~still_used))
-            return int(deleted.rowcount or 0)
+            return _rowcount(deleted)
