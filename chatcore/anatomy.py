@@ -36,7 +36,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from chatcore.errors import ChatcoreError
 from chatcore.models import cache_keyword
@@ -140,9 +140,10 @@ class Anatomy:
             )
         self.blocks: nn.ModuleList = blocks
         self.token_embedding: nn.Module = model.get_input_embeddings()
-        self.lm_head: nn.Module | None = model.get_output_embeddings()
-        if self.lm_head is None:
+        lm_head: nn.Module | None = model.get_output_embeddings()
+        if lm_head is None:
             raise UnsupportedModelError(f"{name} has no LM head (get_output_embeddings() is None)")
+        self.lm_head: nn.Module = lm_head
         self.final_norm: nn.Module | None = _first(inner, FINAL_NORMS)
         if self.final_norm is None and type(inner).__name__ != "OPTDecoder":
             raise UnsupportedModelError(f"cannot find the final norm of {name} (looked for {', '.join(FINAL_NORMS)})")
@@ -164,24 +165,25 @@ class Anatomy:
         self.n_kv_head = int(getattr(config, "num_key_value_heads", None) or self.n_head)
         self.head_dim = int(getattr(config, "head_dim", None) or self.width // self.n_head)
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1024)
-        self.vocab_size = int(self.token_embedding.weight.shape[0])
+        self.vocab_size = int(self._embedding_weight.shape[0])
         self.logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self.layer_kinds = self._layer_kinds()
 
         parameters = inspect.signature(blocks[0].forward).parameters
         # transformers 5.24 renamed the blocks' `past_key_values` to `cache`; older GPT-2 blocks say `layer_past`.
-        self._cache_argument = next(
+        cache_argument = next(
             (argument for argument in CACHE_ARGUMENTS if argument in parameters),
             None,
         )
         self._takes = {
             argument: argument in parameters for argument in ("position_embeddings", "position_ids", "use_cache")
         }
-        if self._cache_argument is None:
+        if cache_argument is None:
             raise UnsupportedModelError(
                 f"the blocks of {name} ({type(blocks[0]).__name__}) take no cache argument "
                 f"chatcore knows ({', '.join(CACHE_ARGUMENTS)})"
             )
+        self._cache_argument: str = cache_argument
 
     def __repr__(self) -> str:
         return (
@@ -231,12 +233,17 @@ class Anatomy:
 
     # -- running the model in pieces --------------------------------------------------------
     @property
+    def _embedding_weight(self) -> "torch.Tensor":
+        """The token embedding's (V, C) matrix (torch types a module's attributes as tensor or module)."""
+        return cast("torch.Tensor", self.token_embedding.weight)
+
+    @property
     def dtype(self) -> "torch.dtype":
-        return self.token_embedding.weight.dtype
+        return self._embedding_weight.dtype
 
     @property
     def device(self) -> "torch.device":
-        return self.token_embedding.weight.device
+        return self._embedding_weight.device
 
     def new_cache(self) -> Any:
         """An empty cache of the kind the model's own forward makes."""
@@ -276,7 +283,7 @@ class Anatomy:
         """The expected token embedding (..., C) under a distribution over tokens (..., V),
         scaled as the token embedding scales a token's (Gemma: by sqrt(width)); feed it to
         :meth:`embed` as ``inputs_embeds``. Differentiable: soft tokens for training."""
-        weight = self.token_embedding.weight  # (V, C)
+        weight = self._embedding_weight  # (V, C)
         scale = getattr(self.token_embedding, "embed_scale", None)
         embedded = probabilities.to(weight.dtype) @ weight
         return embedded * scale.to(weight.dtype) if scale is not None else embedded
@@ -323,7 +330,7 @@ class Anatomy:
         arguments: dict[str, Any] = {
             "attention_mask": inputs.masks[self.layer_kinds[layer]],
             self._cache_argument: inputs.cache,
-        }  # type: ignore[dict-item]
+        }
         if self._takes["use_cache"]:
             arguments["use_cache"] = inputs.cache is not None
         if self._takes["position_ids"]:
@@ -399,7 +406,7 @@ class Anatomy:
         seen: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
         with contextlib.ExitStack() as stack:
             for layer in seen:
-                stack.enter_context(self.residual_hook(layer, lambda hidden, layer=layer: seen[layer].append(hidden)))
+                stack.enter_context(self.residual_hook(layer, seen[layer].append))
             yield seen
 
     @contextlib.contextmanager

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 from chatcore.errors import ModelLoadError
 
@@ -112,8 +113,9 @@ def _convert(path: Path, out: Path, architecture: str) -> None:
     except (OSError, KeyError, TypeError) as error:
         raise ModelLoadError(f"GGUF file {str(path)!r} cannot be converted: {error}") from error
     # The weights are already de-quantized floats; the GGUF "quantizer" only marks the model
-    # as quantized, which makes save_pretrained refuse.
-    model.hf_quantizer = None
+    # as quantized, which makes save_pretrained refuse. (transformers sets it on the instance
+    # at loading; torch's types take an undeclared module attribute for a tensor or module.)
+    cast(Any, model).hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(out))

@@ -136,7 +136,9 @@ class CandidateDecoder(Decoder):
         quorum = self.settings.quorum_rows()
         stop_tensor = torch.tensor(sorted(stops), dtype=torch.long, device=device)
         for tokens in candidate_session.run(sampler.processors(), self.select, rows=rows):
-            picked = recorder.log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
+            log_probs = recorder.log_probs
+            assert log_probs is not None  # the step that picked ``tokens`` recorded them
+            picked = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
             totals += torch.where(finished, torch.zeros_like(picked), picked).double()
             counts += (~finished).long()
             finished |= torch.isin(tokens, stop_tensor)

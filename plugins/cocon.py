@@ -28,6 +28,7 @@ from chatcore.text import encode_text
 
 if TYPE_CHECKING:
     from chatcore.cocon.pipeline import CoconPipeline, ContentMemory
+    from chatcore.cocon.training import CoconPrecision
     from chatcore.decoding import GenerationSession
 
 TAU_LIMIT = 50.0
@@ -363,7 +364,7 @@ def cocon_command(
     eval_windows: int,
     seed: int,
     device: str | None,
-    precision: str,
+    precision: "CoconPrecision",
     threads: int | None,
     resume: bool,
     quiet: bool,

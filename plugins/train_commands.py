@@ -12,6 +12,7 @@ from chatcore.cli.train import train, train_group
 
 if TYPE_CHECKING:
     from chatcore.training.filtering import FilterConfig, FilterReport
+    from chatcore.training.trainer import Precision
 
 
 corpus_option = click.option("--corpus", default="chitchat", show_default=True, help='"chitchat" or a JSONL file.')
@@ -247,7 +248,7 @@ def train_model(
     eval_blocks: int | None,
     seed: int,
     device: str | None,
-    precision: str,
+    precision: "Precision",
     save_dtype: str,
     resume: bool,
     quiet: bool,

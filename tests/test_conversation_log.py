@@ -11,7 +11,6 @@ from click.testing import CliRunner
 import chatcore.plugin_manager as plugin_manager
 from chatcore.adapters.conversation_log import ConversationLogPlugin, LogError, UnknownConversationError
 from chatcore.adapters.conversation_log import schema as schema_module
-from chatcore.adapters.conversation_log import store as store_module
 from chatcore.adapters.conversation_log.formatting import (
     conversation_markdown,
     conversation_text,
@@ -138,9 +137,10 @@ def test_list_show_search_and_delete(store):
 
 def make_version_1_log(db_path):
     """A log as chatcore wrote it before Alembic: schema 1, no alembic_version, a half-made search index."""
+    import sqlalchemy as sa
     from alembic import command
 
-    with store_module.sa.create_engine(sqlite_url(db_path)).begin() as connection:
+    with sa.create_engine(sqlite_url(db_path)).begin() as connection:
         config = schema_module._alembic_config(connection)
         command.upgrade(config, "0001")
         connection.exec_driver_sql("DROP TABLE alembic_version")

@@ -24,6 +24,10 @@ import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chatcore.adapters.conversation_log.store import ConversationStore
 
 CLI_LAUNCHER = (
     "import importlib, sys\n"
@@ -62,7 +66,7 @@ TOPICS = (
 SEARCHES = (("common", "sailing"), ("one hit", "message 4321 about"), ("no hit", "zebra crossing"))
 
 
-def populate(store: "object", messages: int, per_conversation: int, batch: int = 20_000) -> int:
+def populate(store: "ConversationStore", messages: int, per_conversation: int, batch: int = 20_000) -> int:
     """Bulk-insert synthetic conversations; returns the number of conversations."""
     import sqlalchemy as sa
 
@@ -70,7 +74,7 @@ def populate(store: "object", messages: int, per_conversation: int, batch: int =
 
     conversations = max(1, messages // per_conversation)
     start = datetime(2024, 1, 1, tzinfo=timezone.utc)
-    db = store.db  # type: ignore[attr-defined]
+    db = store.db
     with db.begin() as connection:
         connection.execute(
             sa.insert(ConversationRow),
@@ -111,30 +115,29 @@ def populate(store: "object", messages: int, per_conversation: int, batch: int =
     return conversations
 
 
-def time_search(store: "object", text: str, repeat: int) -> tuple[float, int]:
+def time_search(store: "ConversationStore", text: str, repeat: int) -> tuple[float, int]:
     """The median seconds of ``store.search(text, limit=50)``, and its hit count."""
     times, hits = [], 0
     for _ in range(repeat):
         started = time.perf_counter()
-        hits = len(store.search(text, limit=50))  # type: ignore[attr-defined]
+        hits = len(store.search(text, limit=50))
         times.append(time.perf_counter() - started)
     return statistics.median(times), hits
 
 
-def time_scan(store: "object", text: str, repeat: int) -> float:
+def time_scan(store: "ConversationStore", text: str, repeat: int) -> float:
     """The median seconds of the same search as a scan of every message (no index): the peer."""
     import sqlalchemy as sa
 
     query = sa.text(
         "SELECT id FROM messages WHERE instr(lower(text), lower(:wanted)) > 0 ORDER BY id DESC LIMIT 50"
         if store.is_sqlite
-        # type: ignore[attr-defined]
         else "SELECT id FROM messages WHERE strpos(lower(text), lower(:wanted)) > 0 ORDER BY id DESC LIMIT 50"
     )
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        with store.db.connect() as connection:  # type: ignore[attr-defined]
+        with store.db.connect() as connection:
             connection.execute(query, {"wanted": text}).all()
         times.append(time.perf_counter() - started)
     return statistics.median(times)

@@ -132,7 +132,7 @@ class ThrowawayCluster:
         with psycopg.connect(
             host=str(self.socket_dir), port=self.port, user=SERVER_USER, dbname="postgres", autocommit=True
         ) as connection:
-            connection.execute(statement)  # type: ignore[arg-type]
+            connection.execute(statement)
 
     def stop(self) -> None:
         try:

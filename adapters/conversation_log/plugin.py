@@ -299,16 +299,17 @@ class ConversationLogPlugin:
         return True
 
     def _set_aside(self, write: Write, error: LogError) -> None:
-        where = self.journal.folder / f"{self.journal.prefix}-rejected.jsonl"
+        where: Path = self.journal.folder / f"{self.journal.prefix}-rejected.jsonl"
         try:
             where.parent.mkdir(parents=True, exist_ok=True)
             with open(where, "a", encoding="utf-8") as stream:
                 stream.write(json.dumps({"error": str(error), "write": write}, default=str) + "\n")
+            kept = True
         except OSError:
-            where = None  # type: ignore[assignment]
+            kept = False
         self.notify(
             f"conversation log refused a message ({error}); "
-            + (f"it is kept in {where}" if where else "it could not be kept")
+            + (f"it is kept in {where}" if kept else "it could not be kept")
             + "; later turns go on"
         )
 

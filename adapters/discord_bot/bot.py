@@ -192,7 +192,7 @@ class ChatBot(discord.Client):
         self.last_provenance: dict[str, dict[str, Any]] = {}
         self.catalog: dict[str, list[str]] = {"decoders": [], "steerers": []}
         self.closing = False
-        self._handlers: set[asyncio.Task[Any]] = set()
+        self._handler_tasks: set[asyncio.Task[Any]] = set()
         self.in_flight: set[InFlight] = set()
         # A channel's lock and how many handlers use it (dropped when none does).
         self._channel_locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -271,12 +271,12 @@ class ChatBot(discord.Client):
             return
         task = asyncio.current_task()
         if task is not None:
-            self._handlers.add(task)
+            self._handler_tasks.add(task)
         try:
             await self._answer(message, reason)
         finally:
             if task is not None:
-                self._handlers.discard(task)
+                self._handler_tasks.discard(task)
 
     async def _answer(self, message: discord.Message, reason: str) -> None:
         assert self.user is not None
@@ -432,7 +432,7 @@ class ChatBot(discord.Client):
         # Stop taking messages, let the reply in flight finish (or cut it short after
         # `shutdown_grace_s`), close the log, send what is left, close the connection.
         self.closing = True
-        logger.info("shutting down (%d message(s) in hand)", len(self._handlers))
+        logger.info("shutting down (%d message(s) in hand)", len(self._handler_tasks))
         flights = list(self.in_flight)
         for flight in flights:  # waiting for a place in the batch: dropped, the user is told
             if flight.pending is None or flight.pending.handle.admitted is None:
@@ -444,7 +444,7 @@ class ChatBot(discord.Client):
             if not flight.ended.done():
                 logger.info("interrupting a reply in flight")
                 flight.stop("shutdown")
-        handlers = [task for task in self._handlers if not task.done()]
+        handlers = [task for task in self._handler_tasks if not task.done()]
         if handlers:
             await asyncio.wait(handlers, timeout=10)
         await self.worker.stop(self.settings.shutdown_grace_s)

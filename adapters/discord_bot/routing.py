@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
+from typing import Protocol
 
 import discord
 
@@ -28,7 +29,14 @@ CUSTOM_EMOJI = re.compile(r"<a?:(\w+):\d+>")
 ANSWERED_TYPES = (discord.MessageType.default, discord.MessageType.reply)
 
 
-def conversation_key(channel: object) -> str:
+class Channel(Protocol):
+    """What :func:`conversation_key` reads of a channel: its id (and ``guild``, None in DMs, if it has one)."""
+
+    @property
+    def id(self) -> int: ...
+
+
+def conversation_key(channel: Channel) -> str:
     guild = getattr(channel, "guild", None)
     channel_id = channel.id
     if guild is None:

@@ -22,11 +22,15 @@ import discord
 from discord import app_commands
 
 from chatcore.adapters.discord_bot.routing import MESSAGE_LIMIT, conversation_key, split_reply
-from chatcore.adapters.discord_bot.system_prompts import Scope
 from chatcore.adapters.discord_bot.worker import WorkerBusy, WorkerClosed
 from chatcore.cli.specs import parse_spec
 from chatcore.errors import ChatcoreError
 from chatcore.prompting import clean_system_prompt
+
+# Relative, so that mypy (which checks this package from its source folder, adapters/) knows
+# the choices: discord.py reads them from the annotation to offer them, and a scope typed
+# Any makes the command decorator's signature ambiguous.
+from .system_prompts import Scope
 
 if TYPE_CHECKING:
     from chatcore.adapters.discord_bot.bot import ChannelSetup, ChatBot

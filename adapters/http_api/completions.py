@@ -18,7 +18,7 @@ from chatcore.errors import ChatcoreError
 if TYPE_CHECKING:
     from chatcore.adapters.http_api.request_log import Exchange
     from chatcore.engine import Engine, ReplyOptions
-    from chatcore.prompting import Message
+    from chatcore.prompting import Message, Role
     from chatcore.serving import Event, Handle, Scheduler
 
 ALLOWED_CONTROLS = {"\n", "\t", "\r"}
@@ -65,7 +65,7 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
                 if cleaned:
                     system_parts.append(cleaned)
             else:
-                role = "user" if message.role == "user" else "assistant"
+                role: Role = "user" if message.role == "user" else "assistant"
                 messages.append(Message(role, clean_message(text)))
         except ChatcoreError as error:
             if isinstance(error, ApiError):
@@ -159,10 +159,12 @@ class Completion:
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def listener(event: Event) -> None:  # on the scheduler's thread: hand the event to the loop
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
         try:
-            handle = scheduler.submit(
-                messages, options, listener=lambda event: loop.call_soon_threadsafe(events.put_nowait, event)
-            )
+            handle = scheduler.submit(messages, options, listener=listener)
         except ServerBusy as error:
             raise ApiError(429, str(error), None, "server_busy") from None
         return cls(handle, events, scheduler.engine.tokenizer, stops, model)

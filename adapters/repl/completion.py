@@ -34,7 +34,7 @@ def _setting_keys(entry: Any, given: list[str]) -> list[tuple[str, str]]:
         return []
     used = {word.split("=", 1)[0].replace("-", "_") for word in given}
     return [
-        (f"{name}=", one_line(help_texts.get(name) or getattr(kind, "__name__", str(kind)), 80))
+        (f"{name}=", one_line(str(help_texts.get(name) or getattr(kind, "__name__", kind)), 80))
         for name, kind in fields.items()
         if name not in used
     ]

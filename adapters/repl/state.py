@@ -132,21 +132,21 @@ class ChatState:
         except ChatcoreError:
             self.next_log_try = time.monotonic() + LOG_RETRY_S
             return
-        self.attach_log(store)
-        self.log_plugin.log_conversation(self.current)  # type: ignore[union-attr]
+        self.attach_log(store).log_conversation(self.current)
         self.log_opener = None
         self.notify("the conversation log can be written now: this conversation is logged from its first turn")
 
-    def attach_log(self, store: "ConversationStore") -> None:
-        """Log to ``store`` from now on."""
+    def attach_log(self, store: "ConversationStore") -> "ConversationLogPlugin":
+        """Log to ``store`` from now on; returns the plugin that writes to it."""
         from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
         from chatcore.errors import ChatcoreError
 
         self.store = store
-        self.log_plugin = ConversationLogPlugin(store, notify=self.notify)
+        self.log_plugin = plugin = ConversationLogPlugin(store, notify=self.notify)
         self.engine.host.unregister(LOG_PLUGIN_NAME)  # a previous chat in this process
-        if not self.engine.host.register(self.log_plugin, LOG_PLUGIN_NAME):
+        if not self.engine.host.register(plugin, LOG_PLUGIN_NAME):
             raise ChatcoreError("the conversation log plugin could not be registered")
+        return plugin
 
     def notify(self, message: str) -> None:
         """Queue a message for the person (shown between turns, never mid-reply)."""

@@ -244,6 +244,7 @@ class CoconLosses:
             output = self.pipeline.forward(
                 key_valid[:, : hs + t + 1], position, hs, content, inputs_embeds=embedding, cache=output.cache
             )
+            assert output.steered is not None
             steered.append(output.steered)
         return torch.cat(embeddings, dim=1), torch.cat(steered, dim=1)
 

@@ -138,6 +138,8 @@ class CoconPipeline:
 
         hidden = split.alpha(embeddings, inputs, collect)  # (B, T, C)
 
+        past_keys: torch.Tensor | None
+        past_values: torch.Tensor | None
         if cache is not None:
             past_keys, past_values, content_length = cache.block_keys, cache.block_values, cache.content_length
         elif content is not None:

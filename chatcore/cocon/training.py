@@ -54,6 +54,7 @@ BLOCK_DIR = "block"
 
 
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
+CoconPrecision = Literal["auto", "fp32", "bf16"]
 
 
 class CoconTrainConfig(Settings):
@@ -113,7 +114,7 @@ class CoconTrainConfig(Settings):
     eval_windows: PositiveInt = 128
     seed: int = 1234
     device: str | None = None
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    precision: CoconPrecision = "auto"
     save_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     threads: int | None = None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError, ModelLoadError
 from chatcore.training.accelerated import checkpoint_to_resume, distributed_context, process_state
@@ -18,6 +18,9 @@ from chatcore.training.corpus import Dialogue
 from chatcore.training.filtering import FilterConfig, FilterReport
 from chatcore.training.threads import load_dialogues, split_heldout_by_thread
 from chatcore.training.trainer import ModelShape, TrainConfig, TrainResult, build_model, train
+
+if TYPE_CHECKING:
+    from torch import nn
 
 DEFAULT_FILTER = FilterConfig()
 ReportCallback = Callable[[FilterReport], None]
@@ -110,6 +113,7 @@ def train_model_command(
         out_path.mkdir(parents=True, exist_ok=True)
         if report is not None:
             (out_path / "filter_report.json").write_text(json.dumps(report.to_dict(), indent=2))
+    model: nn.Module
     if init_from:
         from transformers import AutoModelForCausalLM
 

@@ -309,7 +309,8 @@ def split_heldout_by_thread(
     split exactly as there."""
     if not 0.0 <= fraction < 1.0:
         raise CorpusError(f"held-out fraction must be in [0, 1), got {fraction}")
-    train, heldout = [], []
+    train: list[Dialogue] = []
+    heldout: list[Dialogue] = []
     for dialogue in dialogues:
         (heldout if is_heldout(thread_key(dialogue.id), fraction) else train).append(dialogue)
     return train, heldout

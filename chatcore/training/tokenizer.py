@@ -20,7 +20,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency:
     if vocab_size < 300:
         raise ValueError(f"`vocab_size` must be at least 300 (256 bytes + merges), got {vocab_size}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import GPT2TokenizerFast
+    from transformers import GPT2Tokenizer
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -34,7 +34,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency:
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    wrapped = GPT2TokenizerFast(
+    wrapped = GPT2Tokenizer(
         tokenizer_object=tokenizer,
         bos_token=EOS_TOKEN,
         eos_token=EOS_TOKEN,

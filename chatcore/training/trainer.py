@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("chatcore.training")
 
 
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+
+
 class ModelShape(Settings):
     """The shape of a GPT-2-architecture model trained from scratch."""
 
@@ -84,7 +87,7 @@ class TrainConfig(Settings):
     eval_every: PositiveInt = 200
     seed: int = 1234
     device: str | None = None
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Precision = "auto"
     grad_accum: PositiveInt = 1
     save_dtype: str = "float16"
     max_shard_size: str = "15MB"

@@ -1,0 +1,225 @@
+"""The store's connection to its database: the engine, the schema check at opening, errors, sessions.
+
+:class:`StoreConnection` opens the SQLAlchemy engine for a URL (SQLite files in WAL
+mode with transactional DDL; PostgreSQL through psycopg with a connect timeout),
+creates or upgrades the schema (:mod:`~chatcore.adapters.conversation_log.schema`),
+notices an SQLite file deleted or replaced under it, and turns database failures into
+:class:`~chatcore.adapters.conversation_log.errors.LogError` (or
+:class:`~chatcore.adapters.conversation_log.errors.LogUnavailableError` when a retry
+may work, after dropping the pooled connections).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Self
+
+import sqlalchemy as sa
+from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from chatcore.adapters.conversation_log import schema
+from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError
+
+
+def _sqlite_connect(dbapi_connection: Any, connection_record: Any) -> None:
+    # pysqlite's own transaction handling would commit before every DDL statement;
+    # with it off, the "begin" listener below starts each transaction itself
+    # (SQLAlchemy's documented recipe for transactional DDL on SQLite).
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA foreign_keys=ON")
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            # With WAL, NORMAL still keeps every commit when the process is killed;
+            # only a power cut can lose the newest ones, and it saves an fsync per turn.
+            cursor.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.OperationalError:
+            pass  # a read-only file: reading works without switching the journal
+    finally:
+        cursor.close()
+
+
+def _sqlite_begin(connection: sa.Connection) -> None:
+    # Writers take the write lock at BEGIN: they wait their turn (busy timeout)
+    # instead of failing when a read transaction cannot be upgraded.
+    connection.exec_driver_sql(connection.get_execution_options().get("sqlite_begin", "BEGIN"))
+
+
+_WRITE = {"sqlite_begin": "BEGIN IMMEDIATE"}
+
+
+def reason(error: BaseException) -> str:
+    """The first line of what went wrong, for a one-line message (the driver's own error when there is one)."""
+    original = getattr(error, "orig", None) or error
+    text = str(original).strip().splitlines()
+    return text[0] if text else type(original).__name__
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether the database, not the value written, is at fault: locked, read-only, full, damaged, gone.
+
+    Only a constraint or a value the database refuses (IntegrityError, DataError) is
+    the write's own fault; retrying that one could never succeed.
+    """
+    return not isinstance(error, (IntegrityError, DataError)) and (
+        isinstance(error, (DBAPIError, sa.exc.TimeoutError, sa.exc.DisconnectionError))
+    )
+
+
+class StoreConnection:
+    """The database under a conversation log, opened by SQLAlchemy URL (see ``ConversationStore``)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 3.0, create: bool = True) -> None:
+        self.url = url
+        try:
+            parsed = sa.engine.make_url(url)
+        except ArgumentError as error:
+            raise LogError(f"{url!r} is not a database URL ({error})") from None
+        self.display_url = parsed.render_as_string(hide_password=True)
+        self.is_sqlite = parsed.get_backend_name() == "sqlite"
+        self.is_postgres = parsed.get_backend_name() == "postgresql"
+        connect_args: dict[str, Any] = {}
+        if self.is_sqlite:
+            parsed = self._check_sqlite_location(parsed, create)
+            # check_same_thread off: adapters may write from a worker thread; the
+            # plugin serialises its writes.
+            connect_args = {"timeout": timeout_s, "check_same_thread": False}
+        elif self.is_postgres and parsed.get_driver_name() == "psycopg":
+            connect_args = {"connect_timeout": max(1, round(timeout_s))}
+        try:
+            self.db = sa.create_engine(parsed, connect_args=connect_args, pool_pre_ping=not self.is_sqlite)
+        except ImportError as error:
+            hint = " (pip install 'chatcore[postgres]')" if self.is_postgres else ""
+            raise LogError(f"cannot open the conversation log {self.display_url}: {reason(error)}{hint}") from None
+        except SQLAlchemyError as error:
+            raise LogError(f"cannot open the conversation log {self.display_url}: {reason(error)}") from None
+        if self.is_sqlite:
+            sa.event.listen(self.db, "connect", _sqlite_connect)
+            sa.event.listen(self.db, "begin", _sqlite_begin)
+        self._parsed = parsed
+        self._sessions = sessionmaker(self.db, expire_on_commit=False)
+        self._write_sessions = sessionmaker(self.db.execution_options(**_WRITE), expire_on_commit=False)
+        self.fts = False
+        try:
+            self._prepare_schema()
+        except BaseException:
+            self.db.dispose()
+            raise
+        self._file_identity = self._identity()
+
+    # -- the file under it ----------------------------------------------------------
+    def _file_path(self) -> Path | None:
+        """The SQLite file written to (None for servers, memory and read-only URIs)."""
+        database = self._parsed.database if self.is_sqlite else None
+        if not database or database == ":memory:" or database.startswith("file:"):
+            return None
+        return Path(database).expanduser()
+
+    def _identity(self) -> tuple[int, int] | None:
+        path = self._file_path()
+        try:
+            found = path.stat() if path is not None else None
+        except OSError:
+            return None
+        return (found.st_dev, found.st_ino) if found is not None else None
+
+    def file_gone(self) -> str | None:
+        """Why the SQLite file this store opened is no longer the one at its path (deleted,
+        or replaced by another file), or None. Writes would go to the old, unlinked file."""
+        if self._file_identity is None:
+            return None
+        now = self._identity()
+        if now == self._file_identity:
+            return None
+        return f"the log file {self._file_path()} was {'deleted' if now is None else 'replaced'}"
+
+    def reopen(self) -> None:
+        """Open the file at the path afresh (creating it, with its schema, when it is gone)."""
+        self.db.dispose()
+        self._check_sqlite_location(self._parsed, create=True)
+        self._prepare_schema()
+        self._file_identity = self._identity()
+
+    # -- opening ------------------------------------------------------------------
+    def _check_sqlite_location(self, parsed: sa.URL, create: bool) -> sa.URL:
+        """The URL to open: checked, its folder made (``create``), or opened immutable (a read-only folder)."""
+        database = parsed.database
+        if not database or database == ":memory:" or database.startswith("file:"):
+            if not create and (not database or database == ":memory:"):
+                raise LogError(f"{self.display_url} is an in-memory database: it holds no conversation log")
+            return parsed
+        path = Path(database).expanduser()
+        if not create:
+            if not path.is_file():
+                raise LogError(f"no conversation log at {path} (a chat creates it; check the path or URL)")
+            wal = path.with_name(path.name + "-wal")
+            writable = os.access(path.parent, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+            if not writable and (not wal.exists() or wal.stat().st_size == 0):
+                # A WAL reader must create the -shm file; in a read-only folder it cannot, and
+                # no writer can be at work there either (it could not make its -wal): read it
+                # as an immutable file.
+                return parsed.set(database=f"file:{path}?mode=ro&immutable=1", query={"uri": "true"})
+            return parsed
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise LogError(f"cannot create the folder for the conversation log {database}: {error}") from None
+        return parsed
+
+    def _prepare_schema(self) -> None:
+        with self._errors("open"), self.db.connect() as connection:
+            with connection.begin():
+                current = schema.is_current(connection)
+            if not current:
+                connection.execution_options(**_WRITE)
+                with connection.begin():
+                    schema.lock(connection)
+                    schema.prepare(connection, self.display_url)  # checks again: another may have done it
+            if self.is_sqlite:
+                found = connection.exec_driver_sql(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'messages_fts'"
+                ).first()
+                self.fts = found is not None
+
+    def close(self) -> None:
+        self.db.dispose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _errors(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except SQLAlchemyError as error:
+            message = f"conversation log {self.display_url}: cannot {action}: {reason(error)}"
+            if is_transient(error):
+                # Fresh connections next time: one opened while the file was
+                # read-only, or to a server that went away, never recovers.
+                self.db.dispose()
+                raise LogUnavailableError(message) from error
+            raise LogError(message) from error
+        except (ValueError, TypeError) as error:  # a value the driver cannot send
+            raise LogError(f"conversation log {self.display_url}: cannot {action}: {error}") from error
+
+    @contextmanager
+    def _session(self, action: str, write: bool = False) -> Iterator[Session]:
+        sessions = self._write_sessions if write else self._sessions
+        with self._errors(action), sessions() as session, session.begin():
+            yield session
+
+    def journal_mode(self) -> str | None:
+        """SQLite's journal mode ('wal' normally); None for other databases."""
+        if not self.is_sqlite:
+            return None
+        with self._errors("read the journal mode"), self.db.connect() as connection:
+            return str(connection.exec_driver_sql("PRAGMA journal_mode").scalar())

@@ -1,0 +1,232 @@
+"""The conversation log's writes: conversations, messages (retry-safe), retried replies, deletions.
+
+Every write is its own transaction, committed before the call returns. Values a
+database cannot hold are replaced where they enter (:func:`storable`), so no message
+is refused for its content.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, cast
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from chatcore.adapters.conversation_log.errors import LogError
+from chatcore.adapters.conversation_log.models import ConversationRow, MessageRow, utc_now
+from chatcore.adapters.conversation_log.reading import StoreReading
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+REPLACEMENT = "\ufffd"  # stands for a lone surrogate, which no UTF-8 database can hold
+NUL_SYMBOL = "\u2400"  # stands for NUL where the database refuses it (PostgreSQL)
+
+
+def storable(value: Any, *, nul: bool = True) -> Any:
+    """``value`` with every string made storable: lone surrogates replaced, NUL too unless ``nul``.
+
+    Recurses into the JSON columns' dicts and lists, so nothing a reply carries can
+    make its write fail.
+    """
+    if isinstance(value, str):
+        value = _LONE_SURROGATE.sub(REPLACEMENT, value)
+        return value if nul else value.replace("\x00", NUL_SYMBOL)
+    if isinstance(value, dict):
+        return {storable(key, nul=nul): storable(item, nul=nul) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(item, nul=nul) for item in value]
+    return value
+
+
+def _rowcount(result: sa.Result[Any]) -> int:
+    """The rows an INSERT, UPDATE or DELETE touched (SQLAlchemy runs those into a CursorResult)."""
+    return int(cast("sa.CursorResult[Any]", result).rowcount or 0)
+
+
+class StoreWriting(StoreReading):
+    """Adding conversations and messages to the log, and deleting them."""
+
+    def _storable(self, value: Any) -> Any:
+        return storable(value, nul=not self.is_postgres)
+
+    def ensure_conversation(
+        self,
+        conversation_id: str,
+        *,
+        created: datetime | None = None,
+        adapter: str | None = None,
+        channel_key: str | None = None,
+        model: str | None = None,
+        title: str | None = None,
+        system: str | None = None,
+        prompt_format: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> bool:
+        """Add the conversation if the log does not have it yet; True if it was added."""
+        fields = dict(
+            created=created,
+            adapter=adapter,
+            channel_key=channel_key,
+            model=model,
+            title=title,
+            system=system,
+            prompt_format=prompt_format,
+            meta=meta,
+        )
+        try:
+            with self._session("add a conversation", write=True) as session:
+                return self._ensure(session, conversation_id, fields)
+        except LogError as error:
+            if isinstance(error.__cause__, IntegrityError):
+                return False  # another process added it between our check and insert
+            raise
+
+    def _ensure(self, session: Session, conversation_id: str, fields: dict[str, Any]) -> bool:
+        """Insert the conversation's row unless it exists; True if this call inserted it.
+
+        On SQLite and PostgreSQL the insert itself skips an existing row (``ON CONFLICT
+        DO NOTHING``), so two processes adding the same conversation at once never fail.
+        """
+        if session.get(ConversationRow, conversation_id) is not None:
+            return False
+        created = fields.get("created") or utc_now()
+        title = fields.get("title") or None
+        values = dict(
+            id=conversation_id,
+            created=created,
+            updated=created,
+            adapter=self._storable(fields.get("adapter")),
+            channel_key=self._storable(fields.get("channel_key")),
+            model=self._storable(fields.get("model")),
+            title=title and self._storable(title[:255]),
+            system=self._storable(fields.get("system")),
+            prompt_format=fields.get("prompt_format"),
+            meta=self._storable(dict(fields.get("meta") or {})),
+        )
+        if self.is_sqlite or self.is_postgres:
+            if self.is_sqlite:
+                from sqlalchemy.dialects.sqlite import insert
+            else:
+                from sqlalchemy.dialects.postgresql import insert  # type: ignore[assignment]
+            inserted = session.execute(insert(ConversationRow).values(**values).on_conflict_do_nothing())
+            return bool(_rowcount(inserted))
+        session.add(ConversationRow(**values))
+        session.flush()
+        return True
+
+    def add_message(
+        self,
+        conversation_id: str,
+        role: str,
+        text: str,
+        *,
+        created: datetime | None = None,
+        author_id: str | None = None,
+        token_count: int | None = None,
+        prompt_tokens: int | None = None,
+        latency_s: float | None = None,
+        first_token_s: float | None = None,
+        decoder: dict[str, Any] | None = None,
+        steerers: list[Any] | None = None,
+        candidates: list[Any] | None = None,
+        seed: int | None = None,
+        interrupted: bool = False,
+        provenance: dict[str, Any] | None = None,
+        keep_replies: int | None = None,
+        write_key: str | None = None,
+        conversation: dict[str, Any] | None = None,
+    ) -> int:
+        """Append one message and commit; returns its id.
+
+        ``keep_replies`` (bot messages only): the number of replies to the newest user
+        message that the conversation still holds besides this one. Older replies
+        beyond that number were dropped (regenerated) and are marked superseded.
+
+        ``write_key``: a message already stored with this key is not stored again
+        (its id is returned), so a write may be retried after any failure.
+        ``conversation``: :meth:`ensure_conversation`'s fields; the conversation's row
+        is added in the same transaction if missing, so a message never depends on an
+        earlier write having got through.
+        """
+        created = created or utc_now()
+        with self._session("add a message", write=True) as session:
+            if write_key is not None:
+                stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
+                if stored is not None:
+                    return int(stored)
+            if conversation is not None:
+                self._ensure(session, conversation_id, conversation)
+            if keep_replies is not None:
+                self._supersede_replies(session, conversation_id, keep_replies)
+            clean = self._storable
+            row = MessageRow(
+                conversation_id=conversation_id,
+                role=role,
+                text=clean(text),
+                created=created,
+                author_id=author_id,
+                token_count=token_count,
+                prompt_tokens=prompt_tokens,
+                latency_s=latency_s,
+                first_token_s=first_token_s,
+                decoder=clean(decoder),
+                steerers=clean(steerers),
+                candidates=clean(candidates),
+                seed=seed,
+                interrupted=interrupted,
+                superseded=False,
+                provenance=clean(provenance),
+                write_key=write_key,
+            )
+            session.add(row)
+            session.flush()
+            current: dict[str, Any] = {"updated": created}
+            if conversation is not None:  # a system prompt or format changed mid-conversation is kept as it is now
+                current.update(
+                    system=clean(conversation.get("system")), prompt_format=conversation.get("prompt_format")
+                )
+            session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
+            return row.id
+
+    def _supersede_replies(self, session: Session, conversation_id: str, keep: int) -> None:
+        newest_user = (
+            sa.select(sa.func.max(MessageRow.id))
+            .where(MessageRow.conversation_id == conversation_id, MessageRow.role == "user")
+            .scalar_subquery()
+        )
+        replies = session.scalars(
+            sa.select(MessageRow.id)
+            .where(
+                MessageRow.conversation_id == conversation_id,
+                MessageRow.role == "bot",
+                MessageRow.superseded.is_(False),
+                MessageRow.id > sa.func.coalesce(newest_user, 0),
+            )
+            .order_by(MessageRow.id)
+        ).all()
+        dropped = list(replies[keep:])
+        if dropped:
+            session.execute(sa.update(MessageRow).where(MessageRow.id.in_(dropped)).values(superseded=True))
+
+    def delete_conversation(self, conversation_id: str) -> int:
+        """Delete a conversation (id or unique prefix) and its messages; returns the message count."""
+        full_id = self.resolve_id(conversation_id)
+        with self._session("delete a conversation", write=True) as session:
+            deleted = session.execute(sa.delete(MessageRow).where(MessageRow.conversation_id == full_id))
+            session.execute(sa.delete(ConversationRow).where(ConversationRow.id == full_id))
+            return _rowcount(deleted)
+
+    def delete_author(self, author_id: str) -> int:
+        """Delete every message written by ``author_id`` (a deletion request); returns the count.
+
+        Conversations keep the other messages; one left with none is deleted too.
+        """
+        with self._session("delete an author's messages", write=True) as session:
+            touched = sa.select(MessageRow.conversation_id).where(MessageRow.author_id == author_id).distinct()
+            conversation_ids = list(session.scalars(touched))
+            deleted = session.execute(sa.delete(MessageRow).where(MessageRow.author_id == author_id))
+            still_used = sa.select(MessageRow.id).where(MessageRow.conversation_id == ConversationRow.id).exists()
+            session.execute(sa.delete(ConversationRow).where(ConversationRow.id.in_(conversation_ids), ~still_used))
+            return _rowcount(deleted)
