@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import unicodedata
 from typing import Any
@@ -89,3 +91,12 @@ def one_line(text: str, limit: int | None = None) -> str:
     if limit is not None and len(flat) > limit:
         return flat[: limit - 1] + "…"
     return flat
+
+
+def vocabulary_sha256(tokenizer: Any, *also: Any) -> str:
+    """sha256 of a tokenizer's vocabulary (token -> id, in id order), independent of how its
+    files are laid out; ``also`` (JSON-able values such as the EOS id) joins the hash. Saved
+    files (CoCon blocks, discriminator heads) record it to recognise the tokenizer they need."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    payload = [vocab, *also] if also else vocab
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode("utf-8")).hexdigest()

@@ -87,7 +87,6 @@ class BowBiasSteerer(Steerer):
         self.sequences = sorted(unique)
         firsts = sorted({ids[0] for ids in self.sequences if len(ids) == 1 or tokenizer.decode([ids[0]]).strip()})
         self.first_tokens = torch.tensor(firsts, dtype=torch.long, device=session.model.device)
-        self.prompt_length = len(session.prompt_ids)
 
     def bias(self, state: StepState, logits: "torch.Tensor") -> "torch.Tensor":
         assert self.first_tokens is not None, "prepare() was not called"

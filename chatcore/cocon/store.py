@@ -9,12 +9,12 @@ tokenizer's vocabulary must all match the model it is loaded for.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError, ModelLoadError
+from chatcore.text import vocabulary_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -36,12 +36,6 @@ def bundled_dir() -> Path:
     return BUNDLED_DIR
 
 
-def tokenizer_hash(tokenizer: Any) -> str:
-    """sha256 of the tokenizer's vocabulary (token -> id), independent of file layout."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
-
-
 def model_fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
     """What a block depends on in its base model."""
     config = model.config
@@ -51,7 +45,7 @@ def model_fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
         "n_embd": int(getattr(config, "n_embd", getattr(config, "hidden_size", 0))),
         "n_head": int(getattr(config, "n_head", getattr(config, "num_attention_heads", 0))),
         "vocab_size": int(model.get_input_embeddings().weight.shape[0]),
-        "tokenizer_sha256": tokenizer_hash(tokenizer),
+        "tokenizer_sha256": vocabulary_sha256(tokenizer),
     }
 
 

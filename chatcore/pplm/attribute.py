@@ -16,16 +16,19 @@ at ``layer``. Two kinds ship:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import NonNegativeInt, PositiveInt, model_validator
+
 from chatcore.errors import ChatcoreError, OptionError
+from chatcore.options import Settings
+from chatcore.text import vocabulary_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -198,27 +201,26 @@ class BagOfWords(AttributeModel):
 # -- discriminator heads -----------------------------------------------------------------------------
 
 
-@dataclass
-class HeadConfig:
-    """What a head was trained on; saved in the file's metadata.
-
-    layer:   index into the model's hidden_states tuple (0 = embeddings, num_layers = the
-             last, after the final layer norm), never negative once saved.
-    """
+class HeadConfig(Settings):
+    """What a head was trained on; saved in the file's metadata."""
 
     classes: list[str]
-    hidden_size: int
-    num_layers: int
-    layer: int
+    hidden_size: PositiveInt
+    num_layers: PositiveInt
+    layer: NonNegativeInt
+    """Index into the model's hidden_states tuple (0 = embeddings, num_layers = the last,
+    after the final layer norm), never negative once saved."""
     tokenizer_fingerprint: str
     base_model: str
-    training: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = {}
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _consistent(self) -> HeadConfig:
         if len(self.classes) < 2 or len(set(self.classes)) != len(self.classes):
             raise ValueError(f"`classes` must be at least two distinct labels, got {self.classes!r}")
-        if not 0 <= self.layer <= self.num_layers:
+        if self.layer > self.num_layers:
             raise ValueError(f"`layer` must be between 0 and {self.num_layers}, got {self.layer}")
+        return self
 
     def class_index(self, label: str) -> int:
         if label in self.classes:
@@ -228,9 +230,7 @@ class HeadConfig:
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A short hash of the tokenizer's vocabulary (token -> id) and its EOS id."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    digest = hashlib.sha256(json.dumps([vocab, tokenizer.eos_token_id], ensure_ascii=False).encode("utf-8"))
-    return digest.hexdigest()[:16]
+    return vocabulary_sha256(tokenizer, tokenizer.eos_token_id)[:16]
 
 
 def model_shape(model: Any) -> tuple[int, int]:
@@ -281,7 +281,7 @@ def save_head(path: str | Path, weight: "torch.Tensor", bias: "torch.Tensor", co
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": weight.detach().float().cpu().contiguous(), "bias": bias.detach().float().cpu().contiguous()}
-    save_file(tensors, str(path), metadata={"format": HEAD_FORMAT, "config": json.dumps(asdict(config))})
+    save_file(tensors, str(path), metadata={"format": HEAD_FORMAT, "config": json.dumps(config.model_dump())})
     return path
 
 

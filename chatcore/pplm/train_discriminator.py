@@ -22,9 +22,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from chatcore.errors import CorpusError, OptionError
+from chatcore.options import Settings
 
 if TYPE_CHECKING:
     import torch
@@ -39,27 +42,20 @@ class LabelledText:
     context: tuple[str, ...] = ()  # the turns before it, oldest first
 
 
-@dataclass
-class TrainSettings:
-    layer: int = -1  # index into hidden_states; negative counts from the end
-    per_class: int = 3000  # at most this many examples per class (classes are balanced)
-    epochs: int = 300
-    learning_rate: float = 0.01
-    weight_decay: float = 1e-3
-    validation_share: float = 0.1
-    batch_size: int = 64
-    max_tokens: int = 64
-    seed: int = 0
+class TrainSettings(Settings):
+    """How a discriminator head is trained (`chatcore train discriminator`)."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.per_class, int) or self.per_class < 2:
-            raise ValueError(f"`per_class` must be an integer of at least 2, got {self.per_class!r}")
-        if not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ValueError(f"`epochs` must be a positive integer, got {self.epochs!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"`learning_rate` must be a positive number, got {self.learning_rate}")
-        if not 0.0 <= self.validation_share < 0.9:
-            raise ValueError(f"`validation_share` must be in [0, 0.9), got {self.validation_share}")
+    layer: int = -1
+    """Index into hidden_states; negative counts from the end."""
+    per_class: Annotated[int, Field(ge=2)] = 3000
+    """At most this many examples per class (classes are balanced)."""
+    epochs: PositiveInt = 300
+    learning_rate: PositiveFloat = 0.01
+    weight_decay: NonNegativeFloat = 1e-3
+    validation_share: Annotated[float, Field(ge=0.0, lt=0.9)] = 0.1
+    batch_size: PositiveInt = 64
+    max_tokens: PositiveInt = 64
+    seed: int = 0
 
 
 @dataclass
