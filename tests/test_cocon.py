@@ -972,7 +972,7 @@ def test_cocon_on_smollm2_splits_exactly_and_replies_with_a_fresh_block(smollm2,
         inputs = split.pass_inputs(embeddings)
         mine = split.head(split.beta(split.alpha(embeddings, inputs), inputs))
         torch.testing.assert_close(mine, smollm2.model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
-    block = CoconBlock(CoconConfig(split.n_embd, split.n_head, 10, dropout=0.0))
+    block = CoconBlock(CoconConfig(n_embd=split.n_embd, n_head=split.n_head, split_layer=10, dropout=0.0))
     assert block.head_dim == 64
     save_block(block, tmp_path, {"name": "smollm2", "fingerprint": model_fingerprint(smollm2.model, smollm2.tokenizer)})
     engine = make_engine(smollm2, *COCON_PLUGINS[2:])
