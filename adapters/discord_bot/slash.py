@@ -190,27 +190,37 @@ class ChatCommands:
             self.bot.last_provenance.pop(key, None)
             await respond(interaction, "Started a new conversation here; earlier messages are forgotten.")
 
+    async def _checked_spec(
+        self, interaction: discord.Interaction, spec: str, kind: str
+    ) -> tuple[str, dict[str, Any]] | None:
+        """(name, settings) of a decoder or steerer spec that parses, names nothing on the bot's
+        machine and builds (checked on the worker, without decoding); None once the user has
+        been told why not."""
+        try:
+            name, settings = parse_spec(spec)
+        except ChatcoreError as error:
+            await respond(interaction, f"Cannot use that: {error}", ephemeral=True)
+            return None
+        refused = self.bot.settings.refused_setting(settings)
+        if refused is not None:
+            await respond(interaction, f"Cannot use that: {refused}", ephemeral=True)
+            return None
+
+        def job(runtime: "ChatRuntime", control: "JobControl") -> None:
+            check = runtime.check_decoder if kind == "decoder" else runtime.check_steerer
+            check(name, settings)
+
+        ok, _ = await self._run(interaction, job, ephemeral=False)
+        return (name, settings) if ok else None
+
     async def decoder(self, interaction: discord.Interaction, spec: str) -> None:
         if not self.may_change(interaction):
             await self._refuse(interaction, "change the decoder")
             return
         key = conversation_key(interaction.channel)
-        try:
-            name, settings = parse_spec(spec)
-        except ChatcoreError as error:
-            await respond(interaction, f"Cannot use that: {error}", ephemeral=True)
-            return
-
-        refused = self.bot.settings.refused_setting(settings)
-        if refused is not None:
-            await respond(interaction, f"Cannot use that: {refused}", ephemeral=True)
-            return
-
-        def job(runtime: "ChatRuntime", control: "JobControl") -> None:
-            runtime.check_decoder(name, settings)
-
-        ok, _ = await self._run(interaction, job, ephemeral=False)
-        if ok:
+        checked = await self._checked_spec(interaction, spec, "decoder")
+        if checked is not None:
+            name, settings = checked
             setup = self._own_setup(key)
             setup.decoder, setup.decoder_settings = name, dict(settings)
             await respond(interaction, f"Decoder in this channel: `{describe_spec(name, settings)}`")
@@ -224,22 +234,9 @@ class ChatCommands:
             self._own_setup(key).steerers = []
             await respond(interaction, "Steering in this channel: off")
             return
-        try:
-            name, settings = parse_spec(spec)
-        except ChatcoreError as error:
-            await respond(interaction, f"Cannot use that: {error}", ephemeral=True)
-            return
-
-        refused = self.bot.settings.refused_setting(settings)
-        if refused is not None:
-            await respond(interaction, f"Cannot use that: {refused}", ephemeral=True)
-            return
-
-        def job(runtime: "ChatRuntime", control: "JobControl") -> None:
-            runtime.check_steerer(name, settings)
-
-        ok, _ = await self._run(interaction, job, ephemeral=False)
-        if ok:
+        checked = await self._checked_spec(interaction, spec, "steerer")
+        if checked is not None:
+            name, settings = checked
             setup = self._own_setup(key)
             # Naming a steerer again replaces its settings and keeps its place in the order.
             replaced = [(n, dict(settings)) if n == name else (n, s) for n, s in setup.steerers]
