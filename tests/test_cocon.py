@@ -480,6 +480,21 @@ def test_content_raises_the_content_word_with_the_bundled_block(bundled_pipeline
     assert sum(ratios) / len(ratios) > 1.5, ratios
 
 
+# The shape of a CoCon run small enough for a test: every loss active from the first step.
+TINY_RUN = dict(
+    batch_size=4,
+    history_tokens=8,
+    continuation_tokens=6,
+    cycle_tokens=3,
+    cycle_batch_size=2,
+    cycle_from_step=1,
+    adv_from_step=1,
+    disc_every=1,
+    eval_every=2,
+    eval_windows=4,
+)
+
+
 # -- training ---------------------------------------------------------------------------------
 
 
@@ -503,16 +518,7 @@ def test_training_writes_a_loadable_block_and_resumes(loaded, tiny_model_dir, tm
         model=str(tiny_model_dir),
         corpus=str(corpus),
         heldout=0.0,
-        batch_size=4,
-        history_tokens=8,
-        continuation_tokens=6,
-        cycle_tokens=3,
-        cycle_batch_size=2,
-        cycle_from_step=1,
-        adv_from_step=1,
-        disc_every=1,
-        eval_every=2,
-        eval_windows=4,
+        **TINY_RUN,
         warmup_steps=1,
         no_history_share=0.5,
         min_history_tokens=3,
@@ -551,16 +557,7 @@ def test_an_interrupted_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatc
         corpus=str(corpus),
         heldout=0.0,
         steps=4,
-        batch_size=4,
-        history_tokens=8,
-        continuation_tokens=6,
-        cycle_tokens=3,
-        cycle_batch_size=2,
-        cycle_from_step=1,
-        adv_from_step=1,
-        disc_every=1,
-        eval_every=2,
-        eval_windows=4,
+        **TINY_RUN,
         warmup_steps=2,
         dropout=0.1,
         device="cpu",
