@@ -46,6 +46,7 @@ __all__ = [
     "settings_dict",
     "settings_fields",
     "settings_help",
+    "settings_rows",
     "settings_schema",
 ]
 
@@ -336,6 +337,47 @@ def settings_schema(settings_cls: type) -> dict[str, Any]:
     if settings_cls is object:
         return {"type": "object", "properties": {}, "additionalProperties": False}
     return _adapter(settings_cls).json_schema()
+
+
+_BOUND_SIGNS = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+
+
+def settings_rows(settings_cls: type) -> list[dict[str, str]]:
+    """Each setting as text, read from the JSON schema: name, type, default, allowed values
+    (a range or choices) and help; for ``chatcore plugins NAME``."""
+    schema = settings_schema(settings_cls)
+    rows = []
+    for name, field in schema.get("properties", {}).items():
+        options = field.get("anyOf") or [field]
+        kinds, allowed = [], []
+        for option in options:
+            kind = option.get("type", "any")
+            if kind == "array":
+                kind = f"list of {(option.get('items') or {}).get('type', 'any')}"
+            kinds.append("none" if kind == "null" else kind)
+            if "enum" in option:
+                allowed.append(", ".join(str(value) for value in option["enum"]))
+            bounds = [f"{sign} {_number(option[key])}" for key, sign in _BOUND_SIGNS if key in option]
+            if bounds:
+                allowed.append(" and ".join(bounds))
+        default = field.get("default", "(required)")
+        shown = (
+            "none"
+            if default is None
+            else json.dumps(default)
+            if isinstance(default, (bool, list, dict))
+            else str(default)
+        )
+        rows.append(
+            {
+                "name": name,
+                "type": " or ".join(dict.fromkeys(kinds)),
+                "default": shown,
+                "allowed": "; ".join(allowed),
+                "help": " ".join(str(field.get("description", "")).split()),
+            }
+        )
+    return rows
 
 
 def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str = "") -> T:

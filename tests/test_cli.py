@@ -188,6 +188,26 @@ def test_plugins_text_listing(run):
     assert "steerers: bow-bias" in result.stdout
 
 
+def test_plugins_name_shows_the_settings_with_their_help(run):
+    result = run("plugins", "top-k")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("top-k  (decoder, plugin top_k): samples from the k best tokens")
+    row = next(index for index, line in enumerate(lines) if line.split()[:1] == ["top_p"])
+    assert lines[row].split() == ["top_p", "number", "=", "1.0,", ">", "0", "and", "<=", "1"]
+    assert lines[row + 1].strip().startswith("Nucleus sampling")
+    assert 'Set them as `--decoder "top-k KEY=VALUE ..."`.' in result.stdout
+
+    listed = run("plugins", "bow-bias", "--json")
+    schema = json.loads(listed.stdout)
+    assert (schema["name"], schema["kind"]) == ("bow-bias", "steerer")
+    assert schema["settings"]["properties"]["strength"]["maximum"] == 100
+
+    unknown = run("plugins", "nope")
+    assert unknown.exit_code != 0
+    assert "unknown decoder or steerer 'nope' (decoders: " in unknown.output and "Traceback" not in unknown.output
+
+
 def test_help_lists_the_commands(run):
     result = run("--help")
     assert result.exit_code == 0

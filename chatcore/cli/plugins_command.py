@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
+if TYPE_CHECKING:
+    from chatcore.registry import Registry
+
 
 @click.command()
+@click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def plugins(as_json: bool) -> None:
-    """List loaded plugins, their hooks and versions, and the decoders and steerers they registered."""
+def plugins(name: str | None, as_json: bool) -> None:
+    """List loaded plugins, their hooks and versions, and the decoders and steerers they registered.
+
+    With NAME (a decoder or steerer), show its settings instead: type, default, allowed
+    values and help (with --json, their JSON schema).
+    """
     from chatcore.plugin_manager import get_plugin_host
     from chatcore.registry import Registry
 
     host = get_plugin_host()
     registry = Registry.build(host)
+    if name is not None:
+        show_settings(registry, name, as_json)
+        return
     rows: list[dict[str, Any]] = []
     for info in host.plugins():
         rows.append(
@@ -45,3 +56,32 @@ def plugins(as_json: bool) -> None:
                 click.echo(f"  {kind.replace('_', ' ')}: {', '.join(row[kind])}")
     for problem in problems:
         click.echo(f"problem: plugin {problem['plugin']!r} at {problem['stage']}: {problem['message']}", err=True)
+
+
+def show_settings(registry: "Registry", name: str, as_json: bool) -> None:
+    """The settings of decoder or steerer ``name``, as a table or as JSON schema."""
+    from chatcore.errors import UnknownNameError
+    from chatcore.options import settings_rows, settings_schema
+
+    if name not in registry.decoders and name not in registry.steerers and name not in registry.ambiguous:
+        raise UnknownNameError(
+            f"unknown decoder or steerer {name!r} (decoders: {', '.join(sorted(registry.decoders))}; "
+            f"steerers: {', '.join(sorted(registry.steerers))})"
+        )
+    kind = "decoder" if name in registry.decoders else "steerer"
+    cls = registry.decoder(name) if kind == "decoder" else registry.steerer(name)  # unknown: one-line error
+    if as_json:
+        click.echo(json.dumps({"name": name, "kind": kind, "settings": settings_schema(cls.Settings)}, indent=2))
+        return
+    click.echo(f"{name}  ({kind}, plugin {registry.plugin_of(kind, name)}): {cls.description}")
+    rows = settings_rows(cls.Settings)
+    if not rows:
+        click.echo("  no settings")
+        return
+    width = max(len(row["name"]) for row in rows)
+    for row in rows:
+        allowed = f", {row['allowed']}" if row["allowed"] else ""
+        click.echo(f"  {row['name']:<{width}}  {row['type']} = {row['default']}{allowed}")
+        if row["help"]:
+            click.echo(f"  {'':<{width}}  {row['help']}")
+    click.echo(f'Set them as `{kind == "decoder" and "--decoder" or "--steer"} "{name} KEY=VALUE ..."`.')
