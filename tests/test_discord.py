@@ -1129,7 +1129,9 @@ def test_the_token_comes_from_the_environment_or_a_file_and_never_shows(tmp_path
         DiscordSettings(queue_size=0)
 
 
-def test_the_discord_command_checks_everything_without_printing_the_token(tiny_model_dir, monkeypatch, caplog):
+def test_the_discord_command_checks_everything_without_printing_the_token(
+    tiny_model_dir, monkeypatch, caplog, tmp_path
+):
     import logging
 
     import click
@@ -1164,9 +1166,18 @@ def test_the_discord_command_checks_everything_without_printing_the_token(tiny_m
     for extra, message in [
         (["--format", "nope"], "unknown prompt format 'nope'"),
         (["--system-file", "x.txt"], "give --system or --system-file, not both"),
+        (["--decoder", "top-k top_k=0"], "`top_k` must be a positive integer, got 0"),
+        (["--steer", "bow-bias strength=500"], "`strength` must be between -100 and 100, got 500.0"),
+        (["--steer", "nope"], "unknown steerer 'nope'"),
     ]:
         result = runner.invoke(group, [*persona, *extra], env={"DISCORD_TOKEN": ""})
         assert result.exit_code != 0 and message in str(result.exception)
+
+    # The log the check names is the one the bot would open: --db, else $CHATCORE_DB.
+    logged = ["discord", "--check", "--model", str(tiny_model_dir)]
+    result = runner.invoke(group, logged, env={"DISCORD_TOKEN": secret, "CHATCORE_DB": str(tmp_path / "bot.db")})
+    assert result.exit_code == 0, result.output
+    assert f"conversation log: sqlite:///{tmp_path / 'bot.db'}" in result.output
 
 
 # -- serve: start, SIGTERM, stop --------------------------------------------------------

@@ -143,6 +143,8 @@ def discord_command(
 
     from chatcore.adapters.discord_bot.config import load_settings, read_token
     from chatcore.adapters.discord_bot.run import guard_logging
+    from chatcore.cli.specs import parse_spec
+    from chatcore.engine import ReplyOptions, validate_options
     from chatcore.prompting import validate_format_name
 
     if system is not None and system_file is not None:
@@ -171,7 +173,15 @@ def discord_command(
             "log": log,
         },
     )
-    validate_format_name(settings.prompt_format)  # before the token is read and the model loads
+    # Everything that needs no model is checked before the token is read and the model loads.
+    validate_format_name(settings.prompt_format)
+    validate_options(
+        ReplyOptions(
+            decoder=parse_spec(settings.decoder)[0],
+            decoder_settings=parse_spec(settings.decoder)[1],
+            steerers=[parse_spec(spec) for spec in settings.steer],
+        )
+    )
     token = read_token(token_file)
     guard_logging(token)
     level = getattr(logging, log_level.upper())

@@ -113,6 +113,17 @@ async def serve(settings: "DiscordSettings", token: str, host: "PluginHost | Non
                 pass
 
 
+def log_location(settings: "DiscordSettings") -> str:
+    """Where the bot's conversation log is (its URL, password hidden), or "off"."""
+    if not settings.log:
+        return "off"
+    from sqlalchemy.engine import make_url
+
+    from chatcore.adapters.conversation_log.location import resolve_url
+
+    return make_url(resolve_url(settings.db)).render_as_string(hide_password=True)
+
+
 async def check(settings: "DiscordSettings", host: "PluginHost | None" = None) -> list[str]:
     """Load and check everything ``serve`` would, without connecting; a summary to show."""
     started = await start_bot(settings, host)
@@ -126,7 +137,7 @@ async def check(settings: "DiscordSettings", host: "PluginHost | None" = None) -
             "answers: DMs, mentions"
             + (f", channels {', '.join(map(str, settings.channels))}" if settings.channels else ""),
             "slash commands: " + (f"guilds {', '.join(map(str, settings.guilds))}" if settings.guilds else "global"),
-            f"conversation log: {settings.db or 'default location'}" if settings.log else "conversation log: off",
+            f"conversation log: {log_location(settings)}",
             f"batch: {settings.max_batch} replies at once, {settings.queue_size} more may wait",
             "shards: "
             + (
