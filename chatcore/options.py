@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_
 from pydantic.fields import FieldInfo
 
 from chatcore.errors import OptionError
+from chatcore.text import shown_value
 
 T = TypeVar("T")
 C = TypeVar("C", bound="Configurable")
@@ -116,11 +117,11 @@ def prepare_value(name: str, annotation: Any, raw: Any) -> Any:
         if isinstance(raw, str):
             return [item.strip() for item in raw.split(",") if item.strip()]
         if not isinstance(raw, (list, tuple)):
-            raise OptionError(f"`{name}` must be a list (comma-separated), got {raw!r}")
+            raise OptionError(f"`{name}` must be a list (comma-separated), got {shown_value(raw)}")
         return raw
     if (kind in (int, float)) and isinstance(raw, bool):
         what = "an integer" if kind is int else "a number"
-        raise OptionError(f"`{name}` must be {what}, got {raw!r}")
+        raise OptionError(f"`{name}` must be {what}, got {shown_value(raw)}")
     if kind is dict or origin is dict:
         value = raw
         if isinstance(raw, str):
@@ -129,11 +130,11 @@ def prepare_value(name: str, annotation: Any, raw: Any) -> Any:
             except ValueError:
                 value = None
         if not isinstance(value, dict):
-            raise OptionError(f'`{name}` must be a JSON object such as {{"a": 1}}, got {raw!r}')
+            raise OptionError(f'`{name}` must be a JSON object such as {{"a": 1}}, got {shown_value(raw)}')
         return value
     if kind is Path and not isinstance(raw, Path):
         if not isinstance(raw, str) or not raw.strip() or "\x00" in raw:
-            raise OptionError(f"`{name}` must be a file path, got {raw!r}")
+            raise OptionError(f"`{name}` must be a file path, got {shown_value(raw)}")
         return Path(raw).expanduser()
     return raw
 
@@ -253,12 +254,12 @@ def describe_error(error: ValidationError, settings_cls: type) -> str:
     if kind == "extra_forbidden":
         return f"unknown setting {name!r}"
     if kind in _TYPE_PHRASES:
-        return f"{where} must be {_TYPE_PHRASES[kind]}, got {raw!r}"
+        return f"{where} must be {_TYPE_PHRASES[kind]}, got {shown_value(raw)}"
     if kind == "string_too_short":
         least = (first.get("ctx") or {}).get("min_length", 1)
-        return (
-            f"{where} must not be empty, got {raw!r}" if least == 1 else f"{where} must have {least} characters or more"
-        )
+        if least == 1:
+            return f"{where} must not be empty, got {shown_value(raw)}"
+        return f"{where} must have {least} characters or more, got {shown_value(raw)}"
     info = _field_infos(settings_cls).get(name)
     annotation = _optional_parts(info.annotation)[0] if info is not None else None
     if info is not None and len(loc) > 1 and typing.get_origin(annotation) in (list, tuple):
@@ -266,7 +267,7 @@ def describe_error(error: ValidationError, settings_cls: type) -> str:
         annotation = info.annotation
     if kind == "literal_error" and typing.get_origin(annotation) is typing.Literal:
         choices = ", ".join(str(a) for a in typing.get_args(annotation))
-        return f"{where} must be one of {choices}, got {raw!r}"
+        return f"{where} must be one of {choices}, got {shown_value(raw)}"
     if kind in _RANGE_ERRORS and info is not None:
         integer = annotation is int
         shown = raw
@@ -275,9 +276,9 @@ def describe_error(error: ValidationError, settings_cls: type) -> str:
                 shown = int(raw) if integer else float(raw)
             except ValueError:
                 pass
-        return f"{where} must be {range_phrase(_constraints(info), integer)}, got {shown!r}"
+        return f"{where} must be {range_phrase(_constraints(info), integer)}, got {shown_value(shown)}"
     message = first["msg"].replace("Input should be", "must be").replace("Value should", "must")
-    return f"{where} {message[0].lower() + message[1:]}, got {raw!r}"
+    return f"{where} {message[0].lower() + message[1:]}, got {shown_value(raw)}"
 
 
 # -- the settings interface used by the rest of chatcore -------------------------------------
@@ -384,6 +385,7 @@ def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str 
     """Build ``settings_cls`` from raw values; unknown keys and bad values raise OptionError."""
     fields = settings_fields(settings_cls)
     where = f" for {owner}" if owner else ""
+    prefix = f"{owner}: " if owner else ""
     unknown = [key for key in values if key.replace("-", "_") not in fields]
     if unknown:
         known = ", ".join(fields) or "none"
@@ -395,11 +397,11 @@ def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str 
         adapter = _adapter(typing.cast(type, settings_cls))
         return typing.cast(T, adapter.validate_python(prepare_values(fields, named)))
     except ValidationError as error:
-        raise OptionError(f"{describe_error(error, settings_cls)}{where}") from None
+        raise OptionError(f"{prefix}{describe_error(error, settings_cls)}") from None
     except OptionError as error:
-        raise OptionError(f"{error}{where}") from None
+        raise OptionError(f"{prefix}{error}") from None
     except (ValueError, TypeError) as error:
-        raise OptionError(f"{error}{where}") from error
+        raise OptionError(f"{prefix}{error}") from error
 
 
 def settings_dict(settings: Any) -> dict[str, Any]:

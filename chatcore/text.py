@@ -86,6 +86,18 @@ def display_safe(text: str) -> str:
     return "".join(out)
 
 
+MAX_SHOWN_VALUE = 60  # characters of a refused value an error message repeats
+
+
+def shown_value(value: object) -> str:
+    """``repr(value)`` for an error message, cut to about MAX_SHOWN_VALUE characters: a
+    5,000-character value must not become a 5,000-character message."""
+    text = repr(value)
+    if len(text) <= MAX_SHOWN_VALUE:
+        return text
+    return f"{text[: MAX_SHOWN_VALUE - 1]}… ({len(str(value)):,} characters)"
+
+
 def one_line(text: str, limit: int | None = None) -> str:
     flat = " ".join(display_safe(text).split())
     if limit is not None and len(flat) > limit:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from chatcore.errors import OptionError
+from chatcore.text import shown_value
 
 WORDLIST_DIR = Path(__file__).parent / "bundled" / "wordlists"
 
@@ -32,7 +33,7 @@ def check_word_sources(topic: str | None, file: str | None) -> None:
     """Raise ValueError for an unknown built-in ``topic`` or an unreadable word ``file``
     (settings call this, so a bad list fails when the plugin is set up, not mid-reply)."""
     if topic is not None and topic not in builtin_topics():
-        raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {topic!r}")
+        raise ValueError(f"`topic` must be one of {', '.join(builtin_topics())}, got {shown_value(topic)}")
     if file is not None:
         read_word_file(file)
 
