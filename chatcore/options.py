@@ -345,35 +345,29 @@ _BOUND_SIGNS = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="),
 
 def settings_rows(settings_cls: type) -> list[dict[str, str]]:
     """Each setting as text, read from the JSON schema: name, type, default, allowed values
-    (a range or choices) and help; for ``chatcore plugins NAME``."""
+    (a range, or "one of ..." choices; for a list, its entries') and help; for
+    ``chatcore plugins NAME``."""
     schema = settings_schema(settings_cls)
     rows = []
     for name, field in schema.get("properties", {}).items():
-        options = field.get("anyOf") or [field]
         kinds, allowed = [], []
-        for option in options:
+        for option in field.get("anyOf") or [field]:
             kind = option.get("type", "any")
             if kind == "array":
-                kind = f"list of {(option.get('items') or {}).get('type', 'any')}"
+                option = option.get("items") or {}
+                kind = f"list of {option.get('type', 'any')}"
             kinds.append("none" if kind == "null" else kind)
             if "enum" in option:
-                allowed.append(", ".join(str(value) for value in option["enum"]))
+                allowed.append("one of " + ", ".join(str(value) for value in option["enum"]))
             bounds = [f"{sign} {_number(option[key])}" for key, sign in _BOUND_SIGNS if key in option]
             if bounds:
                 allowed.append(" and ".join(bounds))
         default = field.get("default", "(required)")
-        shown = (
-            "none"
-            if default is None
-            else json.dumps(default)
-            if isinstance(default, (bool, list, dict))
-            else str(default)
-        )
         rows.append(
             {
                 "name": name,
                 "type": " or ".join(dict.fromkeys(kinds)),
-                "default": shown,
+                "default": "none" if default is None else json.dumps(default),
                 "allowed": "; ".join(allowed),
                 "help": " ".join(str(field.get("description", "")).split()),
             }

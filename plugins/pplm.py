@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 class PPLMSettings(PerturbConfig):
     """The attribute (words, a topic, a word file, or a discriminator head and its class)
-    and the perturbation's knobs (see chatcore.pplm.config.PerturbConfig)."""
+    and the perturbation's knobs."""
 
     topic: str | None = None
     """A built-in word list (food, sports, ...)."""

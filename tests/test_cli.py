@@ -194,9 +194,13 @@ def test_plugins_name_shows_the_settings_with_their_help(run):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("top-k  (decoder, plugin top_k): samples from the k best tokens")
     row = next(index for index, line in enumerate(lines) if line.split()[:1] == ["top_p"])
-    assert lines[row].split() == ["top_p", "number", "=", "1.0,", ">", "0", "and", "<=", "1"]
+    assert lines[row].split() == ["top_p", "number", "(default", "1.0;", ">", "0", "and", "<=", "1)"]
     assert lines[row + 1].strip().startswith("Nucleus sampling")
     assert 'Set them as `--decoder "top-k KEY=VALUE ..."`.' in result.stdout
+
+    # A setting checked against a list only at run time shows the plugin's list.
+    topic = next(line for line in run("plugins", "bow-bias").stdout.splitlines() if line.split()[:1] == ["topic"])
+    assert "one of " in topic and "food" in topic and "sports" in topic
 
     listed = run("plugins", "bow-bias", "--json")
     schema = json.loads(listed.stdout)

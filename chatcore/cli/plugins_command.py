@@ -80,8 +80,13 @@ def show_settings(registry: "Registry", name: str, as_json: bool) -> None:
         return
     width = max(len(row["name"]) for row in rows)
     for row in rows:
-        allowed = f", {row['allowed']}" if row["allowed"] else ""
-        click.echo(f"  {row['name']:<{width}}  {row['type']} = {row['default']}{allowed}")
+        allowed = row["allowed"]
+        choices = [] if allowed else cls.setting_choices(row["name"])
+        if choices:  # checked at run time against a list (a topic name): the plugin lists them
+            allowed = "one of " + ", ".join(choices)
+        limits = f"; {allowed}" if allowed else ""
+        click.echo(f"  {row['name']:<{width}}  {row['type']} (default {row['default']}{limits})")
         if row["help"]:
             click.echo(f"  {'':<{width}}  {row['help']}")
-    click.echo(f'Set them as `{kind == "decoder" and "--decoder" or "--steer"} "{name} KEY=VALUE ..."`.')
+    option = "--decoder" if kind == "decoder" else "--steer"
+    click.echo(f'Set them as `{option} "{name} KEY=VALUE ..."`.')

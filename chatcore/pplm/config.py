@@ -28,7 +28,7 @@ class PerturbConfig(Settings):
     # the same topic share.
     stepsize: Annotated[float, _between(0.0, 10.0)] | None = None
     """Size of each normalised gradient step on the past of each perturbed layer (0 = no
-    steering); unset: 3 / the number of perturbed layers (see `step_size`)."""
+    steering); unset: 3 divided by the number of perturbed layers."""
     num_iterations: Annotated[int, _between(0, 100)] = 3
     """Gradient steps per token."""
     window_length: Annotated[int, _between(0, 1_000_000)] = 0
