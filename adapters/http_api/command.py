@@ -92,7 +92,8 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API.
 
     GET /v1/models and POST /v1/chat/completions (streaming or not), with chatcore's
-    own `decoder` and `steer` fields. Concurrent requests are decoded together in one
+    own `decoder` and `steer` fields; GET /v1/plugins lists the decoders and steerers
+    with the JSON schema of their settings. Concurrent requests are decoded together in one
     batch. With --log (or --db), the conversations served are kept in the conversation
     log (`chatcore logs`). See docs/serving.md.
     """
