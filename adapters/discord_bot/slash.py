@@ -23,7 +23,7 @@ from discord import app_commands
 
 from chatcore.adapters.discord_bot.routing import MESSAGE_LIMIT, conversation_key, split_reply
 from chatcore.adapters.discord_bot.worker import WorkerBusy, WorkerClosed
-from chatcore.cli.specs import parse_spec
+from chatcore.cli.specs import parse_spec, with_steerer
 from chatcore.errors import ChatcoreError
 from chatcore.prompting import clean_system_prompt
 
@@ -238,11 +238,7 @@ class ChatCommands:
         if checked is not None:
             name, settings = checked
             setup = self._own_setup(key)
-            # Naming a steerer again replaces its settings and keeps its place in the order.
-            replaced = [(n, dict(settings)) if n == name else (n, s) for n, s in setup.steerers]
-            if not any(n == name for n, _ in setup.steerers):
-                replaced.append((name, dict(settings)))
-            setup.steerers = replaced
+            setup.steerers = with_steerer(setup.steerers, name, settings)
             listed = ", ".join(f"`{describe_spec(n, s)}`" for n, s in setup.steerers)
             await respond(interaction, f"Steering in this channel: {listed}")
 

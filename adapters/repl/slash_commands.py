@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from chatcore.adapters.conversation_log.formatting import SHORT_ID, display_safe, one_line, summary_table
-from chatcore.cli.specs import parse_spec
+from chatcore.cli.specs import parse_spec, with_steerer
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.explain import explain, format_settings
 
@@ -192,10 +192,7 @@ def steer_command(state: "ChatState", rest: str) -> Outcome:
 
     name, settings = parse_spec(unquote_spec(rest))
     state.engine.make_steerer(name, settings)  # validates before anything changes
-    if name in active:  # new settings, same place in the composition order
-        steerers = [(n, settings if n == name else s) for n, s in state.options.steerers]
-    else:
-        steerers = [*state.options.steerers, (name, settings)]
+    steerers = with_steerer(state.options.steerers, name, settings)
     check_composition([state.engine.registry.steerer(n) for n, _ in steerers])  # a combination that cannot work
     state.options.steerers = steerers
     return Outcome(output="steering: " + "; ".join(describe_steerers(state)))

@@ -21,3 +21,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     if "=" in name:
         raise OptionError(f"a spec starts with a name, got {name!r}")
     return name, parse_key_values(pairs)
+
+
+def with_steerer(
+    steerers: list[tuple[str, dict[str, Any]]], name: str, settings: dict[str, Any]
+) -> list[tuple[str, dict[str, Any]]]:
+    """The steerer list after ``/steer NAME ...``: a steerer named again gets the new settings
+    and keeps its place in the composition order; a new one comes last."""
+    if any(existing == name for existing, _ in steerers):
+        return [(existing, dict(settings) if existing == name else old) for existing, old in steerers]
+    return [*steerers, (name, dict(settings))]
