@@ -34,7 +34,7 @@ from chatcore.prompting import (
     validate_format_name,
 )
 from chatcore.registry import Registry
-from chatcore.response import Response
+from chatcore.response import Response, timings_of
 from chatcore.steering import Steerer, check_composition, failed_layer
 
 DEFAULT_DECODER = "top-k"
@@ -304,7 +304,7 @@ class Engine:
         first = True
         for token in self._guarded_decode(reply.decoder, reply.steerers, session):
             if first:
-                reply.provenance.setdefault("timings", {})["first_token_s"] = round(time.perf_counter() - started, 4)
+                timings_of(reply.provenance)["first_token_s"] = round(time.perf_counter() - started, 4)
                 first = False
             yield token
         if session.candidates:

@@ -16,6 +16,14 @@ from typing import Any
 from chatcore.streaming import IncrementalDetokenizer
 
 
+def timings_of(provenance: dict[str, Any]) -> dict[str, Any]:
+    """The reply's ``timings`` in its provenance (created on first use): seconds to the first
+    token, in the queue, in all, and the token rate. Every part of chatcore that times a
+    reply writes there through this."""
+    timings: dict[str, Any] = provenance.setdefault("timings", {})
+    return timings
+
+
 class Response:
     def __init__(
         self,
@@ -50,7 +58,7 @@ class Response:
             return
         if self._iterator is None:
             self._started = time.perf_counter()
-            self.provenance.setdefault("timings", {})
+            timings_of(self.provenance)
             self._iterator = self._token_source()
             self._detokenizer = IncrementalDetokenizer(self._tokenizer)
         try:
@@ -97,7 +105,7 @@ class Response:
         self.done = True
         self.interrupted = interrupted
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
-        timings = self.provenance.setdefault("timings", {})
+        timings = timings_of(self.provenance)
         timings["total_s"] = round(elapsed, 4)
         timings["new_tokens"] = len(self.token_ids)
         timings["tokens_per_s"] = round(len(self.token_ids) / elapsed, 2) if elapsed > 0 else None

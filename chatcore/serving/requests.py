@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from chatcore.errors import ChatcoreError
+from chatcore.response import timings_of
 
 if TYPE_CHECKING:
     from chatcore.response import Response
@@ -132,7 +133,7 @@ class Handle:
         self.finish_reason = reason
         self.error = error
         now = time.perf_counter()
-        timings = self.provenance.setdefault("timings", {})
+        timings = timings_of(self.provenance)
         timings["queued_s"] = round((self.admitted or now) - self.submitted, 4)
         if self.first_token is not None:
             timings["first_token_s"] = round(self.first_token - self.submitted, 4)
