@@ -455,6 +455,11 @@ def parse_key_values(pairs: Iterable[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise OptionError(f"expected key=value, got {pair!r}")
-        result[key.strip()] = value
+            raise OptionError(f"expected key=value, got {shown_value(pair)}")
+        key = key.strip()
+        earlier = next((given for given in result if given.replace("-", "_") == key.replace("-", "_")), None)
+        if earlier is not None:
+            first, second = shown_value(result[earlier]), shown_value(value)
+            raise OptionError(f"`{key}` is given twice ({first} and {second}): give it once")
+        result[key] = value
     return result

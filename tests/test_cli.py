@@ -115,6 +115,7 @@ def test_generate_reads_turns_from_stdin(run, tiny_model_dir):
         ("top-k temperature=-1", ["`temperature`", "-1"]),
         ("top-k foo=1", ["unknown setting", "'foo'"]),
         ("top-k top_k", ["expected key=value, got 'top_k'"]),
+        ("top-k top_k=5 top-k=6", ["`top-k` is given twice ('5' and '6'): give it once"]),
         ("beam", ["unknown decoder 'beam'", "greedy", "top-k"]),
         ("'unclosed", ["cannot parse"]),
     ],

@@ -152,6 +152,15 @@ def test_seeds_reproduce_and_steerers_steer(engine, client):
     )
     assert steered.choices[0].message.content == expected.text() != plain[0]
     assert steered.model_extra["chatcore"]["steerers"][0]["name"] == "bow-bias"
+    # One steerer may be given as a string instead of a list of one.
+    alone = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=16,
+        seed=1,
+        extra_body={"steer": "bow-bias words=pizza strength=8", "decoder": "top-k top_k=5"},
+    )
+    assert alone.choices[0].message.content == expected.text()
     greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
     assert greedy.model_extra["chatcore"]["decoder"]["name"] == "greedy"
 

@@ -7,9 +7,9 @@ chatcore does not support is refused by name rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_MESSAGES = 512
 MAX_STOPS = 4
@@ -57,8 +57,15 @@ class ChatCompletionRequest(Strict):
     # chatcore's own fields: the same spec strings as the command line's --decoder and --steer.
     decoder: str | None = Field(default=None, description='A decoder spec, e.g. "top-k top_k=20".')
     steer: list[str] = Field(
-        default_factory=list, max_length=8, description='Steerer specs, e.g. ["bow-bias topic=food strength=4"].'
+        default_factory=list,
+        max_length=8,
+        description='Steerer specs, e.g. ["bow-bias topic=food strength=4"]; one spec may be given as a string.',
     )
+
+    @field_validator("steer", mode="before")
+    @classmethod
+    def _one_spec(cls, steer: Any) -> Any:
+        return [steer] if isinstance(steer, str) else steer
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
