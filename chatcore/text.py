@@ -32,7 +32,9 @@ def remove_escape_sequences(text: str) -> str:
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` with special-token strings (``<|endoftext|>``) kept as text."""
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    # verbose=False: chatcore fits prompts to the model itself, so transformers' warning about
+    # text longer than the model's positions is not for the user.
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"])
 
 
 def checked_text(text: Any, what: str, max_chars: int) -> str:

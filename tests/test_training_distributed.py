@@ -203,6 +203,16 @@ def test_fp16_on_the_cpu_is_refused_in_one_line():
     with pytest.raises(ChatcoreError, match="fp16 needs a GPU"):
         make_accelerator("cpu", "fp16")
 
+    # From the command line it is refused before the corpus is read (this one does not exist).
+    from click.testing import CliRunner
+
+    from chatcore.cli import build_cli
+
+    args = ["train", "model", "--out", "unused", "--corpus", "no-such-corpus.jsonl", "--device", "cpu"]
+    result = CliRunner().invoke(build_cli(), [*args, "--precision", "fp16"])
+    assert result.exit_code != 0
+    assert "fp16 needs a GPU" in str(result.exception) + result.output and "no-such-corpus" not in result.output
+
 
 @pytest.mark.slow
 def test_torchrun_two_cpu_processes_then_resume_on_one(tiny_corpus, tmp_path):

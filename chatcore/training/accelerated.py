@@ -81,6 +81,17 @@ def mixed_precision(precision: str, device: str) -> str:
     return "no" if precision == "fp32" else precision
 
 
+def check_precision(precision: str, device: str | None) -> None:
+    """Refuse, in one line, a precision the device cannot train in (fp16 on a CPU: torch has
+    no loss scaling there). Called before a run loads its corpus, and again by
+    :func:`make_accelerator`."""
+    from chatcore.models import pick_device
+
+    resolved = ("cpu" if _on_cpu(device) else "cuda") if distributed_context().enabled else pick_device(device)
+    if resolved == "cpu" and mixed_precision(precision, resolved) == "fp16":
+        raise ChatcoreError("--precision fp16 needs a GPU: on the CPU use bf16 or fp32")
+
+
 def make_accelerator(device: str | None, precision: str, grad_accum: int = 1) -> "Accelerator":
     """The Accelerator of one training run on ``device`` (None: CUDA when present; under
     torchrun each process takes its local GPU). The optimizer step, scheduler step and
@@ -103,8 +114,7 @@ def make_accelerator(device: str | None, precision: str, grad_accum: int = 1) ->
             import torch
 
             torch.cuda.set_device(int(device.partition(":")[2]))
-    if device == "cpu" and mixed_precision(precision, device) == "fp16":
-        raise ChatcoreError("--precision fp16 needs a GPU: on the CPU use bf16 or fp32")
+    check_precision(precision, device)
     try:
         accelerator = Accelerator(
             cpu=device == "cpu",

@@ -28,7 +28,9 @@ def encode_dialogues(
         raise ValueError("the tokenizer has no EOS token; chatcore separates turns with it")
     texts = [turn for dialogue in dialogues for turn in (reversed(dialogue.turns) if reverse else dialogue.turns)]
     # split_special_tokens: corpus text that looks like "<|endoftext|>" stays text.
-    encoded = tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    # Whole dialogues are longer than the model's positions; they are cut into blocks below,
+    # so transformers' "sequence length is longer than the maximum" warning does not apply.
+    encoded = tokenizer(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
     stream: list[int] = []
     for ids in encoded:
         stream.extend(ids)

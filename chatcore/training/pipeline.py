@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError, ModelLoadError
-from chatcore.training.accelerated import checkpoint_to_resume, distributed_context, process_state
+from chatcore.training.accelerated import check_precision, checkpoint_to_resume, distributed_context, process_state
 from chatcore.training.corpus import Dialogue
 from chatcore.training.filtering import FilterConfig, FilterReport
 from chatcore.training.threads import load_dialogues, split_heldout_by_thread
@@ -99,6 +99,7 @@ def train_model_command(
     from chatcore.training.data import encode_dialogues
 
     context = distributed_context()
+    check_precision(config.precision, config.device)  # before the corpus loads
     if resume:
         checkpoint_to_resume(Path(config.out_dir))  # refuses a missing or old checkpoint before any work
     train_set, heldout_set, report = training_dialogues(
