@@ -40,7 +40,7 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
-	$(PY) -m pytest -q $(EXAMPLE)/tests
+	$(PY) -m pytest -q -p no:asyncio $(EXAMPLE)/tests
 	$(MAKE) test-floor
 
 # The oldest transformers release pyproject.toml allows, installed beside the venv's
@@ -55,7 +55,7 @@ test-floor: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
-	$(PY) -m pytest -q -m "not slow" $(EXAMPLE)/tests
+	$(PY) -m pytest -q -p no:asyncio -m "not slow" $(EXAMPLE)/tests
 
 bench: $(STAMP)
 	$(PY) bench/decode_speed.py
