@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from chatcore.errors import ChatcoreError
 from chatcore.options import Settings
@@ -118,15 +118,16 @@ class CoconTrainConfig(Settings):
     save_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     threads: int | None = None
 
+    # Built once per run and never assigned afterwards, so the validator below may fill in
+    # the defaults that follow other settings without running itself again.
+    model_config = ConfigDict(validate_assignment=False)
+
     @model_validator(mode="after")
     def _lengths_fit(self) -> CoconTrainConfig:
-        # Defaults that follow other settings, and the short span clamped to the content: set
-        # in place (not assigned, which would run these checks again).
         if self.content_max_tokens is None:
-            self.__dict__["content_max_tokens"] = self.continuation_tokens
+            self.content_max_tokens = self.continuation_tokens
         if self.min_history_tokens is None:
-            self.__dict__["min_history_tokens"] = self.history_tokens
-        assert self.min_history_tokens is not None and self.content_max_tokens is not None
+            self.min_history_tokens = self.history_tokens
         if self.min_history_tokens > self.history_tokens:
             raise ValueError(
                 f"`min_history_tokens` ({self.min_history_tokens}) must not exceed "
@@ -137,7 +138,7 @@ class CoconTrainConfig(Settings):
                 f"`content_max_tokens` ({self.content_max_tokens}) must not exceed "
                 f"`continuation_tokens` ({self.continuation_tokens})"
             )
-        self.__dict__["short_content_max_tokens"] = min(self.short_content_max_tokens, self.content_max_tokens)
+        self.short_content_max_tokens = min(self.short_content_max_tokens, self.content_max_tokens)
         return self
 
 
