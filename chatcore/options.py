@@ -28,7 +28,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
-import annotated_types
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
@@ -167,30 +166,18 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else str(value)
 
 
-def range_phrase(metadata: Iterable[Any], integer: bool) -> str:
-    """How a field's bounds read in an error: "a positive integer", "in (0, 1]" ..."""
-    low: Any = None
-    high: Any = None
-    low_open = high_open = False
-    for item in metadata:
-        if isinstance(item, annotated_types.Interval):
-            parts: Iterable[Any] = [
-                annotated_types.Gt(item.gt) if item.gt is not None else None,
-                annotated_types.Ge(item.ge) if item.ge is not None else None,
-                annotated_types.Lt(item.lt) if item.lt is not None else None,
-                annotated_types.Le(item.le) if item.le is not None else None,
-            ]
-        else:
-            parts = [item]
-        for part in parts:
-            if isinstance(part, annotated_types.Gt):
-                low, low_open = part.gt, True
-            elif isinstance(part, annotated_types.Ge):
-                low, low_open = part.ge, False
-            elif isinstance(part, annotated_types.Lt):
-                high, high_open = part.lt, True
-            elif isinstance(part, annotated_types.Le):
-                high, high_open = part.le, False
+def _bound(schema: Mapping[str, Any], side: str) -> tuple[Any, bool]:
+    """(the ``Minimum`` or ``Maximum`` bound of a JSON schema, or None; whether it is exclusive)."""
+    if f"exclusive{side}" in schema:
+        return schema[f"exclusive{side}"], True
+    return schema.get(side.lower()), False
+
+
+def range_phrase(schema: Mapping[str, Any], integer: bool) -> str:
+    """How a field's bounds (its JSON schema's minimum / maximum, exclusive or not) read in
+    an error: "a positive integer", "in (0, 1]" ..."""
+    low, low_open = _bound(schema, "Minimum")
+    high, high_open = _bound(schema, "Maximum")
     if integer:
         if low is not None and low_open:
             low, low_open = low + 1, False
@@ -230,14 +217,17 @@ def _field_infos(settings_cls: type) -> dict[str, FieldInfo]:
     return infos
 
 
-def _constraints(info: FieldInfo) -> list[Any]:
-    """A field's bounds, wherever they are written: on the field, or inside ``X | None``."""
-    found = list(info.metadata)
-    if typing.get_origin(info.annotation) in (typing.Union, types.UnionType):
-        for arg in typing.get_args(info.annotation):
-            if typing.get_origin(arg) is typing.Annotated:
-                found += FieldInfo.from_annotation(arg).metadata
-    return found
+def _field_schema(settings_cls: type, name: str, entry: bool) -> dict[str, Any]:
+    """The JSON schema of setting ``name`` (of one of its entries if ``entry``), its ``None``
+    option left out: where an error message reads the field's type, bounds and choices."""
+    field = settings_schema(settings_cls).get("properties", {}).get(name, {})
+    merged: dict[str, Any] = {}
+    for option in field.get("anyOf") or [field]:
+        if entry and option.get("type") == "array":
+            option = option.get("items") or {}
+        if option.get("type") != "null":
+            merged.update(option)
+    return merged
 
 
 def describe_error(error: ValidationError, settings_cls: type) -> str:
@@ -260,23 +250,19 @@ def describe_error(error: ValidationError, settings_cls: type) -> str:
         if least == 1:
             return f"{where} must not be empty, got {shown_value(raw)}"
         return f"{where} must have {least} characters or more, got {shown_value(raw)}"
-    info = _field_infos(settings_cls).get(name)
-    annotation = _optional_parts(info.annotation)[0] if info is not None else None
-    if info is not None and len(loc) > 1 and typing.get_origin(annotation) in (list, tuple):
-        info = FieldInfo.from_annotation(typing.get_args(annotation)[0])  # an entry's own type and range
-        annotation = info.annotation
-    if kind == "literal_error" and typing.get_origin(annotation) is typing.Literal:
-        choices = ", ".join(str(a) for a in typing.get_args(annotation))
+    schema = _field_schema(settings_cls, name, entry=len(loc) > 1)
+    if kind == "literal_error" and "enum" in schema:
+        choices = ", ".join(str(choice) for choice in schema["enum"])
         return f"{where} must be one of {choices}, got {shown_value(raw)}"
-    if kind in _RANGE_ERRORS and info is not None:
-        integer = annotation is int
+    if kind in _RANGE_ERRORS:
+        integer = schema.get("type") == "integer"
         shown = raw
         if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
             try:
                 shown = int(raw) if integer else float(raw)
             except ValueError:
                 pass
-        return f"{where} must be {range_phrase(_constraints(info), integer)}, got {shown_value(shown)}"
+        return f"{where} must be {range_phrase(schema, integer)}, got {shown_value(shown)}"
     message = first["msg"].replace("Input should be", "must be").replace("Value should", "must")
     return f"{where} {message[0].lower() + message[1:]}, got {shown_value(raw)}"
 
@@ -389,7 +375,9 @@ def parse_settings(settings_cls: type[T], values: Mapping[str, Any], owner: str 
         return settings_cls()
     try:
         adapter = _adapter(typing.cast(type, settings_cls))
-        return typing.cast(T, adapter.validate_python(prepare_values(fields, named)))
+        if not issubclass(typing.cast(type, settings_cls), Settings):  # a Settings model reads the text itself
+            named = prepare_values(fields, named)
+        return typing.cast(T, adapter.validate_python(named))
     except ValidationError as error:
         raise OptionError(f"{prefix}{describe_error(error, settings_cls)}") from None
     except OptionError as error:
@@ -436,14 +424,11 @@ class Configurable:
         boolean). A plugin whose setting is checked against a list only at run time (a
         topic name) overrides it.
         """
-        properties = settings_schema(cls.Settings).get("properties", {})
-        schema = properties.get(name) or {}
-        options = [schema, *schema.get("anyOf", [])]
-        for option in options:
-            if "enum" in option:
-                return [str(value) for value in option["enum"]]
-            if "const" in option and len(options) <= 3:
-                return [str(option["const"])]
+        schema = settings_schema(cls.Settings).get("properties", {}).get(name) or {}
+        options = schema.get("anyOf") or [schema]
+        choices = [value for option in options for value in option.get("enum", [])]
+        if choices:
+            return [str(value) for value in choices]
         if any(option.get("type") == "boolean" for option in options):
             return ["true", "false"]
         return []
