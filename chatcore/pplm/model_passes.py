@@ -65,8 +65,7 @@ class ModelPasses:
         return plain, past_of(plain.cache, past_length)
 
     def plain_from(self, first: StepOutput) -> StepOutput:
-        hidden = None if first.hidden_states is None else tuple(h.detach() for h in first.hidden_states)
-        return StepOutput(logits=first.logits.detach(), cache=first.cache, hidden_states=hidden)
+        raise AssertionError("ModelPasses runs its own plain pass (merges() is False)")
 
     def zero_deltas(self, setup: Setup) -> torch.Tensor:
         keys = setup.base[0][0]
