@@ -175,13 +175,9 @@ def discord_command(
     )
     # Everything that needs no model is checked before the token is read and the model loads.
     validate_format_name(settings.prompt_format)
-    validate_options(
-        ReplyOptions(
-            decoder=parse_spec(settings.decoder)[0],
-            decoder_settings=parse_spec(settings.decoder)[1],
-            steerers=[parse_spec(spec) for spec in settings.steer],
-        )
-    )
+    decoder_name, decoder_settings = parse_spec(settings.decoder)
+    steerers = [parse_spec(spec) for spec in settings.steer]
+    validate_options(ReplyOptions(decoder=decoder_name, decoder_settings=decoder_settings, steerers=steerers))
     token = read_token(token_file)
     guard_logging(token)
     level = getattr(logging, log_level.upper())
