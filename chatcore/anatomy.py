@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from chatcore.errors import ChatcoreError
-from chatcore.models import cache_keyword
+from chatcore.models import CACHE, LEGACY_CACHE, cache_keyword
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ BLOCK_LISTS = ("layers", "h", "blocks")
 FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "final_norm")
 POSITION_EMBEDDINGS = ("wpe", "embed_positions")
 EMBEDDING_DROPOUTS = ("drop", "emb_dropout", "embed_dropout")
-CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")  # newest name first
+CACHE_ARGUMENTS = (CACHE, LEGACY_CACHE, "layer_past")  # newest name first
 ATTENTIONS = ("self_attn", "attn", "attention")
 MLPS = ("mlp", "feed_forward")
 QUERY_PROJECTIONS = ("q_proj", "query")

@@ -221,8 +221,9 @@ class Engine:
         return self.scripted(turns, system).reply(options, **overrides)
 
     def respond(self, conversation: Conversation, options: ReplyOptions | None = None, **overrides: Any) -> Response:
-
-        options = (options or ReplyOptions()).replace(**overrides) if overrides else (options or ReplyOptions())
+        options = options or ReplyOptions()
+        if overrides:
+            options = options.replace(**overrides)
         reply = self.prepare_reply(conversation, options)
         return Response(
             lambda: self.reply_tokens(reply), self.tokenizer, reply.provenance, finalize=conversation._record

@@ -84,13 +84,14 @@ Step = Callable[[StepState], StepOutput]
 
 def model_step(model: Any) -> Step:
     """The innermost step: one cached forward pass of a Hugging Face causal LM."""
+    cache_argument = cache_keyword(model)
 
     def step(state: StepState) -> StepOutput:
         output = model(
             input_ids=state.input_ids,
             attention_mask=state.attention_mask,
             position_ids=state.position_ids,
-            **{cache_keyword(model): state.cache},
+            **{cache_argument: state.cache},
             use_cache=True,
             output_hidden_states=state.output_hidden_states,
             logits_to_keep=1,  # only the last position's scores are needed

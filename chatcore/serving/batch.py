@@ -82,6 +82,7 @@ class DecodingBatch:
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self.model = engine.loaded.model
+        self.cache_argument = cache_keyword(self.model)  # what the model's forward calls its cache
         self.device = engine.loaded.device
         self.rows: list[BatchRow] = []
         self.cache: Any = None
@@ -152,7 +153,7 @@ class DecodingBatch:
                 input_ids=ids[:, done:],
                 attention_mask=torch.ones_like(ids),
                 position_ids=torch.arange(done, done + size, device=self.device)[None],
-                **{cache_keyword(self.model): cache},
+                **{self.cache_argument: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -219,7 +220,7 @@ class DecodingBatch:
                 input_ids=last,
                 attention_mask=attention,
                 position_ids=positions,
-                **{cache_keyword(self.model): self.cache},
+                **{self.cache_argument: self.cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
