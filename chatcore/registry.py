@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatcore.errors import UnknownNameError
-from chatcore.options import Configurable, check_settings_class
+from chatcore.options import Configurable, check_settings_class, settings_schema
 from chatcore.plugin_manager import PluginHost
 
 QUALIFIER = "/"
@@ -32,6 +32,17 @@ class Entry:
     name: str
     value: Any
     plugin: str
+
+    def card(self, kind: str) -> dict[str, Any]:
+        """What a decoder or steerer is, for programs (``GET /v1/plugins``, ``chatcore plugins
+        NAME --json``): its name, kind, description, plugin and the JSON schema of its settings."""
+        return {
+            "id": self.name,
+            "object": kind,
+            "description": getattr(self.value, "description", "") or "",
+            "plugin": self.plugin,
+            "settings": settings_schema(self.value.Settings),
+        }
 
 
 @dataclass

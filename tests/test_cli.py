@@ -205,7 +205,7 @@ def test_plugins_name_shows_the_settings_with_their_help(run):
 
     listed = run("plugins", "bow-bias", "--json")
     schema = json.loads(listed.stdout)
-    assert (schema["name"], schema["kind"]) == ("bow-bias", "steerer")
+    assert (schema["id"], schema["object"], schema["plugin"]) == ("bow-bias", "steerer", "bow_bias")
     assert schema["settings"]["properties"]["strength"]["maximum"] == 100
 
     unknown = run("plugins", "nope")

@@ -28,7 +28,6 @@ from chatcore.adapters.http_api.completions import Completion, served_model_name
 from chatcore.adapters.http_api.errors import ApiError, error_body
 from chatcore.adapters.http_api.schema import ChatCompletionRequest
 from chatcore.errors import ChatcoreError
-from chatcore.options import settings_schema
 
 if TYPE_CHECKING:
     from chatcore.adapters.http_api.request_log import RequestLog
@@ -159,22 +158,9 @@ def model_card(model: str) -> dict[str, Any]:
 
 
 def plugin_cards(registry: "Registry") -> list[dict[str, Any]]:
-    """One card per decoder and steerer: its name (what ``decoder`` and ``steer`` take), kind,
-    description, the plugin that registered it, and the JSON schema of its settings (types,
-    defaults, ranges, choices and each field's help)."""
-    cards = []
-    for kind, table in (("decoder", registry.decoders), ("steerer", registry.steerers)):
-        for name, entry in sorted(table.items()):
-            cards.append(
-                {
-                    "id": name,
-                    "object": kind,
-                    "description": getattr(entry.value, "description", "") or "",
-                    "plugin": entry.plugin,
-                    "settings": settings_schema(entry.value.Settings),
-                }
-            )
-    return cards
+    """One card per decoder and steerer (see :meth:`chatcore.registry.Entry.card`)."""
+    tables = (("decoder", registry.decoders), ("steerer", registry.steerers))
+    return [entry.card(kind) for kind, table in tables for _, entry in sorted(table.items())]
 
 
 def unknown_model(asked: str, model: str) -> ApiError:

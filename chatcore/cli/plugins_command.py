@@ -61,7 +61,7 @@ def plugins(name: str | None, as_json: bool) -> None:
 def show_settings(registry: "Registry", name: str, as_json: bool) -> None:
     """The settings of decoder or steerer ``name``, as a table or as JSON schema."""
     from chatcore.errors import UnknownNameError
-    from chatcore.options import settings_rows, settings_schema
+    from chatcore.options import settings_rows
 
     if name not in registry.decoders and name not in registry.steerers and name not in registry.ambiguous:
         raise UnknownNameError(
@@ -69,9 +69,10 @@ def show_settings(registry: "Registry", name: str, as_json: bool) -> None:
             f"steerers: {', '.join(sorted(registry.steerers))})"
         )
     kind = "decoder" if name in registry.decoders else "steerer"
-    cls = registry.decoder(name) if kind == "decoder" else registry.steerer(name)  # unknown: one-line error
+    cls = registry.decoder(name) if kind == "decoder" else registry.steerer(name)  # ambiguous: one-line error
     if as_json:
-        click.echo(json.dumps({"name": name, "kind": kind, "settings": settings_schema(cls.Settings)}, indent=2))
+        table = registry.decoders if kind == "decoder" else registry.steerers
+        click.echo(json.dumps(table[name].card(kind), indent=2))
         return
     click.echo(f"{name}  ({kind}, plugin {registry.plugin_of(kind, name)}): {cls.description}")
     rows = settings_rows(cls.Settings)
