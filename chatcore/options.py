@@ -326,9 +326,6 @@ def settings_schema(settings_cls: type) -> dict[str, Any]:
     return _adapter(settings_cls).json_schema()
 
 
-_BOUND_SIGNS = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
-
-
 def settings_rows(settings_cls: type) -> list[dict[str, str]]:
     """Each setting as text, read from the JSON schema: name, type, default, allowed values
     (a range, or "one of ..." choices; for a list, its entries') and help; for
@@ -345,7 +342,9 @@ def settings_rows(settings_cls: type) -> list[dict[str, str]]:
             kinds.append("none" if kind == "null" else kind)
             if "enum" in option:
                 allowed.append("one of " + ", ".join(str(value) for value in option["enum"]))
-            bounds = [f"{sign} {_number(option[key])}" for key, sign in _BOUND_SIGNS if key in option]
+            (low, low_open), (high, high_open) = _bound(option, "Minimum"), _bound(option, "Maximum")
+            bounds = [f"{'>' if low_open else '>='} {_number(low)}"] if low is not None else []
+            bounds += [f"{'<' if high_open else '<='} {_number(high)}"] if high is not None else []
             if bounds:
                 allowed.append(" and ".join(bounds))
         default = field.get("default", "(required)")
