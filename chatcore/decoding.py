@@ -1,27 +1,30 @@
-"""Decoders and the shared, KV-cached decoding loop.
+"""Decoders: how each next token is chosen, and how one reply is picked from several rows.
 
-A decoder turns a :class:`GenerationSession` into the reply's token ids. Token-level
-decoders (greedy, top-k) subclass :class:`TokenDecoder`: they give a list of score
-processors and a ``select`` rule, and :meth:`GenerationSession.run` does the loop:
+Every reply is decoded by the one runner (:mod:`chatcore.serving.runner`), one step at a
+time for all its rows together:
 
-    step (model wrapped by steerers) -> processors -> select -> append -> stop?
+    step (the model, wrapped by the reply's steerers) -> restrict_scores (banned and
+    early stop tokens) -> the decoder's processors -> its ``select`` -> append -> stop?
 
-Response-level decoders (MMI) call ``session.run`` with several rows and choose among
-the finished candidates, recording them in ``session.candidates``.
+A decoder says how many rows a reply has (:meth:`Decoder.rows`: 1 for token decoders;
+``candidates`` for the decoders that sample several replies and keep one), gives the
+score processors and the ``select`` rule, may stop the rows early
+(:meth:`Decoder.enough`, a quorum of candidates) and, with several rows, picks the reply
+(:meth:`Decoder.choose`). A one-row reply streams its tokens as they are chosen; a reply
+of several rows is sent whole once the decoder has chosen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import NonNegativeInt, PositiveFloat
 
 from chatcore.options import Configurable, Settings
-from chatcore.processors import ScoreProcessor, chain, no_repeat_ngram, repetition_penalty
-from chatcore.steering import Steerer, compose
-from chatcore.step import Step, StepState, model_step
+from chatcore.processors import ScoreProcessor, no_repeat_ngram, repetition_penalty
+from chatcore.steering import Steerer
 
 if TYPE_CHECKING:
     import torch
@@ -81,83 +84,6 @@ class GenerationSession:
         """Every token that ends a reply (EOS when no format said otherwise)."""
         return self.stop_token_ids | {self.eos_token_id}
 
-    def build_step(self) -> Step:
-        return compose(model_step(self.model.model), self.steerers)
-
-    def run(
-        self,
-        processors: Sequence[ScoreProcessor],
-        select: Select,
-        rows: int = 1,
-        prompts: Sequence[Sequence[int]] | None = None,
-    ) -> Iterator["torch.Tensor"]:
-        """Decode ``rows`` sequences in one batch, yielding each step's (B,) new tokens.
-
-        All rows start from ``prompt_ids`` unless ``prompts`` gives one prompt per row
-        (left-padded). A row that emitted a stop token keeps receiving EOS and is ignored;
-        the loop ends when every row has finished or after ``max_new_tokens`` steps.
-        """
-        processing = chain(processors)
-        import torch
-
-        device = self.model.device
-        eos = self.eos_token_id
-        stops = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)
-        banned = torch.tensor(sorted(self.banned_token_ids), dtype=torch.long, device=device)
-        if prompts is None:
-            prompts = [self.prompt_ids] * rows
-        batch = len(prompts)
-        prompt_length = max(len(p) for p in prompts)
-        if prompt_length == 0:
-            raise ValueError("cannot decode from an empty prompt")
-        total = prompt_length + self.max_new_tokens
-        sequences = torch.full((batch, total), eos, dtype=torch.long, device=device)
-        attention = torch.zeros((batch, total), dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            sequences[row, prompt_length - len(prompt) : prompt_length] = torch.tensor(prompt, dtype=torch.long)
-            attention[row, prompt_length - len(prompt) : prompt_length] = 1
-        if all(len(p) == prompt_length for p in prompts):
-            positions = torch.arange(prompt_length, device=device).expand(batch, -1)
-        else:
-            positions = (attention[:, :prompt_length].cumsum(-1) - 1).clamp(min=0)
-        next_position = attention[:, :prompt_length].sum(-1, keepdim=True)  # (B, 1)
-
-        step_fn = self.build_step()
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        cache = None
-        length = prompt_length
-        input_ids = sequences[:, :prompt_length]
-        with torch.inference_mode():
-            for step_index in range(self.max_new_tokens):
-                state = StepState(
-                    input_ids=input_ids,
-                    sequences=sequences[:, :length],
-                    attention_mask=attention[:, :length],
-                    position_ids=positions,
-                    cache=cache,
-                    step=step_index,
-                    prompt_length=prompt_length,
-                )
-                output = step_fn(state)
-                cache = output.cache
-                scores = output.logits
-                history = sequences[:, :length]
-                scores = restrict_scores(scores, banned, stops, early=step_index < self.min_new_tokens)
-                scores = processing(history, scores)
-                tokens = select(scores, self.generator)  # (B,)
-                tokens = torch.where(finished, torch.full_like(tokens, eos), tokens)
-                sequences[:, length] = tokens
-                attention[:, length] = (~finished).long()
-                length += 1
-                yield tokens
-                finished |= torch.isin(tokens, stops)
-                if bool(finished.all()):
-                    break
-                input_ids = sequences[:, length - 1 : length]
-                positions = next_position
-                next_position = next_position + 1
-
-
 def restrict_scores(
     scores: "torch.Tensor", banned: "torch.Tensor", stops: "torch.Tensor", early: bool
 ) -> "torch.Tensor":
@@ -171,21 +97,70 @@ def restrict_scores(
     return scores
 
 
-class Decoder(Configurable):
-    """Base class for decoders: a ``name``, a ``Settings`` dataclass, ``decode(session)``.
+@dataclass
+class Sampled:
+    """One row of a several-row reply, as :meth:`Decoder.choose` sees it.
 
-    ``decode`` yields the reply's token ids (without the stop token that ended it). A streaming
-    decoder yields them as they are chosen; a reranking one yields them at the end.
+    token_ids:  the row's tokens, cut before its stop token.
+    forward:    log P(tokens, stop token | prompt) summed over the row's tokens, from the
+                scores the model and the reply's steerers gave (before the decoder's
+                processors); a row cut at the budget or the quorum has no stop-token term.
+    tokens:     how many tokens that sum covers.
+    ended:      whether the row reached a stop token before the rows stopped.
+    """
+
+    token_ids: list[int]
+    forward: float
+    tokens: int
+    ended: bool
+
+    @property
+    def forward_mean(self) -> float:
+        return self.forward / self.tokens if self.tokens else 0.0
+
+
+class Decoder(Configurable):
+    """Base class for decoders: a ``name``, a ``Settings`` model, and the rules below.
+
+    The runner calls them; a decoder never runs the model or a loop of its own.
+    ``prepare`` once per reply, then each step ``processors`` (built once per reply) and
+    ``select`` on the reply's rows, ``enough`` after each step, and ``choose`` at the end
+    of a reply of several rows.
     """
 
     kind: ClassVar[str] = "decoder"
 
-    def decode(self, session: GenerationSession) -> Iterator[int]:
+    def rows(self) -> int:
+        """How many rows the reply decodes together (1: the reply itself, streamed)."""
+        return 1
+
+    def prepare(self, session: GenerationSession) -> None:
+        """Called once per reply before its first step (load what the decoder needs,
+        so a reply fails before any token is spent on it)."""
+
+    def processors(self) -> list[ScoreProcessor]:
+        """Score processors applied to each step's (rows, V) scores, in order."""
+        return []
+
+    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
+        """Each row's next token (rows,) from its processed scores (rows, V), drawing
+        from ``generator`` (the reply's seeded generator) if it samples."""
         raise NotImplementedError
+
+    def enough(self, ended: Sequence[bool], lengths: Sequence[int]) -> bool:
+        """Whether the rows may stop now, before every row has ended: ``ended[i]`` says
+        whether row i has reached a stop token, ``lengths[i]`` how many tokens it has
+        written, the stop token included. Default: wait for every row."""
+        return False
+
+    def choose(self, session: GenerationSession, rows: Sequence[Sampled]) -> int:
+        """The index of the row that is the reply (several-row decoders implement it and
+        may record the rows in ``session.candidates`` and notes in ``session.details``)."""
+        raise NotImplementedError(f"decoder {self.name!r} decodes {self.rows()} rows but does not choose one")
 
 
 class TokenDecoder(Decoder):
-    """A decoder that chooses each next token from processed scores."""
+    """A decoder of one row that chooses each next token from processed scores."""
 
     def repetition_processors(self) -> list[ScoreProcessor]:
         processors: list[ScoreProcessor] = []
@@ -199,17 +174,6 @@ class TokenDecoder(Decoder):
 
     def processors(self) -> list[ScoreProcessor]:
         return self.repetition_processors()
-
-    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
-        raise NotImplementedError
-
-    def decode(self, session: GenerationSession) -> Iterator[int]:
-        stops = session.stop_ids
-        for tokens in session.run(self.processors(), self.select):
-            token = int(tokens[0])
-            if token in stops:
-                return
-            yield token
 
 
 class RepetitionSettings(Settings):

@@ -9,7 +9,6 @@ for delta in conversation.send("hi, how are you?"):
 from __future__ import annotations
 
 import random
-import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from chatcore.prompting import (
     validate_format_name,
 )
 from chatcore.registry import Registry
-from chatcore.response import Response, timings_of
+from chatcore.response import Response
 from chatcore.steering import Steerer, check_composition, failed_layer
 
 DEFAULT_DECODER = "top-k"
@@ -293,27 +292,19 @@ class Engine:
             messages=reply.plan.messages,
         )
         for steerer in reply.steerers:
-            self._guard(steerer, "prepare", lambda s=steerer: s.prepare(session))
+            self.guard(steerer, "prepare", lambda s=steerer: s.prepare(session))
         return session
 
     def reply_tokens(self, reply: PreparedReply) -> Iterator[int]:
-        """Decode ``reply`` on its own: its token ids, one at a time (plugin failures as ChatcoreError)."""
-        import dataclasses
+        """Decode ``reply`` on the caller's thread, through the one runner (a batch of one):
+        its token ids as they come (plugin failures as one-line ChatcoreErrors)."""
+        from chatcore.serving.runner import decode_alone
 
-        started = time.perf_counter()
-        session = self.start_session(reply)
-        first = True
-        for token in self._guarded_decode(reply.decoder, reply.steerers, session):
-            if first:
-                timings_of(reply.provenance)["first_token_s"] = round(time.perf_counter() - started, 4)
-                first = False
-            yield token
-        if session.candidates:
-            reply.provenance["candidates"] = [dataclasses.asdict(c) for c in session.candidates]
-        if session.details:
-            reply.provenance["details"] = session.details
+        return decode_alone(self, reply)
 
-    def _guard(self, plugin_object: Any, what: str, call: Any) -> Any:
+    def guard(self, plugin_object: Any, what: str, call: Any) -> Any:
+        """``call()`` on behalf of a decoder or steerer: a failure becomes a one-line
+        PluginError naming it (and is reported to the plugin host)."""
         try:
             return call()
         except ChatcoreError:
@@ -325,21 +316,6 @@ class Engine:
             raise PluginError(
                 plugin, f"{kind} {plugin_object.name!r} failed in {what}: {type(error).__name__}: {error}"
             ) from error
-
-    def _guarded_decode(
-        self, decoder: Decoder, steerers: Sequence[Steerer], session: GenerationSession
-    ) -> Iterator[int]:
-        iterator = decoder.decode(session)
-        while True:
-            try:
-                token = next(iterator)
-            except StopIteration:
-                return
-            except ChatcoreError:
-                raise
-            except Exception as error:
-                raise self.blame(error, decoder) from error
-            yield int(token)
 
     def blame(self, error: Exception, decoder: Decoder) -> ChatcoreError:
         """The one-line error for a failure while generating: the model's, a steerer's (the

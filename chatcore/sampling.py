@@ -8,16 +8,14 @@ other.
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 
-from chatcore.decoding import Decoder, GenerationSession, RepetitionSettings, TokenDecoder
+from chatcore.decoding import Decoder, RepetitionSettings, Sampled, TokenDecoder
 from chatcore.processors import ScoreProcessor, temperature, top_k, top_p
-from chatcore.steering import Steerer
-from chatcore.step import Step, StepOutput, StepState
 
 if TYPE_CHECKING:
     import torch
@@ -82,19 +80,26 @@ class CandidateSettings(TopKSettings):
 
 
 class CandidateDecoder(Decoder):
-    """Base for decoders that sample ``candidates`` replies in one batch and choose one.
+    """Base for decoders that sample ``candidates`` replies as rows of one batch and choose one.
 
-    Subclasses implement ``decode``: ``sample_candidates(session)`` gives the replies,
-    their forward scores and whether each ended; ``session.candidates`` is where the
-    choice and its scores are recorded for provenance.
+    The runner samples the rows (top-k with this decoder's sampling settings), stops them
+    once ``quorum_rows()`` have ended (or at the budget), sums each row's forward
+    log-probability from the same pass, and calls :meth:`choose` with them; subclasses
+    implement ``choose`` and record the rows in ``session.candidates`` for provenance.
     """
 
     Settings = CandidateSettings
+
+    def rows(self) -> int:
+        return int(self.settings.candidates)
 
     def sampler(self) -> TopKDecoder:
         """The top-k decoder that samples the candidates, with this decoder's sampling settings."""
         sampling = {name: getattr(self.settings, name) for name in TopKSettings.model_fields}
         return TopKDecoder(TopKSettings(**sampling))
+
+    def processors(self) -> list[ScoreProcessor]:
+        return self.sampler().processors()
 
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
         """Draw each row's next token from softmax(scores), as the top-k decoder does, but
@@ -109,64 +114,13 @@ class CandidateDecoder(Decoder):
         draw = torch.multinomial(torch.softmax(best, dim=-1), num_samples=1, generator=generator)  # (B, 1)
         return indices.gather(1, draw).squeeze(1)
 
-    def sample_candidates(
-        self,
-        session: GenerationSession,
-    ) -> "tuple[list[list[int]], list[ContinuationScore], list[bool]]":
-        """``candidates`` replies from one batched decoding pass, each cut at its own stop
-        token (EOS, or any of the prompt format's, such as ``<|im_end|>``), with their
-        forward log-probabilities taken from the same pass, and whether each ended (at a
-        stop token) before the pass stopped: when ``quorum_rows()`` of them had ended,
-        or at ``max_new_tokens``."""
-        import torch
+    def enough(self, ended: Sequence[bool], lengths: Sequence[int]) -> bool:
+        # An empty reply (a stop token first, when min_new_tokens allows it) does not count.
+        return sum(done and length > 1 for done, length in zip(ended, lengths)) >= self.settings.quorum_rows()
 
+    @staticmethod
+    def forward_scores(rows: Sequence[Sampled]) -> "list[ContinuationScore]":
+        """Each row's forward log-probability as a :class:`~chatcore.reranking.ContinuationScore`."""
         from chatcore.reranking import ContinuationScore
 
-        sampler = self.sampler()
-        stops = session.stop_ids
-        rows = self.settings.candidates
-        recorder = StepLogProbabilities()
-        # The recorder wraps outermost, so it sees the scores every steerer has made.
-        candidate_session = dataclasses.replace(session, steerers=[*session.steerers, recorder])
-        device = session.model.device
-        steps: list[torch.Tensor] = []
-        totals = torch.zeros(rows, dtype=torch.float64, device=device)
-        counts = torch.zeros(rows, dtype=torch.long, device=device)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        quorum = self.settings.quorum_rows()
-        stop_tensor = torch.tensor(sorted(stops), dtype=torch.long, device=device)
-        for tokens in candidate_session.run(sampler.processors(), self.select, rows=rows):
-            log_probs = recorder.log_probs
-            assert log_probs is not None  # the step that picked ``tokens`` recorded them
-            picked = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (B,)
-            totals += torch.where(finished, torch.zeros_like(picked), picked).double()
-            counts += (~finished).long()
-            finished |= torch.isin(tokens, stop_tensor)
-            steps.append(tokens)
-            # An empty reply (EOS first, when min_new_tokens allows it) does not count.
-            if int((finished & (counts > 1)).sum()) >= quorum:
-                break  # closing the generator ends the batch here
-        generated = torch.stack(steps, dim=1).tolist()  # (B, T)
-        replies = [row[: next((i for i, t in enumerate(row) if t in stops), len(row))] for row in generated]
-        forward = [ContinuationScore(float(t), int(c)) for t, c in zip(totals.tolist(), counts.tolist())]
-        return replies, forward, finished.tolist()
-
-
-class StepLogProbabilities(Steerer):
-    """Not a user-facing steerer: keeps the log-probabilities of each step's final scores."""
-
-    name = "mmi-forward-score"
-
-    def __init__(self) -> None:
-        super().__init__(settings=None)
-        self.log_probs: "torch.Tensor | None" = None
-
-    def wrap(self, step: Step) -> Step:
-        import torch
-
-        def recording(state: StepState) -> StepOutput:
-            output = step(state)
-            self.log_probs = torch.log_softmax(output.logits, dim=-1)  # (B, V)
-            return output
-
-        return recording
+        return [ContinuationScore(row.forward, row.tokens) for row in rows]

@@ -52,6 +52,7 @@ class StepState:
     step: int
     prompt_length: int
     output_hidden_states: bool = False
+    rows: tuple[int, ...] = ()
 
     def replace(self, **changes: Any) -> "StepState":
         return dataclasses.replace(self, **changes)

@@ -8,16 +8,20 @@ chatcore's pytest plugin (:mod:`chatcore.pytest_plugin`) wraps these as fixtures
     make_engine(model, *plugins)         an Engine on that host
     build_conversation(engine, *turns)   a conversation with scripted turns
     compare_to_baseline(engine, ...)     eval metrics of a steerer vs no steering
+
+and ``decode_steps(session, select)`` runs a hand-made GenerationSession through the
+runner that decodes every reply, yielding each step's chosen tokens.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chatcore.decoding import Decoder
 from chatcore.errors import ChatcoreError, PluginError
 from chatcore.evaluation.prompts import EvalContext
 from chatcore.evaluation.runner import EvalReport, EvalRow
@@ -25,6 +29,10 @@ from chatcore.models import DEFAULT_MODEL, resolve_model_path
 from chatcore.plugin_manager import PluginHost
 
 if TYPE_CHECKING:
+    import torch
+
+    from chatcore.decoding import GenerationSession, Sampled
+    from chatcore.processors import ScoreProcessor
     from chatcore.conversation import Conversation
     from chatcore.engine import Engine
     from chatcore.models import LoadedModel
@@ -260,3 +268,59 @@ def compare_to_baseline(
         steered=mean_row(steerer, [r.rows[0] for r in reports["steered"]]),
         reports=reports,
     )
+
+
+class StepDecoder(Decoder):
+    """A bare decoder for :func:`decode_steps`: the given processors and ``select`` on
+    ``rows`` rows; the first row is the reply."""
+
+    name = "test-steps"
+
+    def __init__(
+        self,
+        select: Callable[["torch.Tensor", "torch.Generator"], "torch.Tensor"],
+        processors: Sequence["ScoreProcessor"] = (),
+        rows: int = 1,
+    ) -> None:
+        super().__init__(None)
+        self._select, self._processors, self._rows = select, list(processors), rows
+
+    def rows(self) -> int:
+        return self._rows
+
+    def processors(self) -> list["ScoreProcessor"]:
+        return list(self._processors)
+
+    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
+        return self._select(scores, generator)
+
+    def choose(self, session: "GenerationSession", rows: Sequence["Sampled"]) -> int:
+        return 0
+
+
+def decode_steps(
+    session: "GenerationSession",
+    select: Callable[["torch.Tensor", "torch.Generator"], "torch.Tensor"],
+    processors: Sequence["ScoreProcessor"] = (),
+    rows: int = 1,
+) -> Iterator["torch.Tensor"]:
+    """Decode ``session`` (its steerers prepared) through chatcore's runner, ``rows`` rows
+    from its prompt, yielding each step's (rows,) chosen tokens until every row has
+    reached a stop token or ``session.max_new_tokens`` steps; rows that ended get EOS.
+    A failure raises the original exception."""
+    from chatcore.serving.requests import Handle
+    from chatcore.serving.runner import Runner
+
+    steps: list["torch.Tensor"] = []
+    handle = Handle()
+    runner = Runner(session.model)
+    runner.add(handle, session, StepDecoder(select, processors, rows), observer=steps.append)
+    try:
+        while runner.jobs:
+            runner.step()
+            yield from steps
+            steps.clear()
+    finally:
+        runner.cancel_all()
+    if handle.error is not None:
+        raise handle.error.__cause__ or handle.error

@@ -19,13 +19,13 @@ EOS; source turns newest first, from the conversation's messages as text), as
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, StringConstraints
 
 import chatcore
-from chatcore.decoding import Candidate, GenerationSession
+from chatcore.decoding import Candidate, GenerationSession, Sampled
 from chatcore.models import DEFAULT_REVERSE_MODEL
 from chatcore.sampling import CandidateDecoder, CandidateSettings
 
@@ -87,18 +87,23 @@ class MMIDecoder(CandidateDecoder):
     description = "samples N replies in one batch and keeps the one the reverse model finds most specific"
     Settings = MMISettings
 
-    def decode(self, session: GenerationSession) -> Iterator[int]:
+    def prepare(self, session: GenerationSession) -> None:
+        from chatcore import reranking
+
+        # Load (or fail) before spending time on candidates.
+        self.reverse_model = reranking.load_reverse_model(self.settings.reverse_model, device=session.model.device)
+        self.sampling_started = time.perf_counter()
+
+    def choose(self, session: GenerationSession, rows: Sequence[Sampled]) -> int:
         from chatcore import reranking
 
         settings = self.settings
         forward_model = session.model
-        # Load (or fail) before spending time on candidates.
-        reverse_model = reranking.load_reverse_model(settings.reverse_model, device=forward_model.device)
-        timings: dict[str, float] = {}
-
-        started = time.perf_counter()
-        token_ids, forward, ended = self.sample_candidates(session)
-        timings["candidates_s"] = time.perf_counter() - started
+        reverse_model = self.reverse_model
+        timings = {"candidates_s": time.perf_counter() - self.sampling_started}
+        token_ids = [row.token_ids for row in rows]
+        forward = self.forward_scores(rows)
+        ended = [row.ended for row in rows]
 
         started = time.perf_counter()
         retokenized = not reranking.same_tokenizer(forward_model.tokenizer, reverse_model.tokenizer)
@@ -156,7 +161,7 @@ class MMIDecoder(CandidateDecoder):
             "reverse_score": "log P(source | reply) under the reverse model",
             "timings": {key: round(value, 4) for key, value in timings.items()},
         }
-        yield from token_ids[winner]
+        return winner
 
 
 @chatcore.hookimpl(trylast=True)

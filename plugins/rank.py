@@ -15,12 +15,12 @@ Candidates come from the same batched, quorum-stopped pass as ``mmi``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 
 from pydantic import model_validator
 
 import chatcore
-from chatcore.decoding import Candidate, GenerationSession
+from chatcore.decoding import Candidate, GenerationSession, Sampled
 from chatcore.sampling import CandidateDecoder, CandidateSettings
 from chatcore.wordlists import check_word_sources, collect_words
 
@@ -61,11 +61,13 @@ class RankDecoder(CandidateDecoder):
     description = "samples N replies in one batch and keeps the most fluent one that contains a word of a list"
     Settings = RankSettings
 
-    def decode(self, session: GenerationSession) -> Iterator[int]:
+    def choose(self, session: GenerationSession, rows: Sequence[Sampled]) -> int:
         from chatcore.evaluation.metrics import contains_any, is_degenerate
 
         vocabulary = set(self.settings.all_words())
-        token_ids, forward, ended = self.sample_candidates(session)
+        token_ids = [row.token_ids for row in rows]
+        forward = self.forward_scores(rows)
+        ended = [row.ended for row in rows]
         tokenizer = session.model.tokenizer
         texts = [tokenizer.decode(ids) for ids in token_ids]
         on_topic = [contains_any(text, vocabulary) for text in texts]
@@ -93,7 +95,7 @@ class RankDecoder(CandidateDecoder):
             "ended": sum(ended),
             "quorum": self.settings.quorum_rows(),
         }
-        yield from token_ids[winner]
+        return winner
 
 
 @chatcore.hookimpl(trylast=True)

@@ -20,6 +20,7 @@ from chatcore.cocon.store import (
     save_block,
 )
 from chatcore.decoding import GenerationSession
+from chatcore.testing import decode_steps
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import OptionError
 from chatcore.models import cache_keyword
@@ -325,15 +326,14 @@ def test_cocon_must_come_first(cocon_engine, tiny_block_dir):
 def test_cocon_decodes_several_rows_in_one_batch(cocon_engine, loaded, tiny_block_dir):
     steerer = cocon_engine.make_steerer("cocon", {"content": "music", "block": str(tiny_block_dir)})
     prompt = encode_text(loaded.tokenizer, "do you like songs?") + [loaded.eos_token_id]
-    prompts = [prompt, prompt[2:], prompt]
 
     def greedy(scores, generator):
         return scores.argmax(-1)
 
-    def decode(prompt_list):
+    def decode(prompt_ids, rows):
         session = GenerationSession(
             model=loaded,
-            prompt_ids=prompt,
+            prompt_ids=prompt_ids,
             steerers=[steerer],
             max_new_tokens=5,
             generator=torch.Generator().manual_seed(0),
@@ -341,12 +341,13 @@ def test_cocon_decodes_several_rows_in_one_batch(cocon_engine, loaded, tiny_bloc
             min_new_tokens=5,
         )
         steerer.prepare(session)
-        return torch.stack(list(session.run([], greedy, prompts=prompt_list)), dim=1)  # (B, 5)
+        return torch.stack(list(decode_steps(session, greedy, rows=rows)), dim=1)  # (rows, 5)
 
-    batch = decode(prompts)
+    batch = decode(prompt, 3)
     assert batch.shape == (3, 5)
-    assert torch.equal(batch[0], batch[2])
-    assert torch.equal(batch[1], decode([prompts[1]])[0])
+    alone = decode(prompt, 1)[0]
+    assert all(torch.equal(row, alone) for row in batch)
+    assert decode(prompt[2:], 1).shape == (1, 5)
 
 
 def test_a_block_for_one_model_is_refused_on_another(loaded, tiny_block_dir, cocon_engine):

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from chatcore.decoding import GenerationSession
+from chatcore.testing import decode_steps
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.models import output_cache
@@ -111,7 +112,7 @@ def decode(loaded, prompt, steerers, tokens=6, seed=0, rows=1):
     def select(scores, generator):
         return torch.multinomial(torch.softmax(scores, -1), 1, generator=generator).squeeze(1)
 
-    return torch.stack(list(session.run([], select, rows=rows)), dim=1), session
+    return torch.stack(list(decode_steps(session, select, rows=rows)), dim=1), session
 
 
 def pplm(**settings) -> PPLMSteerer:
@@ -309,7 +310,7 @@ def traced_greedy_run(loaded, steerer, text: str, tokens: int) -> list[dict]:
     )
     steerer.prepare(session)
     steerer.perturbation.trace = trace = []
-    list(session.run([], lambda scores, g: scores.argmax(-1)))
+    list(decode_steps(session, lambda scores, g: scores.argmax(-1)))
     return trace
 
 
@@ -485,7 +486,7 @@ def test_batched_decoding_with_finished_rows(loaded):
         tokens[0] = eos  # the first row finishes at once; the others go on being steered
         return tokens
 
-    steps = list(session.run([], select, rows=4))
+    steps = list(decode_steps(session, select, rows=4))
     assert len(steps) == 8 and all(step.shape == (4,) for step in steps)
     assert steerer.perturbation.summary["optimised_steps"] == 8
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chatcore.decoding import GenerationSession
+from chatcore.testing import decode_steps
 from chatcore.models import cache_keyword, output_cache
 from chatcore.plugins.pplm import PPLMSteerer
 from chatcore.pplm.kv import GrowingPast, fresh_cache, past_of
@@ -326,7 +327,7 @@ def steered_run(loaded, settings: dict, inner: bool, rows: int = 1, tokens: int 
             chosen[0] = eos
         return chosen
 
-    chosen = torch.stack(list(session.run([], select, rows=rows)), dim=1)
+    chosen = torch.stack(list(decode_steps(session, select, rows=rows)), dim=1)
     return scores_seen, chosen, steerer
 
 
@@ -425,7 +426,9 @@ def test_the_lean_path_agrees_for_a_discriminator(loaded, tmp_path):
         for each in steerers:
             each.prepare(session)
         seen: list = []
-        tokens = list(session.run([], lambda scores, g, seen=seen: seen.append(scores.clone()) or scores.argmax(-1)))
+        tokens = list(decode_steps(
+                session, lambda scores, g, seen=seen: seen.append(scores.clone()) or scores.argmax(-1)
+            ))
         runs[inner] = (seen, tokens, steerer.perturbation)
     (lean_scores, lean_tokens, lean), (generic_scores, generic_tokens, generic) = runs[False], runs[True]
     assert lean.runner is not None and generic.runner is None

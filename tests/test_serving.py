@@ -97,7 +97,7 @@ def test_steerers_that_cannot_share_are_decoded_beside_the_batch(serving_engine)
         for handle in handles:
             assert handle.wait(60)
     assert [h.token_ids for h in handles] == expected
-    assert len(scheduler.solo) == 0 and len(scheduler.batch) == 0
+    assert len(scheduler.runner) == 0 and not scheduler.runner.batch.jobs
 
 
 def test_cancelling_frees_the_slot_at_once(serving_engine):
@@ -271,7 +271,7 @@ def test_chat_models_batch_and_reuse_prefixes_exactly(chat_engine):
         assert again.token_ids == list(chat_engine.reply_tokens(chat_engine.prepare_reply(follow, OPTIONS[0])))
     # Mistral's sliding-window cache layers cannot be stacked: its replies decode beside the batch.
     merged = chat_engine.loaded.model.config.model_type == "llama"
-    assert scheduler._can_merge is merged
+    assert scheduler.runner._can_merge is merged
     assert (again.provenance.get("prefix_cached_tokens", 0) > 10) is merged
 
 
@@ -379,10 +379,10 @@ def test_a_reply_cancelled_while_its_prompt_is_read_frees_its_slot(serving_engin
     with Scheduler(serving_engine, max_batch=1, max_waiting=0, prefill_chunk=1) as scheduler:
         handle = scheduler.submit([Message("user", " ".join(PROMPTS))], slow)
         deadline = time.monotonic() + 10
-        while not scheduler.prefilling and time.monotonic() < deadline:
+        while not scheduler.runner.prefilling() and time.monotonic() < deadline:
             time.sleep(0.001)
         handle.cancel()
         assert handle.wait(10) and handle.finish_reason == "cancelled" and not handle.token_ids
         after = scheduler.submit([Message("user", "hi")], OPTIONS[0])
         assert after.wait(60) and after.token_ids == alone(serving_engine, "hi", OPTIONS[0])
-    assert not scheduler.prefilling
+    assert not scheduler.runner.prefilling()

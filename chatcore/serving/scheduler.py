@@ -1,4 +1,4 @@
-"""The scheduler: one thread owns the engine and decodes every submitted reply.
+"""The scheduler: admits, queues and cancels replies; one thread runs the runner.
 
     scheduler = Scheduler(engine, max_batch=8, max_waiting=32)
     handle = scheduler.submit([Message("user", "hi!")], ReplyOptions(seed=1))
@@ -6,23 +6,15 @@
     response = scheduler.respond(conversation)          # a Response, like engine.respond
 
 The model is not thread-safe, so callers on any thread (HTTP handlers, a bot, Python)
-only submit requests and read their handles. Between two decoding steps the thread
-admits waiting requests up to ``max_batch`` replies in flight, drops cancelled ones,
-and then advances every reply by one token:
-
-- replies that can share a batch (token decoders, steerers that declare
-  ``shares_batch``) join one :class:`~chatcore.serving.batch.DecodingBatch`
-  (continuous batching: they join and leave between steps);
-- the others (MMI, PPLM, CoCon ...) each run their own decoding loop
-  (:meth:`Engine.reply_tokens`), one token per turn, beside the batch.
-
-A batched reply's prompt starts from the longest prefix the prefix cache holds
-(:mod:`chatcore.serving.prefix_cache`); when it ends, what it fed the model is stored
-there for the conversation's next turn.
+only submit requests and read their handles. The scheduler never runs the model: its
+thread admits waiting requests (up to ``max_batch`` replies in flight), drops cancelled
+ones, and between admissions calls :meth:`Runner.step <chatcore.serving.runner.Runner.step>`,
+which advances every reply by one token (:mod:`chatcore.serving.runner`: the shared
+batch, the prefix cache, chunked prefill and the replies with step steerers beside it).
 
 Past ``max_batch`` replies in flight and ``max_waiting`` waiting, ``submit`` raises
 :class:`ServerBusy`. A reply whose plugin fails ends with that error alone; the model
-failing ends every reply in the batch.
+failing in the shared pass ends every reply in it.
 """
 
 from __future__ import annotations
@@ -30,27 +22,24 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError, OptionError
-from chatcore.models import output_cache
-from chatcore.serving.batch import BatchRow, DecodingBatch, batchable, blame, mergeable_cache
-from chatcore.serving.prefix_cache import Layers, PrefixCache, cache_from_layers
+from chatcore.serving.prefix_cache import PrefixCache
 from chatcore.serving.requests import Event, Handle, ServerBusy
+from chatcore.serving.runner import DEFAULT_PREFILL_CHUNK, Runner
 
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation
-    from chatcore.decoding import GenerationSession
-    from chatcore.engine import Engine, PreparedReply, ReplyOptions
+    from chatcore.engine import Engine, ReplyOptions
     from chatcore.prompting import Message, PromptFormat
     from chatcore.response import Response
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_WAITING = 64
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
-DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -61,26 +50,6 @@ class Request:
     options: "ReplyOptions"
     handle: Handle
     prompt_format: "PromptFormat | None" = None
-
-
-@dataclass
-class Prefill:
-    """A batched reply whose long prompt is run a chunk per turn before it joins the batch."""
-
-    handle: Handle
-    reply: "PreparedReply"
-    session: "GenerationSession"
-    done: int  # prompt tokens in ``cache``
-    cache: Any = field(repr=False)
-
-
-@dataclass
-class SoloRow:
-    """A reply decoded by its own loop (it cannot share the batch)."""
-
-    handle: Handle
-    reply: "PreparedReply"
-    tokens: Iterator[int] = field(repr=False)
 
 
 class Scheduler:
@@ -104,13 +73,9 @@ class Scheduler:
             raise OptionError(f"`prefill_chunk` must be a positive integer, got {prefill_chunk!r}")
         self.engine = engine
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        # A longer new prompt is run this many tokens per turn, so the batch never waits long for it.
-        self.prefill_chunk = prefill_chunk
-        self.prefilling: list[Prefill] = []
+        self.runner = Runner(engine.loaded, engine, self.prefix_cache, prefill_chunk)
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        self.batch = DecodingBatch(engine)
-        self.solo: list[SoloRow] = []
         self.waiting: collections.deque[Request] = collections.deque()
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -118,7 +83,6 @@ class Scheduler:
         self._can_merge: bool | None = None
         # Replies submitted and not yet ended or cancelled: what the queue's bound counts.
         self._accepted: set[Handle] = set()
-        self.steps = 0  # batched forward passes so far (for tests and benchmarks)
 
     # -- the callers' side -------------------------------------------------------------
     def submit(
@@ -169,7 +133,12 @@ class Scheduler:
 
     def in_flight(self) -> int:
         """Replies being decoded; a cancelled one no longer counts, so its slot is free at once."""
-        return sum(not row.handle.cancelled for row in self._rows())
+        return sum(not job.sink.cancelled for job in self.runner.jobs)
+
+    @property
+    def steps(self) -> int:
+        """Forward passes of the shared batch so far (for tests and benchmarks)."""
+        return self.runner.steps
 
     def start(self) -> None:
         with self._lock:
@@ -203,9 +172,9 @@ class Scheduler:
     # -- the thread --------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            self._drop_cancelled()
+            self.runner.drop_cancelled()
             with self._lock:
-                while not self._stopping and not self.waiting and not self._rows():
+                while not self._stopping and not self.waiting and not self.runner.jobs:
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -215,30 +184,12 @@ class Scheduler:
             try:
                 for request in admitted:
                     self._admit(request)
-                for prefill in list(self.prefilling):
-                    self._step_prefill(prefill)
-                if len(self.batch):
-                    self._step_batch()
-                for row in list(self.solo):
-                    self._step_solo(row)
+                self.runner.step()
             except Exception as error:  # a bug here must not leave callers waiting forever
-                self._fail_all(ChatcoreError(f"the scheduler failed: {type(error).__name__}: {error}"))
-        for row in self._rows():
-            row.handle._end("cancelled")
+                self.runner.cancel_all("error", ChatcoreError(f"the scheduler failed: {type(error).__name__}: {error}"))
+        self.runner.cancel_all()
         for request in self.waiting:
             request.handle._end("cancelled")
-
-    def _rows(self) -> list[Any]:
-        """Every reply the thread holds: batched, prefilling and decoded alone."""
-        return [*self.batch.rows, *self.prefilling, *self.solo]
-
-    def _fail_all(self, error: ChatcoreError) -> None:
-        rows: list[BatchRow | Prefill] = [*self.batch.rows, *self.prefilling]
-        self.batch, self.prefilling = DecodingBatch(self.engine), []
-        for row in rows:
-            row.handle._end("error", error)
-        for solo in list(self.solo):
-            self._close_solo(solo, "error", error)
 
     def _admit(self, request: Request) -> None:
         handle = request.handle
@@ -250,149 +201,8 @@ class Scheduler:
             handle.provenance.update(reply.provenance)
             reply.provenance = handle.provenance
             handle.admitted = time.perf_counter()
-            if batchable(reply) and self._merging():
-                session = self.engine.start_session(reply)
-                reused, layers = self.prefix_cache.lookup(reply.plan.token_ids)
-                handle.provenance["prefix_cached_tokens"] = reused
-                if len(reply.plan.token_ids) - reused > self.prefill_chunk:
-                    cache = cache_from_layers(layers, self.engine.loaded.model.config) if layers else None
-                    self.prefilling.append(Prefill(handle, reply, session, reused, cache))
-                else:
-                    self._start_row(handle, reply, session, (reused, layers))
-            else:
-                self.solo.append(SoloRow(handle, reply, self.engine.reply_tokens(reply)))
+            self.runner.add(handle, self.engine.start_session(reply), reply.decoder, reply.provenance)
         except ChatcoreError as error:
             handle._end("error", error)
         except Exception as error:  # never let one request take the thread down
             handle._end("error", ChatcoreError(f"the reply failed to start: {type(error).__name__}: {error}"))
-
-    def _start_row(
-        self, handle: Handle, reply: "PreparedReply", session: "GenerationSession", prefix: "tuple[int, Layers | None]"
-    ) -> None:
-        """Run the rest of the prompt through the row's steerers, choose its first token, join the batch."""
-        try:
-            row, cache = self.batch.start_row(handle, reply, session, prefix)
-        except Exception as error:
-            raise blame(self.engine, reply, error) from error
-        self._advance(row, cache)
-
-    def _step_prefill(self, prefill: Prefill) -> None:
-        """One more chunk of a long prompt; the last one starts the row."""
-        prompt = prefill.reply.plan.token_ids
-        try:
-            if len(prompt) - prefill.done > self.prefill_chunk:
-                try:
-                    prefill.cache = self.batch.run_chunk(prompt, prefill.done, prefill.cache, self.prefill_chunk)
-                except Exception as error:
-                    raise ChatcoreError(
-                        f"the model failed while reading the prompt: {type(error).__name__}: {error}"
-                    ) from error
-                prefill.done += self.prefill_chunk
-                return
-            self.prefilling.remove(prefill)
-            layers = [(layer.keys, layer.values) for layer in prefill.cache.layers]
-            self._start_row(prefill.handle, prefill.reply, prefill.session, (prefill.done, layers))
-        except ChatcoreError as error:
-            if prefill in self.prefilling:
-                self.prefilling.remove(prefill)
-            prefill.handle._end("error", error)
-
-    def _merging(self) -> bool:
-        """Whether the model's caches can be stacked (checked once, on a one-token pass)."""
-        if self._can_merge is None:
-            import torch
-
-            ids = torch.tensor([[self.engine.eos_token_id]], device=self.engine.loaded.device)
-            with torch.inference_mode():
-                output = self.engine.loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
-            self._can_merge = mergeable_cache(output_cache(output))
-        return self._can_merge
-
-    def _advance(self, row: BatchRow, cache: Any = None) -> bool:
-        """Hand the row's newest token to its caller; end the row at a stop token or its budget.
-
-        ``cache``: the row's own cache when it has just been started (it joins the batch
-        unless it already ended). Returns whether the row goes on.
-        """
-        token = row.tokens[-1]
-        if token in row.session.stop_ids:
-            reason = "stop"
-        else:
-            row.handle._push(token)
-            row.generated += 1
-            reason = "length" if row.generated >= row.session.max_new_tokens else ""
-        if reason:
-            # What the row fed the model is the start of its conversation's next prompt.
-            if cache is None:
-                layers = self.batch.layers_of(row)
-            else:
-                layers = [(layer.keys, layer.values) for layer in cache.layers]
-            self.prefix_cache.store(row.tokens[: row.cached], layers)
-            row.tokens.pop()
-            row.handle._end(reason)  # type: ignore[arg-type]
-            return False
-        if cache is not None:
-            self.batch.join(row, cache)
-        return True
-
-    def _drop_cancelled(self) -> None:
-        gone = [row for row in self.batch.rows if row.handle.cancelled]
-        self.batch.drop(gone)
-        for row in gone:
-            row.handle._end("cancelled")
-        for prefill in [p for p in self.prefilling if p.handle.cancelled]:
-            self.prefilling.remove(prefill)
-            prefill.handle._end("cancelled")
-        for solo in [row for row in self.solo if row.handle.cancelled]:
-            self._close_solo(solo, "cancelled")
-
-    def _step_batch(self) -> None:
-        try:
-            logits = self.batch.forward()
-            self.steps += 1
-        except Exception as error:
-            failure = ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}")
-            rows = list(self.batch.rows)
-            self.batch.drop(rows)
-            for row in rows:
-                row.handle._end("error", failure)
-            return
-        ended = []
-        for index, row in enumerate(self.batch.rows):
-            try:
-                token = self.batch.choose(row, self.batch.steer(row, logits[index : index + 1]))
-            except Exception as error:
-                ended.append(row)
-                row.handle._end("error", blame(self.engine, row.reply, error))
-                continue
-            row.tokens.append(token)
-            if not self._advance(row):
-                ended.append(row)
-        self.batch.drop(ended)
-
-    def _step_solo(self, row: SoloRow) -> None:
-        import torch
-
-        try:
-            # Each loop is a generator that yields inside its own inference_mode block; entering
-            # the mode around every resume keeps interleaved loops from restoring each other's state.
-            with torch.inference_mode():
-                token = next(row.tokens)
-        except StopIteration:
-            reason = "length" if len(row.handle.token_ids) >= row.reply.max_new_tokens else "stop"
-            self._close_solo(row, reason)
-            return
-        except ChatcoreError as error:
-            self._close_solo(row, "error", error)
-            return
-        row.handle._push(token)
-
-    def _close_solo(self, row: SoloRow, reason: Any, error: ChatcoreError | None = None) -> None:
-        import torch
-
-        self.solo.remove(row)
-        close = getattr(row.tokens, "close", None)
-        if close is not None:
-            with torch.inference_mode():  # as in _step_solo: the loop leaves its own block
-                close()
-        row.handle._end(reason, error)

@@ -1,0 +1,601 @@
+"""The runner: the one place where replies are decoded.
+
+Every reply, whoever asked for it (``Engine.respond``, ``generate``, ``eval``, the REPL,
+Discord, HTTP), is a :class:`Job` of a :class:`Runner`: its rows (1, or a decoder's
+candidates) advance together, one step per :meth:`Runner.step`:
+
+    the reply's step (the model, wrapped by its steerers: chatcore.steering)
+      -> restrict_scores (banned tokens; stop tokens before min_new_tokens)
+      -> the decoder's processors -> its select (the reply's seeded generator)
+      -> append -> stop? (a stop token per row; the decoder's ``enough``; the budget)
+
+A one-row reply streams each token to its sink as it is chosen; a reply of several rows
+is sent whole once the decoder has chosen its row (:meth:`Decoder.choose`).
+
+Where a reply's rows run:
+
+- **the shared batch** (continuous batching): replies whose steerers all edit scores
+  only (``shares_batch``). Their prompt is run on its own (in chunks when it is long,
+  starting after the longest prefix the prefix cache holds); then their rows join one
+  merged key/value cache, and each step is one forward pass for every row of every such
+  reply. Each reply's steerers then see that reply's rows of the pass: their inner step
+  hands it back instead of running the model.
+- **eagerly, beside it**: replies with a step steerer (PPLM, CoCon, activation steering
+  ...), which re-runs the model, edits the cache or reads hidden states. Such a reply
+  keeps a cache of its own and its composed step runs the model once per step for its
+  rows, outside inference mode (PPLM takes gradients), without slowing the shared rows
+  by more than its own pass.
+
+Either way a reply's steerers see the same states (see :class:`chatcore.step.StepState`
+and docs/hooks.md, "What a steerer sees"): all the reply's rows, in their order, every
+call; the whole prompt in ``sequences`` at step 0, then one token per step; rows that
+have ended are fed EOS until the reply ends.
+
+A failure is the reply's alone (a one-line ChatcoreError naming the model, steerer or
+decoder at fault), except the shared pass failing, which ends every shared reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from chatcore.decoding import Sampled, restrict_scores
+from chatcore.errors import ChatcoreError
+from chatcore.models import cache_keyword, output_cache
+from chatcore.processors import chain
+from chatcore.serving.prefix_cache import Layers, PrefixCache, cache_from_layers
+from chatcore.steering import compose
+from chatcore.step import Step, StepOutput, StepState, model_step
+
+if TYPE_CHECKING:
+    import torch
+
+    from chatcore.decoding import Decoder, GenerationSession
+    from chatcore.engine import Engine, PreparedReply
+    from chatcore.models import LoadedModel
+
+DEFAULT_PREFILL_CHUNK = 256
+
+
+class Sink(Protocol):
+    """Where a reply's tokens and its end go (a :class:`chatcore.serving.requests.Handle`)."""
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def _push(self, token_id: int) -> None: ...
+
+    def _end(self, reason: Any, error: ChatcoreError | None = None) -> None: ...
+
+
+class Faults(Protocol):
+    """Turns a plugin's failure into its one-line error (the engine: it knows the plugins)."""
+
+    def guard(self, plugin_object: Any, what: str, call: Callable[[], Any]) -> Any: ...
+
+    def blame(self, error: Exception, decoder: "Decoder") -> ChatcoreError: ...
+
+
+class PlainFaults:
+    """Faults without a plugin registry: calls pass through; a failure while generating
+    becomes a ChatcoreError that keeps the original as its cause."""
+
+    def guard(self, plugin_object: Any, what: str, call: Callable[[], Any]) -> Any:
+        return call()
+
+    def blame(self, error: Exception, decoder: "Decoder") -> ChatcoreError:
+        return ChatcoreError(f"decoding failed: {type(error).__name__}: {error}")
+
+
+@dataclass(eq=False)
+class Job:
+    """One reply being decoded: its rows (all with the same prompt), their tokens and state."""
+
+    sink: Sink
+    session: "GenerationSession"
+    decoder: "Decoder"
+    provenance: dict[str, Any] = field(repr=False)
+    rows: int
+    processors: Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"] = field(repr=False)
+    sequences: "torch.Tensor" = field(repr=False)  # (rows, prompt + budget): prompt, then chosen tokens
+    attention: "torch.Tensor" = field(repr=False)  # (rows, prompt + budget): 0 after a row's stop token
+    finished: "torch.Tensor" = field(repr=False)  # (rows,) bool: the row has chosen a stop token
+    stops: "torch.Tensor" = field(repr=False)
+    banned: "torch.Tensor" = field(repr=False)
+    shared: bool  # its rows run in the shared batch (else eagerly, with a cache of its own)
+    step: Step = field(init=False, repr=False)
+    length: int = 0  # columns of ``sequences`` filled
+    prompt_length: int = 0
+    generated: int = 0  # steps taken: tokens chosen per row
+    cached: int = 0  # tokens of each row in the shared cache (a shared job, once its prompt has run)
+    prefilled: int = 0  # prompt tokens in ``cache`` before the prompt step (prefix cache, chunks)
+    cache: Any = field(default=None, repr=False)  # an eager job's cache; a shared job's until it joins
+    shared_logits: "torch.Tensor | None" = field(default=None, repr=False)  # its rows of the shared pass
+    totals: "torch.Tensor | None" = field(default=None, repr=False)  # (rows,) forward log-probability sums
+    counts: "torch.Tensor | None" = field(default=None, repr=False)  # (rows,) tokens in those sums
+    observer: Callable[["torch.Tensor"], None] | None = field(default=None, repr=False)
+
+
+
+class SharedBatch:
+    """The rows of the shared replies and their merged key/value cache.
+
+    columns:  [ left padding | a reply's cached tokens ]      (B, H, T, D) per layer
+
+    Every reply's cached tokens stay right-aligned, since each step appends one column to
+    every row; the attention mask hides the padding and positions count each row's own
+    tokens. A reply that ends leaves at once, and columns no row uses any more are cut.
+    """
+
+    def __init__(self, model: Any, device: Any) -> None:
+        self.model = model
+        self.device = device
+        self.cache_argument = cache_keyword(model)
+        self.jobs: list[Job] = []
+        self.cache: Any = None
+        self.width = 0  # columns of the cache
+
+    def __contains__(self, job: Job) -> bool:
+        return job in self.jobs
+
+    def offset(self, job: Job) -> int:
+        """The first batch row of ``job``."""
+        offset = 0
+        for other in self.jobs:
+            if other is job:
+                return offset
+            offset += other.rows
+        raise KeyError("the reply is not in the batch")
+
+    def join(self, job: Job, cache: Any) -> None:
+        """Add a job whose prompt has run, with its cache of one row (every row shares the prompt)."""
+        import torch
+        import torch.nn.functional as F
+
+        for layer in cache.layers:
+            layer.keys = layer.keys.expand(job.rows, -1, -1, -1)
+            layer.values = layer.values.expand(job.rows, -1, -1, -1)
+        if self.cache is None:
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+            self.cache, self.width = cache, job.cached
+            self.jobs.append(job)
+            return
+        width = max(self.width, job.cached)
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            for name in ("keys", "values"):
+                old, new = getattr(mine, name), getattr(theirs, name)  # (B, H, T, D)
+                old = F.pad(old, (0, 0, width - old.shape[2], 0))
+                new = F.pad(new, (0, 0, width - new.shape[2], 0))
+                setattr(mine, name, torch.cat([old, new], dim=0))
+        self.width = width
+        self.jobs.append(job)
+
+    def leave(self, job: Job) -> None:
+        """Remove ``job``'s rows and cut the columns no remaining row uses."""
+        import torch
+
+        if job not in self.jobs:
+            return
+        start = self.offset(job)
+        keep = [i for i in range(sum(j.rows for j in self.jobs)) if not start <= i < start + job.rows]
+        self.jobs.remove(job)
+        if not self.jobs:
+            self.cache, self.width = None, 0
+            return
+        width = max(j.cached for j in self.jobs)
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, self.width - width :]
+            layer.values = layer.values[index, :, self.width - width :]
+        self.width = width
+
+    def layers_of(self, job: Job) -> Layers:
+        """The key/values of every token ``job``'s first row has fed the model: (1, H, cached, D) per layer."""
+        row = self.offset(job)
+        start = self.width - job.cached
+        return [
+            (layer.keys[row : row + 1, :, start:], layer.values[row : row + 1, :, start:])
+            for layer in self.cache.layers
+        ]
+
+    def forward(self) -> "torch.Tensor":
+        """One forward pass for every row's newest token: (B, V) logits."""
+        import torch
+
+        last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
+        rows = last.size(0)
+        attention = torch.zeros((rows, self.width + 1), dtype=torch.long, device=self.device)
+        positions = torch.empty((rows, 1), dtype=torch.long, device=self.device)
+        offset = 0
+        for job in self.jobs:
+            attention[offset : offset + job.rows, self.width - job.cached :] = 1
+            positions[offset : offset + job.rows] = job.cached
+            offset += job.rows
+        output = self.model(
+            input_ids=last,
+            attention_mask=attention,
+            position_ids=positions,
+            **{self.cache_argument: self.cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache = output_cache(output)
+        self.width += 1
+        for job in self.jobs:
+            job.cached += 1
+        return output.logits[:, -1, :].float()
+
+
+def mergeable_cache(cache: Any) -> bool:
+    """Whether rows' caches can be padded and stacked: every layer a plain growing
+    key/value cache (no sliding window, no recurrent state)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+class Runner:
+    """Decodes jobs: the shared batch and the eager replies beside it, one step at a time.
+
+    Not thread-safe: one thread adds jobs and calls :meth:`step` (the scheduler's, or the
+    caller's for a reply decoded on its own).
+    """
+
+    def __init__(
+        self,
+        loaded: "LoadedModel",
+        faults: Faults | None = None,
+        prefix_cache: PrefixCache | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    ) -> None:
+        self.loaded = loaded
+        self.faults: Faults = faults or PlainFaults()
+        self.model = loaded.model
+        self.device = loaded.device
+        self.prefix_cache = prefix_cache
+        # A longer new prompt is run this many tokens per step, so the batch never waits long for it.
+        self.prefill_chunk = prefill_chunk
+        self.jobs: list[Job] = []
+        self.batch = SharedBatch(self.model, self.device)
+        self._model_step = model_step(self.model)
+        self._can_merge: bool | None = None
+        self.steps = 0  # forward passes of the shared batch (for tests and benchmarks)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def prefilling(self) -> list[Job]:
+        """Shared jobs whose long prompt is being read in chunks."""
+        return [job for job in self.jobs if job.shared and job.generated == 0 and job.prefilled > 0]
+
+    # -- adding a reply ----------------------------------------------------------------
+    def add(
+        self,
+        sink: Sink,
+        session: "GenerationSession",
+        decoder: "Decoder",
+        provenance: dict[str, Any] | None = None,
+        observer: Callable[["torch.Tensor"], None] | None = None,
+    ) -> Job:
+        """Start decoding a reply into ``sink``: ``session`` (its steerers prepared:
+        ``Engine.start_session``) with ``decoder``, noting in ``provenance``; ``observer``,
+        if given, sees each step's (rows,) chosen tokens. The decoder's ``prepare`` runs
+        here; a failure raises a one-line ChatcoreError and adds nothing."""
+        import torch
+
+        faults = self.faults
+        faults.guard(decoder, "prepare", lambda: decoder.prepare(session))
+        rows = faults.guard(decoder, "rows", decoder.rows)
+        if not isinstance(rows, int) or rows < 1:
+            raise ChatcoreError(f"decoder {decoder.name!r} asked for {rows!r} rows: a positive integer is needed")
+        processors = chain(faults.guard(decoder, "processors", decoder.processors))
+        prompt = list(session.prompt_ids)
+        if not prompt:
+            raise ChatcoreError("cannot decode from an empty prompt")
+        total = len(prompt) + session.max_new_tokens
+        device = self.device
+        sequences = torch.full((rows, total), self.loaded.eos_token_id, dtype=torch.long, device=device)
+        sequences[:, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+        attention = torch.zeros((rows, total), dtype=torch.long, device=device)
+        attention[:, : len(prompt)] = 1
+        job = Job(
+            sink=sink,
+            session=session,
+            decoder=decoder,
+            provenance=provenance if provenance is not None else {},
+            rows=rows,
+            processors=processors,
+            sequences=sequences,
+            attention=attention,
+            finished=torch.zeros(rows, dtype=torch.bool, device=device),
+            stops=torch.tensor(sorted(session.stop_ids), dtype=torch.long, device=device),
+            banned=torch.tensor(sorted(session.banned_token_ids), dtype=torch.long, device=device),
+            shared=self._shareable(session),
+            length=len(prompt),
+            prompt_length=len(prompt),
+            observer=observer,
+        )
+        if rows > 1:
+            job.totals = torch.zeros(rows, dtype=torch.float64, device=device)
+            job.counts = torch.zeros(rows, dtype=torch.long, device=device)
+        job.step = compose(self._inner(job), session.steerers)
+        if job.shared and self.prefix_cache is not None:
+            reused, layers = self.prefix_cache.lookup(prompt)
+            job.provenance["prefix_cached_tokens"] = reused
+            if layers is not None:
+                job.prefilled = reused
+                job.cache = cache_from_layers(layers, self.model.config)
+        self.jobs.append(job)
+        return job
+
+    def _shareable(self, session: "GenerationSession") -> bool:
+        """Whether the reply's rows can run in the shared batch: score steerers only, on a
+        model whose caches can be stacked (checked once, on a one-token pass)."""
+        if not all(type(steerer).shares_batch for steerer in session.steerers):
+            return False
+        if self._can_merge is None:
+            import torch
+
+            ids = torch.tensor([[self.loaded.eos_token_id]], device=self.device)
+            with torch.inference_mode():
+                output = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+            self._can_merge = mergeable_cache(output_cache(output))
+        return self._can_merge
+
+    def _inner(self, job: Job) -> Step:
+        """The step a job's steerers wrap: the model on the job's own cache (eager jobs, and a
+        shared job's prompt), or the job's rows of the shared pass."""
+        model = self._model_step
+
+        def shared_rows(state: StepState) -> StepOutput:
+            if job.shared_logits is not None:
+                return StepOutput(logits=job.shared_logits, cache=None)
+            # The prompt step: every row holds the same prompt, so it runs once, for the first row.
+            output = model(
+                state.replace(
+                    input_ids=state.input_ids[:1],
+                    attention_mask=state.attention_mask[:1],
+                    position_ids=state.position_ids[:1],
+                    cache=job.cache,
+                )
+            )
+            job.cache = output.cache
+            logits = output.logits.expand(job.rows, -1)
+            hidden = None
+            if output.hidden_states is not None:
+                hidden = tuple(h.expand(job.rows, -1, -1) for h in output.hidden_states)
+            return StepOutput(logits=logits, cache=None, hidden_states=hidden)
+
+        return shared_rows if job.shared else model
+
+    # -- stepping ----------------------------------------------------------------------
+    def step(self) -> None:
+        """Advance every job by one step (a long shared prompt: by one chunk of it)."""
+        import torch
+
+        self.drop_cancelled()
+        if self.batch.jobs:
+            try:
+                with torch.inference_mode():
+                    logits = self.batch.forward()
+                self.steps += 1
+            except Exception as error:
+                failure = ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}")
+                for job in list(self.batch.jobs):
+                    self._end(job, "error", failure)
+            else:
+                offset = 0
+                for job in self.batch.jobs:
+                    job.shared_logits = logits[offset : offset + job.rows]
+                    offset += job.rows
+        for job in list(self.jobs):
+            if job not in self.jobs:  # ended with the shared pass
+                continue
+            try:
+                self._advance(job)
+            except Exception as error:
+                self._end(job, "error", self._blame(job, error))
+
+    def drop_cancelled(self) -> None:
+        for job in [job for job in self.jobs if job.sink.cancelled]:
+            self._end(job, "cancelled")
+
+    def cancel_all(self, reason: Any = "cancelled", error: ChatcoreError | None = None) -> None:
+        for job in list(self.jobs):
+            self._end(job, reason, error)
+
+    def _blame(self, job: Job, error: Exception) -> ChatcoreError:
+        if isinstance(error, ChatcoreError):
+            return error
+        failure = self.faults.blame(error, job.decoder)
+        failure.__cause__ = error
+        return failure
+
+    def _advance(self, job: Job) -> None:
+        import torch
+
+        if job.generated == 0 and job.shared and self._prefill_chunk(job):
+            return
+        state = self._state(job)
+        # Shared jobs run in inference mode like the batch; an eager job's steerers may take
+        # gradients (PPLM), so its tensors must be ordinary ones.
+        mode = torch.inference_mode() if job.shared else torch.no_grad()
+        with mode:
+            output = job.step(state)
+            tokens = self._choose(job, output.logits)
+        if not job.shared:
+            job.cache = output.cache
+        elif job.generated == 0:
+            job.cached = job.prompt_length
+        self._record(job, tokens)
+        if job.generated == 1 and job.shared and not self._finished(job):
+            self.batch.join(job, job.cache)
+            job.cache = None
+        job.shared_logits = None
+
+    def _prefill_chunk(self, job: Job) -> bool:
+        """Run one more chunk of a shared job's long prompt, alone and without steerers (its
+        scores are not used); False once what is left fits the prompt step."""
+        import torch
+
+        prompt = job.session.prompt_ids
+        if len(prompt) - job.prefilled <= self.prefill_chunk:
+            return False
+        end = job.prefilled + self.prefill_chunk
+        ids = job.sequences[:1, :end]
+        try:
+            with torch.inference_mode():
+                output = self.model(
+                    input_ids=ids[:, job.prefilled :],
+                    attention_mask=torch.ones_like(ids),
+                    position_ids=torch.arange(job.prefilled, end, device=self.device)[None],
+                    **{self.batch.cache_argument: job.cache},
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+        except Exception as error:
+            raise ChatcoreError(
+                f"the model failed while reading the prompt: {type(error).__name__}: {error}"
+            ) from error
+        job.cache = output_cache(output)
+        job.prefilled = end
+        return True
+
+    def _state(self, job: Job) -> StepState:
+        """What the job's step sees now (see StepState)."""
+        import torch
+
+        sequences = job.sequences[:, : job.length]
+        attention = job.attention[:, : job.length]
+        rows = tuple(range(job.rows))
+        if job.generated == 0:
+            start = job.prefilled
+            positions = torch.arange(start, job.length, device=self.device).expand(job.rows, -1)
+            return StepState(
+                input_ids=sequences[:, start:],
+                sequences=sequences,
+                attention_mask=attention,
+                position_ids=positions,
+                cache=job.cache if job.shared else None,
+                step=0,
+                prompt_length=job.prompt_length,
+                rows=rows,
+            )
+        # Every row counts every column (ended rows are fed EOS, masked), as in one sequence.
+        positions = torch.full((job.rows, 1), job.length - 1, dtype=torch.long, device=self.device)
+        return StepState(
+            input_ids=sequences[:, -1:],
+            sequences=sequences,
+            attention_mask=attention,
+            position_ids=positions,
+            cache=None if job.shared else job.cache,
+            step=job.generated,
+            prompt_length=job.prompt_length,
+            rows=rows,
+        )
+
+    def _choose(self, job: Job, logits: "torch.Tensor") -> "torch.Tensor":
+        """Each row's next token from the job's (rows, V) steered scores."""
+        import torch
+
+        session = job.session
+        scores = restrict_scores(logits, job.banned, job.stops, early=job.generated < session.min_new_tokens)
+        scores = job.processors(job.sequences[:, : job.length], scores)
+        tokens = job.decoder.select(scores, session.generator)
+        tokens = torch.where(job.finished, torch.full_like(tokens, self.loaded.eos_token_id), tokens)
+        if job.totals is not None and job.counts is not None:
+            # The forward score: log-probabilities of the steered scores, before the decoder's filters.
+            picked = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            job.totals += torch.where(job.finished, torch.zeros_like(picked), picked).double()
+            job.counts += (~job.finished).long()
+        return tokens
+
+    def _record(self, job: Job, tokens: "torch.Tensor") -> None:
+        """Append the chosen tokens; stream, or end the job when its rows are done."""
+        import torch
+
+        job.sequences[:, job.length] = tokens
+        job.attention[:, job.length] = (~job.finished).long()
+        job.length += 1
+        job.generated += 1
+        job.finished |= torch.isin(tokens, job.stops)
+        if job.observer is not None:
+            job.observer(tokens)
+        budget_spent = job.generated >= job.session.max_new_tokens
+        if job.rows == 1:
+            if bool(job.finished[0]):
+                self._end(job, "stop")
+                return
+            job.sink._push(int(tokens[0]))
+            if budget_spent:
+                self._end(job, "length")
+            return
+        assert job.counts is not None and job.totals is not None
+        ended = job.finished.tolist()
+        if not (all(ended) or budget_spent or job.decoder.enough(ended, job.counts.tolist())):
+            return
+        stops = set(job.stops.tolist())
+        sampled = []
+        for row, done in enumerate(ended):
+            written = job.sequences[row, job.prompt_length : job.length].tolist()
+            cut = next((i for i, token in enumerate(written) if token in stops), len(written))
+            sampled.append(Sampled(written[:cut], float(job.totals[row]), int(job.counts[row]), done))
+        decoder = job.decoder
+        winner = self.faults.guard(decoder, "choose", lambda: decoder.choose(job.session, sampled))
+        for token in sampled[winner].token_ids:
+            job.sink._push(token)
+        self._end(job, "stop" if sampled[winner].ended else "length")
+
+    def _finished(self, job: Job) -> bool:
+        return job not in self.jobs
+
+    def _end(self, job: Job, reason: Any, error: ChatcoreError | None = None) -> None:
+        """The job is over: note its provenance, keep its prefix, leave the batch, tell the sink."""
+        import dataclasses
+
+        if job not in self.jobs:
+            return
+        self.jobs.remove(job)
+        session = job.session
+        if session.candidates:
+            job.provenance["candidates"] = [dataclasses.asdict(c) for c in session.candidates]
+        if session.details:
+            job.provenance["details"] = session.details
+        if reason in ("stop", "length") and job.shared and job.rows == 1 and self.prefix_cache is not None:
+            # What the row fed the model is the start of its conversation's next prompt.
+            try:
+                if job in self.batch:
+                    layers = self.batch.layers_of(job)
+                else:
+                    layers = [(layer.keys[:1], layer.values[:1]) for layer in job.cache.layers]
+                self.prefix_cache.store(job.sequences[0, : job.cached].tolist(), layers)
+            except Exception:  # a cache that cannot be kept costs the next turn a prefill, nothing more
+                pass
+        self.batch.leave(job)
+        job.cache = job.shared_logits = None
+        job.sink._end(reason, error)
+
+
+def decode_alone(engine: "Engine", reply: "PreparedReply") -> Iterator[int]:
+    """Decode ``reply`` on the caller's thread, as a runner of its own: its token ids as
+    they come (a failure raises its one-line ChatcoreError; closing the iterator stops it)."""
+    from chatcore.serving.requests import Handle
+
+    handle = Handle()
+    handle.provenance = reply.provenance
+    runner = Runner(engine.loaded, engine)
+    runner.add(handle, engine.start_session(reply), reply.decoder, reply.provenance)
+    sent = 0
+    try:
+        while runner.jobs:
+            runner.step()
+            while sent < len(handle.token_ids):
+                sent += 1
+                yield handle.token_ids[sent - 1]
+    finally:
+        runner.cancel_all()
+    if handle.error is not None:
+        raise handle.error
