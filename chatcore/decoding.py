@@ -84,6 +84,7 @@ class GenerationSession:
         """Every token that ends a reply (EOS when no format said otherwise)."""
         return self.stop_token_ids | {self.eos_token_id}
 
+
 def restrict_scores(
     scores: "torch.Tensor", banned: "torch.Tensor", stops: "torch.Tensor", early: bool
 ) -> "torch.Tensor":

@@ -31,11 +31,11 @@ from chatcore.plugin_manager import PluginHost
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.decoding import GenerationSession, Sampled
-    from chatcore.processors import ScoreProcessor
     from chatcore.conversation import Conversation
+    from chatcore.decoding import GenerationSession, Sampled
     from chatcore.engine import Engine
     from chatcore.models import LoadedModel
+    from chatcore.processors import ScoreProcessor
 
 BASE_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k")
 
@@ -324,3 +324,27 @@ def decode_steps(
         runner.cancel_all()
     if handle.error is not None:
         raise handle.error.__cause__ or handle.error
+
+
+class ScriptedDecoder(Decoder):
+    """A decoder that says fixed tokens whatever the model scores, then a stop token: for
+    testing adapters and logs with replies of chosen characters. Subclasses give
+    :meth:`script`; the reply's budget (``max_new_tokens``) still cuts it."""
+
+    def script(self, session: "GenerationSession") -> list[int]:
+        raise NotImplementedError
+
+    def prepare(self, session: "GenerationSession") -> None:
+        self._tokens = [*self.script(session), session.eos_token_id]
+        self._position = 0
+
+    def next_token(self) -> int:
+        """The script's next token (the stop token once it is all said)."""
+        token = self._tokens[min(self._position, len(self._tokens) - 1)]
+        self._position += 1
+        return token
+
+    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
+        import torch
+
+        return torch.full((scores.size(0),), self.next_token(), dtype=torch.long, device=scores.device)

@@ -20,11 +20,11 @@ from chatcore.cocon.store import (
     save_block,
 )
 from chatcore.decoding import GenerationSession
-from chatcore.testing import decode_steps
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import OptionError
 from chatcore.models import cache_keyword
 from chatcore.plugins.bow_bias import word_variants
+from chatcore.testing import decode_steps
 from chatcore.text import encode_text
 
 COCON_PLUGINS = (

@@ -34,7 +34,8 @@ from chatcore.adapters.conversation_log.pg_cluster import (
     unavailable_reason,
 )
 from chatcore.adapters.conversation_log.store import ConversationStore
-from chatcore.decoding import Decoder, GenerationSession
+from chatcore.decoding import GenerationSession
+from chatcore.testing import ScriptedDecoder
 from chatcore.text import encode_text
 
 FORK = multiprocessing.get_context("fork")
@@ -161,7 +162,7 @@ def as_user(uid: int | None) -> Iterator[None]:
         os.setegid(0)
 
 
-class FixedTextDecoder(Decoder):
+class FixedTextDecoder(ScriptedDecoder):
     """Says ``text`` (its tokens), whatever the model scores: a reply with chosen characters."""
 
     name = "fixed-reply"
@@ -171,8 +172,8 @@ class FixedTextDecoder(Decoder):
     class Settings:
         text: str = "a fixed reply"
 
-    def decode(self, session: GenerationSession) -> Iterator[int]:
-        yield from encode_text(session.model.tokenizer, self.settings.text)
+    def script(self, session: GenerationSession) -> list[int]:
+        return encode_text(session.model.tokenizer, self.settings.text)
 
 
 class FixedTextPlugin:

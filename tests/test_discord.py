@@ -10,10 +10,10 @@ of a given text: the way to make the model "say" ``@everyone``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -32,8 +32,9 @@ from chatcore.adapters.discord_bot.conversations import ChatRuntime  # noqa: E40
 from chatcore.adapters.discord_bot.persistence import LogPersistence, MemoryPersistence  # noqa: E402
 from chatcore.adapters.discord_bot.routing import conversation_key, split_reply  # noqa: E402
 from chatcore.adapters.discord_bot.worker import InferenceWorker, WorkerBusy, WorkerClosed  # noqa: E402
-from chatcore.decoding import Decoder, GenerationSession  # noqa: E402
+from chatcore.decoding import GenerationSession  # noqa: E402
 from chatcore.errors import ChatcoreError  # noqa: E402
+from chatcore.testing import ScriptedDecoder  # noqa: E402
 from chatcore.text import encode_text  # noqa: E402
 
 backend = dpytest.backend
@@ -49,13 +50,13 @@ class FixedTextSettings:
     repeat: int = 1
 
 
-class FixedTextDecoder(Decoder):
+class FixedTextDecoder(ScriptedDecoder):
     name = "fixed-text"
-    description = "yields the tokens of a fixed text (tests)"
+    description = "says the tokens of a fixed text (tests)"
     Settings = FixedTextSettings
 
-    def decode(self, session: GenerationSession) -> Iterator[int]:
-        yield from encode_text(session.model.tokenizer, self.settings.text * self.settings.repeat)
+    def script(self, session: GenerationSession) -> list[int]:
+        return encode_text(session.model.tokenizer, self.settings.text * self.settings.repeat)
 
 
 class FixedTextPlugin:
@@ -267,7 +268,7 @@ async def test_a_long_conversation_keeps_only_the_newest_turns_that_fit(harness:
 # -- what the bot sends --------------------------------------------------------------
 @pytest.mark.asyncio
 async def test_a_reply_saying_everyone_pings_no_one(chat_engine):
-    harness = await start_harness(chat_engine, settings_for(decoder="fixed-text"))
+    harness = await start_harness(chat_engine, settings_for(decoder="fixed-text", max_new_tokens=100))
     try:
         channel, member = harness.channel(0), harness.member(0)
         # A user mention too (of a real member: dpytest resolves the mentions it is sent).
@@ -292,9 +293,17 @@ async def test_a_reply_saying_everyone_pings_no_one(chat_engine):
 
 
 @pytest.mark.asyncio
-async def test_a_long_reply_is_split_into_discord_sized_messages(chat_engine):
+async def test_a_long_reply_is_split_into_discord_sized_messages(host, tmp_path):
+    from chatcore.engine import Engine
+    from chatcore.models import load_model
+    from chatcore.testing import build_tiny_model
+
+    # A model with room for a 6,000-character reply.
+    long_context = load_model(str(build_tiny_model(tmp_path / "long", positions=4096)))
+    assert host.register(FixedTextPlugin(), "fixed-text-test")
     harness = await start_harness(
-        chat_engine, settings_for(decoder="fixed-text text='a rather long line. ' repeat=300")
+        Engine(long_context, host=host),
+        settings_for(decoder="fixed-text text='a rather long line. ' repeat=300", max_new_tokens=4000),
     )
     try:
         member = harness.member(0)
@@ -840,16 +849,21 @@ class SlowTextSettings:
     delay_s: float = 0.02
 
 
-class SlowTextDecoder(Decoder):
-    """Yields a word's tokens every ``delay_s``: a reply that takes a known while."""
+class SlowTextDecoder(ScriptedDecoder):
+    """Says a word's tokens every ``delay_s``: a reply that takes a known while."""
 
     name = "slow-text"
     Settings = SlowTextSettings
 
-    def decode(self, session: GenerationSession) -> Iterator[int]:
-        for index in range(self.settings.words):
+    def script(self, session: GenerationSession) -> list[int]:
+        words = [encode_text(session.model.tokenizer, f" word{index}") for index in range(self.settings.words)]
+        self._word_starts = set(itertools.accumulate([0] + [len(word) for word in words[:-1]]))
+        return [token for word in words for token in word]
+
+    def next_token(self) -> int:
+        if self._position in self._word_starts:
             time.sleep(self.settings.delay_s)
-            yield from encode_text(session.model.tokenizer, f" word{index}")
+        return super().next_token()
 
 
 class SlowTextPlugin:
@@ -901,7 +915,14 @@ async def test_a_reply_past_its_timeout_is_cut_and_frees_its_place_at_once(loade
     host.register(SlowTextPlugin(), "slow-text-test")
     engine = Engine(loaded, host=host)
     harness = await start_harness(
-        engine, settings_for(decoder="slow-text words=400 delay_s=0.02", reply_timeout_s=0.3, max_batch=1, queue_size=1)
+        engine,
+        settings_for(
+            decoder="slow-text words=400 delay_s=0.02",
+            reply_timeout_s=0.3,
+            max_batch=1,
+            queue_size=1,
+            max_new_tokens=100,
+        ),
     )
     try:
         member, other = harness.member(0), harness.member(1)
@@ -938,7 +959,9 @@ async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log
     # A batch of one: the second reply waits for a place.
     harness = await start_harness(
         engine,
-        settings_for(decoder="slow-text words=40 delay_s=0.02", shutdown_grace_s=grace_s, max_batch=1),
+        settings_for(
+            decoder="slow-text words=20 delay_s=0.02", shutdown_grace_s=grace_s, max_batch=1, max_new_tokens=100
+        ),
         lambda: LogPersistence(engine, db),
     )
     first, second = harness.member(0), harness.member(1)
@@ -965,7 +988,7 @@ async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log
     sent = {m.channel.id: m.content for m in harness.drain()}
     assert sent[second_dm.id] == bot_module.RESTARTING_REPLY
     assert sent[first_dm.id].startswith("word0")
-    assert (sent[first_dm.id].count("word") < 40) is interrupted
+    assert (sent[first_dm.id].count("word") < 20) is interrupted
     assert harness.bot.stats.interrupted == int(interrupted)
     # No new messages once closing (the connection is closed: hand one over directly).
     sends = len(harness.payloads)

@@ -10,7 +10,6 @@ import torch
 from click.testing import CliRunner
 
 from chatcore.decoding import GenerationSession
-from chatcore.testing import decode_steps
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.models import output_cache
@@ -39,6 +38,7 @@ from chatcore.pplm.train_discriminator import (
 )
 from chatcore.steering import Steerer
 from chatcore.step import StepOutput, StepState, model_step
+from chatcore.testing import decode_steps
 from chatcore.text import encode_text
 
 PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.pplm")

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from chatcore.decoding import GenerationSession
-from chatcore.testing import decode_steps
 from chatcore.models import cache_keyword, output_cache
 from chatcore.plugins.pplm import PPLMSteerer
 from chatcore.pplm.kv import GrowingPast, fresh_cache, past_of
@@ -18,7 +17,7 @@ from chatcore.pplm.perturb import apply_deltas
 from chatcore.pplm.runner import LowRankDeltas, Runner, supports
 from chatcore.steering import Steerer
 from chatcore.step import StepOutput, StepState
-from chatcore.testing import build_tiny_model
+from chatcore.testing import build_tiny_model, decode_steps
 from chatcore.text import encode_text
 
 FOOD = "pizza,cheese,dinner,hungry,delicious,hamburger,spaghetti"
@@ -426,9 +425,9 @@ def test_the_lean_path_agrees_for_a_discriminator(loaded, tmp_path):
         for each in steerers:
             each.prepare(session)
         seen: list = []
-        tokens = list(decode_steps(
-                session, lambda scores, g, seen=seen: seen.append(scores.clone()) or scores.argmax(-1)
-            ))
+        tokens = list(
+            decode_steps(session, lambda scores, g, seen=seen: seen.append(scores.clone()) or scores.argmax(-1))
+        )
         runs[inner] = (seen, tokens, steerer.perturbation)
     (lean_scores, lean_tokens, lean), (generic_scores, generic_tokens, generic) = runs[False], runs[True]
     assert lean.runner is not None and generic.runner is None

@@ -118,7 +118,6 @@ class Job:
     observer: Callable[["torch.Tensor"], None] | None = field(default=None, repr=False)
 
 
-
 class SharedBatch:
     """The rows of the shared replies and their merged key/value cache.
 
