@@ -24,24 +24,35 @@ if TYPE_CHECKING:
 class StepState:
     """What one step sees.
 
-    input_ids:       (B, T_in)  tokens to feed now: the whole prompt at step 0, then one.
-    sequences:       (B, T)     every token so far, one row per reply being decoded
-                                together (MMI's candidates, a batch): the prompt,
-                                left-padded to the longest row, then the tokens
-                                generated so far; it ends with ``input_ids``. Read it to
-                                see what was written (``sequences[:, prompt_length:]``
-                                is the reply so far).
-    attention_mask:  (B, T)     over ``sequences``: 1 for real tokens, 0 for the left
-                                padding of shorter prompts. Pass it on unchanged to a
-                                model forward of your own.
-    position_ids:    (B, T_in)  positions of ``input_ids`` (padding not counted).
+    A step covers rows of one reply (1, or a decoder's candidates), which all share
+    the reply's prompt; docs/hooks.md ("What a steerer sees") is the whole contract.
+
+    input_ids:       (B, T_in)  tokens to feed now: at step 0 the prompt (only the part
+                                the cache does not hold yet, when a cached prefix of it
+                                was reused), then the one token chosen at the last step.
+    sequences:       (B, T)     every token so far: the whole prompt, then the tokens
+                                chosen so far; it ends with ``input_ids``
+                                (``sequences[:, prompt_length:]`` is the reply so far).
+    attention_mask:  (B, T)     over ``sequences``: 1 for the tokens each row attends to;
+                                0 for the EOS fed to a row after it ended. Pass it on
+                                unchanged to a model forward of your own.
+    position_ids:    (B, T_in)  positions of ``input_ids``.
     cache:           the model's key/value cache for ``sequences[:, :-T_in]``
-                     (None at step 0). Model forward passes update a cache in place.
-    step:            0 for the prompt, then 1, 2, ...
-    prompt_length:   T of the padded prompt: the number of columns of ``sequences``
-                     that belong to the prompt (the same for every row).
+                     (None at step 0 unless a prefix was reused; None for a steerer
+                     that shares the batch, whose inner step hands back scores only).
+                     Model forward passes update a cache in place.
+    step:            0 for the prompt, then 1, 2, ...: the number of tokens chosen so far.
+    prompt_length:   the number of columns of ``sequences`` that belong to the prompt.
     output_hidden_states: ask the model for hidden states (a steerer that needs them
                      sets it on the state it passes inward).
+    rows:            the reply's row ids that the B rows are, in order: ``(0, ..., N-1)``
+                     from the runner; a wrapper that passes a subset inward (PPLM runs
+                     its gradient passes on the rows still writing) gives their ids, so
+                     a steerer keeping per-row state indexes it by ``rows``.
+    probe:           True for an extra pass a wrapper runs to look ahead (PPLM's gradient
+                     and perturbed passes): the reply does not continue from it, so a
+                     steerer must not advance state of its own on it. Exactly one call
+                     per step is not a probe.
     """
 
     input_ids: "torch.Tensor"
@@ -53,6 +64,7 @@ class StepState:
     prompt_length: int
     output_hidden_states: bool = False
     rows: tuple[int, ...] = ()
+    probe: bool = False
 
     def replace(self, **changes: Any) -> "StepState":
         return dataclasses.replace(self, **changes)

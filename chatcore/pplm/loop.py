@@ -66,11 +66,15 @@ def fuse(
 
 
 def _select_state(state: StepState, rows: torch.Tensor) -> StepState:
+    """The state of ``rows`` alone, with their row ids (see StepState.rows)."""
+    indices = rows.tolist()
+    ids = tuple(state.rows[i] for i in indices) if state.rows else tuple(indices)
     return state.replace(
         input_ids=state.input_ids[rows],
         sequences=state.sequences[rows],
         attention_mask=state.attention_mask[rows],
         position_ids=state.position_ids[rows],
+        rows=ids,
     )
 
 

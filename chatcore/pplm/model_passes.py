@@ -93,7 +93,8 @@ class ModelPasses:
         perturbed = apply_deltas(base, None if deltas is None else list(deltas.unbind(0)), first_layer)
         cache = fresh_cache(perturbed, self.model_config)
         self.summary["inner_calls"] += 1
-        return self.inner(state.replace(cache=cache, output_hidden_states=hidden))
+        # A look-ahead pass: the reply continues from the plain pass, not from this one.
+        return self.inner(state.replace(cache=cache, output_hidden_states=hidden, probe=True))
 
     def gradient(
         self, output: StepOutput, grads: tuple[torch.Tensor, ...], weights: torch.Tensor | None
