@@ -32,7 +32,8 @@ def register_decoders(register: Callable[[type], None]) -> None:
 
     Called once, when the registry is built. ``DecoderClass`` subclasses
     :class:`chatcore.decoding.Decoder`: it has a unique ``name``, a ``Settings``
-    dataclass and a ``decode(session)`` method. If two plugins register the same name,
+    model, and the rules the runner calls (``rows``, ``prepare``, ``processors``,
+    ``select``, ``enough``, ``choose``: docs/hooks.md). If two plugins register the same name,
     the first registration wins (pluggy calls later-registered plugins first, and the
     built-ins are ``trylast``) and the other is reported as shadowed.
     The return value is ignored.
@@ -46,9 +47,11 @@ def register_steerers(register: Callable[[type], None]) -> None:
     Called once, when the registry is built. ``SteererClass`` subclasses
     :class:`chatcore.steering.Steerer`: a unique ``name``, a ``Settings`` dataclass,
     ``prepare(session)`` (once per response) and ``wrap(step)`` (returns a new step
-    function), and optionally ``shares_batch = True`` when its step only edits the
-    logits its inner step returns (chatcore.serving may then batch its replies with
-    others). Name clashes are resolved as for :func:`register_decoders`.
+    function), and ``shares_batch = True`` for a score steerer (its step only edits the
+    logits its inner step returns: its replies share the batch) or the default False
+    for a step steerer (run beside the batch). What a step sees (rows, tokens, calls per
+    token, probes) is written in docs/hooks.md. Name clashes are resolved as for
+    :func:`register_decoders`.
     The return value is ignored.
     """
 
