@@ -211,6 +211,30 @@ def test_prefix_cache_reuses_earlier_turns_with_the_same_tokens(serving_engine, 
     assert scheduler.prefix_cache.hits == 2 and scheduler.prefix_cache.reused_tokens == sum(reused)
 
 
+def test_replies_admitted_together_reuse_a_shared_history(serving_engine):
+    """Requests that share a history and differ in the last message, submitted at once:
+    the first one's prompt is reused by the others, whichever conversation it came from."""
+    history = [
+        Message("system", "You like food."),
+        Message("user", "hi, how are you doing today?"),
+        Message("assistant", "pretty good, just cooked some pasta"),
+    ]
+    lasts = ["what sauce?", "do you like pizza too?", "and dessert?"]
+    options = ReplyOptions(decoder="greedy", max_new_tokens=6)
+    expected = [list(alone_messages(serving_engine, [*history, Message("user", last)], options)) for last in lasts]
+    with Scheduler(serving_engine) as scheduler:
+        handles = [scheduler.submit([*history, Message("user", last)], options) for last in lasts]
+        for handle in handles:
+            assert handle.wait(60) and handle.error is None
+    assert [h.token_ids for h in handles] == expected
+    reused = [h.provenance["prefix_cached_tokens"] for h in handles]
+    assert reused[0] == 0 and all(count > 10 for count in reused[1:])
+
+
+def alone_messages(engine, messages, options):
+    return engine.reply_tokens(engine.prepare_reply(messages, options))
+
+
 def test_prefix_cache_evicts_the_least_recently_used(loaded):
     import torch
 

@@ -321,12 +321,6 @@ class Runner:
             job.totals = torch.zeros(rows, dtype=torch.float64, device=device)
             job.counts = torch.zeros(rows, dtype=torch.long, device=device)
         job.step = compose(self._inner(job), session.steerers)
-        if job.shared and self.prefix_cache is not None:
-            reused, layers = self.prefix_cache.lookup(prompt)
-            job.provenance["prefix_cached_tokens"] = reused
-            if layers is not None:
-                job.prefilled = reused
-                job.cache = cache_from_layers(layers, self.model.config)
         self.jobs.append(job)
         return job
 
@@ -416,8 +410,11 @@ class Runner:
     def _advance(self, job: Job) -> None:
         import torch
 
-        if job.generated == 0 and job.shared and self._prefill_chunk(job):
-            return
+        if job.generated == 0 and job.shared:
+            if job.cache is None and self.prefix_cache is not None:
+                self._reuse_prefix(job)
+            if self._prefill_chunk(job):
+                return
         state = self._state(job)
         # Shared jobs run in inference mode like the batch; an eager job's steerers may take
         # gradients (PPLM), so its tensors must be ordinary ones.
@@ -429,11 +426,32 @@ class Runner:
             job.cache = output.cache
         elif job.generated == 0:
             job.cached = job.prompt_length
+            self._keep_prompt(job)
         self._record(job, tokens)
         if job.generated == 1 and job.shared and not self._finished(job):
             self.batch.join(job, job.cache)
             job.cache = None
         job.shared_logits = None
+
+    def _reuse_prefix(self, job: Job) -> None:
+        """Start a shared job's prompt after the longest prefix of it the prefix cache holds.
+
+        Looked up when the prompt is about to run, not when the job was added, so that
+        replies admitted together that share a history (a system prompt, a persona, the
+        same conversation) reuse the first one's prompt as soon as it has run."""
+        assert self.prefix_cache is not None
+        reused, layers = self.prefix_cache.lookup(job.session.prompt_ids)
+        job.provenance["prefix_cached_tokens"] = reused
+        if layers is not None:
+            job.prefilled = reused
+            job.cache = cache_from_layers(layers, self.model.config)
+
+    def _keep_prompt(self, job: Job) -> None:
+        """Store a shared job's prompt in the prefix cache once it has run (see _reuse_prefix)."""
+        if self.prefix_cache is None or job.cache is None:
+            return
+        layers = [(layer.keys[:1], layer.values[:1]) for layer in job.cache.layers]
+        self.prefix_cache.store(job.sequences[0, : job.prompt_length].tolist(), layers)
 
     def _prefill_chunk(self, job: Job) -> bool:
         """Run one more chunk of a shared job's long prompt, alone and without steerers (its
