@@ -320,7 +320,10 @@ class Runner:
         if rows > 1:
             job.totals = torch.zeros(rows, dtype=torch.float64, device=device)
             job.counts = torch.zeros(rows, dtype=torch.long, device=device)
-        job.step = compose(self._inner(job), session.steerers)
+        try:
+            job.step = compose(self._inner(job), session.steerers)
+        except Exception as error:  # a steerer failing in wrap is blamed like one failing in its step
+            raise self._blame(job, error) from error
         self.jobs.append(job)
         return job
 
