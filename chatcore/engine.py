@@ -20,7 +20,7 @@ from chatcore.conversation import Conversation
 from chatcore.decoding import Decoder, GenerationSession
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
-from chatcore.options import Settings
+from chatcore.options import Configurable, Settings
 from chatcore.plugin_manager import PluginHost, get_plugin_host
 from chatcore.prompting import (
     AUTO,
@@ -39,7 +39,7 @@ from chatcore.steering import Steerer, check_composition, failed_layer
 DEFAULT_DECODER = "top-k"
 DEFAULT_MAX_NEW_TOKENS = 64
 BUILTIN_FORMATS = "chatcore.plugins.prompt_formats"
-MAX_SHARED_SETUPS = 32  # Steerer.setup results kept per engine
+MAX_SHARED_SETUPS = 32  # setup results (decoders and steerers) kept per engine
 
 
 class ReplyOptions(Settings):
@@ -136,7 +136,7 @@ class Engine:
         validate_format_name(prompt_format, self.registry)  # an unknown name fails before the model loads
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self._formats: dict[str, PromptFormat] = {}
-        self._setups: OrderedDict[tuple[type, str], Any] = OrderedDict()  # Steerer.setup results
+        self._setups: OrderedDict[tuple[type, str], Any] = OrderedDict()  # decoders' and steerers' setup results
         self.prompt_format = self.make_prompt_format(prompt_format)
 
     # -- model -------------------------------------------------------------------
@@ -168,7 +168,9 @@ class Engine:
     # -- plugins -----------------------------------------------------------------
     def make_decoder(self, name: str, settings: Mapping[str, Any] | None = None) -> Decoder:
         cls = self.registry.decoder(name)
-        return self._construct(lambda: cls.from_options(settings or {}), "decoder", name)
+        decoder = self._construct(lambda: cls.from_options(settings or {}), "decoder", name)
+        decoder.shared = self._shared_setup(decoder)
+        return decoder
 
     def make_steerer(self, name: str, settings: Mapping[str, Any] | None = None) -> Steerer:
         cls = self.registry.steerer(name)
@@ -176,16 +178,16 @@ class Engine:
         steerer.shared = self._shared_setup(steerer)
         return steerer
 
-    def _shared_setup(self, steerer: Steerer) -> Any:
-        """``setup(model, settings)`` of the steerer's class, run once per settings and kept."""
-        cls = type(steerer)
-        if cls.setup.__func__ is Steerer.setup.__func__:  # type: ignore[attr-defined]
+    def _shared_setup(self, plugin_object: Configurable) -> Any:
+        """``setup(model, settings)`` of a decoder's or steerer's class, run once per settings and kept."""
+        cls = type(plugin_object)
+        if cls.setup.__func__ is Configurable.setup.__func__:  # type: ignore[attr-defined]
             return None
-        key = (cls, repr(steerer.settings))
+        key = (cls, repr(plugin_object.settings))
         if key in self._setups:
             self._setups.move_to_end(key)
             return self._setups[key]
-        shared = self._construct(lambda: cls.setup(self.loaded, steerer.settings), "steerer", steerer.name)
+        shared = self._construct(lambda: cls.setup(self.loaded, plugin_object.settings), cls.kind, plugin_object.name)
         self._setups[key] = shared
         while len(self._setups) > MAX_SHARED_SETUPS:
             self._setups.popitem(last=False)

@@ -404,8 +404,21 @@ class Configurable:
     description: ClassVar[str] = ""
     Settings: ClassVar[type] = object
 
+    # What :meth:`setup` returned for this class's model and settings (None without a setup).
+    shared: Any = None
+
     def __init__(self, settings: Any = None) -> None:
         self.settings = settings if settings is not None else self.Settings()
+
+    @classmethod
+    def setup(cls, model: Any, settings: Any) -> object:
+        """Work done once per model and settings, reused by every reply: a steering vector,
+        a word list's token ids, an expert or reverse model. The engine calls it (with the
+        ``LoadedModel``) the first time a reply uses these settings and hands the result to
+        each new instance as ``self.shared`` before ``prepare`` (results are kept for the
+        32 newest settings per engine; none is kept anywhere else). It must not change the
+        model. Default: nothing."""
+        return None
 
     @classmethod
     def from_options(cls: type[C], options: Mapping[str, Any] | None = None) -> C:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -151,20 +150,13 @@ def reverse_scores(
 
 # -- the reverse model and its tokenizer ------------------------------------------------
 
-_reverse_cache: dict[tuple[str, str], LoadedModel] = {}
-_reverse_lock = threading.Lock()
-
 
 def load_reverse_model(name: str = DEFAULT_REVERSE_MODEL, device: str = "cpu") -> LoadedModel:
-    """Load a reverse model once per (name, device) and keep it for later replies."""
-    key = (name, device)
-    with _reverse_lock:
-        if key not in _reverse_cache:
-            try:
-                _reverse_cache[key] = load_model(name, device=device)
-            except ModelLoadError as error:
-                raise ModelLoadError(f"the MMI reverse model could not be loaded: {error}") from error
-        return _reverse_cache[key]
+    """Load a reverse model (the ``mmi`` decoder's ``setup`` does it once per engine and settings)."""
+    try:
+        return load_model(name, device=device)
+    except ModelLoadError as error:
+        raise ModelLoadError(f"the MMI reverse model could not be loaded: {error}") from error
 
 
 # Signatures by tokenizer object: serialising a tokenizer costs far more than a reply's

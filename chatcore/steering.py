@@ -1,7 +1,8 @@
 """The steerer interface: middleware around one decoding step.
 
 A steerer has a ``name``, typed ``Settings``, an optional ``setup(model, settings)`` run
-once per engine and settings (whose result every reply reuses as ``self.shared``), a
+once per engine and settings (whose result every reply reuses as ``self.shared``; see
+:meth:`chatcore.options.Configurable.setup`), a
 ``prepare(session)`` called once per response, and ``wrap(step) -> step``.
 
 Composition order (written down, and the same everywhere): steerers are applied in
@@ -17,14 +18,13 @@ A steerer instance serves one response at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from chatcore.options import Configurable
 from chatcore.step import Step, StepOutput, StepState
 
 if TYPE_CHECKING:
     from chatcore.decoding import GenerationSession
-    from chatcore.models import LoadedModel
 
 
 class Steerer(Configurable):
@@ -52,18 +52,6 @@ class Steerer(Configurable):
     # Where :meth:`note` files this instance's details in the reply's provenance: the
     # steerer's name, or "name#2", "name#3" ... for later instances of one steerer in a reply.
     details_key: str = ""
-
-    # What :meth:`setup` returned for this steerer's model and settings (None without a setup).
-    shared: object = None
-
-    @classmethod
-    def setup(cls, model: "LoadedModel", settings: Any) -> object:
-        """Work done once per model and settings, reused by every reply: a steering vector,
-        a word list's token ids, an expert model. The engine calls it the first time a reply
-        uses these settings and hands the result to each new instance as ``self.shared``
-        before :meth:`prepare` (results are kept for the 32 newest settings per engine).
-        It must not change the model. Default: nothing."""
-        return None
 
     def note(self, session: "GenerationSession", details: object) -> None:
         """Record ``details`` (plain JSON-able data) for this reply's provenance, under this

@@ -32,6 +32,8 @@ from chatcore.sampling import CandidateDecoder, CandidateSettings
 if TYPE_CHECKING:
     import torch
 
+    from chatcore.models import LoadedModel
+
 
 class MMISettings(CandidateSettings):
     """Candidate sampling (see CandidateSettings), the reverse model, and the selection rule."""
@@ -87,11 +89,14 @@ class MMIDecoder(CandidateDecoder):
     description = "samples N replies in one batch and keeps the one the reverse model finds most specific"
     Settings = MMISettings
 
-    def prepare(self, session: GenerationSession) -> None:
+    @classmethod
+    def setup(cls, model: "LoadedModel", settings: MMISettings) -> "LoadedModel":
+        """The reverse model, loaded once per engine (and kept with its other setups)."""
         from chatcore import reranking
 
-        # Load (or fail) before spending time on candidates.
-        self.reverse_model = reranking.load_reverse_model(self.settings.reverse_model, device=session.model.device)
+        return reranking.load_reverse_model(settings.reverse_model, device=model.device)
+
+    def prepare(self, session: GenerationSession) -> None:
         self.sampling_started = time.perf_counter()
 
     def choose(self, session: GenerationSession, rows: Sequence[Sampled]) -> int:
@@ -99,7 +104,7 @@ class MMIDecoder(CandidateDecoder):
 
         settings = self.settings
         forward_model = session.model
-        reverse_model = self.reverse_model
+        reverse_model = self.shared
         timings = {"candidates_s": time.perf_counter() - self.sampling_started}
         token_ids = [row.token_ids for row in rows]
         forward = self.forward_scores(rows)

@@ -179,8 +179,14 @@ def test_tokenizers_are_compared_by_content(bundled, bundled_reverse, tokenizer)
     assert not reranking.same_tokenizer(tokenizer, bundled_reverse.tokenizer)
 
 
-def test_reverse_model_is_loaded_once_per_name_and_device(bundled_reverse):
-    assert reranking.load_reverse_model("chatcore-tiny-reverse", device="cpu") is bundled_reverse
+def test_reverse_model_is_loaded_once_per_engine_and_settings(loaded, mmi_host):
+    engine = Engine(loaded, host=mmi_host)
+    first = engine.make_decoder("mmi", {"candidates": 2})
+    again = engine.make_decoder("mmi", {"candidates": 2})
+    other = engine.make_decoder("mmi", {"candidates": 3})
+    assert first.shared is again.shared and first.shared.name == "chatcore-tiny-reverse"
+    assert other.shared is not first.shared  # other settings: its own setup, kept beside
+    assert Engine(loaded, host=mmi_host).make_decoder("mmi", {"candidates": 2}).shared is not first.shared
 
 
 # -- the decoder -------------------------------------------------------------------------
