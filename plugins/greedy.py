@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field
 
 import chatcore
 from chatcore.decoding import RepetitionSettings, TokenDecoder
+from chatcore.processors import MIN_SCORE_DIVISOR
 
 if TYPE_CHECKING:
     import torch
 
 
 class GreedySettings(RepetitionSettings):
-    pass
+    repetition_penalty: Annotated[float, Field(ge=MIN_SCORE_DIVISOR)] = 1.0
+    """Penalise tokens already in the sequence by this factor, as transformers' repetition
+    penalty does (1.0: off). Below 1e-15 the seen tokens' float32 scores could overflow to
+    infinity, where the best of them can no longer be told apart (see chatcore.processors)."""
 
 
 class GreedyDecoder(TokenDecoder):
