@@ -134,9 +134,15 @@ class Conversation:
         return self.engine.respond(self, options, **overrides)
 
     def send(self, text: Any, options: "ReplyOptions | None" = None, **overrides: Any) -> "Response":
-        """``add_user(text)`` then ``reply()``."""
+        """``add_user(text)`` then ``reply()``.
+
+        Options that cannot make a reply (an unknown name, a bad setting, steerers that
+        cannot work together) are refused first, so the message is not added or logged.
+        """
+        options = self.engine.options_for(options, **overrides)
+        self.engine.check_options(options)
         self.add_user(text)
-        return self.reply(options, **overrides)
+        return self.reply(options)
 
     def _record(self, response: "Response") -> None:
         if not response.token_ids and (response.error is not None or response.interrupted):

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import NonNegativeInt, PositiveFloat
+from pydantic import Field, NonNegativeInt
 
 from chatcore.options import Configurable, Settings
-from chatcore.processors import ScoreProcessor, no_repeat_ngram, repetition_penalty
+from chatcore.processors import MIN_SCORE_DIVISOR, ScoreProcessor, no_repeat_ngram, repetition_penalty
 from chatcore.steering import Steerer
 
 if TYPE_CHECKING:
@@ -182,6 +182,8 @@ class RepetitionSettings(Settings):
 
     no_repeat_ngram_size: NonNegativeInt = 0
     """Never repeat an n-gram of this many tokens (0: off)."""
-    repetition_penalty: PositiveFloat = 1.0
+    repetition_penalty: Annotated[float, Field(ge=MIN_SCORE_DIVISOR)] = 1.0
     """Penalise tokens already in the sequence by this factor, as transformers' repetition
-    penalty does (1.0: off)."""
+    penalty does (1.0: off). Below 1e-15 the seen tokens' float32 scores could overflow to
+    infinity, where they can no longer be told apart and no probability can be computed
+    (see chatcore.processors)."""

@@ -101,18 +101,25 @@ def build_plugin_object(host: PluginHost, registry: Registry, kind: str, name: s
         raise PluginError(plugin, f"{kind} {name!r} failed to start: {type(error).__name__}: {error}") from error
 
 
-def validate_options(options: ReplyOptions, registry: Registry | None = None) -> None:
-    """Check decoder and steerer names and settings without loading a model."""
-    host = get_plugin_host()
+def validate_options(options: ReplyOptions, registry: Registry | None = None, host: PluginHost | None = None) -> None:
+    """Check a whole reply configuration without loading a model: the decoder's and the
+    steerers' names, whether the steerers can work together (:func:`check_composition`),
+    then each one's settings; the first problem is an OptionError in one line.
+
+    Every entry point calls this (or :meth:`Engine.check_options`, which adds what needs
+    the model) when a configuration is given, before it is accepted or anything is logged.
+    """
+    host = host or get_plugin_host()
     registry = registry or Registry.build(host)
-    for kind, name, settings in [("decoder", options.decoder, options.decoder_settings)] + [
-        ("steerer", name, settings) for name, settings in options.steerers
+    decoder = registry.decoder(options.decoder)
+    steerers = [registry.steerer(name) for name, _ in options.steerers]
+    check_composition(steerers)
+    for kind, name, cls, settings in [("decoder", options.decoder, decoder, options.decoder_settings)] + [
+        ("steerer", name, cls, settings) for cls, (name, settings) in zip(steerers, options.steerers)
     ]:
-        cls = registry.decoder(name) if kind == "decoder" else registry.steerer(name)
         build_plugin_object(
             host, registry, kind, name, lambda cls=cls, settings=settings: cls.from_options(settings or {})
         )
-    check_composition([registry.steerer(name) for name, _ in options.steerers])
 
 
 class Engine:
@@ -177,6 +184,20 @@ class Engine:
         steerer = self._construct(lambda: cls.from_options(settings or {}), "steerer", name)
         steerer.shared = self._shared_setup(steerer)
         return steerer
+
+    def check_options(self, options: ReplyOptions) -> None:
+        """Refuse ``options`` now if a reply could not be made with them: what
+        :func:`validate_options` checks, then each steerer's setup on this engine's model (a
+        layer the model lacks, a block that does not fit it). Nothing is decoded or logged."""
+        validate_options(options, self.registry, self.host)
+        self.make_decoder(options.decoder, options.decoder_settings)
+        for name, settings in options.steerers:
+            self.make_steerer(name, settings)
+
+    def options_for(self, options: ReplyOptions | None = None, **overrides: Any) -> ReplyOptions:
+        """``options`` (default: the defaults) with ``overrides`` applied, as :meth:`respond` reads them."""
+        options = options or ReplyOptions()
+        return options.replace(**overrides) if overrides else options
 
     def _shared_setup(self, plugin_object: Configurable) -> Any:
         """``setup(model, settings)`` of a decoder's or steerer's class, run once per settings and kept."""

@@ -25,6 +25,25 @@ if TYPE_CHECKING:
     import torch
 
 
+# Scores are float32, whose largest finite value is about 3.4e38, and a score that
+# overflows to +inf makes the probabilities nan. A repetition penalty below 1 multiplies the
+# seen tokens' positive scores by its inverse, and the temperature then multiplies every
+# score by its own: with both at this bound a score grows at most 1e30-fold, so every score
+# up to 3.4e8 in magnitude stays finite. Logits are far smaller (a float16 model's cannot
+# pass 65504, and the built-in steerers add at most 100).
+MIN_SCORE_DIVISOR = 1e-15
+# A temperature beyond float32's largest value is infinite there, and a banned token's
+# -inf score divided by it is nan.
+MAX_TEMPERATURE = 1e38
+
+
+def _out_of_range(name: str, value: float, low: float, high: float | None = None) -> ValueError:
+    from chatcore.options import range_phrase
+
+    bounds = {"minimum": low} if high is None else {"minimum": low, "maximum": high}
+    return ValueError(f"`{name}` must be {range_phrase(bounds, integer=False)}, got {value}")
+
+
 class ScoreProcessor(Protocol):
     def __call__(self, sequences: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor": ...
 
@@ -33,8 +52,8 @@ def repetition_penalty(penalty: float) -> ScoreProcessor:
     """Divide positive scores (multiply negative ones) of already-seen tokens by ``penalty``."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    if not penalty > 0:
-        raise ValueError(f"`repetition_penalty` must be a positive number, got {penalty}")
+    if not penalty >= MIN_SCORE_DIVISOR:
+        raise _out_of_range("repetition_penalty", penalty, MIN_SCORE_DIVISOR)
     return RepetitionPenaltyLogitsProcessor(float(penalty))
 
 
@@ -50,8 +69,8 @@ def no_repeat_ngram(size: int) -> ScoreProcessor:
 def temperature(value: float) -> ScoreProcessor:
     from transformers import TemperatureLogitsWarper
 
-    if not value > 0:
-        raise ValueError(f"`temperature` must be a positive number, got {value}")
+    if not MIN_SCORE_DIVISOR <= value <= MAX_TEMPERATURE:
+        raise _out_of_range("temperature", value, MIN_SCORE_DIVISOR, MAX_TEMPERATURE)
     return TemperatureLogitsWarper(float(value))
 
 

@@ -12,10 +12,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveInt
 
 from chatcore.decoding import Decoder, RepetitionSettings, Sampled, TokenDecoder
-from chatcore.processors import ScoreProcessor, temperature, top_k, top_p
+from chatcore.processors import MAX_TEMPERATURE, MIN_SCORE_DIVISOR, ScoreProcessor, temperature, top_k, top_p
 
 if TYPE_CHECKING:
     import torch
@@ -28,8 +28,10 @@ class TopKSettings(RepetitionSettings):
     """Sample from this many best tokens."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Nucleus sampling: keep the best tokens whose probabilities add up to this share (1.0: off)."""
-    temperature: PositiveFloat = 0.8
-    """Divide the scores by this before sampling (lower: more predictable)."""
+    temperature: Annotated[float, Field(ge=MIN_SCORE_DIVISOR, le=MAX_TEMPERATURE)] = 0.8
+    """Divide the scores by this before sampling (lower: more predictable). Below 1e-15 the
+    float32 scores divided by it could overflow, above 1e38 it is infinite in float32, and
+    either way no probability could be computed (see chatcore.processors)."""
 
 
 class TopKDecoder(TokenDecoder):

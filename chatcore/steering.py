@@ -45,7 +45,9 @@ class Steerer(Configurable):
     # replaces_model     the steerer is the model step itself (CoCon runs the model in two
     #                    halves with a cache of its own): it must come first, one per reply.
     # needs_model_cache  the steerer edits the model's own key/value cache (PPLM): nothing
-    #                    inside it may replace the model step.
+    #                    inside it may replace the model step, and one per reply (it
+    #                    differentiates through its inner step, whose output another
+    #                    such steerer has already detached from the cache).
     replaces_model: ClassVar[bool] = False
     needs_model_cache: ClassVar[bool] = False
 
@@ -67,13 +69,21 @@ class Steerer(Configurable):
 
 
 def check_composition(steerers: Sequence[type[Steerer]]) -> None:
-    """Refuse steerer classes, in composition order, that can never work together (OptionError)."""
+    """Refuse steerer classes, in composition order, that can never work together (OptionError).
+
+    The message is one line naming both steerers; every entry point (command line, REPL,
+    Discord, HTTP, Python API) shows it when the steerers are chosen.
+    """
     from chatcore.errors import OptionError
 
     replacing = [index for index, cls in enumerate(steerers) if cls.replaces_model]
     if len(replacing) > 1:
-        names = " and ".join(repr(steerers[index].name) for index in replacing)
+        names = " and ".join(repr(steerers[index].name) for index in replacing[:2])
         raise OptionError(f"steerers {names} both replace the model step: give only one of them")
+    caching = [cls for cls in steerers if cls.needs_model_cache]
+    if len(caching) > 1:
+        names = " and ".join(repr(cls.name) for cls in caching[:2])
+        raise OptionError(f"steerers {names} both edit the model's own key/value cache: give only one of them")
     if replacing and replacing[0] > 0:
         first = steerers[replacing[0]]
         raise OptionError(

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt, StringConstraints
+from pydantic import Field, PositiveInt, StringConstraints
 
 import chatcore
 from chatcore.decoding import Candidate, GenerationSession, Sampled
@@ -42,14 +42,18 @@ class MMISettings(CandidateSettings):
     """Bundled name, local folder or hub id of the reverse model."""
     source_turns: PositiveInt = 1
     """How many of the latest turns form the source (1: the user's turn)."""
-    weight: NonNegativeFloat = 0.0
-    """score = reverse + weight * forward (0: pure MMI, as in DialoGPT)."""
+    weight: Annotated[float, Field(ge=0, le=1e100)] = 0.0
+    """score = reverse + weight * forward (0: pure MMI, as in DialoGPT). At most 1e100: the
+    log-probabilities are far below 1e9 in size, so a score divided by the smallest
+    `selection_temperature` stays below 1e210, inside float64 (1.8e308); past it a score
+    could overflow and leave no candidate to draw."""
     length_normalize: bool = True
     """Use the forward log-probability per token instead of its sum."""
     selection: Literal["argmax", "sample"] = "argmax"
     """The argmax of the scores, or a draw from softmax(scores / selection_temperature)."""
-    selection_temperature: PositiveFloat = 1.0
-    """The temperature of `selection=sample`."""
+    selection_temperature: Annotated[float, Field(ge=1e-100)] = 1.0
+    """The temperature of `selection=sample`. At least 1e-100: the scores divided by it
+    stay far inside float64 (see `weight`)."""
 
 
 def combined_scores(forward: Sequence[float], reverse: Sequence[float], weight: float) -> list[float]:

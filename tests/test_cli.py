@@ -277,3 +277,26 @@ def test_output_files_in_missing_folders_fail_before_the_work(run, tiny_model_di
 def test_chat_refuses_an_empty_cid_and_cid_with_continue(run):
     assert_clean_failure(run("chat", "--cid", ""), "`--cid` is empty")
     assert_clean_failure(run("chat", "--cid", "abc", "--continue"), "give --cid ID or --continue, not both")
+
+
+# -- configurations that cannot reply, refused when they are given -----------------------------
+def refused_on_the_command_line():
+    from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS, REPEATED_STEERERS
+
+    for specs, line in IMPOSSIBLE_STEERERS + REPEATED_STEERERS:
+        yield [arg for spec in specs for arg in ("--steer", spec)], line
+    for spec, line in NON_DECODABLE_DECODERS:
+        yield ["--decoder", spec], line
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["eval", "--limit", "1"], ["chat"], ["discord", "--check"]])
+def test_configurations_that_cannot_reply_are_refused_before_anything_starts(run, command, tmp_path):
+    # No model is loaded and no log opened: the model does not exist and the log's folder stays empty.
+    where = ["--model", str(tmp_path / "no-such-model")]
+    if command[0] in ("chat", "discord"):
+        where += ["--db", str(tmp_path / "log.sqlite3")]
+    for args, line in refused_on_the_command_line():
+        result = run(*command, *where, *args)
+        assert_clean_failure(result)
+        assert error_lines(result) == [f"Error: {line}"]
+    assert list(tmp_path.iterdir()) == []

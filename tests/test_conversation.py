@@ -210,6 +210,47 @@ def test_huge_messages_are_rejected_and_leave_the_conversation_unchanged(engine)
     assert len(clean_message("y" * MAX_MESSAGE_CHARS)) == MAX_MESSAGE_CHARS
 
 
+def test_send_refuses_a_configuration_that_cannot_reply_before_the_message_is_added(loaded):
+    from refused_configurations import (
+        IMPOSSIBLE_STEERERS,
+        NON_DECODABLE_DECODERS,
+        PLUGIN_MODULES,
+        REPEATED_STEERERS,
+    )
+
+    from chatcore.cli.specs import parse_spec
+    from chatcore.engine import Engine
+    from chatcore.plugin_manager import PluginHost
+
+    seen = []
+
+    class Watcher:  # where the conversation log learns of a user's message
+        @chatcore.hookimpl
+        def on_user_message(self, conversation, turn):
+            seen.append(turn.text)
+
+    host = PluginHost()
+    host.load_modules(PLUGIN_MODULES + ("chatcore.plugins.prompt_formats",))
+    host.register(Watcher(), "watcher")
+    engine = Engine(loaded, host=host)
+    conversation = engine.conversation()
+    refused = [
+        (ReplyOptions(steerers=[parse_spec(spec) for spec in specs]), line)
+        for specs, line in IMPOSSIBLE_STEERERS + REPEATED_STEERERS
+    ]
+    refused += [
+        (ReplyOptions(decoder=parse_spec(spec)[0], decoder_settings=parse_spec(spec)[1]), line)
+        for spec, line in NON_DECODABLE_DECODERS
+    ]
+    for options, line in refused:
+        with pytest.raises(OptionError) as excinfo:
+            conversation.send("hello", options)
+        assert str(excinfo.value) == line
+    with pytest.raises(OptionError, match="`temperature` must be between 1e-15 and 1e"):
+        conversation.send("hello", decoder_settings={"temperature": 1e-300})  # overrides are checked too
+    assert conversation.turns == [] and seen == []
+
+
 # -- options and seeds ------------------------------------------------------------------------
 
 

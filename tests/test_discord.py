@@ -612,6 +612,40 @@ async def test_decoder_and_steer_change_only_this_channels_replies(harness: Harn
 
 
 @pytest.mark.asyncio
+async def test_steer_and_decoder_refuse_configurations_that_cannot_reply(loaded, tmp_path):
+    from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS, PLUGIN_MODULES
+
+    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.engine import Engine
+    from chatcore.plugin_manager import PluginHost
+
+    host = PluginHost()
+    host.load_modules(PLUGIN_MODULES + ("chatcore.plugins.prompt_formats",))
+    engine = Engine(loaded, host=host)
+    db = str(tmp_path / "log.sqlite3")
+    harness = await start_harness(engine, settings_for(), lambda: LogPersistence(engine, db))
+    try:
+        channel = harness.channel(0)
+        key = conversation_key(channel)
+        manager = await make_manager(harness, harness.member(0))
+        for (first, second), line in IMPOSSIBLE_STEERERS:
+            await slash(harness, "steer", manager, channel, spec="off")
+            assert answers(await slash(harness, "steer", manager, channel, spec=first))[0].startswith("Steering")
+            before = harness.bot.setup_for(key).copy()
+            refused = await slash(harness, "steer", manager, channel, spec=second)
+            assert answers(refused) == [f"Cannot use that: {line}"] and refused.response.sent[0][1] is True
+            assert harness.bot.setup_for(key) == before  # the steering stays as it was
+        for spec, line in NON_DECODABLE_DECODERS:
+            refused = await slash(harness, "decoder", manager, channel, spec=spec)
+            assert answers(refused) == [f"Cannot use that: {line}"]
+            assert harness.bot.setup_for(key).decoder == "top-k"
+    finally:
+        await harness.close()
+    with ConversationStore(f"sqlite:///{db}") as store:
+        assert store.list_conversations() == []  # nothing was logged
+
+
+@pytest.mark.asyncio
 async def test_settings_and_why_describe_the_channel(harness: Harness):
     member = harness.member(0)
     dm = await member.create_dm()
@@ -1159,6 +1193,7 @@ def test_the_discord_command_checks_everything_without_printing_the_token(
 
     import click
     from click.testing import CliRunner
+    from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS
 
     for name in ("chatcore", "discord"):  # the command sets their levels: put them back afterwards
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
@@ -1192,6 +1227,8 @@ def test_the_discord_command_checks_everything_without_printing_the_token(
         (["--decoder", "top-k top_k=0"], "`top_k` must be a positive integer, got 0"),
         (["--steer", "bow-bias strength=500"], "`strength` must be between -100 and 100, got 500.0"),
         (["--steer", "nope"], "unknown steerer 'nope'"),
+        *[([arg for spec in specs for arg in ("--steer", spec)], line) for specs, line in IMPOSSIBLE_STEERERS],
+        *[(["--decoder", spec], line) for spec, line in NON_DECODABLE_DECODERS],
     ]:
         result = runner.invoke(group, [*persona, *extra], env={"DISCORD_TOKEN": ""})
         assert result.exit_code != 0 and message in str(result.exception)

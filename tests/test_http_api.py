@@ -539,6 +539,40 @@ def test_answered_requests_are_logged_and_a_follow_up_continues_its_conversation
     ]
 
 
+def test_configurations_that_cannot_reply_get_400_and_nothing_is_logged(loaded, tmp_path):
+    from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS, PLUGIN_MODULES, REPEATED_STEERERS
+
+    from chatcore.adapters.http_api.app import ServeConfig, build_app
+    from chatcore.adapters.http_api.request_log import RequestLog
+    from chatcore.adapters.http_api.server import start_in_thread
+    from chatcore.engine import Engine
+    from chatcore.plugin_manager import PluginHost
+    from chatcore.serving import Scheduler
+
+    host = PluginHost()
+    host.load_modules(PLUGIN_MODULES + ("chatcore.plugins.prompt_formats",))
+    engine = Engine(loaded, host=host)
+    db = tmp_path / "log.sqlite3"
+    request_log = RequestLog(str(db), engine=engine)
+    scheduler = Scheduler(engine, max_batch=2, max_waiting=2)
+    server = start_in_thread(build_app(scheduler, ServeConfig(api_key=API_KEY, log=request_log)))
+    hi = [{"role": "user", "content": "hi"}]
+    refused = [({"steer": list(specs)}, line, "steer") for specs, line in IMPOSSIBLE_STEERERS + REPEATED_STEERERS]
+    refused += [({"decoder": spec}, line, "decoder") for spec, line in NON_DECODABLE_DECODERS]
+    try:
+        model = model_name(openai.OpenAI(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=60))
+        for fields, line, param in refused:
+            response = post((scheduler, server), {"model": model, "messages": hi, **fields})
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["message"] == line
+            assert response.json()["error"]["param"] == param
+    finally:
+        server.stop()
+        scheduler.close()
+        request_log.close()
+    assert read_log(db) == []
+
+
 def test_serve_refuses_a_log_it_cannot_open_before_loading_the_model(tmp_path):
     from click.testing import CliRunner
 

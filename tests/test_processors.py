@@ -14,7 +14,16 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from chatcore.processors import chain, no_repeat_ngram, repetition_penalty, temperature, top_k, top_p
+from chatcore.processors import (
+    MAX_TEMPERATURE,
+    MIN_SCORE_DIVISOR,
+    chain,
+    no_repeat_ngram,
+    repetition_penalty,
+    temperature,
+    top_k,
+    top_p,
+)
 
 INF = float("inf")
 
@@ -157,6 +166,23 @@ def test_top_k_decoder_builds_processors_in_documented_order():
 # -- validation -------------------------------------------------------------------------
 
 
+def test_scores_stay_finite_at_the_temperature_and_penalty_bounds():
+    # A seen token scoring 3.4e8 (far above any logit), divided by the smallest penalty and
+    # the smallest temperature: still finite. A banned token's -inf divided by the largest
+    # temperature: still -inf, not nan.
+    sequences = torch.tensor([[0]])
+    scores = torch.tensor([[3.4e8, -3.4e8, 1.0, -math.inf]])
+    smallest = chain([repetition_penalty(MIN_SCORE_DIVISOR), temperature(MIN_SCORE_DIVISOR)])(sequences, scores)
+    assert torch.isfinite(smallest[0, :3]).all() and smallest[0, 0] > 3e38
+    assert torch.softmax(smallest, dim=-1).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    largest = temperature(MAX_TEMPERATURE)(sequences, scores)
+    assert largest[0, 3] == -math.inf and not torch.isnan(torch.softmax(largest, dim=-1)).any()
+    # Past them the probabilities are nan: a score ten times larger, or an infinite temperature.
+    past = chain([repetition_penalty(MIN_SCORE_DIVISOR), temperature(MIN_SCORE_DIVISOR)])(sequences, scores * 10)
+    assert torch.isnan(torch.softmax(past, dim=-1)).any()
+    assert torch.isnan(scores / torch.tensor(MAX_TEMPERATURE * 10, dtype=torch.float32)).any()
+
+
 @pytest.mark.parametrize(
     "factory, value, message",
     [
@@ -167,10 +193,13 @@ def test_top_k_decoder_builds_processors_in_documented_order():
         (top_p, 1.5, "`top_p` must be in (0, 1], got 1.5"),
         (top_p, -0.1, "`top_p` must be in (0, 1], got -0.1"),
         (top_p, math.nan, "`top_p` must be in (0, 1], got nan"),
-        (temperature, 0, "`temperature` must be a positive number, got 0"),
-        (temperature, -1, "`temperature` must be a positive number, got -1"),
-        (repetition_penalty, 0, "`repetition_penalty` must be a positive number, got 0"),
-        (repetition_penalty, -1.5, "`repetition_penalty` must be a positive number, got -1.5"),
+        (temperature, 0, "`temperature` must be between 1e-15 and 1e+38, got 0"),
+        (temperature, -1, "`temperature` must be between 1e-15 and 1e+38, got -1"),
+        (temperature, 1e-300, "`temperature` must be between 1e-15 and 1e+38, got 1e-300"),
+        (temperature, 1e300, "`temperature` must be between 1e-15 and 1e+38, got 1e+300"),
+        (repetition_penalty, 0, "`repetition_penalty` must be a number of at least 1e-15, got 0"),
+        (repetition_penalty, -1.5, "`repetition_penalty` must be a number of at least 1e-15, got -1.5"),
+        (repetition_penalty, 1e-300, "`repetition_penalty` must be a number of at least 1e-15, got 1e-300"),
         (no_repeat_ngram, 0, "`no_repeat_ngram_size` must be a positive integer, got 0"),
         (no_repeat_ngram, "2", "`no_repeat_ngram_size` must be a positive integer, got '2'"),
     ],

@@ -335,6 +335,44 @@ def test_bad_input_is_refused_or_cleaned_never_raised(state, engine):
     assert state.current.turns[-2].text == "/shrug"
 
 
+def test_configurations_that_cannot_reply_are_refused_by_steer_and_decoder(loaded, store):
+    from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS, PLUGIN_MODULES
+
+    from chatcore.engine import Engine
+
+    host = plugin_manager.PluginHost()
+    host.load_modules(PLUGIN_MODULES + ("chatcore.plugins.prompt_formats",))
+    state = logged_state(Engine(loaded, host=host), store)
+    for (first, second), line in IMPOSSIBLE_STEERERS:
+        run(state, "/steer off")
+        assert not run(state, f"/steer {first}").error
+        before = list(state.options.steerers)
+        assert run(state, f"/steer {second}").output == f"error: {line}"
+        assert state.options.steerers == before  # the steering stays as it was
+    for spec, line in NON_DECODABLE_DECODERS:
+        assert run(state, f"/decoder {spec}").output == f"error: {line}"
+        assert run(state, f'/decoder "{spec}"').output == f"error: {line}"
+        assert state.options.decoder == "greedy"
+    assert state.current.turns == [] and store.list_conversations() == []  # nothing was logged
+
+
+def test_chat_refuses_a_configuration_that_cannot_reply_before_the_log_opens(repl_host, tiny_model_dir, tmp_path):
+    from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS
+
+    from chatcore.errors import OptionError
+
+    repl_host.load_modules(("chatcore.plugins.pplm", "chatcore.plugins.cocon"))
+    db = tmp_path / "chat.sqlite3"
+    for steers, decoder, line in [(specs, "greedy", line) for specs, line in IMPOSSIBLE_STEERERS] + [
+        ((), spec, line) for spec, line in NON_DECODABLE_DECODERS if spec.startswith(("top-k", "greedy"))
+    ]:
+        config = ChatConfig(model=str(tiny_model_dir), decoder_spec=decoder, steer_specs=steers, db_url=str(db))
+        with pytest.raises(OptionError) as refused:
+            start_chat(config, host=repl_host, err=io.StringIO(), input=None)
+        assert str(refused.value) == line
+    assert not db.exists()  # nothing was logged
+
+
 def test_a_failing_log_is_reported_once_and_the_chat_goes_on(state, store):
     store.db.dispose()
     Path(store.db.url.database).write_bytes(b"no longer a database" * 100)

@@ -207,13 +207,11 @@ class ChatBot(discord.Client):
     async def prepare(self) -> None:
         """Check the configured decoder, steerers and system prompt on the engine (bad
         settings fail here, before connecting) and learn the names the slash commands offer."""
-        setup = self.default_setup
+        options = self.options_of(self.default_setup)
         system, max_new_tokens = self.settings.system, self.settings.max_new_tokens
 
         def check(runtime: "ChatRuntime", control: "JobControl") -> tuple[dict[str, list[str]], str]:
-            runtime.check_decoder(setup.decoder, setup.decoder_settings)
-            for name, settings in setup.steerers:
-                runtime.check_steerer(name, settings)
+            runtime.check_options(options)
             runtime.check_system(system, max_new_tokens)
             return runtime.names(), runtime.prompt_format
 
@@ -243,9 +241,12 @@ class ChatBot(discord.Client):
         return self.setups.get(key, self.default_setup)
 
     def reply_options(self, key: str) -> "ReplyOptions":
+        return self.options_of(self.setup_for(key))
+
+    def options_of(self, setup: ChannelSetup) -> "ReplyOptions":
+        """The reply options of a conversation with ``setup``."""
         from chatcore.engine import ReplyOptions
 
-        setup = self.setup_for(key)
         return ReplyOptions(
             decoder=setup.decoder,
             decoder_settings=dict(setup.decoder_settings),

@@ -168,11 +168,9 @@ class ChatRuntime:
         return None
 
     # -- plugins ------------------------------------------------------------------
-    def check_decoder(self, name: str, settings: Mapping[str, Any]) -> None:
-        self.engine.make_decoder(name, settings)
-
-    def check_steerer(self, name: str, settings: Mapping[str, Any]) -> None:
-        self.engine.make_steerer(name, settings)
+    def check_options(self, options: "ReplyOptions") -> None:
+        """Refuse a decoder and steerers that could not make a reply (see Engine.check_options)."""
+        self.engine.check_options(options)
 
     def check_system(self, text: str | None, max_new_tokens: int) -> None:
         """Fail if ``text`` as the system prompt leaves no room for a message and a reply."""

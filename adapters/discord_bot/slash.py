@@ -190,12 +190,13 @@ class ChatCommands:
             self.bot.last_provenance.pop(key, None)
             await respond(interaction, "Started a new conversation here; earlier messages are forgotten.")
 
-    async def _checked_spec(
-        self, interaction: discord.Interaction, spec: str, kind: str
-    ) -> tuple[str, dict[str, Any]] | None:
-        """(name, settings) of a decoder or steerer spec that parses, names nothing on the bot's
-        machine and builds (checked on the worker, without decoding); None once the user has
-        been told why not."""
+    async def _checked_setup(
+        self, interaction: discord.Interaction, key: str, spec: str, kind: str
+    ) -> tuple["ChannelSetup", str, dict[str, Any]] | None:
+        """The conversation's setup with a decoder or steerer spec applied, once the spec
+        parses, names nothing on the bot's machine, and the whole resulting setup (each
+        steerer with the others) could make a reply (checked on the worker, without
+        decoding); with the spec's name and settings. None once the user has been told why not."""
         try:
             name, settings = parse_spec(spec)
         except ChatcoreError as error:
@@ -205,24 +206,28 @@ class ChatCommands:
         if refused is not None:
             await respond(interaction, f"Cannot use that: {refused}", ephemeral=True)
             return None
+        setup = self.bot.setup_for(key).copy()
+        if kind == "decoder":
+            setup.decoder, setup.decoder_settings = name, dict(settings)
+        else:
+            setup.steerers = with_steerer(setup.steerers, name, settings)
+        options = self.bot.options_of(setup)
 
         def job(runtime: "ChatRuntime", control: "JobControl") -> None:
-            check = runtime.check_decoder if kind == "decoder" else runtime.check_steerer
-            check(name, settings)
+            runtime.check_options(options)
 
         ok, _ = await self._run(interaction, job, ephemeral=False)
-        return (name, settings) if ok else None
+        return (setup, name, settings) if ok else None
 
     async def decoder(self, interaction: discord.Interaction, spec: str) -> None:
         if not self.may_change(interaction):
             await self._refuse(interaction, "change the decoder")
             return
         key = conversation_key(interaction.channel)
-        checked = await self._checked_spec(interaction, spec, "decoder")
+        checked = await self._checked_setup(interaction, key, spec, "decoder")
         if checked is not None:
-            name, settings = checked
-            setup = self._own_setup(key)
-            setup.decoder, setup.decoder_settings = name, dict(settings)
+            setup, name, settings = checked
+            self.bot.setups[key] = setup
             await respond(interaction, f"Decoder in this channel: `{describe_spec(name, settings)}`")
 
     async def steer(self, interaction: discord.Interaction, spec: str) -> None:
@@ -234,11 +239,10 @@ class ChatCommands:
             self._own_setup(key).steerers = []
             await respond(interaction, "Steering in this channel: off")
             return
-        checked = await self._checked_spec(interaction, spec, "steerer")
+        checked = await self._checked_setup(interaction, key, spec, "steerer")
         if checked is not None:
-            name, settings = checked
-            setup = self._own_setup(key)
-            setup.steerers = with_steerer(setup.steerers, name, settings)
+            setup, _, _ = checked
+            self.bot.setups[key] = setup
             listed = ", ".join(f"`{describe_spec(n, s)}`" for n, s in setup.steerers)
             await respond(interaction, f"Steering in this channel: {listed}")
 

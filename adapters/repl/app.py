@@ -94,7 +94,7 @@ def build_state(
     from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.adapters.repl.state import ChatState
     from chatcore.cli.specs import parse_spec
-    from chatcore.engine import ReplyOptions
+    from chatcore.engine import ReplyOptions, validate_options
     from chatcore.prompting import clean_system_prompt
     from chatcore.serving import Scheduler
 
@@ -104,13 +104,12 @@ def build_state(
     options = ReplyOptions(
         decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, max_new_tokens=config.max_new_tokens
     )
+    validate_options(options, host=host)  # a configuration that cannot reply fails before the log opens
     store, off_reason = open_log(config, say)
     try:
         resume_id = find_resume_id(config, store, say)  # an unknown id fails before the model loads
         engine = load_engine(config, host, say)
-        engine.make_decoder(decoder, decoder_settings)  # bad settings fail before the first prompt
-        for name, settings in steerers:
-            engine.make_steerer(name, settings)
+        engine.check_options(options)  # what needs the model fails before the first prompt
         state = ChatState(
             engine,
             options,

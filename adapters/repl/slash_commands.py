@@ -161,7 +161,8 @@ def decoder_command(state: "ChatState", rest: str) -> Outcome:
             output=f"decoder: {describe_decoder(state)}\navailable: {available(state.engine.registry.decoders)}"
         )
     name, settings = parse_spec(unquote_spec(rest))
-    state.engine.make_decoder(name, settings)  # validates before anything changes
+    options = state.options.replace(decoder=name, decoder_settings=settings)
+    state.engine.check_options(options)  # the whole configuration, before anything changes
     state.options.decoder, state.options.decoder_settings = name, settings
     return Outcome(output=f"decoder: {describe_decoder(state)}")
 
@@ -188,12 +189,9 @@ def steer_command(state: "ChatState", rest: str) -> Outcome:
         state.options.steerers = [(n, s) for n, s in state.options.steerers if n not in names]
         left = ", ".join(n for n, _ in state.options.steerers) or "none"
         return Outcome(output=f"steering off: {', '.join(names)} (still on: {left})")
-    from chatcore.steering import check_composition
-
     name, settings = parse_spec(unquote_spec(rest))
-    state.engine.make_steerer(name, settings)  # validates before anything changes
     steerers = with_steerer(state.options.steerers, name, settings)
-    check_composition([state.engine.registry.steerer(n) for n, _ in steerers])  # a combination that cannot work
+    state.engine.check_options(state.options.replace(steerers=steerers))  # all of it, before anything changes
     state.options.steerers = steerers
     return Outcome(output="steering: " + "; ".join(describe_steerers(state)))
 
