@@ -243,10 +243,7 @@ class Engine:
         return self.scripted(turns, system).reply(options, **overrides)
 
     def respond(self, conversation: Conversation, options: ReplyOptions | None = None, **overrides: Any) -> Response:
-        options = options or ReplyOptions()
-        if overrides:
-            options = options.replace(**overrides)
-        reply = self.prepare_reply(conversation, options)
+        reply = self.prepare_reply(conversation, self.options_for(options, **overrides))
         return Response(
             lambda: self.reply_tokens(reply), self.tokenizer, reply.provenance, finalize=conversation._record
         )
