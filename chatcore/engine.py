@@ -19,8 +19,8 @@ from pydantic import NonNegativeInt, PositiveInt, model_validator
 from chatcore.conversation import Conversation
 from chatcore.decoding import Decoder, GenerationSession
 from chatcore.errors import ChatcoreError, OptionError, PluginError
-from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model
-from chatcore.options import Configurable, Settings
+from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model, sampling_defaults
+from chatcore.options import Configurable, Settings, settings_schema
 from chatcore.plugin_manager import PluginHost, get_plugin_host
 from chatcore.prompting import (
     AUTO,
@@ -142,6 +142,7 @@ class Engine:
             self.registry = Registry.build(self.host)
         validate_format_name(prompt_format, self.registry)  # an unknown name fails before the model loads
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+        self.sampling_defaults = sampling_defaults(self.loaded)
         self._formats: dict[str, PromptFormat] = {}
         self._setups: OrderedDict[tuple[type, str], Any] = OrderedDict()  # decoders' and steerers' setup results
         self.prompt_format = self.make_prompt_format(prompt_format)
@@ -174,8 +175,13 @@ class Engine:
 
     # -- plugins -----------------------------------------------------------------
     def make_decoder(self, name: str, settings: Mapping[str, Any] | None = None) -> Decoder:
+        """The decoder ``name`` with ``settings``; settings not given take the model's own
+        recommended sampling where the decoder has them (:func:`chatcore.models.sampling_defaults`)."""
         cls = self.registry.decoder(name)
-        decoder = self._construct(lambda: cls.from_options(settings or {}), "decoder", name)
+        fields = settings_schema(cls.Settings).get("properties", {})
+        given = dict(settings or {})
+        merged = {**{k: v for k, v in self.sampling_defaults.items() if k in fields and k not in given}, **given}
+        decoder = self._construct(lambda: cls.from_options(merged), "decoder", name)
         decoder.shared = self._shared_setup(decoder)
         return decoder
 

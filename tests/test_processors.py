@@ -18,6 +18,7 @@ from chatcore.processors import (
     MAX_TEMPERATURE,
     MIN_SCORE_DIVISOR,
     chain,
+    min_p,
     no_repeat_ngram,
     repetition_penalty,
     temperature,
@@ -59,6 +60,14 @@ def test_top_p_keeps_the_smallest_nucleus():
     out = torch.exp(top_p(0.8)(no_sequences(), distribution))
     expected = torch.tensor([[0.3, 0.0, 0.0, 0.5], [0.0, 0.3, 0.3, 0.25]])
     torch.testing.assert_close(out, expected)
+
+
+def test_min_p_keeps_tokens_at_least_that_share_as_likely_as_the_best():
+    distribution = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    out = torch.exp(min_p(0.35)(no_sequences(), distribution))  # keeps p >= 0.35 * best
+    assert (out > 0).tolist() == [[True, True, False, False], [True, True, True, True]]
+    with pytest.raises(ValueError, match="`min_p` must be in"):
+        min_p(0.0)
 
 
 def test_top_p_always_keeps_the_best_token_and_one_is_identity():
