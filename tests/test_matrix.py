@@ -21,7 +21,8 @@ refused at configuration with the Python API's message, in one line:
   steer in a DM. Discord takes no seed, so it runs the greedy cells and the cells the API
   refuses; the sampled replies are not run there (``-`` in the report).
 
-A test per (entry point, model) fails with the table of the cells that differ.
+A test per (entry point, model) fails with the table of the cells that differ; those of
+generate and eval are marked slow.
 ``python bench/matrix_report.py`` prints the whole matrix with counts.
 """
 
@@ -351,8 +352,14 @@ def shown_in_discord(outcome: Outcome) -> Outcome:
 
 
 # -- the matrix --------------------------------------------------------------------------------
+# generate and eval load the model for every cell: the rest share one loaded model per entry point.
+RELOADING = ("generate", "eval")
+
+
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize(
+    "entry", [pytest.param(entry, marks=pytest.mark.slow) if entry in RELOADING else entry for entry in ENTRY_POINTS]
+)
 def test_every_combination_gives_the_python_apis_reply_or_refusal(
     entry: str, model: str, matrix: Matrix, cli: Callable[..., Result], tmp_path: Path
 ) -> None:
