@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from chatcore.cocon.pipeline import CoconPipeline, ContentMemory
     from chatcore.cocon.training import CoconPrecision
     from chatcore.decoding import GenerationSession
+    from chatcore.models import LoadedModel
 
 TAU_LIMIT = 50.0
 
@@ -104,12 +105,23 @@ class CoconSteerer(Steerer):
         self.pipeline: "CoconPipeline | None" = None
         self.content: "ContentMemory | None" = None
 
+    @classmethod
+    def setup(cls, model: "LoadedModel", settings: CoconSettings) -> tuple[Any, Any, dict[str, Any]]:
+        """The block (its folder, the loaded block, its info), found and checked against the
+        model once per engine: a model no block fits is refused when cocon is chosen."""
+        from chatcore.cocon.store import check_compatible, load_block, model_fingerprint, resolve_block
+
+        fingerprint = model_fingerprint(model.model, model.tokenizer)
+        folder = resolve_block(settings.block, fingerprint, model.name)
+        block, info = load_block(folder, device=model.device, dtype=model.dtype)
+        check_compatible(info, fingerprint, settings.block or folder.name, model.name)
+        return folder, block, info
+
     def prepare(self, session: "GenerationSession") -> None:
         import torch
 
         from chatcore.cocon.model_split import SplitModel
         from chatcore.cocon.pipeline import CoconPipeline
-        from chatcore.cocon.store import check_compatible, load_block, model_fingerprint, resolve_block
 
         steerers = list(session.steerers)
         if not steerers or steerers[0] is not self:
@@ -119,10 +131,7 @@ class CoconSteerer(Steerer):
                 f"pass and the others wrap it (got: {order})"
             )
         loaded = session.model
-        fingerprint = model_fingerprint(loaded.model, loaded.tokenizer)
-        folder = resolve_block(self.settings.block, fingerprint, loaded.name)
-        block, info = load_block(folder, device=loaded.device, dtype=loaded.dtype)
-        check_compatible(info, fingerprint, self.settings.block or folder.name, loaded.name)
+        folder, block, info = self.shared if self.shared is not None else self.setup(loaded, self.settings)
         self.pipeline = CoconPipeline(SplitModel(loaded.model, block.config.split_layer), block)
         texts = [(" " + text) if self.settings.leading_space else text for text in self.settings.content]
         contents = [encode_text(loaded.tokenizer, text) for text in texts]

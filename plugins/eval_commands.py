@@ -116,13 +116,14 @@ def eval_command(
     for sample in shown:
         click.echo(f"\n> {sample['context'][-1]}\n{sample['reply']}")
     errors = [s for s in report.samples if "error" in s]
-    if errors:
-        click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
     if json_path:
         with open_output(json_path) as stream:
             stream.write(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     if errors and len(errors) == len(report.samples):
-        raise ChatcoreError(f"every context failed ({len(errors)}): nothing was measured")
+        # One line: the failure itself, which every context met.
+        raise ChatcoreError(f"every context failed ({len(errors)}), e.g.: {errors[0]['error']}")
+    if errors:
+        click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
 
 
 def load_vocabulary(attribute: str) -> set[str]:
