@@ -308,6 +308,65 @@ def test_why_after_a_reply_interrupted_before_its_first_token_says_so(state):
         assert [m.role for m in store.get_conversation(summary.id).messages] == ["user"]
 
 
+class CtrlCWhen(io.StringIO):
+    """The terminal, where Ctrl-C is pressed (once) at the first flush at which ``pressed(text
+    so far, flushes)`` holds: at a moment the test chooses, not one a clock does."""
+
+    def __init__(self, pressed) -> None:
+        super().__init__()
+        self.pressed = pressed
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        if self.pressed is not None and self.pressed(self.getvalue(), self.flushes):
+            self.pressed = None
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(
+    "written, pressed, shown, kept",
+    [
+        # Pressed once "my" is on the screen (the reply has gone on to " frie"): cut inside "friend".
+        ("Hello there, my frie", lambda text, _: "my" in text, "Hello there, my [interrupted]", "Hello there, my"),
+        # Pressed after the first token (flushes: the notices, the "bot> " prefix, the first
+        # delta): not one whole word, so no reply is kept.
+        ("Hellothere", lambda _, flushes: flushes == 3, " [interrupted]", None),
+    ],
+)
+def test_ctrl_c_keeps_the_reply_up_to_its_last_whole_word_and_the_log_says_so(
+    serving_engine, store, gate, written, pressed, shown, kept
+):
+    from chatcore.serving import Scheduler
+
+    gate.text = written
+    chat = logged_state(serving_engine, store)
+    chat.options = ReplyOptions(decoder="gated-text", max_new_tokens=40)
+    chat.scheduler = Scheduler(serving_engine)  # as `chatcore chat` decodes
+    lines = ["tell me a story"]
+
+    def read_line() -> str:
+        if lines:
+            return lines.pop()
+        raise EOFError
+
+    out = CtrlCWhen(pressed)
+    try:
+        run_loop(chat, read_line, out)
+    finally:
+        gate.release.set()
+        chat.scheduler.close()
+    assert out.getvalue() == f"bot> {shown}\n\n"  # whole words only, then the mark (and the end of input)
+    with store as opened:
+        (summary,) = opened.list_conversations(limit=1)
+        messages = opened.get_conversation(summary.id).messages
+    if kept is None:
+        assert [t.role for t in chat.current.turns] == ["user"] and [m.role for m in messages] == ["user"]
+    else:
+        assert (chat.current.turns[-1].text, chat.current.turns[-1].interrupted) == (kept, True)
+        assert [(m.role, m.text, m.interrupted) for m in messages][1:] == [("bot", kept, True)]
+
+
 def test_why_shows_steering(state):
     run(state, "/steer bow-bias words=pizza,pasta strength=2")
     run(state, "what do you like?")
