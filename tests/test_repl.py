@@ -972,15 +972,20 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
         "tell me a long story",
     ]
     bots = [line for line in lines if " bot> " in line]
-    assert len(bots) == 6
+    # The interrupted reply is kept when it had written a whole word by the Ctrl-C (its
+    # text is random, its speed the machine's); otherwise the last message waits for one.
+    assert len(bots) in (5, 6)
     assert "[greedy, " in bots[0] and "[top-k, " in bots[1]
     assert "top-k + bow-bias" in bots[2] and "superseded by a retry" in bots[2]
     assert "[top-k, " in bots[3] and "superseded" not in bots[3]
     assert "top-k + slow" in bots[4] and "interrupted" not in bots[4]
-    assert "top-k + slow" in bots[5] and "interrupted" in bots[5]
     with ConversationStore(url) as store:
         last = store.get_conversation(listed[0]["id"]).messages[-1]
-    assert last.interrupted and 1 <= last.token_count < 12
+    if len(bots) == 6:
+        assert "top-k + slow" in bots[5] and "interrupted" in bots[5]
+        assert last.interrupted and 1 <= last.token_count < 12
+    else:
+        assert (last.role, last.text) == ("user", "tell me a long story")
 
 
 def read_line(process, buffer, timeout=60.0):
