@@ -145,10 +145,11 @@ class Conversation:
         return self.reply(options)
 
     def _record(self, response: "Response") -> None:
-        if not response.token_ids and (response.error is not None or response.interrupted):
-            # A reply that failed or was stopped before its first token (Ctrl-C while MMI
-            # ranks its candidates, say) is not a turn: the user's message waits for one.
-            return
         text = "".join(response._chunks)
+        if not text and (response.error is not None or response.interrupted):
+            # A reply that failed or was stopped before its first whole word (Ctrl-C while
+            # MMI ranks its candidates, a timeout in the middle of the first word) is not a
+            # turn: the user's message waits for one.
+            return
         self.add_bot_text(text, interrupted=response.interrupted, meta={"provenance": response.provenance})
         self.engine.host.call_each("on_response", conversation=self, response=response)

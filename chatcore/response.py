@@ -5,6 +5,10 @@ Iterating yields text deltas as the decoder produces tokens; iterating again rep
 them. When the reply ends (completely, or interrupted with :meth:`interrupt`), the
 ``on_done`` callbacks run once, in order; the conversation uses one to record the
 reply and fire the ``on_response`` hook.
+
+An interrupted reply (Ctrl-C, a timeout, a shutdown, an error part-way) keeps its text
+cut back to its last whole word (:func:`chatcore.cutting.whole_words`): ``text()`` and
+the conversation never end in half a word.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from chatcore.cutting import whole_words
 from chatcore.streaming import IncrementalDetokenizer
 
 
@@ -25,14 +30,19 @@ def timings_of(provenance: dict[str, Any]) -> dict[str, Any]:
 
 
 class Response:
+    """``cut_short()``, asked when the token source has ended, says whether it was stopped
+    from outside (its request cancelled): the reply then ends interrupted."""
+
     def __init__(
         self,
         token_source: Callable[[], Iterator[int]],
         tokenizer: Any,
         provenance: dict[str, Any],
         finalize: Callable[["Response"], None] | None = None,
+        cut_short: Callable[[], bool] | None = None,
     ) -> None:
         self._token_source = token_source
+        self._cut_short = cut_short
         self._tokenizer = tokenizer
         self._finalize = finalize
         self._chunks: list[str] = []
@@ -79,8 +89,9 @@ class Response:
             self._finish(interrupted=True)
             raise
         tail = self._flush()
-        self._finish(interrupted=False)
-        if tail:
+        cut = self._cut_short is not None and self._cut_short()
+        self._finish(interrupted=cut)
+        if tail and not cut:
             yield tail
 
     def _flush(self) -> str:
@@ -102,6 +113,9 @@ class Response:
             if close is not None:
                 close()
         self._flush()
+        if interrupted:
+            kept = whole_words("".join(self._chunks))
+            self._chunks = [kept] if kept else []
         self.done = True
         self.interrupted = interrupted
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
@@ -117,7 +131,8 @@ class Response:
         self._callbacks.clear()
 
     def interrupt(self) -> None:
-        """Stop generating; the partial reply is kept and marked interrupted."""
+        """Stop generating; the reply so far is kept, cut back to its last whole word, and
+        marked interrupted."""
         if self._iterator is None and not self.done:
             self._started = time.perf_counter()
         self._finish(interrupted=True)

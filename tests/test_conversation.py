@@ -396,7 +396,9 @@ def test_a_raising_hook_is_reported_and_the_message_still_lands(engine):
 # -- interrupt ---------------------------------------------------------------------------------------
 
 
-def test_interrupting_keeps_the_partial_reply(engine):
+def test_interrupting_keeps_the_partial_reply_up_to_its_last_whole_word(engine):
+    from chatcore.cutting import whole_words
+
     recorder = Recorder()
     engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
@@ -404,15 +406,15 @@ def test_interrupting_keeps_the_partial_reply(engine):
     deltas = []
     for delta in response:
         deltas.append(delta)
-        break
+        if whole_words("".join(deltas)):  # stopped once a word is whole, most likely in the next one
+            break
     response.interrupt()
     assert response.interrupted and response.done
     assert response.provenance["interrupted"] is True
     assert 0 < len(response.token_ids) < 40
     last = conversation.turns[-1]
     assert last.role == "bot" and last.interrupted
-    assert last.text == response.text()
-    assert last.text.startswith(deltas[0])
+    assert last.text == response.text() == whole_words("".join(deltas))
     responses = [e for e in recorder.events if e[0] == "response"]
     assert len(responses) == 1 and responses[0][4] is True
     response.interrupt()  # a second interrupt changes nothing
@@ -425,12 +427,16 @@ def test_interrupting_while_the_stream_is_still_held(engine):
     engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
     response = conversation.send("hi", ReplyOptions(decoder="top-k", seed=2, min_new_tokens=40, max_new_tokens=40))
+    from chatcore.cutting import whole_words
+
     stream = iter(response)
-    first = next(stream)
+    seen = next(stream)
+    while not whole_words(seen):
+        seen += next(stream)
     response.interrupt()
     assert list(stream) == []  # the stream ends quietly
     assert response.interrupted
-    assert conversation.turns[-1].interrupted and conversation.turns[-1].text.startswith(first)
+    assert conversation.turns[-1].interrupted and conversation.turns[-1].text == whole_words(seen)
     assert len([e for e in recorder.events if e[0] == "response"]) == 1
     # the conversation goes on
     follow_up = conversation.send("and then?", ReplyOptions(decoder="greedy", max_new_tokens=4))

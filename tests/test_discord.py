@@ -804,40 +804,53 @@ async def test_twenty_channels_are_decoded_in_one_batch_and_equal_replies_decode
 
 
 @pytest.mark.asyncio
-async def test_a_reply_past_its_timeout_is_cut_and_frees_its_place_at_once(loaded, host):
-    from chatcore.engine import Engine
+@pytest.mark.parametrize(
+    "written, kept",
+    [
+        ("Hello there, my frie", "Hello there, my"),  # cut in the middle of "friend"
+        ("Hellothere", None),  # not one whole word: the timeout answer, and no reply in the log
+    ],
+)
+async def test_a_reply_past_its_timeout_is_cut_at_a_whole_word_and_frees_its_place_at_once(
+    serving_engine, gate, tmp_path, written, kept
+):
+    from chatcore.adapters.conversation_log.store import ConversationStore
 
-    host.register(SlowTextPlugin(), "slow-text-test")
-    engine = Engine(loaded, host=host)
+    gate.text = written
+    db = str(tmp_path / "log.sqlite3")
     harness = await start_harness(
-        engine,
-        settings_for(
-            decoder="slow-text words=400 delay_s=0.02",
-            reply_timeout_s=0.3,
-            max_batch=1,
-            queue_size=1,
-            max_new_tokens=100,
-        ),
+        serving_engine,
+        settings_for(decoder="gated-text", max_new_tokens=40, max_batch=1, queue_size=1),
+        lambda: LogPersistence(serving_engine, db),
     )
+
+    async def time_is_up(seconds: float) -> None:  # the reply's time runs out once it has written its text
+        assert await asyncio.to_thread(gate.written.wait, 60)
+
+    harness.bot.reply_timer = time_is_up
     try:
-        member, other = harness.member(0), harness.member(1)
-        dm, other_dm = await member.create_dm(), await other.create_dm()
-        started = time.perf_counter()
-        first = asyncio.ensure_future(dpytest.message("a long story please", channel=dm, member=member))
-        await asyncio.sleep(0.05)
-        await asyncio.gather(first, dpytest.message("and me", channel=other_dm, member=other))
-        elapsed = time.perf_counter() - started
-        sent = {m.channel.id: m.content for m in harness.drain()}
-        assert sent[dm.id].startswith("word0") and sent[dm.id].count("word") < 400
-        # The second waited for the first's timeout only, not for its 400 words (8 s); it is cut
-        # by its own timeout in turn (or, on a slow machine, told the bot is busy if that came
-        # before it had a place).
-        assert sent[other_dm.id].startswith("word0") or sent[other_dm.id] == bot_module.BUSY_REPLY
-        assert elapsed < 4
-        assert harness.bot.stats.interrupted + harness.bot.stats.busy == 2
+        member = harness.member(0)
+        dm = await member.create_dm()
+        (answer,) = await harness.say("tell me a story", dm, member)
+        if kept is None:
+            assert answer.content == bot_module.TIMEOUT_REPLY
+        else:
+            assert answer.content == kept + bot_module.CUT_MARKS["timeout"]
+        assert harness.bot.stats.interrupted == 1
+        # Sent while the decoder still holds the scheduler's thread: its place is free already.
         assert await harness.on_worker(lambda runtime: runtime.scheduler.in_flight()) == 0
+        assert not await harness.on_worker(lambda runtime: runtime.scheduler.full)
     finally:
+        gate.release.set()
         await harness.close()
+
+    with ConversationStore(f"sqlite:///{db}") as store:
+        (summary,) = store.list_conversations(channel_key=conversation_key(dm))
+        messages = store.get_conversation(summary.id).messages
+    if kept is None:
+        assert [m.role for m in messages] == ["user"]  # the message waits for a reply
+    else:
+        assert [(m.role, m.text.strip(), m.interrupted) for m in messages][1:] == [("bot", kept, True)]
 
 
 @pytest.mark.asyncio
@@ -896,7 +909,8 @@ async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log
         (summary,) = store.list_conversations(channel_key=conversation_key(first_dm))
         messages = store.get_conversation(summary.id).messages
     assert [m.role for m in messages] == ["user", "bot"]
-    assert messages[1].interrupted is interrupted and messages[1].text.strip() == sent[first_dm.id]
+    mark = bot_module.CUT_MARKS["shutdown"] if interrupted else ""
+    assert messages[1].interrupted is interrupted and messages[1].text.strip() + mark == sent[first_dm.id]
     assert messages[0].author_id == str(first.id)  # an operator can export or delete one person's messages
 
 
@@ -1151,6 +1165,7 @@ async def test_a_refused_token_is_a_clear_error_without_the_token(tiny_model_dir
     "changes, message",
     [
         ({"shard_ids": (0,)}, "`shard_ids` needs `shard_count`"),
+        ({"shard_count": 0, "shard_ids": (0,)}, "`shard_ids` needs a fixed `shard_count`: with `shard_count` 0"),
         ({"shard_count": 2, "shard_ids": (0, 2)}, "`shard_ids` must be shard numbers from 0 to 1, got 2"),
         ({"shard_count": 4, "shard_ids": (1, 1)}, "`shard_ids` lists a shard twice: [1, 1]"),
         ({"shard_count": -1}, "`shard_count` must be a non-negative integer"),

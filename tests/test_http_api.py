@@ -607,3 +607,60 @@ def test_a_reply_with_a_control_character_comes_back_as_history_and_continues_it
     assert thread_key(messages[:-1]) == thread_key([*sent_first, _assistant(reply)])
     with pytest.raises(ApiError, match="contains a control character"):
         to_messages(parsed({"role": "user", "content": "bad\x05"}), None)
+
+
+def logged_as_recorded(request_log):
+    """An event set once the server has handed an exchange to the log."""
+    import threading
+
+    recorded = threading.Event()
+    record = request_log.record
+
+    def record_and_tell(exchange) -> None:
+        record(exchange)
+        recorded.set()
+
+    request_log.record = record_and_tell
+    return recorded
+
+
+def test_a_client_gone_mid_word_is_logged_with_the_whole_words_it_was_sent_marked_interrupted(logged, gate):
+    client, request_log, db = logged
+    recorded = logged_as_recorded(request_log)
+    stream = client.chat.completions.create(
+        model=model_name(client),
+        messages=[{"role": "user", "content": "tell me a story"}],
+        max_tokens=40,
+        stream=True,
+        extra_body={"decoder": "gated-text"},
+    )
+    received = ""
+    for chunk in stream:  # the reply waits after "Hello there, my frie"; "frie" is never sent
+        received += chunk.choices[0].delta.content or ""
+        if received == "Hello there, my":
+            break
+    stream.close()  # the client goes away in the middle of "friend"
+    assert recorded.wait(60)
+    gate.release.set()
+    request_log.close()
+    (conversation,) = read_log(db)
+    bot = conversation.messages[-1]
+    assert (bot.role, bot.text, bot.interrupted) == ("bot", "Hello there, my", True)
+
+
+def test_a_stop_string_the_client_asked_for_is_a_normal_end_not_an_interruption(logged, gate):
+    client, request_log, db = logged
+    reply = client.chat.completions.create(
+        model=model_name(client),
+        messages=[{"role": "user", "content": "tell me a story"}],
+        max_tokens=40,
+        stop=["my"],
+        extra_body={"decoder": "gated-text"},
+    )
+    # Ended before the stop string, while the decoder still waits: everything before it is sent.
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("Hello there, ", "stop")
+    gate.release.set()
+    request_log.close()
+    (conversation,) = read_log(db)
+    bot = conversation.messages[-1]
+    assert (bot.text, bot.interrupted, bot.provenance["finish_reason"]) == ("Hello there, ", False, "stop")

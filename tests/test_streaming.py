@@ -139,3 +139,53 @@ def test_nothing_is_generated_until_iterated(tokenizer):
     assert started == [] and not response.done
     assert response.text() == "lazy"
     assert started == [True]
+
+
+# -- cutting a reply short at its last whole word ----------------------------------------
+@pytest.mark.parametrize(
+    "written, kept",
+    [
+        ("Hello there, my frie", "Hello there, my"),
+        ("Hi there", "Hi"),  # "there" may go on as "therefore"
+        ("Hi there.", "Hi there."),
+        ("Hi there \n", "Hi there"),
+        ("w", ""),  # the one-letter fragment: nothing whole
+        ("Thisisonelongwordwithnospaces", ""),
+        ("pi is 3.1", "pi is"),
+        ("say “hello” to", "say “hello”"),
+        ("don’", ""),  # an apostrophe, not a closing quote
+        ("我们今天去公园。明天", "我们今天去公园。明天"),  # written without spaces: each character is whole
+        ("日本\ufffd", "日本"),  # the first byte of a character whose other bytes never came
+        ("Great 👍 and", "Great 👍"),
+        ("Great 👍", "Great"),  # a skin tone may still follow
+        ("👍🏽 ok", "👍🏽"),
+        ("🇫🇷🇩", "🇫🇷"),  # half a flag is not whole
+        ("👨\u200d👩", ""),  # half a family either
+    ],
+)
+def test_whole_words_cuts_back_to_the_last_whole_word(written, kept):
+    from chatcore.cutting import whole_words
+
+    assert whole_words(written) == kept
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_stream_held_to_whole_words_never_shows_what_a_cut_would_not_keep(text):
+    from chatcore.cutting import WholeWords, whole_words
+
+    for size in (1, 2, 3):  # deltas of a few characters, as a tokenizer gives them
+        words, shown = WholeWords(), ""
+        for start in range(0, len(text), size):
+            shown += words.push(text[start : start + size])
+            assert whole_words(text[: start + size]).startswith(shown)
+        assert shown + words.flush() == text
+
+
+def test_an_interrupted_response_keeps_its_whole_words(tokenizer):
+    ids = encode_text(tokenizer, "Hello there, my frie")
+    recorded = []
+    response = Response(lambda: iter(ids), tokenizer, {}, finalize=recorded.append, cut_short=lambda: True)
+    assert response.text() == "Hello there, my" and response.interrupted
+    assert response.provenance["interrupted"] and recorded == [response]
+    whole = Response(lambda: iter(ids), tokenizer, {})
+    assert whole.text() == "Hello there, my frie" and not whole.interrupted

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -45,6 +45,9 @@ EMPTY_REPLY = "…I'm not sure what to say to that. Could you put it another way
 NEED_TEXT_REPLY = "I only read text: write your message after the mention and I'll answer."
 COOLDOWN_REPLY = "You're going a little fast for me: wait {seconds:g} s between messages."
 RESTARTING_REPLY = "I'm restarting and dropped your message; please send it again in a minute."
+TIMEOUT_REPLY = "Sorry, I took too long to answer that. Please try again."
+# After a reply cut short, by why it was cut: the person sees that it is not all.
+CUT_MARKS = {"timeout": " [interrupted: I ran out of time]", "shutdown": " [interrupted: I'm restarting]"}
 ERROR_REPLY = "Sorry, something went wrong while I was thinking. Please try again."
 
 
@@ -140,10 +143,14 @@ class InFlight:
     stop_reason: str | None = None
 
     def stop(self, reason: str) -> None:
+        """Cut the reply (on the event loop): its slot is free at once, and its handler stops
+        waiting and sends what was written."""
         if self.stop_reason is None:
             self.stop_reason = reason
         if self.pending is not None:
             self.pending.handle.cancel()  # thread-safe; the slot is free at once
+            if not self.ended.done():
+                self.ended.set_result(None)
 
 
 @contextlib.asynccontextmanager
@@ -188,6 +195,9 @@ class ChatBot(discord.Client):
         self.system_prompts = SystemPrompts(settings.system)
         self.prompt_format = settings.prompt_format  # the name the engine resolved, once prepared
         self.cooldown = Cooldown(settings.cooldown_s)
+        # Waits out `reply_timeout_s`; tests put an event in its place, so that a reply is
+        # cut at a moment they choose rather than by the clock.
+        self.reply_timer: Callable[[float], Awaitable[Any]] = asyncio.sleep
         self.stats = BotStats()
         self.last_provenance: dict[str, dict[str, Any]] = {}
         self.catalog: dict[str, list[str]] = {"decoders": [], "steerers": []}
@@ -311,9 +321,11 @@ class ChatBot(discord.Client):
         if result is None:
             return
         self.remember_provenance(key, result.provenance)
+        text = result.text
         if result.interrupted:
             self.stats.interrupted += 1
-        await self.send_reply(message, result.text)
+            text = cut_reply_text(result.text, result.stop_reason)
+        await self.send_reply(message, text)
         self.stats.replies += 1
 
     async def _generate(
@@ -353,9 +365,7 @@ class ChatBot(discord.Client):
                 flight.stop(flight.stop_reason)
             try:
                 async with typing_indicator(message.channel):
-                    await asyncio.wait_for(asyncio.shield(flight.ended), timeout=self.settings.reply_timeout_s)
-            except asyncio.TimeoutError:
-                flight.stop("timeout")
+                    await self._wait_for_end(flight)
             except asyncio.CancelledError:
                 flight.stop("cancelled")
                 raise
@@ -386,6 +396,16 @@ class ChatBot(discord.Client):
             if self.raise_errors:
                 raise
         return None
+
+    async def _wait_for_end(self, flight: InFlight) -> None:
+        """Until the reply ends, is stopped, or is past `reply_timeout_s` (then it is cut)."""
+        timer = asyncio.ensure_future(self.reply_timer(self.settings.reply_timeout_s))
+        try:
+            await asyncio.wait({flight.ended, timer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            timer.cancel()
+        if not flight.ended.done():
+            flight.stop("timeout")
 
     async def send_reply(self, message: discord.Message, text: str) -> list[discord.Message]:
         """Send ``text`` in answer to ``message``: split to Discord's size, never empty,
@@ -451,6 +471,14 @@ class ChatBot(discord.Client):
         await self.worker.stop(self.settings.shutdown_grace_s)
         await self.close()
         logger.info("stopped: %s", self.stats)
+
+
+def cut_reply_text(text: str, stop_reason: str | None) -> str:
+    """What a person is sent of a reply cut short: its whole words and a mark saying it was
+    cut; when not one whole word was written, the timeout (or restarting) answer instead."""
+    if not text.strip():
+        return RESTARTING_REPLY if stop_reason == "shutdown" else TIMEOUT_REPLY
+    return text + CUT_MARKS.get(stop_reason or "", " [interrupted]")
 
 
 class ShardedChatBot(ChatBot, discord.AutoShardedClient):

@@ -137,8 +137,13 @@ class DiscordSettings(Settings):
             )
         if not self.shard_ids:
             return self
-        if not self.shard_count:
+        if self.shard_count is None:
             raise ValueError("`shard_ids` needs `shard_count`: how many shards the bot has in all")
+        if self.shard_count == 0:
+            raise ValueError(
+                "`shard_ids` needs a fixed `shard_count`: with `shard_count` 0 Discord chooses the count "
+                "and this process runs every shard; give the count to pick shards"
+            )
         for shard_id in self.shard_ids:
             if shard_id >= self.shard_count:
                 raise ValueError(

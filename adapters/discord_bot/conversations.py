@@ -126,22 +126,22 @@ class ChatRuntime:
         return PendingReply(key, conversation, handle)
 
     def finish_reply(self, pending: PendingReply, stop_reason: str | None = None) -> ReplyResult:
-        """Record the reply the scheduler ended (or that was cut: ``stop_reason`` is "timeout",
-        "cancelled" or "shutdown"; the partial reply is kept, marked interrupted)."""
+        """Record the reply the scheduler ended, or the one cut short (``stop_reason`` is
+        "timeout", "cancelled" or "shutdown"): what it had written is kept, cut back to its
+        last whole word and marked interrupted; with no whole word, no reply is recorded and
+        the text is empty."""
         handle, conversation = pending.handle, pending.conversation
-        if stop_reason is not None:
-            handle.cancel()
 
         def record(response: Any) -> None:
             if handle.admitted is None:
                 return  # cut while it waited for a place: the model never saw it, no reply to keep
-            if handle.finish_reason == "cancelled":
-                response.interrupted = True
-                response.provenance["interrupted"] = True
             conversation._record(response)
 
-        response = handle.response(self.engine.tokenizer, finalize=record)
-        text = response.text()  # the reply has ended (or ends at the next step): its tokens are in hand
+        if stop_reason is not None:  # what it has written now, without waiting for its next step
+            response = handle.cut(self.engine.tokenizer, finalize=record)
+        else:
+            response = handle.response(self.engine.tokenizer, finalize=record)
+        text = response.text()
         return ReplyResult(
             text=text,
             conversation_id=conversation.id,

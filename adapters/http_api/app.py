@@ -211,15 +211,18 @@ async def events(completion: Completion, usage: bool, ended: Callable[[], None] 
     the usage chunk when asked for, then ``[DONE]``. A failure mid-reply is an error event.
     ``ended()`` runs once the reply has ended, however it ended."""
     yield sse(completion.chunk({"role": "assistant", "content": ""}, usage=usage))
+    failure: ApiError | None = None
     try:
         async for delta in completion.deltas():
             yield sse(completion.chunk({"content": delta}, usage=usage))
     except ApiError as error:
-        yield sse(error.body())
-        return
+        failure = error
     finally:
-        if ended is not None:
+        if ended is not None:  # before the last event: a client that has it finds the reply logged
             ended()
+    if failure is not None:
+        yield sse(failure.body())
+        return
     yield sse(completion.chunk({}, completion.finish_reason, usage=usage))
     if usage:
         yield sse(completion.usage_chunk())
@@ -235,5 +238,5 @@ async def cancel_on_disconnect(request: Request, completion: Completion) -> None
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            completion.handle.cancel()
+            completion.cancel()
             return

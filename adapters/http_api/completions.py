@@ -137,10 +137,21 @@ class Completion:
     first: "Event | None" = None
     text: str = ""  # what was sent so far
     error: str | None = None  # why the reply ended early, when it failed
+    client_gone: bool = False
+
+    def cancel(self) -> None:
+        """Stop the reply (the client went away): its slot is free at once, and a reader
+        waiting for its next text stops now rather than at the scheduler's next step."""
+        from chatcore.serving import End
+
+        self.client_gone = True
+        self.handle.cancel()
+        self.events.put_nowait(End("cancelled"))
 
     def exchange(self, messages: list["Message"]) -> "Exchange":
         """What the conversation log keeps of this request: its messages and the reply as sent
-        (marked interrupted when it did not end by itself: client gone, an error)."""
+        (marked interrupted when it did not end by itself: client gone, an error, the server
+        stopping). A reply that ended at a stop string the client asked for ended by itself."""
         from chatcore.adapters.http_api.request_log import Exchange
 
         provenance = dict(self.handle.provenance)
@@ -189,19 +200,26 @@ class Completion:
         }
 
     async def deltas(self) -> AsyncIterator[str]:
-        """The reply's text as it comes; stop strings end it; leaving early cancels the reply."""
+        """The reply's text as it comes, a whole word at a time (so that a reply cut short
+        never ends in half a word); stop strings end it; leaving early cancels the reply.
+        A reply cancelled before its end (the server stopping) raises a 503 ApiError after
+        its whole words."""
+        from chatcore.cutting import WholeWords
         from chatcore.serving import Token
         from chatcore.serving.stops import StopStrings
         from chatcore.streaming import IncrementalDetokenizer
 
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         stops = StopStrings(self.stops)
+        words = WholeWords()
         try:
             while True:
                 event, self.first = (self.first, None) if self.first is not None else (await self.events.get(), None)
                 if isinstance(event, Token):
                     self.completion_tokens += 1
-                    text = stops.push(detokenizer.push(event.token_id))
+                    text = words.push(stops.push(detokenizer.push(event.token_id)))
+                    if stops.hit:  # the end the client asked for: the text before it is all there
+                        text += words.flush()
                     if text:
                         self.text += text
                         yield text
@@ -212,8 +230,12 @@ class Completion:
                 if event.error is not None:
                     self.error = str(event.error)
                     raise api_error(event.error, self.handle)
-                tail = stops.push(detokenizer.flush())
-                tail += stops.flush()
+                if self.client_gone:
+                    return  # nobody to send the rest to; the log keeps what was sent, interrupted
+                if self.handle.cancelled or event.reason == "cancelled":
+                    self.error = "the reply was cut short: the server is stopping"
+                    raise ApiError(503, self.error, None, "server_stopping")
+                tail = words.push(stops.push(detokenizer.flush()) + stops.flush()) + words.flush()
                 if tail:
                     self.text += tail
                     yield tail

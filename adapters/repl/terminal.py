@@ -4,9 +4,10 @@ On a terminal the line editor is a prompt-toolkit session (history file, complet
 toolbar, multi-line). When standard input is not a terminal (a pipe, a file), lines
 are read plainly so that ``chatcore chat < script.txt`` works too.
 
-Ctrl-C while a reply streams raises KeyboardInterrupt in the loop; the reply is then
-interrupted, which keeps its partial text in the conversation marked interrupted
-(and the log records it so). Ctrl-C at the prompt clears the line; Ctrl-D exits.
+A reply is printed a whole word at a time (the unfinished end waits for the next
+delta). Ctrl-C while it streams raises KeyboardInterrupt in the loop; the reply is then
+interrupted, which keeps its text up to its last whole word (what was printed) in the
+conversation, marked interrupted (and the log records it so). Ctrl-C at the prompt clears the line; Ctrl-D exits.
 """
 
 from __future__ import annotations
@@ -43,27 +44,48 @@ def debug_enabled() -> bool:
 
 
 def stream_reply(response: "Response", out: IO[str]) -> str:
-    """Print a reply as it is generated; Ctrl-C stops it and keeps what came so far.
-    Returns the error shown, if the reply failed."""
+    """Print a reply as it is generated, a whole word at a time; Ctrl-C stops it and keeps
+    its whole words (what was printed). Returns the error shown, if the reply failed."""
+    from chatcore.cutting import WholeWords
+
     out.write(REPLY_PREFIX)
     out.flush()
+    words = WholeWords()
+    printed = ""
+
+    def show(text: str) -> None:
+        nonlocal printed
+        printed += text
+        out.write(display_safe(text))
+        out.flush()
+
     shown = ""
     try:
         for delta in response:
-            out.write(display_safe(delta))
-            out.flush()
+            show(words.push(delta))
+        show(words.flush())
     except KeyboardInterrupt:
         response.interrupt()
+        show(kept_rest(response, printed))
         out.write(" [interrupted]")
     except ChatcoreError as error:
+        show(kept_rest(response, printed))
         shown = f"error: {error}"
     except Exception as error:
         if debug_enabled():
             raise
+        show(kept_rest(response, printed))
         shown = f"error: unexpected {type(error).__name__}: {error} (CHATCORE_DEBUG=1 shows a traceback)"
     out.write(f"\n{shown}\n" if shown else "\n")
     out.flush()
     return shown
+
+
+def kept_rest(response: "Response", printed: str) -> str:
+    """What the stopped reply keeps beyond what was printed (a final "." that waited for
+    what followed it, say): the chat then shows exactly the text it records."""
+    kept = response.text() if response.done else ""
+    return kept[len(printed) :] if kept.startswith(printed) else ""
 
 
 @contextlib.contextmanager

@@ -116,9 +116,31 @@ class Handle:
         ``interrupt()`` cancels); ``finalize`` runs when it ends (a conversation records it)."""
         from chatcore.response import Response
 
-        response = Response(self.tokens, tokenizer, self.provenance, finalize=finalize)
+        response = Response(self.tokens, tokenizer, self.provenance, finalize=finalize, cut_short=self._was_cut)
         response.on_done(lambda _: self.cancel())  # interrupted before it was read: stop decoding it
         return response
+
+    def cut(self, tokenizer: Any, finalize: Callable[["Response"], None] | None = None) -> "Response":
+        """Stop the reply now and take what it has written so far, without waiting for the
+        scheduler's next step (a plugin step may take long): a Response marked interrupted,
+        its text cut back to its last whole word. A reply that had ended by itself before
+        is returned whole, as :meth:`response` gives it."""
+        from chatcore.response import Response
+
+        self.cancel()
+        if not self.cancelled:  # it had ended by itself
+            return self.response(tokenizer, finalize)
+        written = list(self.token_ids)  # the scheduler's thread may still push one more
+        provenance = dict(self.provenance)
+        provenance["timings"] = dict(provenance.get("timings") or {})
+        provenance["timings"].update(self._waiting_timings(time.perf_counter()))
+        provenance["finish_reason"] = "cancelled"
+        return Response(lambda: iter(written), tokenizer, provenance, finalize=finalize, cut_short=lambda: True)
+
+    def _was_cut(self) -> bool:
+        """Whether the reply was stopped from outside: cancelled by its caller (even if its
+        last step ended it as usual meanwhile) or by the scheduler closing."""
+        return self.cancelled or self.finish_reason == "cancelled"
 
     # -- the scheduler's side --------------------------------------------------------
     def _push(self, token_id: int) -> None:
@@ -132,15 +154,18 @@ class Handle:
             return
         self.finish_reason = reason
         self.error = error
-        now = time.perf_counter()
-        timings = timings_of(self.provenance)
-        timings["queued_s"] = round((self.admitted or now) - self.submitted, 4)
-        if self.first_token is not None:
-            timings["first_token_s"] = round(self.first_token - self.submitted, 4)
+        timings_of(self.provenance).update(self._waiting_timings(time.perf_counter()))
         self.provenance["finish_reason"] = reason
         self._emit(End(reason, error))
         self.finished.set()
         self._release()
+
+    def _waiting_timings(self, now: float) -> dict[str, float]:
+        """Seconds in the queue and to the first token (when it came)."""
+        timings = {"queued_s": round((self.admitted or now) - self.submitted, 4)}
+        if self.first_token is not None:
+            timings["first_token_s"] = round(self.first_token - self.submitted, 4)
+        return timings
 
     def _release(self) -> None:
         """Give the reply's place back to the scheduler (once: at its end or when cancelled)."""
