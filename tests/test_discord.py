@@ -480,7 +480,7 @@ async def test_decoder_and_steer_change_only_this_channels_replies(harness: Harn
 
 
 @pytest.mark.asyncio
-async def test_steer_and_decoder_refuse_configurations_that_cannot_reply(loaded, tmp_path):
+async def test_steer_and_decoder_refuse_configurations_that_cannot_reply(bundled_model, tmp_path):
     from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS, PLUGIN_MODULES
 
     from chatcore.adapters.conversation_log.store import ConversationStore
@@ -489,7 +489,8 @@ async def test_steer_and_decoder_refuse_configurations_that_cannot_reply(loaded,
 
     host = PluginHost()
     host.load_modules(PLUGIN_MODULES + ("chatcore.plugins.prompt_formats",))
-    engine = Engine(loaded, host=host)
+    # The bundled model has a CoCon block, so `/chat steer cocon ...` alone is accepted.
+    engine = Engine(bundled_model, host=host)
     db = str(tmp_path / "log.sqlite3")
     harness = await start_harness(engine, settings_for(), lambda: LogPersistence(engine, db))
     try:

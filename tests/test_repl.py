@@ -394,14 +394,15 @@ def test_bad_input_is_refused_or_cleaned_never_raised(state, engine):
     assert state.current.turns[-2].text == "/shrug"
 
 
-def test_configurations_that_cannot_reply_are_refused_by_steer_and_decoder(loaded, store):
+def test_configurations_that_cannot_reply_are_refused_by_steer_and_decoder(bundled_model, store):
     from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS, PLUGIN_MODULES
 
     from chatcore.engine import Engine
 
     host = plugin_manager.PluginHost()
     host.load_modules(PLUGIN_MODULES + ("chatcore.plugins.prompt_formats",))
-    state = logged_state(Engine(loaded, host=host), store)
+    # The bundled model has a CoCon block, so `/steer cocon ...` alone is accepted.
+    state = logged_state(Engine(bundled_model, host=host), store)
     for (first, second), line in IMPOSSIBLE_STEERERS:
         run(state, "/steer off")
         assert not run(state, f"/steer {first}").error
