@@ -226,14 +226,15 @@ def test_a_left_padded_row_decodes_as_it_would_alone(loaded, tiny_block_dir):
 
 
 def test_cocon_settings_are_validated(cocon_engine):
+    cocon = cocon_engine.registry.steerer("cocon")  # settings alone: the tiny model has no bundled block
     with pytest.raises(OptionError, match="tau"):
-        cocon_engine.make_steerer("cocon", {"content": "a,b,c", "tau": "1,2"})
+        cocon.from_options({"content": "a,b,c", "tau": "1,2"})
     with pytest.raises(OptionError, match="tau"):
-        cocon_engine.make_steerer("cocon", {"content": "pizza", "tau": "100"})
-    steerer = cocon_engine.make_steerer("cocon", {"content": "pizza, is perfect", "tau": "2"})
+        cocon.from_options({"content": "pizza", "tau": "100"})
+    steerer = cocon.from_options({"content": "pizza, is perfect", "tau": "2"})
     assert steerer.settings.content == ("pizza", "is perfect")
     assert steerer.settings.taus() == [2.0, 2.0]
-    assert cocon_engine.make_steerer("cocon", {"content": "a,b"}).settings.taus(1.5) == [1.5, 1.5]
+    assert cocon.from_options({"content": "a,b"}).settings.taus(1.5) == [1.5, 1.5]
 
 
 def test_a_content_longer_than_the_models_positions_is_a_clear_error(cocon_engine, tiny_block_dir, loaded):
