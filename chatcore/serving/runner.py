@@ -37,6 +37,7 @@ decoder at fault), except the shared pass failing, which ends every shared reply
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -236,6 +237,10 @@ def mergeable_cache(cache: Any) -> bool:
     return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+# Whether a model's caches can be stacked, found once per model (a one-token pass).
+_MERGEABLE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
 class Runner:
     """Decodes jobs: the shared batch and the eager replies beside it, one step at a time.
 
@@ -333,12 +338,14 @@ class Runner:
         if not all(type(steerer).shares_batch for steerer in session.steerers):
             return False
         if self._can_merge is None:
+            self._can_merge = _MERGEABLE.get(self.model)
+        if self._can_merge is None:
             import torch
 
             ids = torch.tensor([[self.loaded.eos_token_id]], device=self.device)
             with torch.inference_mode():
                 output = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
-            self._can_merge = mergeable_cache(output_cache(output))
+            self._can_merge = _MERGEABLE[self.model] = mergeable_cache(output_cache(output))
         return self._can_merge
 
     def _inner(self, job: Job) -> Step:
@@ -462,8 +469,8 @@ class Runner:
         import torch
 
         prompt = job.session.prompt_ids
-        if len(prompt) - job.prefilled <= self.prefill_chunk:
-            return False
+        if len(prompt) - job.prefilled <= self.prefill_chunk or len(self.jobs) == 1:
+            return False  # short enough, or nothing else is waiting for the runner: all at once
         end = job.prefilled + self.prefill_chunk
         ids = job.sequences[:1, :end]
         try:
