@@ -14,12 +14,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import NonNegativeInt, PositiveFloat
+from pydantic import Field, NonNegativeInt, PositiveFloat
 
 from chatcore.options import Configurable, Settings
-from chatcore.processors import ScoreProcessor, chain, no_repeat_ngram, repetition_penalty
+from chatcore.processors import (
+    ScoreProcessor,
+    chain,
+    logit_bias,
+    no_repeat_ngram,
+    occurrence_penalty,
+    repetition_penalty,
+)
 from chatcore.steering import Steerer, compose
 from chatcore.step import Step, StepState, model_step
 
@@ -189,9 +196,19 @@ class TokenDecoder(Decoder):
 
     def repetition_processors(self) -> list[ScoreProcessor]:
         processors: list[ScoreProcessor] = []
+        bias = getattr(self.settings, "logit_bias", None)
+        if bias:
+            processors.append(logit_bias(bias))
         penalty = getattr(self.settings, "repetition_penalty", 1.0)
         if penalty != 1.0:
             processors.append(repetition_penalty(penalty))
+        presence = getattr(self.settings, "presence_penalty", 0.0)
+        frequency = getattr(self.settings, "frequency_penalty", 0.0)
+        if presence or frequency:
+            # One per reply, kept by its decoder: it counts the reply's tokens from where the reply began.
+            if "_occurrence_penalty" not in self.__dict__:
+                self.__dict__["_occurrence_penalty"] = occurrence_penalty(presence, frequency)
+            processors.append(self.__dict__["_occurrence_penalty"])
         ngram = getattr(self.settings, "no_repeat_ngram_size", 0)
         if ngram:
             processors.append(no_repeat_ngram(ngram))
@@ -220,3 +237,9 @@ class RepetitionSettings(Settings):
     repetition_penalty: PositiveFloat = 1.0
     """Penalise tokens already in the sequence by this factor, as transformers' repetition
     penalty does (1.0: off)."""
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    """Subtract this from the score of every token the reply already holds (OpenAI's; 0: off)."""
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    """Subtract this times its count in the reply from each token's score (OpenAI's; 0: off)."""
+    logit_bias: dict[NonNegativeInt, Annotated[float, Field(ge=-100, le=100)]] = {}
+    """Token id -> a bias added to its score, as OpenAI's ``logit_bias`` (-100 bans the token)."""
