@@ -89,7 +89,8 @@ def logit_bias(bias: dict[int, float]) -> ScoreProcessor:
             raise ValueError(f"`logit_bias` keys must be token ids (non-negative integers), got {token_id!r}")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValueError(f"`logit_bias` values must be between -100 and 100, got {value} for token {token_id}")
-    return cast(ScoreProcessor, SequenceBiasLogitsProcessor({(token_id,): float(v) for token_id, v in bias.items()}))
+    biases: list[list[list[int] | float]] = [[[token_id], float(value)] for token_id, value in bias.items()]
+    return cast(ScoreProcessor, SequenceBiasLogitsProcessor(biases))
 
 
 def no_repeat_ngram(size: int) -> ScoreProcessor:
