@@ -126,9 +126,9 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         options = to_options(parsed, scheduler.engine.registry, len(scheduler.engine.tokenizer))
         try:
             completion = Completion.submit(scheduler, messages, options, parsed.stop_strings(), parsed.model)
-        except ApiError as error:
-            metrics.replies.labels("busy").inc()
-            raise error from None
+        except ApiError:
+            metrics.record_busy()
+            raise
         completion.interrupt_after("queue-wait", config.max_queue_wait)
         completion.interrupt_after("timeout", config.request_timeout)
         live.add(completion)

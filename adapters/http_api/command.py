@@ -133,9 +133,11 @@ def serve(
 
     GET /v1/models and POST /v1/chat/completions (streaming or not), with chatcore's
     own `decoder` and `steer` fields; GET /v1/plugins lists the decoders and steerers
-    with the JSON schema of their settings. Concurrent requests are decoded together in one
-    batch. With --log (or --db), the conversations served are kept in the conversation
-    log (`chatcore logs`). See docs/serving.md.
+    with the JSON schema of their settings; GET /health and GET /metrics (Prometheus) need
+    no key. Concurrent requests are decoded together in one batch. With --log (or --db), the
+    conversations served are kept in the conversation log (`chatcore logs`). SIGTERM or
+    Ctrl-C lets running replies finish for --shutdown-grace seconds, then cuts them and
+    exits 0. See docs/serving.md.
     """
     from chatcore.adapters.http_api.app import ServeConfig, build_app
     from chatcore.adapters.http_api.server import make_server

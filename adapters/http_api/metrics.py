@@ -103,6 +103,10 @@ class ServeMetrics:
     def record_status(self, route: str, status: int) -> None:
         self.requests.labels(route if route in ROUTES else "other", str(status)).inc()
 
+    def record_busy(self) -> None:
+        """A request refused with 429: the queue was full."""
+        self.replies.labels("busy").inc()
+
     def record_reply(self, completion: "Completion") -> None:
         """Count a reply once it has ended, however it ended."""
         from chatcore.errors import PluginError
