@@ -471,3 +471,16 @@ def test_cors_is_off_unless_origins_are_given(serving_engine):
         assert status == 200 and headers["access-control-allow-origin"] == site
         assert "POST" in headers["access-control-allow-methods"]
         assert preflight(server, "https://elsewhere.example")[0] == 400
+
+
+def test_serve_refuses_bad_limits_and_names_before_loading_the_model():
+    from click.testing import CliRunner
+
+    from chatcore.cli import build_cli
+
+    runner = CliRunner()
+    for option, value in (("--max-queue-wait", "0"), ("--request-timeout", "-1"), ("--shutdown-grace", "-2")):
+        result = runner.invoke(build_cli(), ["serve", "--model", "nope", option, value])
+        assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output, option
+    result = runner.invoke(build_cli(), ["serve", "--model", "nope", "--served-model-name", " "])
+    assert result.exit_code == 1 and "`--served-model-name` is empty" in result.output
