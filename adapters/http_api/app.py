@@ -141,10 +141,9 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
                 watcher.cancel()  # the streaming response watches the connection itself
                 usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
                 streaming = True
-                return StreamingResponse(
+                return ReplyStream(
                     events(completion, usage, lambda: ended(messages, completion)),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"},
+                    lambda: ended(messages, completion),
                 )
             text = "".join([delta async for delta in completion.deltas()])
         except BaseException:
@@ -158,6 +157,10 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
 
     def ended(messages: list[Any], completion: Completion) -> None:
         """Once per reply, however it ended: log it, count it, forget it."""
+        if completion.recorded:
+            return
+        completion.recorded = True
+        completion.handle.cancel()  # no-op for a reply that ended; frees the slot of one that did not
         completion.stop_timers()
         live.discard(completion)
         metrics.record_reply(completion)
@@ -294,6 +297,22 @@ async def events(completion: Completion, usage: bool, ended: Callable[[], None] 
     if usage:
         yield sse(completion.usage_chunk())
     yield "data: [DONE]\n\n"
+
+
+class ReplyStream(StreamingResponse):
+    """Server-sent events whose reply ends with the response, however it ends: a client that
+    goes away before the first event is sent never starts the events' generator, so its
+    ``finally`` cannot free the reply's slot; ``ended`` here does."""
+
+    def __init__(self, content: AsyncIterator[str], ended: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.ended = ended
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ended()
 
 
 def sse(body: dict[str, Any]) -> str:

@@ -213,6 +213,7 @@ class Completion:
     interrupted_by: str | None = None  # the Interrupt's kind, when the server ended the reply
     token_times: list[float] = field(default_factory=list)  # when each token reached the server's loop
     limits: dict[str, float] = field(default_factory=dict)  # the Interrupts' limits in seconds, by kind
+    recorded: bool = False  # logged and counted (once, when the reply ended)
     _timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
     @property
