@@ -200,6 +200,8 @@ def test_metrics_match_what_the_clients_saw(serving_engine):
             client.chat.completions.create(model=model, messages=HI, extra_body={"steer": ["failing-shared at_step=0"]})
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
+        client.models.retrieve(model)
+        assert get(server, "/no/such/path")[0] == 404
         scrape = metrics(server)
 
     def value(name: str, **labels: str) -> float:
@@ -210,6 +212,8 @@ def test_metrics_match_what_the_clients_saw(serving_engine):
     assert value("chatcore_http_requests_total", route=route, status="400") == 1
     assert value("chatcore_http_requests_total", route=route, status="500") == 1
     assert value("chatcore_http_requests_total", route="/v1/models", status="401") == 1
+    assert value("chatcore_http_requests_total", route="/v1/models/{model}", status="200") == 1
+    assert value("chatcore_http_requests_total", route="other", status="404") == 1
     usage = [first.usage, second]
     assert value("chatcore_completion_tokens_total") == sum(u.completion_tokens for u in usage)
     # The failed reply was admitted too: its prompt counts.

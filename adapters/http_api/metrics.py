@@ -48,6 +48,14 @@ class SchedulerCollector:
         yield CounterMetricFamily("chatcore_scheduler_steps", "Batched forward passes so far.", scheduler.steps)
 
 
+def route_of(path: str) -> str:
+    """The route label of a request path: one of ROUTES, or ``other`` (so that unknown paths
+    cannot grow the number of series without bound)."""
+    if path in ROUTES:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
 class ServeMetrics:
     """Every metric of one server, in a registry of its own (several servers may share a process)."""
 
@@ -100,8 +108,8 @@ class ServeMetrics:
         )
         registry.register(SchedulerCollector(scheduler))
 
-    def record_status(self, route: str, status: int) -> None:
-        self.requests.labels(route if route in ROUTES else "other", str(status)).inc()
+    def record_status(self, path: str, status: int) -> None:
+        self.requests.labels(route_of(path), str(status)).inc()
 
     def record_busy(self) -> None:
         """A request refused with 429: the queue was full."""
