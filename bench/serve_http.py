@@ -7,6 +7,8 @@ same requests are sent one after another (the peer). Prints p50/p99 time to the 
 content chunk and to the end, total throughput and its ratio to the one-after-another
 run, and checks that every request was answered exactly once with its whole reply.
 The server (uvicorn on a thread) and the clients share this process and its cores.
+Then it scrapes GET /metrics, checks its reply and token counts against what the clients
+received, and prints the scrape (with --metrics, the histograms' buckets too).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import concurrent.futures
 import statistics
 import time
+import urllib.request
 
 from benchlib import add_model_arguments, load_engine
 
@@ -30,6 +33,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--metrics", action="store_true", help="Print the whole /metrics scrape.")
     args = parser.parse_args()
 
     import openai
@@ -79,7 +83,7 @@ def main() -> None:
             }
 
         try:
-            ask(0)  # warm-up
+            warm_up = ask(0)
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
                 results = list(pool.map(ask, range(args.clients)))
@@ -87,6 +91,8 @@ def main() -> None:
             start = time.perf_counter()
             sequential = [ask(index) for index in range(args.clients)]
             one_by_one = time.perf_counter() - start
+            with urllib.request.urlopen(server.url.removesuffix("/v1") + "/metrics") as response:
+                scrape = response.read().decode()
         finally:
             server.stop()
 
@@ -111,6 +117,20 @@ def main() -> None:
         f"{args.clients / one_by_one:.2f} replies/s   ratio {one_by_one / together:.2f}x"
     )
     print(f"median whole reply alone: {statistics.median(s['total'] for s in sequential) * 1000:.1f} ms")
+    everything = [warm_up, *results, *sequential]
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in scrape.splitlines()
+        if line.startswith("chatcore_") and "_bucket" not in line
+    }
+    replies = sum(v for k, v in values.items() if k.startswith("chatcore_replies_total"))
+    print(
+        f"/metrics against the clients: replies {replies:.0f} / {len(everything)}, completion tokens "
+        f"{values['chatcore_completion_tokens_total']:.0f} / {sum(r['tokens'] for r in everything)}"
+    )
+    for line in scrape.splitlines():
+        if line.startswith("chatcore_") and "_created" not in line and (args.metrics or "_bucket" not in line):
+            print(f"  {line}")
 
 
 if __name__ == "__main__":

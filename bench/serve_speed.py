@@ -1,6 +1,7 @@
 """Serving speed: the scheduler's batching and prefix caching against their peers, same model, same run.
 
     python bench/serve_speed.py [--model chatcore-tiny] [--conversations 16] [--tokens 32] [--threads 1]
+    python bench/serve_speed.py --compare-threads torch,default,1 --conversations 1,16
 
 1. Throughput: --conversations conversations each ask for a --tokens reply at the same
    moment (exactly that many tokens: stop tokens are banned until then). Served by the
@@ -11,6 +12,10 @@
    key/values are reused) vs without (the whole prompt is run) vs
    ``transformers.generate`` on the whole prompt. Medians of --repeats runs, and each
    one's ratio to its own time at the shortest history.
+3. With --compare-threads: the batched throughput of part 1 at each thread count in turn
+   (``torch``: torch's own default, one per core; ``default``: chatcore's, see chatcore.cpu),
+   alternated within one process for --repeats rounds, so that every count sees the same
+   load on a shared machine; medians in tokens/s for each --conversations count.
 """
 
 from __future__ import annotations
@@ -36,12 +41,16 @@ QUESTIONS = (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--conversations", default="16", help="With --compare-threads: a comma-separated list.")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--histories", default="0,200,400", help="History lengths in tokens, comma-separated.")
     parser.add_argument("--only", choices=["throughput", "first-token"], default=None, help="Run one part.")
+    parser.add_argument("--compare-threads", default=None, help="Thread counts to alternate: torch, default or N.")
     args = parser.parse_args()
+    if args.compare_threads:
+        compare_threads(args)
+        return
 
     import torch
     import transformers
@@ -63,7 +72,7 @@ def throughput(engine, args) -> None:
     from chatcore.engine import ReplyOptions
     from chatcore.serving import Scheduler
 
-    n, tokens = args.conversations, args.tokens
+    n, tokens = int(args.conversations), args.tokens
     conversations = []
     for index in range(n):
         conversation = engine.conversation()
@@ -111,6 +120,46 @@ def throughput(engine, args) -> None:
     )
     same = sum(a == b for a, b in zip(replies["alone"], replies["batched"]))
     print(f"  batched replies token for token equal to the same replies decoded alone: {same}/{n}")
+
+
+def compare_threads(args) -> None:
+    import torch
+
+    from chatcore.cpu import default_threads
+    from chatcore.engine import ReplyOptions
+    from chatcore.serving import Scheduler
+
+    torch_default = torch.get_num_threads()  # before anything sets it
+    counts = {"torch": torch_default, "default": default_threads()}
+    labels = args.compare_threads.split(",")
+    threads = {label: counts[label] if label in counts else int(label) for label in labels}
+    engine = load_engine(args)
+    print(f"model {args.model} on {engine.loaded.device}, torch {torch.__version__}, threads {threads}")
+    for n in (int(c) for c in str(args.conversations).split(",")):
+        conversations = []
+        for index in range(n):
+            conversation = engine.conversation()
+            conversation.add_user(f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
+            conversations.append(conversation)
+        options = [
+            ReplyOptions(decoder="top-k", seed=i, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
+            for i in range(n)
+        ]
+        rates: dict[str, list[float]] = {label: [] for label in labels}
+        with Scheduler(engine, max_batch=n, max_waiting=n, prefix_cache_bytes=0) as scheduler:
+            for round_ in range(args.repeats + 1):
+                for label in labels:
+                    torch.set_num_threads(threads[label])
+                    start = time.perf_counter()
+                    handles = [scheduler.submit(c.messages(), o) for c, o in zip(conversations, options)]
+                    for handle in handles:
+                        handle.wait()
+                    if round_:  # the first round warms up
+                        rates[label].append(n * args.tokens / (time.perf_counter() - start))
+        print(
+            f"{n} conversations x {args.tokens} tokens, batched, tokens/s (median of {args.repeats}): "
+            + "   ".join(f"{label} ({threads[label]}) {statistics.median(rates[label]):.1f}" for label in labels)
+        )
 
 
 def first_token(engine, args, Scheduler) -> None:

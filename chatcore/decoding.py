@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 from pydantic import Field, NonNegativeInt
 
 from chatcore.options import Configurable, Settings
-from chatcore.processors import MIN_SCORE_DIVISOR, ScoreProcessor, no_repeat_ngram, repetition_penalty
+from chatcore.processors import (
+    MIN_SCORE_DIVISOR,
+    ScoreProcessor,
+    logit_bias,
+    no_repeat_ngram,
+    occurrence_penalty,
+    repetition_penalty,
+)
 from chatcore.steering import Steerer
 
 if TYPE_CHECKING:
@@ -165,9 +172,18 @@ class TokenDecoder(Decoder):
 
     def repetition_processors(self) -> list[ScoreProcessor]:
         processors: list[ScoreProcessor] = []
+        bias = getattr(self.settings, "logit_bias", None)
+        if bias:
+            processors.append(logit_bias(bias))
         penalty = getattr(self.settings, "repetition_penalty", 1.0)
         if penalty != 1.0:
             processors.append(repetition_penalty(penalty))
+        presence = getattr(self.settings, "presence_penalty", 0.0)
+        frequency = getattr(self.settings, "frequency_penalty", 0.0)
+        if presence or frequency:
+            # The runner builds a reply's processors once, before its prompt step: the penalty
+            # counts the reply's own tokens from the length of the first sequences it sees.
+            processors.append(occurrence_penalty(presence, frequency))
         ngram = getattr(self.settings, "no_repeat_ngram_size", 0)
         if ngram:
             processors.append(no_repeat_ngram(ngram))
@@ -187,3 +203,9 @@ class RepetitionSettings(Settings):
     penalty does (1.0: off). Below 1e-15 the seen tokens' float32 scores could overflow to
     infinity, where they can no longer be told apart and no probability can be computed
     (see chatcore.processors)."""
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    """Subtract this from the score of every token the reply already holds (OpenAI's; 0: off)."""
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    """Subtract this times its count in the reply from each token's score (OpenAI's; 0: off)."""
+    logit_bias: dict[NonNegativeInt, Annotated[float, Field(ge=-100, le=100)]] = {}
+    """Token id -> a bias added to its score, as OpenAI's ``logit_bias`` (-100 bans the token)."""

@@ -5,16 +5,20 @@ is (B, T) every token so far (prompt included) and ``scores`` is (B, V) float32:
 call shape of ``transformers.LogitsProcessor``. Token decoders chain them in this
 documented order, after the steerers have run, as one ``LogitsProcessorList``:
 
-1. ``repetition_penalty``   CTRL-style, on every token already in the sequence
-2. ``no_repeat_ngram``      bans tokens that would repeat an n-gram
-3. ``temperature``
-4. ``top_k``
-5. ``top_p``
-6. ``min_p``                keeps tokens at least ``min_p`` times as likely as the best
+1. ``logit_bias``           adds a fixed bias to chosen token ids (OpenAI's ``logit_bias``)
+2. ``repetition_penalty``   CTRL-style, on every token already in the sequence
+3. ``occurrence_penalty``   OpenAI's presence and frequency penalties, on the reply's own tokens
+4. ``no_repeat_ngram``      bans tokens that would repeat an n-gram
+5. ``temperature``
+6. ``top_k``
+7. ``top_p``
+8. ``min_p``                keeps tokens at least ``min_p`` times as likely as the best
 
 The builders check their arguments and raise ``ValueError`` naming the setting (the
 message a user sees), then return transformers' processor; transformers is imported
-only when one is built.
+only when one is built. transformers has no presence or frequency penalty (its
+repetition penalty is multiplicative and counts the prompt too), so
+:class:`OccurrencePenalty` is chatcore's own.
 """
 
 from __future__ import annotations
@@ -56,6 +60,57 @@ def repetition_penalty(penalty: float) -> ScoreProcessor:
     if not penalty >= MIN_SCORE_DIVISOR:
         raise _out_of_range("repetition_penalty", penalty, MIN_SCORE_DIVISOR)
     return RepetitionPenaltyLogitsProcessor(float(penalty))
+
+
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # and for logit_bias values: [-100, 100]
+
+
+class OccurrencePenalty:
+    """OpenAI's presence and frequency penalties, as its API reference defines them:
+
+        score[j] -= count[j] * frequency + (count[j] > 0) * presence
+
+    where ``count[j]`` is how often token j was generated so far in this reply (the prompt
+    does not count). The reply starts where the sequences ended at the first call, so one
+    instance serves one reply (a decoder keeps its own; see ``TokenDecoder``).
+    """
+
+    def __init__(self, presence: float, frequency: float) -> None:
+        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"`{name}` must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}")
+        self.presence = float(presence)
+        self.frequency = float(frequency)
+        self.reply_start: int | None = None
+
+    def __call__(self, sequences: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        if self.reply_start is None:
+            self.reply_start = sequences.shape[1]
+        generated = sequences[:, self.reply_start :]  # (B, G)
+        if generated.shape[1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - counts * self.frequency - (counts > 0).to(scores.dtype) * self.presence
+
+
+def occurrence_penalty(presence: float, frequency: float) -> OccurrencePenalty:
+    return OccurrencePenalty(presence, frequency)
+
+
+def logit_bias(bias: dict[int, float]) -> ScoreProcessor:
+    """Add ``bias[token_id]`` to that token's score (-100 bans it in practice, 100 all but forces it)."""
+    from transformers import SequenceBiasLogitsProcessor
+
+    for token_id, value in bias.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise ValueError(f"`logit_bias` keys must be token ids (non-negative integers), got {token_id!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"`logit_bias` values must be between -100 and 100, got {value} for token {token_id}")
+    biases: list[list[list[int] | float]] = [[[token_id], float(value)] for token_id, value in bias.items()]
+    return cast(ScoreProcessor, SequenceBiasLogitsProcessor(biases))
 
 
 def no_repeat_ngram(size: int) -> ScoreProcessor:

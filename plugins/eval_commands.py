@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 import chatcore
-from chatcore.cli.options import model_option, plugin_options, prompt_options
+from chatcore.cli.options import model_option, plugin_options, prompt_options, threads_option
 from chatcore.errors import ChatcoreError
 
 
@@ -35,6 +35,7 @@ from chatcore.errors import ChatcoreError
     "--samples", type=click.IntRange(0, 100_000), default=5, show_default=True, help="Sample replies to print."
 )
 @click.option("--device", default=None)
+@threads_option
 @prompt_options("System prompt (persona) for every reply.")
 @click.option("--json", "json_path", default=None, help="Also write the full report (with every reply) to this file.")
 @click.option(
@@ -55,6 +56,7 @@ def eval_command(
     attribute: str | None,
     samples: int,
     device: str | None,
+    threads: int | None,
     system_text: str | None,
     system_file: str | None,
     prompt_format: str,
@@ -71,6 +73,7 @@ def eval_command(
 
     from chatcore.cli.files import check_output_path, open_output
     from chatcore.cli.specs import parse_spec
+    from chatcore.cpu import use_threads
     from chatcore.engine import Engine, ReplyOptions, validate_options
     from chatcore.evaluation.prompts import load_prompt_file
     from chatcore.evaluation.runner import evaluate
@@ -87,6 +90,7 @@ def eval_command(
     if json_path:
         check_output_path(json_path)
     system = system_prompt_option(system_text, system_file)
+    use_threads(threads)
     engine = Engine(model, device=device, prompt_format=prompt_format)
     if Path(prompts).is_file():
         contexts = load_prompt_file(prompts)

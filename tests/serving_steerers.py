@@ -1,7 +1,7 @@
 """Steerers for the serving tests: one that fails at a chosen step, one that cannot share a
-batch, one that is slow enough for a test to act while a reply runs; a decoder that writes a
-given text and then waits for the test (``gate``), to cut a reply at a moment the test
-chooses; and an engine with them."""
+batch, one that is slow enough for a test to act while a reply runs, one that blocks until the
+test opens its gate; a decoder that writes a given text and then waits for the test
+(``gate``), to cut a reply at a moment the test chooses; and an engine with them."""
 
 from __future__ import annotations
 
@@ -127,6 +127,7 @@ class ServingTestPlugin:
         register(FailingShared)
         register(NegateAlone)
         register(Slow)
+        register(Blocking)
 
     @chatcore.hookimpl
     def register_decoders(self, register: Callable[[type], None]) -> None:
@@ -139,3 +140,46 @@ def serving_engine(loaded, host):
 
     host.register(ServingTestPlugin(), "test-serving")
     return Engine(loaded, host=host)
+
+
+@dataclass
+class StepGate:
+    """What a test holds to control a Blocking steerer: ``entered`` is set when a reply reaches
+    the step, which then waits until the test sets ``release``."""
+
+    entered: threading.Event
+    release: threading.Event
+
+
+STEP_GATES: dict[str, StepGate] = {}
+
+
+def step_gate(name: str) -> StepGate:
+    """The gate ``blocking gate=NAME`` waits on (created on first use)."""
+    return STEP_GATES.setdefault(name, StepGate(threading.Event(), threading.Event()))
+
+
+@dataclass
+class BlockingSettings:
+    gate: str = "default"
+    at_step: int = 1
+
+
+class Blocking(Steerer):
+    """Stops the scheduler's thread at one step until the test opens its gate: a reply that is
+    running (or, behind it, waiting) for exactly as long as the test needs, with no clock."""
+
+    name = "blocking"
+    Settings = BlockingSettings
+    shares_batch = True
+
+    def wrap(self, step: Step) -> Step:
+        held = step_gate(self.settings.gate)
+
+        def blocking(state: StepState) -> StepOutput:
+            if state.step == self.settings.at_step:
+                held.entered.set()
+                held.release.wait(timeout=120)  # a failed test must not hang the suite
+            return step(state)
+
+        return blocking

@@ -221,7 +221,7 @@ def test_plugins_lists_decoders_and_steerers_with_the_schema_of_their_settings(s
         ({"MODEL": {}, "messages": []}, 400, "model"),
         ({"messages": [], "model": "M"}, 400, "messages"),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "model": "M", "frequency_penalty": 1},
+            {"messages": [{"role": "user", "content": "hi"}], "model": "M", "frequency_penalty": 2.5},
             400,
             "frequency_penalty",
         ),

@@ -18,8 +18,10 @@ from chatcore.processors import (
     MAX_TEMPERATURE,
     MIN_SCORE_DIVISOR,
     chain,
+    logit_bias,
     min_p,
     no_repeat_ngram,
+    occurrence_penalty,
     repetition_penalty,
     temperature,
     top_k,
@@ -102,6 +104,25 @@ def test_repetition_penalty_below_one_encourages_repetition():
     scores = torch.tensor([[1.0, 2.0, -4.0]])
     out = repetition_penalty(0.5)(sequences, scores)
     assert torch.equal(out, torch.tensor([[1.0, 4.0, -4.0]]))
+
+
+def test_occurrence_penalty_is_openais_definition_on_the_replys_tokens_only():
+    penalty = occurrence_penalty(presence=0.5, frequency=1.0)
+    scores = torch.zeros(1, 6)
+    prompt = torch.tensor([[1, 2]])
+    assert torch.equal(penalty(prompt, scores.clone()), scores)  # the prompt does not count
+    generated = torch.tensor([[1, 2, 4, 4, 5]])
+    # count 2 for token 4, 1 for token 5: 2 * 1.0 + 0.5 and 1 * 1.0 + 0.5
+    assert penalty(generated, scores.clone()).tolist() == [[0, 0, 0, 0, -2.5, -1.5]]
+    with pytest.raises(ValueError, match="`presence_penalty` must be between -2 and 2, got 3"):
+        occurrence_penalty(presence=3, frequency=0)
+
+
+def test_logit_bias_adds_to_the_chosen_tokens_and_checks_its_values():
+    scores = torch.zeros(1, 6)
+    assert logit_bias({3: 5.0, 1: -100})(torch.tensor([[1, 2]]), scores).tolist() == [[0, -100, 0, 5, 0, 0]]
+    with pytest.raises(ValueError, match="`logit_bias` values must be between -100 and 100, got 101"):
+        logit_bias({3: 101})
 
 
 def test_no_repeat_ngram_bans_completions_of_seen_ngrams():

@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from chatcore.adapters.discord_bot.config import TOKEN_ENV
+from chatcore.cli.options import threads_option
 from chatcore.errors import ChatcoreError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -69,7 +70,7 @@ def parse_shard_ids(text: str | None) -> tuple[int, ...] | None:
 )
 @click.option("-m", "--model", default=None, help="Bundled name, local folder or hub id [chatcore-tiny].")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
-@click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads for inference.")
+@threads_option
 @click.option("-d", "--decoder", default=None, help='Decoder and settings, e.g. "top-k top_k=20" [top-k].')
 @click.option("-s", "--steer", "steer", multiple=True, help="Steerer and settings. Repeatable; applied in order.")
 @click.option("--system", default=None, help="System prompt (persona) of every conversation; admins may override it.")

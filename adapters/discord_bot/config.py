@@ -60,7 +60,7 @@ class DiscordSettings(Settings):
     device: str | None = None
     """cpu, cuda, cuda:1 ... (default: cuda when present)."""
     threads: PositiveInt | None = None
-    """torch CPU threads for inference (default: torch's choice)."""
+    """CPU threads for inference (default: half the cores, at most 4; see chatcore.cpu)."""
     decoder: Named = "top-k"
     """Decoder spec, e.g. "top-k top_k=20 temperature=0.7"."""
     steer: tuple[Named, ...] = ()

@@ -193,12 +193,10 @@ class ChatRuntime:
 
 def open_runtime(settings: "DiscordSettings", host: "PluginHost | None" = None) -> ChatRuntime:
     """Load the model and open the log, as the settings say (runs on the worker thread)."""
+    from chatcore.cpu import use_threads
     from chatcore.engine import Engine
 
-    if settings.threads is not None:
-        import torch
-
-        torch.set_num_threads(settings.threads)
+    use_threads(settings.threads)
     engine = Engine(settings.model, device=settings.device, host=host, prompt_format=settings.prompt_format)
     persistence: ConversationPersistence = LogPersistence(engine, settings.db) if settings.log else MemoryPersistence()
     return ChatRuntime(

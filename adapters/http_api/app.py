@@ -1,5 +1,7 @@
 """The Starlette application: routes, authentication, body limits and the error boundary.
 
+    GET  /health                status, model, queue depth (no key needed; 503 while shutting down)
+    GET  /metrics               Prometheus metrics (no key needed; see :mod:`.metrics`)
     GET  /v1/models             the one model served
     GET  /v1/plugins            the decoders and steerers a request may name, with the
                                 JSON schema of their settings
@@ -20,13 +22,18 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from chatcore.adapters.http_api.completions import Completion, served_model_name, to_messages, to_options
 from chatcore.adapters.http_api.errors import ApiError, error_body
+from chatcore.adapters.http_api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from chatcore.adapters.http_api.metrics import CountingRequests, ServeMetrics
 from chatcore.adapters.http_api.schema import ChatCompletionRequest
+from chatcore.adapters.http_api.shutdown import LiveReplies
 from chatcore.errors import ChatcoreError
 
 if TYPE_CHECKING:
@@ -35,24 +42,35 @@ if TYPE_CHECKING:
     from chatcore.serving import Scheduler
 
 DEFAULT_MAX_BODY = 1_000_000  # bytes
+RETRY_AFTER_S = 1  # what 429 and 503 answers tell a client to wait before trying again
 
 
 @dataclass
 class ServeConfig:
     """api_key: required as ``Authorization: Bearer KEY`` when set. system: the system prompt of
     requests that bring none. max_body: the largest request body accepted, in bytes. log: the
-    conversation log answered requests go to (see :mod:`.request_log`)."""
+    conversation log answered requests go to (see :mod:`.request_log`). max_queue_wait: seconds a
+    request may wait for a batch slot before it gets 503 (None: no limit). request_timeout:
+    seconds a reply may take in all before it is cut with 504 or an error event (None: no limit).
+    served_model_names: the model's ids in the API, the first listed first. cors_origins: see below."""
 
     api_key: str | None = None
     system: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     log: "RequestLog | None" = None  # where answered requests are logged; None: nowhere
+    max_queue_wait: float | None = None
+    request_timeout: float | None = None
+    served_model_names: tuple[str, ...] = ()  # the ids a request may name; empty: the model's own name
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: none (no CORS headers)
 
 
 def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Starlette:
     """The API over ``scheduler`` (which owns the engine)."""
     config = config or ServeConfig()
-    model = served_model_name(scheduler.engine)
+    names = config.served_model_names or (served_model_name(scheduler.engine),)
+    model = names[0]
+    metrics = ServeMetrics(scheduler)
+    live = LiveReplies()
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -67,60 +85,91 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
 
     async def models(request: Request) -> Response:
         authorize(request)
-        return JSONResponse({"object": "list", "data": [model_card(model)]})
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in names]})
 
     async def model_detail(request: Request) -> Response:
         authorize(request)
-        if request.path_params["model"] != model:
-            raise unknown_model(request.path_params["model"], model)
-        return JSONResponse(model_card(model))
+        if request.path_params["model"] not in names:
+            raise unknown_model(request.path_params["model"], names)
+        return JSONResponse(model_card(request.path_params["model"]))
 
     async def plugins(request: Request) -> Response:
         authorize(request)
         return JSONResponse({"object": "list", "data": plugin_cards(scheduler.engine.registry)})
 
+    async def health(request: Request) -> Response:
+        body = {
+            "status": "shutting down" if live.draining else "ok",
+            "model": model,
+            "model_loaded": True,  # the server listens only once the model has loaded
+            "queue_depth": len(scheduler.waiting),
+            "in_flight": scheduler.in_flight(),
+            "max_batch": scheduler.max_batch,
+        }
+        return JSONResponse(body, status_code=503 if live.draining else 200)
+
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
     async def chat_completions(request: Request) -> Response:
         authorize(request)
+        if live.draining:
+            raise ApiError(503, "the server is shutting down; send the request to another one", None, "server_shutdown")
         body = await read_json(request, config.max_body)
         try:
             parsed = ChatCompletionRequest.model_validate(body)
         except ValidationError as error:
             raise validation_error(error) from None
-        if parsed.model != model:
-            raise unknown_model(parsed.model, model)
+        if parsed.model not in names:
+            raise unknown_model(parsed.model, names)
         messages = to_messages(parsed, config.system)
-        options = to_options(parsed, scheduler.engine.registry)
-        completion = Completion.submit(scheduler, messages, options, parsed.stop_strings(), model)
+        options = to_options(parsed, scheduler.engine.registry, len(scheduler.engine.tokenizer))
+        try:
+            completion = Completion.submit(scheduler, messages, options, parsed.stop_strings(), parsed.model)
+        except ApiError:
+            metrics.record_busy()
+            raise
+        completion.interrupt_after("queue-wait", config.max_queue_wait)
+        completion.interrupt_after("timeout", config.request_timeout)
+        live.add(completion)
         # From here until the reply is sent, a client that goes away cancels it (queued or running).
         watcher = asyncio.create_task(cancel_on_disconnect(request, completion))
+        streaming = False
         try:
             await completion.started()
             if parsed.stream:
                 watcher.cancel()  # the streaming response watches the connection itself
                 usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-                return StreamingResponse(
-                    events(completion, usage, lambda: log(messages, completion)),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"},
+                streaming = True
+                return ReplyStream(
+                    events(completion, usage, lambda: ended(messages, completion)),
+                    lambda: ended(messages, completion),
                 )
-            try:
-                text = "".join([delta async for delta in completion.deltas()])
-            finally:
-                log(messages, completion)
+            text = "".join([delta async for delta in completion.deltas()])
         except BaseException:
             completion.handle.cancel()
             raise
         finally:
             watcher.cancel()
+            if not streaming:
+                ended(messages, completion)
         return JSONResponse(completion.body(text))
 
-    def log(messages: list[Any], completion: Completion) -> None:
+    def ended(messages: list[Any], completion: Completion) -> None:
+        """Once per reply, however it ended: log it, count it, forget it."""
+        if completion.recorded:
+            return
+        completion.recorded = True
+        completion.handle.cancel()  # no-op for a reply that ended; frees the slot of one that did not
+        completion.stop_timers()
+        live.discard(completion)
+        metrics.record_reply(completion)
         if config.log is not None:
             config.log.record(completion.exchange(messages))
 
     async def api_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, ApiError)
-        headers = {"Retry-After": "1"} if error.status == 429 else None
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     async def http_error(request: Request, error: Exception) -> Response:
@@ -137,13 +186,16 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
     async def server_error(request: Request, error: Exception) -> Response:
         return JSONResponse(error_body(500, f"internal error: {type(error).__name__}"), status_code=500)
 
-    return Starlette(
+    app = Starlette(
         routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model_detail, methods=["GET"]),
             Route("/v1/plugins", plugins, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         ],
+        middleware=middleware(config, metrics),
         exception_handlers={
             ApiError: api_error,
             HTTPException: http_error,
@@ -151,6 +203,26 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             Exception: server_error,
         },
     )
+    app.state.live = live  # the server's shutdown cuts these (see .server.GracefulServer)
+    app.state.metrics = metrics
+    return app
+
+
+def middleware(config: ServeConfig, metrics: ServeMetrics) -> list[Middleware]:
+    """Counting every response; CORS only for the origins the operator allowed (off by default:
+    a browser page from elsewhere then cannot read the API's answers)."""
+    stack = [Middleware(CountingRequests, metrics=metrics)]
+    if config.cors_origins:
+        stack.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+                max_age=600,
+            )
+        )
+    return stack
 
 
 def model_card(model: str) -> dict[str, Any]:
@@ -163,10 +235,9 @@ def plugin_cards(registry: "Registry") -> list[dict[str, Any]]:
     return [entry.card(kind) for kind, table in tables for _, entry in sorted(table.items())]
 
 
-def unknown_model(asked: str, model: str) -> ApiError:
-    return ApiError(
-        404, f"The model {asked!r} does not exist; this server serves {model!r}", "model", "model_not_found"
-    )
+def unknown_model(asked: str, names: tuple[str, ...]) -> ApiError:
+    served = " or ".join(repr(name) for name in names)
+    return ApiError(404, f"The model {asked!r} does not exist; this server serves {served}", "model", "model_not_found")
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -208,11 +279,12 @@ def validation_error(error: ValidationError) -> ApiError:
 
 async def events(completion: Completion, usage: bool, ended: Callable[[], None] | None = None) -> AsyncIterator[str]:
     """Server-sent events as OpenAI sends them: a role chunk, content chunks, a finish chunk,
-    the usage chunk when asked for, then ``[DONE]``. A failure mid-reply is an error event.
+    the usage chunk when asked for, then ``[DONE]``. A failure mid-reply (or a timeout, or the
+    shutdown cutting it) is an error event, then ``[DONE]``.
     ``ended()`` runs once the reply has ended, however it ended."""
-    yield sse(completion.chunk({"role": "assistant", "content": ""}, usage=usage))
     failure: ApiError | None = None
     try:
+        yield sse(completion.chunk({"role": "assistant", "content": ""}, usage=usage))
         async for delta in completion.deltas():
             yield sse(completion.chunk({"content": delta}, usage=usage))
     except ApiError as error:
@@ -222,11 +294,28 @@ async def events(completion: Completion, usage: bool, ended: Callable[[], None] 
             ended()
     if failure is not None:
         yield sse(failure.body())
+        yield "data: [DONE]\n\n"
         return
     yield sse(completion.chunk({}, completion.finish_reason, usage=usage))
     if usage:
         yield sse(completion.usage_chunk())
     yield "data: [DONE]\n\n"
+
+
+class ReplyStream(StreamingResponse):
+    """Server-sent events whose reply ends with the response, however it ends: a client that
+    goes away before the first event is sent never starts the events' generator, so its
+    ``finally`` cannot free the reply's slot; ``ended`` here does."""
+
+    def __init__(self, content: AsyncIterator[str], ended: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.ended = ended
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.ended()
 
 
 def sse(body: dict[str, Any]) -> str:

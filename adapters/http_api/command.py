@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from chatcore.cli.options import model_option, prompt_options
+from chatcore.cli.options import model_option, prompt_options, threads_option
 
 if TYPE_CHECKING:
     import socket
@@ -46,6 +46,20 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     default=None,
     help="Require `Authorization: Bearer KEY` on every request (or set CHATCORE_API_KEY).",
 )
+@click.option(
+    "--served-model-name",
+    "served_model_names",
+    multiple=True,
+    metavar="NAME",
+    help="The model's id in the API; repeatable: aliases a request may name, the first listed first [--model's name].",
+)
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help='A browser origin allowed to call the API, e.g. "https://chat.example.com" or "*" (repeatable) [none].',
+)
 @prompt_options("System prompt of requests that bring none.")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Replies decoded at once.")
 @click.option(
@@ -54,6 +68,25 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     default=64,
     show_default=True,
     help="Requests queued beyond those; past it requests get 429 (busy).",
+)
+@click.option(
+    "--max-queue-wait",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Seconds a request may wait for a batch slot; past it, 503 with Retry-After [no limit].",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Seconds a reply may take in all; past it, it is cut (504, or an error event when streaming) [no limit].",
+)
+@click.option(
+    "--shutdown-grace",
+    type=click.FloatRange(0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM or Ctrl-C, seconds running replies get to finish before they are cut (a second signal: at once).",
 )
 @click.option(
     "--prefix-cache-mb",
@@ -70,6 +103,7 @@ def bind_listener(host: str, port: int) -> "socket.socket":
 )
 @click.option("--db", default=None, help="Conversation log: SQLAlchemy URL or SQLite file [$CHATCORE_DB or user data].")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@threads_option
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
 )
@@ -78,28 +112,36 @@ def serve(
     port: int,
     model: str,
     api_key: str | None,
+    served_model_names: tuple[str, ...],
+    cors_origins: tuple[str, ...],
     system_text: str | None,
     system_file: str | None,
     prompt_format: str,
     max_batch: int,
     max_waiting: int,
+    max_queue_wait: float | None,
+    request_timeout: float | None,
+    shutdown_grace: float,
     prefix_cache_mb: int,
     log: bool | None,
     db: str | None,
     device: str | None,
+    threads: int | None,
     dtype: str,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API.
 
     GET /v1/models and POST /v1/chat/completions (streaming or not), with chatcore's
     own `decoder` and `steer` fields; GET /v1/plugins lists the decoders and steerers
-    with the JSON schema of their settings. Concurrent requests are decoded together in one
-    batch. With --log (or --db), the conversations served are kept in the conversation
-    log (`chatcore logs`). See docs/serving.md.
+    with the JSON schema of their settings; GET /health and GET /metrics (Prometheus) need
+    no key. Concurrent requests are decoded together in one batch. With --log (or --db), the
+    conversations served are kept in the conversation log (`chatcore logs`). SIGTERM or
+    Ctrl-C lets running replies finish for --shutdown-grace seconds, then cuts them and
+    exits 0. See docs/serving.md.
     """
-    import uvicorn
-
     from chatcore.adapters.http_api.app import ServeConfig, build_app
+    from chatcore.adapters.http_api.server import make_server
+    from chatcore.cpu import use_threads
     from chatcore.engine import Engine
     from chatcore.errors import OptionError
     from chatcore.prompting import system_prompt_option, validate_format_name
@@ -108,6 +150,8 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise OptionError("`--api-key` is empty")
     validate_format_name(prompt_format)
+    if any(not name.strip() for name in served_model_names):
+        raise OptionError("`--served-model-name` is empty")
     system = system_prompt_option(system_text, system_file)
     if api_key is None and host not in LOOPBACK:
         click.echo(
@@ -124,6 +168,7 @@ def serve(
 
         request_log = RequestLog(db)
     try:
+        use_threads(threads)
         engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
         if request_log is not None:
             request_log.engine = engine
@@ -131,10 +176,19 @@ def serve(
         with Scheduler(
             engine, max_batch=max_batch, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_mb * 2**20
         ) as scheduler:
-            app = build_app(scheduler, ServeConfig(api_key=api_key, system=system, log=request_log))
+            config = ServeConfig(
+                api_key=api_key,
+                system=system,
+                log=request_log,
+                max_queue_wait=max_queue_wait,
+                request_timeout=request_timeout,
+                served_model_names=served_model_names,
+                cors_origins=cors_origins,
+            )
+            app = build_app(scheduler, config)
             click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-            server.run(sockets=[listener])
+            make_server(app, shutdown_grace).run(sockets=[listener])
+            click.echo("chatcore: stopped", err=True)
     finally:
         if request_log is not None:
             request_log.close()

@@ -9,7 +9,7 @@ import unicodedata
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from chatcore.adapters.http_api.errors import ApiError
 from chatcore.adapters.http_api.schema import MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest
@@ -47,7 +47,24 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
     messages: list[Message] = []
     for index, message in enumerate(request.messages):
         param = f"messages.[{index}].content"
+        others = message.other_parts()
+        if others:
+            raise ApiError(
+                400,
+                f"messages[{index}] has a `{others[0]}` part: this server's models take text only "
+                '(send `{"type": "text", "text": ...}` parts or a string)',
+                param,
+            )
+        if message.name is not None:
+            raise ApiError(
+                400,
+                f"messages[{index}].name: this server's prompt formats do not render participant names; "
+                "leave `name` out (or write the name into the message's text)",
+                f"messages.[{index}].name",
+            )
         text = message.text()
+        if message.content is None and message.role != "assistant":
+            raise ApiError(400, f"messages[{index}] has no content", param)
         if message.role == "assistant":  # the server's own earlier reply
             text = without_controls(text)
         bad = next((c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in ALLOWED_CONTROLS), None)
@@ -64,6 +81,9 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
                 cleaned = clean_system_prompt(text)
                 if cleaned:
                     system_parts.append(cleaned)
+            elif message.role == "assistant" and not text.strip():
+                # A reply cut by a stop string at its very start comes back empty: an empty turn.
+                messages.append(Message("assistant", ""))
             else:
                 role: Role = "user" if message.role == "user" else "assistant"
                 messages.append(Message(role, clean_message(text)))
@@ -77,11 +97,13 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
     return ([Message("system", system)] if system else []) + messages
 
 
-def to_options(request: ChatCompletionRequest, registry: Any) -> "ReplyOptions":
+def to_options(request: ChatCompletionRequest, registry: Any, vocab_size: int | None = None) -> "ReplyOptions":
     """Decoder, steerers, seed and budget; checked by the registry before anything is queued.
 
     ``temperature`` and ``top_p`` go to the decoder's settings (top-k by default,
-    greedy at temperature 0); ``decoder`` and ``steer`` are the command line's spec strings.
+    greedy at temperature 0; the greedy decoder refuses a temperature above 0 or a top_p
+    below 1); ``presence_penalty``, ``frequency_penalty`` (when not 0) and ``logit_bias`` too
+    (greedy and top-k take them); ``decoder`` and ``steer`` are the command line's spec strings.
     """
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import DEFAULT_DECODER, DEFAULT_MAX_NEW_TOKENS, ReplyOptions, validate_options
@@ -102,13 +124,30 @@ def to_options(request: ChatCompletionRequest, registry: Any) -> "ReplyOptions":
             decoder, settings = "greedy", {}
         else:
             decoder, settings = DEFAULT_DECODER, {}
-        if request.temperature is not None and decoder != "greedy":
-            settings["temperature"] = request.temperature
-        if request.top_p is not None and decoder != "greedy":
-            settings["top_p"] = request.top_p
         steerers = [parse_spec(spec) for spec in request.steer]
     except ChatcoreError as error:
         raise ApiError(400, str(error), "decoder" if request.decoder else "steer") from None
+    if decoder == "greedy":
+        if request.temperature not in (None, 0):
+            raise ApiError(
+                400,
+                f"`temperature` {request.temperature:g} does not apply to the greedy decoder, which always "
+                "takes the best token: send 0, leave it out, or choose a sampling decoder",
+                "temperature",
+            )
+        if request.top_p not in (None, 1):
+            raise ApiError(400, "`top_p` does not apply to the greedy decoder: send 1 or leave it out", "top_p")
+    else:
+        if request.temperature is not None:
+            settings["temperature"] = request.temperature
+        if request.top_p is not None:
+            settings["top_p"] = request.top_p
+    if request.presence_penalty:
+        settings["presence_penalty"] = request.presence_penalty
+    if request.frequency_penalty:
+        settings["frequency_penalty"] = request.frequency_penalty
+    if request.logit_bias:
+        settings["logit_bias"] = token_biases(request.logit_bias, vocab_size)
     budget = request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_NEW_TOKENS
     options = ReplyOptions(
         decoder=decoder, decoder_settings=settings, steerers=steerers, seed=request.seed, max_new_tokens=budget
@@ -116,17 +155,50 @@ def to_options(request: ChatCompletionRequest, registry: Any) -> "ReplyOptions":
     try:
         validate_options(options, registry)
     except ChatcoreError as error:
-        param = "steer" if "steerer" in str(error) and request.steer else "decoder"
-        raise ApiError(400, str(error), param) from None
+        message = str(error)
+        param = "steer" if "steerer" in message and request.steer else "decoder"
+        for field_name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+            if f"`{field_name}`" in message:
+                param = field_name
+        raise ApiError(400, message, param) from None
     return options
 
 
-@dataclass
+def token_biases(biases: dict[str, float], vocab_size: int | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as strings) as the decoders take it: ids checked against the vocabulary."""
+    parsed: dict[int, float] = {}
+    for key, value in biases.items():
+        if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+            limit = f" below {vocab_size}" if vocab_size is not None else ""
+            raise ApiError(400, f"`logit_bias` keys must be token ids{limit}, got {key!r}", "logit_bias")
+        if not -100 <= value <= 100:
+            raise ApiError(400, f"`logit_bias` values must be between -100 and 100, got {value:g}", "logit_bias")
+        parsed[int(key)] = value
+    return parsed
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Put in a reply's event queue by the server, not the scheduler: ``queue-wait`` (the
+    request waited past ``--max-queue-wait``; ignored once it was admitted), ``timeout`` (past
+    ``--request-timeout``) or ``shutdown`` (the shutdown grace is over)."""
+
+    kind: Literal["queue-wait", "timeout", "shutdown"]
+
+
+INTERRUPTS: dict[str, tuple[int, str, str]] = {
+    "queue-wait": (503, "queue_timeout", "the server is busy: the request waited {seconds:g} s for a free slot"),
+    "timeout": (504, "request_timeout", "the reply took longer than the server's limit of {seconds:g} s"),
+    "shutdown": (503, "server_shutdown", "the server is shutting down; the reply was cut"),
+}
+
+
+@dataclass(eq=False)  # each reply is its own, hashable by identity
 class Completion:
     """A submitted reply as the HTTP handler reads it: text deltas, then counts and the finish reason."""
 
     handle: "Handle"
-    events: "asyncio.Queue[Event]"
+    events: "asyncio.Queue[Event | Interrupt]"
     tokenizer: Any
     stops: list[str]
     model: str
@@ -147,6 +219,57 @@ class Completion:
         self.client_gone = True
         self.handle.cancel()
         self.events.put_nowait(End("cancelled"))
+
+    failure: ChatcoreError | None = None  # the scheduler's error, when the reply failed
+    interrupted_by: str | None = None  # the Interrupt's kind, when the server ended the reply
+    token_times: list[float] = field(default_factory=list)  # when each token reached the server's loop
+    limits: dict[str, float] = field(default_factory=dict)  # the Interrupts' limits in seconds, by kind
+    recorded: bool = False  # logged and counted (once, when the reply ended)
+    _timers: list[asyncio.TimerHandle] = field(default_factory=list)
+
+    @property
+    def outcome(self) -> str:
+        """How the reply ended, for the metrics: a finish reason, the Interrupt's kind, ``error`` or ``cancelled``."""
+        if self.interrupted_by is not None:
+            return self.interrupted_by
+        if self.finish_reason is not None:
+            return self.finish_reason
+        return "error" if self.error is not None else "cancelled"
+
+    def interrupt_after(self, kind: Literal["queue-wait", "timeout"], seconds: float | None) -> None:
+        """Put an Interrupt of ``kind`` in the event queue ``seconds`` from now (None: never)."""
+        if seconds is None:
+            return
+        self.limits[kind] = seconds
+        loop = asyncio.get_running_loop()
+        self._timers.append(loop.call_later(seconds, self.events.put_nowait, Interrupt(kind)))
+
+    def interrupt(self, kind: Literal["shutdown"]) -> None:
+        self.events.put_nowait(Interrupt(kind))
+
+    def stop_timers(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+
+    def _interrupted(self, interrupt: Interrupt) -> ApiError:
+        """Cancel the reply for ``interrupt``: the error the client gets."""
+        self.handle.cancel()
+        self.interrupted_by = interrupt.kind
+        status, code, message = INTERRUPTS[interrupt.kind]
+        self.error = message.format(seconds=self.limits.get(interrupt.kind, 0))
+        return ApiError(status, self.error, None, code)
+
+    async def _next(self) -> "Event":
+        """The scheduler's next event; an Interrupt ends the reply with an ApiError (a queue-wait
+        Interrupt only while the request still waits)."""
+        while True:
+            event = await self.events.get()
+            if not isinstance(event, Interrupt):
+                return event
+            if event.kind == "queue-wait" and self.handle.admitted is not None:
+                continue
+            raise self._interrupted(event)
 
     def exchange(self, messages: list["Message"]) -> "Exchange":
         """What the conversation log keeps of this request: its messages and the reply as sent
@@ -169,7 +292,7 @@ class Completion:
         from chatcore.serving import ServerBusy
 
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[Event | Interrupt] = asyncio.Queue()
 
         def listener(event: Event) -> None:  # on the scheduler's thread: hand the event to the loop
             loop.call_soon_threadsafe(events.put_nowait, event)
@@ -184,8 +307,10 @@ class Completion:
         """Wait for the first token or the end, so a reply that fails to start is an error status."""
         from chatcore.serving import End
 
-        self.first = await self.events.get()
+        self.first = await self._next()
         if isinstance(self.first, End) and self.first.error is not None:
+            self.failure = self.first.error
+            self.error = str(self.first.error)
             raise api_error(self.first.error, self.handle)
 
     @property
@@ -214,9 +339,10 @@ class Completion:
         words = WholeWords()
         try:
             while True:
-                event, self.first = (self.first, None) if self.first is not None else (await self.events.get(), None)
+                event, self.first = (self.first, None) if self.first is not None else (await self._next(), None)
                 if isinstance(event, Token):
                     self.completion_tokens += 1
+                    self.token_times.append(time.perf_counter())
                     text = words.push(stops.push(detokenizer.push(event.token_id)))
                     if stops.hit:  # the end the client asked for: the text before it is all there
                         text += words.flush()
@@ -228,6 +354,7 @@ class Completion:
                         return
                     continue
                 if event.error is not None:
+                    self.failure = event.error
                     self.error = str(event.error)
                     raise api_error(event.error, self.handle)
                 if self.client_gone:
@@ -242,6 +369,7 @@ class Completion:
                 self.finish_reason = "stop" if stops.hit or event.reason != "length" else "length"
                 return
         finally:
+            self.stop_timers()
             self.handle.cancel()  # a reply left early (stop string, client gone) frees its slot
 
     # -- OpenAI's shapes ------------------------------------------------------------------

@@ -26,15 +26,32 @@ class TextPart(Strict):
     text: str
 
 
+class OtherPart(BaseModel):
+    """A content part that is not text (``image_url``, ``input_audio``, ``file`` ...): parsed so
+    that the refusal can name it (see ``completions.to_messages``)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # An assistant turn may be empty (or null): a reply cut by a stop string at its start.
+    content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def other_parts(self) -> list[str]:
+        """The types of the parts that are not text."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.type for part in self.content if not isinstance(part, TextPart)]
 
 
 class StreamOptions(Strict):
@@ -51,6 +68,9 @@ class ChatCompletionRequest(Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None

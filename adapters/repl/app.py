@@ -31,6 +31,7 @@ class ChatConfig:
     seed: int | None = None
     max_new_tokens: int = 64
     device: str | None = None
+    threads: int | None = None  # CPU threads (None: chatcore.cpu's default)
     dtype: str | None = None
     continue_last: bool = False
     conversation_id: str | None = None
@@ -60,8 +61,10 @@ def open_log(config: ChatConfig, say: Callable[[str], None]) -> tuple["Conversat
 def load_engine(config: ChatConfig, host: "PluginHost | None", say: Callable[[str], None]) -> "Engine":
     say(f"loading {config.model} ...")
     started = time.perf_counter()
+    from chatcore.cpu import use_threads
     from chatcore.engine import Engine  # torch and transformers load here
 
+    use_threads(config.threads)
     engine = Engine(
         config.model, device=config.device, dtype=config.dtype, host=host, prompt_format=config.prompt_format
     )

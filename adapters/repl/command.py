@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from chatcore.adapters.conversation_log.commands import DB_HELP
-from chatcore.cli.options import model_option, plugin_options, prompt_options
+from chatcore.cli.options import model_option, plugin_options, prompt_options, threads_option
 
 
 @click.command("chat")
@@ -22,6 +22,7 @@ from chatcore.cli.options import model_option, plugin_options, prompt_options
 )
 @click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@threads_option
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
 )
@@ -57,6 +58,7 @@ def chat(
     seed: int | None,
     max_new_tokens: int,
     device: str | None,
+    threads: int | None,
     dtype: str,
     continue_last: bool,
     conversation_id: str | None,
@@ -92,6 +94,7 @@ def chat(
             seed=seed,
             max_new_tokens=max_new_tokens,
             device=device,
+            threads=threads,
             dtype=dtype,
             continue_last=continue_last,
             conversation_id=conversation_id,

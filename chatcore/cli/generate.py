@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from chatcore.cli.options import model_option, plugin_options, prompt_options
+from chatcore.cli.options import model_option, plugin_options, prompt_options, threads_option
 from chatcore.cli.specs import parse_spec
 
 
@@ -37,6 +37,7 @@ def read_turns(data: bytes) -> tuple[str, ...]:
     help="Reply budget in tokens (capped by the room the prompt leaves in the context).",
 )
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@threads_option
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
 )
@@ -52,6 +53,7 @@ def generate(
     seed: int | None,
     max_new_tokens: int,
     device: str | None,
+    threads: int | None,
     dtype: str,
     as_json: bool,
 ) -> None:
@@ -61,6 +63,7 @@ def generate(
     turns alternate between user and bot, ending with the user. Give "-" to read
     turns from standard input, one per line.
     """
+    from chatcore.cpu import use_threads
     from chatcore.engine import Engine, ReplyOptions, validate_options
     from chatcore.prompting import system_prompt_option, validate_format_name
 
@@ -79,6 +82,7 @@ def generate(
     validate_options(options)
     validate_format_name(prompt_format)
     system = system_prompt_option(system_text, system_file)
+    use_threads(threads)
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
     response = engine.reply_to(list(turns), options, system=system)
     if as_json:

@@ -1,4 +1,4 @@
-"""Options several commands share (chat, generate, eval, serve): each defined once.
+"""Options several commands share (chat, generate, eval, serve, discord): each defined once.
 
 Only click is imported here, so ``--help`` stays instant.
 """
@@ -18,6 +18,14 @@ model_option = click.option(
     default="chatcore-tiny",
     show_default=True,
     help="Bundled name, smollm2, a GGUF file, a local folder or a hub id.",
+)
+
+threads_option = click.option(
+    "--threads",
+    type=click.IntRange(1, 1024),
+    default=None,
+    envvar="CHATCORE_THREADS",
+    help="CPU threads for inference [half the cores, at most 4; $OMP_NUM_THREADS when set].",
 )
 
 
