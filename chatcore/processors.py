@@ -154,7 +154,8 @@ def min_p(p: float) -> ScoreProcessor:
 
     if not 0.0 < p <= 1.0:
         raise ValueError(f"`min_p` must be in (0, 1], got {p}")
-    return MinPLogitsWarper(float(p))
+    # transformers types the sequences as LongTensor (as it does for SequenceBias above).
+    return cast(ScoreProcessor, MinPLogitsWarper(float(p)))
 
 
 def chain(processors: Sequence[ScoreProcessor]) -> ScoreProcessor:
