@@ -99,7 +99,9 @@ def start_stream(server, body: dict[str, Any]) -> tuple[http.client.HTTPConnecti
 
 def rest_of_stream(response: http.client.HTTPResponse) -> list[str]:
     """The remaining server-sent events' data, up to the end of the stream."""
-    return [line[6:] for line in response.read().decode().split("\n\n") if line.startswith("data: ")]
+    # What start_stream left of the first event (its closing blank line) is stripped here.
+    events = [block.strip() for block in response.read().decode().split("\n\n")]
+    return [event[6:] for event in events if event.startswith("data: ")]
 
 
 # -- 1. threads -----------------------------------------------------------------------------

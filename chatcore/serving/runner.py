@@ -253,14 +253,15 @@ class Runner:
         loaded: "LoadedModel",
         faults: Faults | None = None,
         prefix_cache: PrefixCache | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         self.loaded = loaded
         self.faults: Faults = faults or PlainFaults()
         self.model = loaded.model
         self.device = loaded.device
         self.prefix_cache = prefix_cache
-        # A longer new prompt is run this many tokens per step, so the batch never waits long for it.
+        # A longer new prompt is run this many tokens per step, so the batch never waits long
+        # for it (None: at once, for a runner that decodes one reply).
         self.prefill_chunk = prefill_chunk
         self.jobs: list[Job] = []
         self.batch = SharedBatch(self.model, self.device)
@@ -469,8 +470,8 @@ class Runner:
         import torch
 
         prompt = job.session.prompt_ids
-        if len(prompt) - job.prefilled <= self.prefill_chunk or len(self.jobs) == 1:
-            return False  # short enough, or nothing else is waiting for the runner: all at once
+        if self.prefill_chunk is None or len(prompt) - job.prefilled <= self.prefill_chunk:
+            return False
         end = job.prefilled + self.prefill_chunk
         ids = job.sequences[:1, :end]
         try:
@@ -613,7 +614,7 @@ def decode_alone(engine: "Engine", reply: "PreparedReply") -> Iterator[int]:
 
     handle = Handle()
     handle.provenance = reply.provenance
-    runner = Runner(engine.loaded, engine)
+    runner = Runner(engine.loaded, engine, prefill_chunk=None)  # nothing else waits for it
     runner.add(handle, engine.start_session(reply), reply.decoder, reply.provenance)
     sent = 0
     try:
