@@ -385,3 +385,86 @@ def test_a_log_in_a_read_only_folder_can_be_read() -> None:
     finally:
         folder.chmod(0o755)
     assert sorted(p.name for p in folder.iterdir()) == ["log.sqlite3"]
+
+
+# -- the log's own commands cannot destroy it -----------------------------------------------------------
+def logs_command(*args: str) -> Any:
+    """`chatcore logs ARGS` through the real command line, with the log commands' plugin loaded."""
+    from click.testing import CliRunner
+
+    import chatcore.plugin_manager as plugin_manager
+    from chatcore.cli import build_cli
+
+    host = plugin_manager.PluginHost()
+    host.load_modules(("chatcore.adapters.conversation_log",))
+    plugin_manager.set_plugin_host(host)
+    return CliRunner().invoke(build_cli(), ["logs", *args], catch_exceptions=False)
+
+
+@pytest.fixture
+def written_log(tmp_path: Path) -> Path:
+    """A log with 38 messages, its -wal still beside it (a chat has it open)."""
+    path = tmp_path / "log.sqlite3"
+    with ConversationStore(sqlite_url(path)) as store:
+        for number in range(19):
+            store.add_message("kept", "user", f"question {number}", conversation={"title": "kept"})
+            store.add_message("kept", "bot", f"answer {number}")
+    return path
+
+
+def count_messages(path: Path) -> int:
+    with ConversationStore(sqlite_url(path), create=False) as store:
+        return store.count_messages()
+
+
+def test_export_never_writes_onto_the_log_or_an_existing_file(written_log: Path, tmp_path: Path) -> None:
+    holder = ConversationStore(sqlite_url(written_log))  # a chat holding the log open keeps its -wal and -shm
+    holder.add_message("kept", "user", "one more", conversation={"title": "kept"})
+    wal, shm = (written_log.with_name(written_log.name + suffix) for suffix in ("-wal", "-shm"))
+    assert wal.exists() and shm.exists()
+    linked = tmp_path / "hard-link.sqlite3"
+    os.link(written_log, linked)
+    before = {path: path.read_bytes() for path in (written_log, wal)}
+    for target in (written_log, wal, shm, linked, tmp_path / ".." / tmp_path.name / "log.sqlite3"):
+        for force in ((), ("--force",)):  # the log's own files are refused even with --force
+            result = logs_command("export", "--db", str(written_log), "-o", str(target), *force)
+            assert result.exit_code == 1 and "the conversation log's own file" in result.output, target
+            assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert {path: path.read_bytes() for path in (written_log, wal)} == before
+    assert count_messages(written_log) == 39
+
+    other = tmp_path / "notes.txt"
+    other.write_text("precious")
+    refused = logs_command("export", "--db", str(written_log), "-o", str(other))
+    assert refused.exit_code == 1 and "the file exists (--force replaces it)" in refused.output
+    assert other.read_text() == "precious"
+    replaced = logs_command("export", "--db", str(written_log), "-o", str(other), "--force")
+    assert replaced.exit_code == 0 and other.read_text().count('"role"') == 39
+    holder.close()
+
+
+def test_export_follows_a_symbolic_link_only_when_told_and_says_so(written_log: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text("")
+    link = tmp_path / "export.jsonl"
+    link.symlink_to(elsewhere)
+    refused = logs_command("export", "--db", str(written_log), "-o", str(link))
+    assert refused.exit_code == 1 and "symbolic link" in refused.output and elsewhere.read_text() == ""
+    followed = logs_command("export", "--db", str(written_log), "-o", str(link), "--force")
+    assert followed.exit_code == 0 and f"writing to {elsewhere}" in followed.output
+    assert elsewhere.read_text().count('"role"') == 38
+    onto_the_log = tmp_path / "innocent.jsonl"
+    onto_the_log.symlink_to(written_log)
+    for force in ((), ("--force",)):
+        result = logs_command("export", "--db", str(written_log), "-o", str(onto_the_log), *force)
+        assert result.exit_code == 1 and count_messages(written_log) == 38
+
+
+def test_an_export_that_cannot_be_written_is_one_line(written_log: Path, tmp_path: Path) -> None:
+    """/dev/full answers every write with ENOSPC, as a full disk does."""
+    result = logs_command("export", "--db", str(written_log), "-o", "/dev/full")
+    assert result.exit_code == 1 and "No space left on device" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    fresh = tmp_path / "fresh.jsonl"
+    assert logs_command("export", "--db", str(written_log), "-o", str(fresh)).exit_code == 0
+    assert os.stat(fresh).st_mode & 0o777 == 0o600

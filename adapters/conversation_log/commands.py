@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import click
 
-from chatcore.cli.files import open_output
 
 if TYPE_CHECKING:
     from chatcore.adapters.conversation_log.store import ConversationStore
@@ -127,9 +126,14 @@ def search_command(ctx: click.Context, text: str, limit: int, as_json: bool, db_
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, writable=True),
+    type=click.Path(dir_okay=False),
     default=None,
-    help="Write to this file instead of standard output.",
+    help="Write to this new file (created readable by you only) instead of standard output.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace the --output file if it exists, following a symbolic link (never the log's own files).",
 )
 @click.option(
     "--author",
@@ -152,10 +156,18 @@ def export_command(
     output: str | None,
     author_id: str | None,
     salvage: bool,
+    force: bool,
     db_url: str | None,
 ) -> None:
-    """Export the given conversations (all of them when no ID is given)."""
+    """Export the given conversations (all of them when no ID is given).
+
+    --output never writes onto the log, its -wal/-shm or its journal, and never
+    replaces an existing file or follows a symbolic link without --force.
+    """
     from chatcore.adapters.conversation_log import formatting
+    from chatcore.adapters.conversation_log.export_target import open_export
+    from chatcore.adapters.conversation_log.location import user_data_path
+    from chatcore.adapters.conversation_log.plugin import JOURNAL_FOLDER
 
     if salvage and (conversation_ids or author_id):
         raise click.UsageError("--salvage exports everything readable; it takes no ID or --author")
@@ -166,16 +178,32 @@ def export_command(
     )
     render = formatting.conversation_jsonl if export_format == "jsonl" else formatting.conversation_markdown
     separator = "\n" if export_format == "jsonl" else "\n---\n\n"
-    stream = open_output(output) if output else sys.stdout
+    stream: TextIO = sys.stdout
+    if output:
+        stream, notes = open_export(
+            output, force=force, log_path=store.file_path, journal_folder=user_data_path() / JOURNAL_FOLDER
+        )
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
     count = 0
     try:
         for record in records:
             stream.write((separator if count and export_format == "markdown" else "") + render(record) + "\n")
             stream.flush()  # what was read is kept even if a later conversation cannot be
             count += 1
-    finally:
         if output:
             stream.close()
+    except OSError as error:
+        where = output or "standard output"
+        raise click.ClickException(
+            f"cannot write {where}: {error.strerror or error}; {count} conversation(s) were written before it"
+        ) from None
+    finally:
+        if output and not stream.closed:
+            try:
+                stream.close()
+            except OSError:
+                pass  # already reported: the data that could not be written is what close would flush
     for problem in problems:
         click.echo(f"skipped: {formatting.one_line(problem, 200)}", err=True)
     if output or salvage:

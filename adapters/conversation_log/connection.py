@@ -121,6 +121,11 @@ class StoreConnection:
             return None
         return Path(database).expanduser()
 
+    @property
+    def file_path(self) -> Path | None:
+        """The SQLite file of this log (None for servers, memory and URI names)."""
+        return self._file_path()
+
     def _identity(self) -> tuple[int, int] | None:
         path = self._file_path()
         try:
