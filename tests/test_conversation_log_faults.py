@@ -249,24 +249,49 @@ def unavailable(store: ConversationStore, backend: Backend) -> Iterator[None]:
     admin.dispose()
 
 
-# -- 4. the queue of waiting writes overflows -------------------------------------------------------
-def test_an_overflowing_queue_spills_to_the_journal_and_every_turn_is_written(
+# -- 4. writes the database cannot take go to the journal at once ---------------------------------------
+def test_writes_that_cannot_reach_the_database_are_journaled_at_once_and_replayed_in_order(
     chat_engine: Any, backend: Backend, tmp_path: Path
 ) -> None:
     store = ConversationStore(backend.new_url(), timeout_s=0.05)
-    plugin = ConversationLogPlugin(
-        store, notify=lambda message: None, retry_after_s=0.0, max_pending=3, journal_dir=tmp_path / "journal"
-    )
+    told: list[str] = []
+    plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0, journal_dir=tmp_path / "journal")
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
     with unavailable(store, backend):
         chat(conversation, [f"turn {n}" for n in range(6)])
-        assert plugin.failing and plugin.pending == 12 and plugin.journaled == 9  # 3 in memory, the rest spilled
-        assert len(list((tmp_path / "journal").glob("*.jsonl"))) == 1
-    chat(conversation, ["after"])
-    assert plugin.pending == 0 and plugin.failing is None
+        assert plugin.failing and plugin.pending == 12 and plugin.journaled == 12  # none waits in memory only
+        (journal,) = (tmp_path / "journal").glob("*.jsonl")
+        assert len(journal.read_text().splitlines()) == 12  # on the disk as each turn was acknowledged
+    chat(conversation, ["after"])  # the next turn retries
+    assert plugin.pending == 0 and plugin.failing is None and "available again" in told[-1]
     assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]  # in order
     assert list((tmp_path / "journal").glob("*.jsonl")) == []
+    plugin.close()
+    store.close()
+
+
+def test_a_timer_retries_without_waiting_for_the_next_turn(chat_engine: Any, backend: Backend, tmp_path: Path) -> None:
+    import threading
+
+    store = ConversationStore(backend.new_url(), timeout_s=0.05)
+    recovered = threading.Event()
+
+    def notify(message: str) -> None:
+        if "available again" in message:
+            recovered.set()
+
+    plugin = ConversationLogPlugin(store, notify=notify, retry_after_s=0.05, journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    with unavailable(store, backend):
+        chat(conversation, ["said while the log was down"])
+        assert plugin.journaled == 2
+    assert recovered.wait(timeout=60), "the journal was not replayed"
+    assert plugin.pending == 0 and logged_texts(store, conversation.id) == [
+        (t.role, t.text) for t in conversation.turns
+    ]
+    plugin.close()
     store.close()
 
 
@@ -468,3 +493,53 @@ def test_an_export_that_cannot_be_written_is_one_line(written_log: Path, tmp_pat
     fresh = tmp_path / "fresh.jsonl"
     assert logs_command("export", "--db", str(written_log), "-o", str(fresh)).exit_code == 0
     assert os.stat(fresh).st_mode & 0o777 == 0o600
+
+
+# -- private by default --------------------------------------------------------------------------------
+def mode(path: Path) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+def test_the_log_its_companions_and_the_journal_are_private(chat_engine: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    old_umask = os.umask(0o022)  # the usual umask, which used to leave every chat readable by all
+    try:
+        folder = tmp_path / "new" / "folders"
+        path = folder / "log.sqlite3"
+        store = ConversationStore(sqlite_url(path), timeout_s=0.05)
+        journal = tmp_path / "data" / "chatcore" / "log-journal"
+        plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0, journal_dir=journal)
+        chat_engine.host.register(plugin, "conversation-log")
+        conversation = chat_engine.conversation()
+        chat(conversation, ["hello"])
+        wal, shm = (path.with_name(path.name + suffix) for suffix in ("-wal", "-shm"))
+        assert [mode(p) for p in (path, wal, shm)] == [0o600] * 3
+        assert mode(folder) == mode(folder.parent) == 0o700
+        with unavailable(store, Backend("sqlite", tmp_path)):
+            chat(conversation, ["kept in the journal"])
+            (journaled,) = journal.glob("*.jsonl")
+            assert mode(journaled) == 0o600 and mode(journal) == 0o700
+        chat(conversation, ["after"])
+        with store.db.begin() as connection:  # a rule the next write breaks: it is set aside
+            connection.execute(
+                sa.text(
+                    "CREATE TRIGGER refuse BEFORE INSERT ON messages WHEN NEW.text = 'refused' "
+                    "BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                )
+            )
+        chat(conversation, ["refused"])
+        (rejected,) = journal.glob("*-rejected.jsonl")
+        assert mode(rejected) == 0o600
+        store.close()
+    finally:
+        os.umask(old_umask)
+
+    assert logs_command("where", "--db", str(path)).output.strip() == sqlite_url(path)
+    path.chmod(0o644)
+    rejected.chmod(0o640)
+    reported = logs_command("where", "--db", str(path))
+    warnings = [line for line in reported.output.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: {path} (file, mode 0644) is open to other users: chmod 600 {path}",
+        f"warning: {rejected} (file, mode 0640) is open to other users: chmod 600 {rejected}",
+    ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import click
@@ -252,7 +253,12 @@ def delete_command(
 @db_option
 @click.pass_context
 def where_command(ctx: click.Context, db_url: str | None) -> None:
-    """Print the URL of the log that the other subcommands use (nothing is opened)."""
+    """Print the URL of the log that the other subcommands use (nothing is opened).
+
+    Files that hold chats (the log, its -wal and -shm, the journal, the input history)
+    and that other users may read are reported on standard error, each with the
+    command that makes it private.
+    """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -260,6 +266,28 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
 
     url = resolve_url(db_url or (ctx.find_object(dict) or {}).get("db_url"))
     try:
-        click.echo(make_url(url).render_as_string(hide_password=True))
+        parsed = make_url(url)
     except ArgumentError:
         raise click.ClickException(f"{url!r} is not a database URL") from None
+    click.echo(parsed.render_as_string(hide_password=True))
+    log_path = None
+    database = parsed.database
+    if parsed.get_backend_name() == "sqlite" and database and database != ":memory:" and not database.startswith("file:"):
+        log_path = Path(database).expanduser()
+    for line in loose_files(log_path):
+        click.echo(f"warning: {line}", err=True)
+
+
+def loose_files(log_path: "Path | None") -> list[str]:
+    """The chat files and folders other users may read, each with the command that fixes it."""
+    from chatcore.adapters.conversation_log.export_target import log_files
+    from chatcore.adapters.conversation_log.location import HISTORY_FILENAME, user_data_path
+    from chatcore.adapters.conversation_log.plugin import JOURNAL_FOLDER
+    from chatcore.adapters.conversation_log.private_files import loose_modes
+
+    data = user_data_path()
+    journal = data / JOURNAL_FOLDER
+    paths = [*log_files(log_path), data, data / HISTORY_FILENAME, journal]
+    if journal.is_dir():
+        paths.extend(sorted(journal.iterdir()))
+    return loose_modes(paths)

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from chatcore.adapters.conversation_log import schema
 from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError
+from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
 
 
 def _sqlite_connect(dbapi_connection: Any, connection_record: Any) -> None:
@@ -172,9 +173,16 @@ class StoreConnection:
                 return parsed.set(database=f"file:{path}?mode=ro&immutable=1", query={"uri": "true"})
             return parsed
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_private_folder(path.parent)
         except OSError as error:
             raise LogError(f"cannot create the folder for the conversation log {database}: {error}") from None
+        try:
+            # Made here, 0600, rather than by SQLite (0644 under the usual umask): SQLite gives
+            # the -wal and -shm files it makes the mode of the database file.
+            create_private_file(path)
+        except OSError as error:
+            if not path.exists():
+                raise LogError(f"cannot create the conversation log {database}: {error.strerror or error}") from None
         return parsed
 
     def _prepare_schema(self) -> None:

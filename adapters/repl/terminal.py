@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from chatcore.adapters.conversation_log.formatting import display_safe
+from chatcore.adapters.conversation_log.location import HISTORY_FILENAME
 from chatcore.adapters.repl.completion import completions, toolbar_text
 from chatcore.adapters.repl.slash_commands import Outcome, handle_line
 from chatcore.errors import ChatcoreError
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from chatcore.response import Response
 
 ReadLine = Callable[[], str]
-HISTORY_FILENAME = "repl_history"
 PROMPT = "you> "
 REPLY_PREFIX = "bot> "
 # More plain characters than this in one read of the terminal is a paste, not typing.
@@ -252,6 +252,8 @@ def prompt_toolkit_reader(
 ) -> ReadLine:
     """A prompt-toolkit session: history file, completion, toolbar, multi-line."""
     from prompt_toolkit import PromptSession
+
+    from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
     from prompt_toolkit.application.current import get_app
     from prompt_toolkit.completion import Completer, Completion
     from prompt_toolkit.filters import Condition
@@ -279,8 +281,8 @@ def prompt_toolkit_reader(
     path = history_file if history_file is not None else history_path()
     if keep_history:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(exist_ok=True)
+            make_private_folder(path.parent)
+            create_private_file(path)  # the lines typed are as private as the log
             history = BoundedFileHistory(str(path))
         except OSError as error:
             state.notify(f"input history is not saved ({path}: {error.strerror or error})")
