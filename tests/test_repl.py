@@ -530,6 +530,25 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
     assert repl_host.pm.get_plugin("conversation-log:repl") is None  # unregistered at exit
 
 
+def test_a_fresh_chat_keeps_its_files_private(repl_host, tiny_model_dir, tmp_path, monkeypatch):
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2)
+    old_umask = os.umask(0o022)  # the usual umask, under which every file used to be readable by all
+    try:
+        with create_pipe_input() as pipe:
+            pipe.send_text("a private thought\r\x04")
+            start_chat(config, out=io.StringIO(), err=io.StringIO(), input=pipe, output=DummyOutput())
+    finally:
+        os.umask(old_umask)
+    folder = tmp_path / "data" / "chatcore"
+    modes = {path.name: path.stat().st_mode & 0o777 for path in [tmp_path / "data", folder, *folder.iterdir()]}
+    assert modes == {"data": 0o700, "chatcore": 0o700, "conversations.sqlite3": 0o600, "repl_history": 0o600}
+    assert "a private thought" in (folder / "repl_history").read_text()
+
+
 @pytest.mark.slow
 def test_a_long_paste_is_refused_at_once_and_kept_out_of_the_history(repl_host, tiny_model_dir, tmp_path):
     import threading
