@@ -543,3 +543,38 @@ def test_the_log_its_companions_and_the_journal_are_private(chat_engine: Any, tm
         f"warning: {path} (file, mode 0644) is open to other users: chmod 600 {path}",
         f"warning: {rejected} (file, mode 0640) is open to other users: chmod 600 {rejected}",
     ]
+
+
+# -- a full disk ---------------------------------------------------------------------------------------
+def test_a_full_disk_loses_no_turn_that_was_shown(chat_engine: Any, tmp_path: Path) -> None:
+    """The log, its journal and the disk fill up mid-chat (see tests/disk_full.py: RLIMIT_FSIZE,
+    writes fail with EFBIG at the OS boundary), then space is freed: every turn is written, in
+    order, and the person was told once that turns wait in memory. A chat that ends while the disk
+    is still full ends without an error, and says what was not kept."""
+    from disk_full import files_cannot_grow
+
+    path = tmp_path / "log.sqlite3"
+    store = ConversationStore(sqlite_url(path), timeout_s=0.05)
+    told: list[str] = []
+    plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0, journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    chat(conversation, ["before"])
+    store.db.dispose()  # the WAL is checkpointed and removed: the next write must grow a file
+    with files_cannot_grow():
+        chat(conversation, ["while full 1", "while full 2"])
+        assert plugin.pending == 4 and plugin.journaled == 0
+        assert [m for m in told if "cannot be written either" in m] == told[1:]  # told once
+        assert len(told) == 2 and "wait in memory" in told[1]
+    chat(conversation, ["space freed"])
+    assert plugin.pending == 0 and plugin.failing is None and plugin.dropped == 0
+    assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
+
+    told.clear()
+    with files_cannot_grow():
+        chat(conversation, ["the disk fills again"])
+        assert plugin.close() == 0  # nothing could be journaled, and closing does not raise
+    assert plugin.pending == 2 and plugin.failing is not None
+    assert len([m for m in told if "cannot be written either" in m]) == 1
+    chat_engine.host.unregister(plugin)
+    store.close()

@@ -549,6 +549,39 @@ def test_a_fresh_chat_keeps_its_files_private(repl_host, tiny_model_dir, tmp_pat
     assert "a private thought" in (folder / "repl_history").read_text()
 
 
+def test_a_chat_started_on_a_full_disk_works_without_its_history_and_says_what_was_not_kept(
+    repl_host, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The disk is full from the start (tests/disk_full.py: RLIMIT_FSIZE, so every write that
+    grows a file fails at the OS boundary): the history file, the log and its journal cannot be
+    written. Every line is still answered, the person is told once about the history and once
+    about the log, and the exit says what was not kept, without an error."""
+    from disk_full import files_cannot_grow
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    url = sqlite_url(tmp_path / "chat.sqlite3")
+    holder = ConversationStore(url)  # another chat holds the log open (its -wal and -shm exist)
+    holder.journal_mode()
+    config = ChatConfig(
+        model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2, db_url=url, history_file=tmp_path / "history"
+    )
+    out, err = io.StringIO(), io.StringIO()
+    with files_cannot_grow(), create_pipe_input() as pipe:
+        pipe.send_text("one\rtwo\rthree\r/quit\r")
+        state = start_chat(config, out=out, err=err, input=pipe, output=DummyOutput())
+    holder.close()
+    shown = out.getvalue()
+    assert [t.text for t in state.current.turns if t.role == "user"] == ["one", "two", "three"]
+    assert shown.count("bot> ") == 3
+    assert shown.count("input history is no longer saved") == 1 and "File too large" in shown
+    assert shown.count("cannot be written either") == 1
+    assert err.getvalue().count("note: 6 write(s) to the conversation log were lost") == 1
+    assert "Traceback" not in shown + err.getvalue()
+    assert (tmp_path / "history").read_text() == ""
+
+
 @pytest.mark.slow
 def test_a_long_paste_is_refused_at_once_and_kept_out_of_the_history(repl_host, tiny_model_dir, tmp_path):
     import threading

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -263,9 +263,37 @@ def prompt_toolkit_reader(
     from prompt_toolkit.keys import Keys
 
     class BoundedFileHistory(FileHistory):
+        """The input history file; one that cannot be read or written (a full disk) leaves the
+        history in memory, with one note, instead of an error on every line typed."""
+
+        saving = True
+
         def append_string(self, string: str) -> None:
             if fits_a_line(string):
                 super().append_string(string)
+
+        def load_history_strings(self) -> Iterable[str]:
+            try:
+                return list(super().load_history_strings())
+            except OSError as error:
+                self.stop_saving(error)
+                return []
+
+        def store_string(self, string: str) -> None:
+            if not self.saving:
+                return
+            try:
+                super().store_string(string)
+            except OSError as error:
+                self.stop_saving(error)
+
+        def stop_saving(self, error: OSError) -> None:
+            if self.saving:
+                self.saving = False
+                state.notify(
+                    f"input history is no longer saved ({self.filename}: {error.strerror or error}); "
+                    "the chat goes on and keeps it in memory"
+                )
 
     class BoundedMemoryHistory(InMemoryHistory):
         def append_string(self, string: str) -> None:
