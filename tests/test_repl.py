@@ -9,6 +9,7 @@ import os
 import re
 import select
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -1037,6 +1038,54 @@ def test_a_killed_chat_keeps_every_completed_turn(tiny_model_dir, tmp_path):
     assert [m.role for m in messages] == ["user", "bot"] * turns
     assert [m.text for m in messages if m.role == "user"] == [f"message number {n}" for n in range(turns)]
     assert all(m.token_count and not m.interrupted for m in messages if m.role == "bot")
+
+
+@pytest.mark.slow
+def test_turns_shown_while_the_log_is_locked_survive_a_kill(tiny_model_dir, tmp_path):
+    """Another process holds SQLite's write lock while turns are answered; the chat is then
+    SIGKILLed. The turns were journaled before each reply was shown: the next process that
+    logs there writes every one of them, in order, and none twice."""
+    db_path = tmp_path / "locked.sqlite3"
+    url = sqlite_url(db_path)
+    ConversationStore(url).close()
+    blocker = sqlite3.connect(str(db_path), isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # another process holding the write lock for the whole chat
+    argv = [sys.executable, "-c", LAUNCHER, "", "chat", "--model", str(tiny_model_dir), "--decoder", "greedy"]
+    process = subprocess.Popen(
+        [*argv, "-n", "3", "--db", url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=child_env(tmp_path),
+        cwd=tmp_path,
+    )
+    buffer = [b""]
+    turns = 4
+    try:
+        for number in range(turns):
+            process.stdin.write(f"said during the outage {number}\n".encode())
+            process.stdin.flush()
+            line = read_line(process, buffer)
+            while line.startswith("note: "):  # the log being unavailable is noted before the next prompt
+                line = read_line(process, buffer)
+            assert line.startswith("bot> ")
+        process.kill()  # SIGKILL: no clean-up code runs
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        blocker.rollback()
+        blocker.close()
+    journal = tmp_path / "data" / "chatcore" / "log-journal"
+    with ConversationStore(url) as store:
+        assert store.count_messages() == 0  # nothing reached the database during the outage
+        ConversationLogPlugin(store, journal_dir=journal).close()  # the next process replays the journal
+        ConversationLogPlugin(store, journal_dir=journal).close()  # and a second one finds nothing left
+        messages = store.get_conversation(store.latest_conversation_id()).messages
+    assert [m.role for m in messages] == ["user", "bot"] * turns
+    assert [m.text for m in messages if m.role == "user"] == [f"said during the outage {n}" for n in range(turns)]
+    assert list(journal.glob("*.jsonl")) == []
 
 
 def test_writes_the_log_cannot_take_at_exit_wait_in_its_journal(engine, tmp_path):

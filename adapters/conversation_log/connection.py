@@ -46,12 +46,6 @@ def _sqlite_connect(dbapi_connection: Any, connection_record: Any) -> None:
         cursor.close()
 
 
-def _sqlite_begin(connection: sa.Connection) -> None:
-    # Writers take the write lock at BEGIN: they wait their turn (busy timeout)
-    # instead of failing when a read transaction cannot be upgraded.
-    connection.exec_driver_sql(connection.get_execution_options().get("sqlite_begin", "BEGIN"))
-
-
 _WRITE = {"sqlite_begin": "BEGIN IMMEDIATE"}
 
 
@@ -100,9 +94,13 @@ class StoreConnection:
             raise LogError(f"cannot open the conversation log {self.display_url}: {reason(error)}{hint}") from None
         except SQLAlchemyError as error:
             raise LogError(f"cannot open the conversation log {self.display_url}: {reason(error)}") from None
+        self._timeout_s = timeout_s
+        self.write_wait_s: float | None = None
+        """How long a write waits for SQLite's lock; None: ``timeout_s``. The log plugin sets it
+        short while the log fails, so that retrying never holds a turn up for long."""
         if self.is_sqlite:
             sa.event.listen(self.db, "connect", _sqlite_connect)
-            sa.event.listen(self.db, "begin", _sqlite_begin)
+            sa.event.listen(self.db, "begin", self._sqlite_begin)
         self._parsed = parsed
         self._sessions = sessionmaker(self.db, expire_on_commit=False)
         self._write_sessions = sessionmaker(self.db.execution_options(**_WRITE), expire_on_commit=False)
@@ -113,6 +111,15 @@ class StoreConnection:
             self.db.dispose()
             raise
         self._file_identity = self._identity()
+
+    def _sqlite_begin(self, connection: sa.Connection) -> None:
+        # Writers take the write lock at BEGIN: they wait their turn (busy timeout)
+        # instead of failing when a read transaction cannot be upgraded.
+        begin = connection.get_execution_options().get("sqlite_begin", "BEGIN")
+        if begin != "BEGIN":
+            wait_s = self._timeout_s if self.write_wait_s is None else self.write_wait_s
+            connection.exec_driver_sql(f"PRAGMA busy_timeout = {max(0, round(wait_s * 1000))}")
+        connection.exec_driver_sql(begin)
 
     # -- the file under it ----------------------------------------------------------
     def _file_path(self) -> Path | None:

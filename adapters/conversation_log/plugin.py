@@ -15,9 +15,9 @@ the chat: the write goes at once to a journal on the local disk
 (:mod:`~chatcore.adapters.conversation_log.journal`; fsynced before the hook returns,
 so before the reply is shown), ``notify`` is called once with the reason, and the
 journaled writes go out, in order and each once, when the database works again: the
-store reconnects on every failure; a turn retries when ``retry_after_s`` (1 s) has
-passed since the last failure, so that a locked file does not add its busy timeout to
-every turn, and a timer retries after ``retry_after_s``, then twice as long each
+store reconnects on every failure; every later write retries first (waiting at most
+0.1 s for a locked SQLite file, so an outage never adds the busy timeout to each
+turn), and a timer retries after ``retry_after_s`` (1 s), then twice as long each
 time, up to 15 s, so the journal drains between turns too. What is still journaled
 when the process ends (or is killed) is replayed by the next process logging to the
 same database.
@@ -61,6 +61,7 @@ logger = logging.getLogger("chatcore.conversation_log")
 
 MAX_PENDING_WRITES = 10_000
 RETRY_AFTER_S = 1.0
+RETRY_WAIT_S = 0.1
 MIN_RETRY_INTERVAL_S = 0.05
 MAX_RETRY_INTERVAL_S = 15.0
 JOURNAL_FOLDER = "log-journal"  # in the user data folder
@@ -113,7 +114,7 @@ class ConversationLogPlugin:
         self._pending: list[Write] = []
         self._unsaved_told = False
         self.dropped = 0  # writes lost because memory, the journal and the database were all full
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closing = threading.Event()
         self._retrier: threading.Thread | None = None
         if journal_dir is None:
@@ -252,21 +253,15 @@ class ConversationLogPlugin:
             if self.damaged is not None:
                 self._keep(write)
                 return
-            if not self._waiting() and (self.failing is None or self._retry_due()):
-                if self._write(write):
-                    self._recovered(1)
-                else:
+            if not self._waiting():
+                if not self._write(write):
                     self._keep(write)  # on the disk before the hook returns, so before the reply is shown
                 return
             self._keep(write)  # behind the writes already waiting, so the order holds
-            if self.failing is None or self._retry_due():
-                self._flush()
+            self._flush()  # each turn tries again (briefly: see _write)
 
     def _waiting(self) -> bool:
         return bool(self._pending) or bool(len(self.journal))
-
-    def _retry_due(self) -> bool:
-        return time.monotonic() - self._failed_at >= self.retry_after_s
 
     def _reopened_after_loss(self, conversation: "Conversation") -> bool:
         """A log file deleted (or replaced) under a running chat would take every later
@@ -317,7 +312,12 @@ class ConversationLogPlugin:
         self._pending.append(write)
 
     def _write(self, write: Write) -> bool:
-        """Store one write; False when the database is unavailable (the write is kept)."""
+        """Store one write; False when the database is unavailable (the caller keeps the write).
+
+        While the log fails, a retry waits at most RETRY_WAIT_S for SQLite's lock, so
+        retrying on every turn never holds a turn up for the whole busy timeout.
+        """
+        self.store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
         try:
             self.store.add_message(
                 write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
