@@ -16,7 +16,7 @@ the chat: the write goes at once to a journal on the local disk
 so before the reply is shown), ``notify`` is called once with the reason, and the
 journaled writes go out, in order and each once, when the database works again: the
 store reconnects on every failure; every later write retries first (waiting at most
-0.1 s for a locked SQLite file, so an outage never adds the busy timeout to each
+0.02 s for a locked SQLite file, so an outage never adds the busy timeout to each
 turn), and a timer retries after ``retry_after_s`` (1 s), then twice as long each
 time, up to 15 s, so the journal drains between turns too. What is still journaled
 when the process ends (or is killed) is replayed by the next process logging to the
@@ -61,7 +61,7 @@ logger = logging.getLogger("chatcore.conversation_log")
 
 MAX_PENDING_WRITES = 10_000
 RETRY_AFTER_S = 1.0
-RETRY_WAIT_S = 0.1
+RETRY_WAIT_S = 0.02
 MIN_RETRY_INTERVAL_S = 0.05
 MAX_RETRY_INTERVAL_S = 15.0
 JOURNAL_FOLDER = "log-journal"  # in the user data folder
