@@ -566,7 +566,11 @@ def test_a_chat_started_on_a_full_disk_works_without_its_history_and_says_what_w
     holder = ConversationStore(url)  # another chat holds the log open (its -wal and -shm exist)
     holder.journal_mode()
     config = ChatConfig(
-        model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2, db_url=url, history_file=tmp_path / "history"
+        model=str(tiny_model_dir),
+        decoder_spec="greedy",
+        max_new_tokens=2,
+        db_url=url,
+        history_file=tmp_path / "history",
     )
     out, err = io.StringIO(), io.StringIO()
     with files_cannot_grow(), create_pipe_input() as pipe:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import click
 
-
 if TYPE_CHECKING:
     from chatcore.adapters.conversation_log.store import ConversationStore
 
@@ -272,7 +271,12 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
     click.echo(parsed.render_as_string(hide_password=True))
     log_path = None
     database = parsed.database
-    if parsed.get_backend_name() == "sqlite" and database and database != ":memory:" and not database.startswith("file:"):
+    if (
+        parsed.get_backend_name() == "sqlite"
+        and database
+        and database != ":memory:"
+        and not database.startswith("file:")
+    ):
         log_path = Path(database).expanduser()
     for line in loose_files(log_path):
         click.echo(f"warning: {line}", err=True)

@@ -26,7 +26,6 @@ from chatcore.adapters.conversation_log import schema
 from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError
 from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
 
-
 SYNCHRONOUS_LEVELS = ("normal", "full")
 """SQLite's ``synchronous`` settings a log may ask for with ``?synchronous=`` in its URL.
 

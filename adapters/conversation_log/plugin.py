@@ -307,7 +307,8 @@ class ConversationLogPlugin:
                     self.notify(
                         f"conversation log journal {self.journal.folder} cannot be written either "
                         f"({error.strerror or error}); turns wait in memory and are written when the log or "
-                        "the disk works again (up to {self.max_pending:,}; those still waiting when the chat ends are lost)"
+                        f"the disk works again (up to {self.max_pending:,}; those still waiting when the chat "
+                        "ends are lost)"
                     )
         self._pending.append(write)
 

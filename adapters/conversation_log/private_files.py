@@ -92,5 +92,7 @@ def loose_modes(paths: Iterable[Path]) -> list[str]:
             continue
         private = PRIVATE_FOLDER if stat.S_ISDIR(found.st_mode) else PRIVATE_FILE
         kind = "folder" if stat.S_ISDIR(found.st_mode) else "file"
-        lines.append(f"{path} ({kind}, mode {mode:04o}) is open to other users: chmod {private:o} {shlex.quote(str(path))}")
+        lines.append(
+            f"{path} ({kind}, mode {mode:04o}) is open to other users: chmod {private:o} {shlex.quote(str(path))}"
+        )
     return lines

@@ -12,6 +12,7 @@ interrupted, which keeps its partial text in the conversation marked interrupted
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
@@ -252,8 +253,6 @@ def prompt_toolkit_reader(
 ) -> ReadLine:
     """A prompt-toolkit session: history file, completion, toolbar, multi-line."""
     from prompt_toolkit import PromptSession
-
-    from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
     from prompt_toolkit.application.current import get_app
     from prompt_toolkit.completion import Completer, Completion
     from prompt_toolkit.filters import Condition
@@ -261,6 +260,8 @@ def prompt_toolkit_reader(
     from prompt_toolkit.input import create_input
     from prompt_toolkit.key_binding import KeyBindings
     from prompt_toolkit.keys import Keys
+
+    from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
 
     class BoundedFileHistory(FileHistory):
         """The input history file; one that cannot be read or written (a full disk) leaves the
@@ -291,7 +292,7 @@ def prompt_toolkit_reader(
             if self.saving:
                 self.saving = False
                 state.notify(
-                    f"input history is no longer saved ({self.filename}: {error.strerror or error}); "
+                    f"input history is no longer saved ({os.fsdecode(self.filename)}: {error.strerror or error}); "
                     "the chat goes on and keeps it in memory"
                 )
 
