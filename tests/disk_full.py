@@ -16,10 +16,11 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def files_cannot_grow() -> Iterator[None]:
+def files_cannot_grow(beyond: int = 0) -> Iterator[None]:
+    """No file may grow past ``beyond`` bytes (0: no file may grow at all) inside the block."""
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (beyond, hard))
     try:
         yield
     finally:

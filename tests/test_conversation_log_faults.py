@@ -578,3 +578,25 @@ def test_a_full_disk_loses_no_turn_that_was_shown(chat_engine: Any, tmp_path: Pa
     assert len([m for m in told if "cannot be written either" in m]) == 1
     chat_engine.host.unregister(plugin)
     store.close()
+
+
+def test_a_journal_append_cut_short_by_a_full_disk_leaves_no_half_line(tmp_path: Path) -> None:
+    """The disk fills in the middle of an append (tests/disk_full.py: the file may grow by 10
+    bytes, then the write fails at the OS boundary): the append raises, the file is as it was,
+    and the next append after space is freed reads back whole. Closing never raises."""
+    from disk_full import files_cannot_grow
+
+    from chatcore.adapters.conversation_log.journal import SpillJournal
+
+    journal = SpillJournal(tmp_path / "journal", "sqlite:///somewhere.sqlite3")
+    journal.append({"key": "first", "text": "kept"})
+    size = journal.path.stat().st_size
+    with files_cannot_grow(beyond=size + 10):
+        with pytest.raises(OSError):
+            journal.append({"key": "second", "text": "x" * 100})
+        assert journal.path.stat().st_size == size
+        journal.close()  # nothing buffered: closing on a full disk is quiet
+    reopened = SpillJournal(tmp_path / "journal", "sqlite:///somewhere.sqlite3")  # adopts the file
+    reopened.append({"key": "third", "text": "after the disk was freed"})
+    assert [entry["key"] for _, entry in reopened.entries()] == ["first", "third"]
+    reopened.close()
