@@ -600,3 +600,32 @@ def test_a_journal_append_cut_short_by_a_full_disk_leaves_no_half_line(tmp_path:
     reopened.append({"key": "third", "text": "after the disk was freed"})
     assert [entry["key"] for _, entry in reopened.entries()] == ["first", "third"]
     reopened.close()
+
+
+def test_writes_past_the_memory_bound_on_a_full_disk_are_counted(chat_engine: Any, tmp_path: Path) -> None:
+    """Database and journal both full (tests/disk_full.py): past ``max_pending`` writes in
+    memory, later ones are dropped and counted, so the exit can say how many were lost."""
+    from disk_full import files_cannot_grow
+
+    store = ConversationStore(sqlite_url(tmp_path / "log.sqlite3"), timeout_s=0.05)
+    told: list[str] = []
+    plugin = ConversationLogPlugin(
+        store, notify=told.append, retry_after_s=0.0, max_pending=3, journal_dir=tmp_path / "journal"
+    )
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    store.db.dispose()
+    with files_cannot_grow():
+        chat(conversation, ["one", "two", "three"])
+        assert plugin.pending == 3 and plugin.dropped == 3 and "up to 3" in told[1]
+    chat(conversation, ["four"])
+    assert plugin.pending == 0
+    assert [text for _, text in logged_texts(store, conversation.id)] == [
+        "one",
+        "a fixed reply",
+        "two",
+        "four",
+        "a fixed reply",
+    ]
+    plugin.close()
+    store.close()

@@ -253,12 +253,14 @@ class ConversationLogPlugin:
             if self.damaged is not None:
                 self._keep(write)
                 return
-            if not self._waiting():
-                if not self._write(write):
-                    self._keep(write)  # on the disk before the hook returns, so before the reply is shown
-                return
-            self._keep(write)  # behind the writes already waiting, so the order holds
-            self._flush()  # each turn tries again (briefly: see _write)
+            if self._waiting():
+                self._flush()  # each turn tries the waiting writes first (briefly: see _write)
+            if self._waiting():
+                self._keep(write)  # behind the writes still waiting, so the order holds
+            elif self._write(write):
+                self._recovered(1)
+            else:
+                self._keep(write)  # on the disk before the hook returns, so before the reply is shown
 
     def _waiting(self) -> bool:
         return bool(self._pending) or bool(len(self.journal))
