@@ -478,6 +478,10 @@ def test_export_follows_a_symbolic_link_only_when_told_and_says_so(written_log: 
     followed = logs_command("export", "--db", str(written_log), "-o", str(link), "--force")
     assert followed.exit_code == 0 and f"writing to {elsewhere}" in followed.output
     assert elsewhere.read_text().count('"role"') == 38
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    looped = logs_command("export", "--db", str(written_log), "-o", str(loop), "--force")
+    assert looped.exit_code == 1 and len(looped.output.strip().splitlines()) == 1
     onto_the_log = tmp_path / "innocent.jsonl"
     onto_the_log.symlink_to(written_log)
     for force in ((), ("--force",)):

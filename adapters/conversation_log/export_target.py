@@ -44,8 +44,14 @@ class ExportTarget:
     def _refuse(self, why: str) -> ChatcoreError:
         return ChatcoreError(f"cannot export to {self.path!r}: {why}; nothing was written")
 
+    def _resolved(self, target: Path) -> Path:
+        try:
+            return target.resolve()
+        except (OSError, RuntimeError):  # a loop of symbolic links
+            raise self._refuse("it is a loop of symbolic links") from None
+
     def _check_protected(self, target: Path, found: os.stat_result | None) -> None:
-        resolved = target.resolve()
+        resolved = self._resolved(target)
         identities: dict[tuple[int, int], Path] = {}
         for path in self.protected:
             try:
@@ -72,7 +78,7 @@ class ExportTarget:
             points_to = os.readlink(target)
             if not self.force:
                 raise self._refuse(f"it is a symbolic link to {points_to!r} (--force writes where it points)")
-            self.notes.append(f"{self.path} is a symbolic link: writing to {target.resolve()}")
+            self.notes.append(f"{self.path} is a symbolic link: writing to {self._resolved(target)}")
         try:
             found: os.stat_result | None = target.stat()
         except FileNotFoundError:
