@@ -598,3 +598,20 @@ def test_a_log_file_deleted_mid_chat_is_said_once_and_the_conversation_written_a
     # Nothing of this conversation is lost, nothing doubled.
     assert [(m.role, m.text) for m in messages] == [(t.role, t.text) for t in conversation.turns]
     assert len(messages) == 6
+
+
+def test_synchronous_full_is_asked_for_in_the_url(db_path):
+    """The durability setting behind docs/conversation-log.md: NORMAL unless the URL asks for FULL."""
+
+    def level(store):
+        with store.db.connect() as connection:
+            return connection.exec_driver_sql("PRAGMA synchronous").scalar()
+
+    with ConversationStore(sqlite_url(db_path)) as default:
+        assert default.synchronous == "normal" and level(default) == 1  # SQLite's NORMAL
+    with ConversationStore(sqlite_url(db_path) + "?synchronous=FULL") as full:
+        full.add_message("c", "user", "kept through a power cut", conversation={"title": "c"})
+        assert full.synchronous == "full" and level(full) == 2  # SQLite's FULL
+        assert full.file_path == db_path
+    with pytest.raises(LogError, match="`synchronous` must be one of normal, full, got 'sometimes'"):
+        ConversationStore(sqlite_url(db_path) + "?synchronous=sometimes")

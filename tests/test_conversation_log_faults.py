@@ -250,24 +250,49 @@ def unavailable(store: ConversationStore, backend: Backend) -> Iterator[None]:
     admin.dispose()
 
 
-# -- 4. the queue of waiting writes overflows -------------------------------------------------------
-def test_an_overflowing_queue_spills_to_the_journal_and_every_turn_is_written(
+# -- 4. writes the database cannot take go to the journal at once ---------------------------------------
+def test_writes_that_cannot_reach_the_database_are_journaled_at_once_and_replayed_in_order(
     chat_engine: Any, backend: Backend, tmp_path: Path
 ) -> None:
     store = ConversationStore(backend.new_url(), timeout_s=0.05)
-    plugin = ConversationLogPlugin(
-        store, notify=lambda message: None, retry_after_s=0.0, max_pending=3, journal_dir=tmp_path / "journal"
-    )
+    told: list[str] = []
+    plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0, journal_dir=tmp_path / "journal")
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
     with unavailable(store, backend):
         chat(conversation, [f"turn {n}" for n in range(6)])
-        assert plugin.failing and plugin.pending == 12 and plugin.journaled == 9  # 3 in memory, the rest spilled
-        assert len(list((tmp_path / "journal").glob("*.jsonl"))) == 1
-    chat(conversation, ["after"])
-    assert plugin.pending == 0 and plugin.failing is None
+        assert plugin.failing and plugin.pending == 12 and plugin.journaled == 12  # none waits in memory only
+        (journal,) = (tmp_path / "journal").glob("*.jsonl")
+        assert len(journal.read_text().splitlines()) == 12  # on the disk as each turn was acknowledged
+    chat(conversation, ["after"])  # the next turn retries
+    assert plugin.pending == 0 and plugin.failing is None and "available again" in told[-1]
     assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]  # in order
     assert list((tmp_path / "journal").glob("*.jsonl")) == []
+    plugin.close()
+    store.close()
+
+
+def test_a_timer_retries_without_waiting_for_the_next_turn(chat_engine: Any, backend: Backend, tmp_path: Path) -> None:
+    import threading
+
+    store = ConversationStore(backend.new_url(), timeout_s=0.05)
+    recovered = threading.Event()
+
+    def notify(message: str) -> None:
+        if "available again" in message:
+            recovered.set()
+
+    plugin = ConversationLogPlugin(store, notify=notify, retry_after_s=0.05, journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    with unavailable(store, backend):
+        chat(conversation, ["said while the log was down"])
+        assert plugin.journaled == 2
+    assert recovered.wait(timeout=60), "the journal was not replayed"
+    assert plugin.pending == 0 and logged_texts(store, conversation.id) == [
+        (t.role, t.text) for t in conversation.turns
+    ]
+    plugin.close()
     store.close()
 
 
@@ -386,3 +411,226 @@ def test_a_log_in_a_read_only_folder_can_be_read() -> None:
     finally:
         folder.chmod(0o755)
     assert sorted(p.name for p in folder.iterdir()) == ["log.sqlite3"]
+
+
+# -- the log's own commands cannot destroy it -----------------------------------------------------------
+def logs_command(*args: str) -> Any:
+    """`chatcore logs ARGS` through the real command line, with the log commands' plugin loaded."""
+    from click.testing import CliRunner
+
+    import chatcore.plugin_manager as plugin_manager
+    from chatcore.cli import build_cli
+
+    host = plugin_manager.PluginHost()
+    host.load_modules(("chatcore.adapters.conversation_log",))
+    plugin_manager.set_plugin_host(host)
+    return CliRunner().invoke(build_cli(), ["logs", *args], catch_exceptions=False)
+
+
+@pytest.fixture
+def written_log(tmp_path: Path) -> Path:
+    """A log with 38 messages, its -wal still beside it (a chat has it open)."""
+    path = tmp_path / "log.sqlite3"
+    with ConversationStore(sqlite_url(path)) as store:
+        for number in range(19):
+            store.add_message("kept", "user", f"question {number}", conversation={"title": "kept"})
+            store.add_message("kept", "bot", f"answer {number}")
+    return path
+
+
+def count_messages(path: Path) -> int:
+    with ConversationStore(sqlite_url(path), create=False) as store:
+        return store.count_messages()
+
+
+def test_export_never_writes_onto_the_log_or_an_existing_file(written_log: Path, tmp_path: Path) -> None:
+    holder = ConversationStore(sqlite_url(written_log))  # a chat holding the log open keeps its -wal and -shm
+    holder.add_message("kept", "user", "one more", conversation={"title": "kept"})
+    wal, shm = (written_log.with_name(written_log.name + suffix) for suffix in ("-wal", "-shm"))
+    assert wal.exists() and shm.exists()
+    linked = tmp_path / "hard-link.sqlite3"
+    os.link(written_log, linked)
+    before = {path: path.read_bytes() for path in (written_log, wal)}
+    for target in (written_log, wal, shm, linked, tmp_path / ".." / tmp_path.name / "log.sqlite3"):
+        for force in ((), ("--force",)):  # the log's own files are refused even with --force
+            result = logs_command("export", "--db", str(written_log), "-o", str(target), *force)
+            assert result.exit_code == 1 and "the conversation log's own file" in result.output, target
+            assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert {path: path.read_bytes() for path in (written_log, wal)} == before
+    assert count_messages(written_log) == 39
+
+    other = tmp_path / "notes.txt"
+    other.write_text("precious")
+    refused = logs_command("export", "--db", str(written_log), "-o", str(other))
+    assert refused.exit_code == 1 and "the file exists (--force replaces it)" in refused.output
+    assert other.read_text() == "precious"
+    replaced = logs_command("export", "--db", str(written_log), "-o", str(other), "--force")
+    assert replaced.exit_code == 0 and other.read_text().count('"role"') == 39
+    holder.close()
+
+
+def test_export_follows_a_symbolic_link_only_when_told_and_says_so(written_log: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text("")
+    link = tmp_path / "export.jsonl"
+    link.symlink_to(elsewhere)
+    refused = logs_command("export", "--db", str(written_log), "-o", str(link))
+    assert refused.exit_code == 1 and "symbolic link" in refused.output and elsewhere.read_text() == ""
+    followed = logs_command("export", "--db", str(written_log), "-o", str(link), "--force")
+    assert followed.exit_code == 0 and f"writing to {elsewhere}" in followed.output
+    assert elsewhere.read_text().count('"role"') == 38
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    looped = logs_command("export", "--db", str(written_log), "-o", str(loop), "--force")
+    assert looped.exit_code == 1 and len(looped.output.strip().splitlines()) == 1
+    onto_the_log = tmp_path / "innocent.jsonl"
+    onto_the_log.symlink_to(written_log)
+    for force in ((), ("--force",)):
+        result = logs_command("export", "--db", str(written_log), "-o", str(onto_the_log), *force)
+        assert result.exit_code == 1 and count_messages(written_log) == 38
+
+
+def test_an_export_that_cannot_be_written_is_one_line(written_log: Path, tmp_path: Path) -> None:
+    """/dev/full answers every write with ENOSPC, as a full disk does."""
+    result = logs_command("export", "--db", str(written_log), "-o", "/dev/full")
+    assert result.exit_code == 1 and "No space left on device" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    fresh = tmp_path / "fresh.jsonl"
+    assert logs_command("export", "--db", str(written_log), "-o", str(fresh)).exit_code == 0
+    assert os.stat(fresh).st_mode & 0o777 == 0o600
+
+
+# -- private by default --------------------------------------------------------------------------------
+def mode(path: Path) -> int:
+    return os.stat(path).st_mode & 0o777
+
+
+def test_the_log_its_companions_and_the_journal_are_private(chat_engine: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    old_umask = os.umask(0o022)  # the usual umask, which used to leave every chat readable by all
+    try:
+        folder = tmp_path / "new" / "folders"
+        path = folder / "log.sqlite3"
+        store = ConversationStore(sqlite_url(path), timeout_s=0.05)
+        journal = tmp_path / "data" / "chatcore" / "log-journal"
+        plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0, journal_dir=journal)
+        chat_engine.host.register(plugin, "conversation-log")
+        conversation = chat_engine.conversation()
+        chat(conversation, ["hello"])
+        wal, shm = (path.with_name(path.name + suffix) for suffix in ("-wal", "-shm"))
+        assert [mode(p) for p in (path, wal, shm)] == [0o600] * 3
+        assert mode(folder) == mode(folder.parent) == 0o700
+        with unavailable(store, Backend("sqlite", tmp_path)):
+            chat(conversation, ["kept in the journal"])
+            (journaled,) = journal.glob("*.jsonl")
+            assert mode(journaled) == 0o600 and mode(journal) == 0o700
+        chat(conversation, ["after"])
+        with store.db.begin() as connection:  # a rule the next write breaks: it is set aside
+            connection.execute(
+                sa.text(
+                    "CREATE TRIGGER refuse BEFORE INSERT ON messages WHEN NEW.text = 'refused' "
+                    "BEGIN SELECT RAISE(ABORT, 'refused'); END"
+                )
+            )
+        chat(conversation, ["refused"])
+        (rejected,) = journal.glob("*-rejected.jsonl")
+        assert mode(rejected) == 0o600
+        store.close()
+    finally:
+        os.umask(old_umask)
+
+    assert logs_command("where", "--db", str(path)).output.strip() == sqlite_url(path)
+    path.chmod(0o644)
+    rejected.chmod(0o640)
+    reported = logs_command("where", "--db", str(path))
+    warnings = [line for line in reported.output.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: {path} (file, mode 0644) is open to other users: chmod 600 {path}",
+        f"warning: {rejected} (file, mode 0640) is open to other users: chmod 600 {rejected}",
+    ]
+
+
+# -- a full disk ---------------------------------------------------------------------------------------
+def test_a_full_disk_loses_no_turn_that_was_shown(chat_engine: Any, tmp_path: Path) -> None:
+    """The log, its journal and the disk fill up mid-chat (see tests/disk_full.py: RLIMIT_FSIZE,
+    writes fail with EFBIG at the OS boundary), then space is freed: every turn is written, in
+    order, and the person was told once that turns wait in memory. A chat that ends while the disk
+    is still full ends without an error, and says what was not kept."""
+    from disk_full import files_cannot_grow
+
+    path = tmp_path / "log.sqlite3"
+    store = ConversationStore(sqlite_url(path), timeout_s=0.05)
+    told: list[str] = []
+    plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0, journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    chat(conversation, ["before"])
+    store.db.dispose()  # the WAL is checkpointed and removed: the next write must grow a file
+    with files_cannot_grow():
+        chat(conversation, ["while full 1", "while full 2"])
+        assert plugin.pending == 4 and plugin.journaled == 0
+        assert [m for m in told if "cannot be written either" in m] == told[1:]  # told once
+        assert len(told) == 2 and "wait in memory" in told[1]
+    chat(conversation, ["space freed"])
+    assert plugin.pending == 0 and plugin.failing is None and plugin.dropped == 0
+    assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
+
+    told.clear()
+    with files_cannot_grow():
+        chat(conversation, ["the disk fills again"])
+        assert plugin.close() == 0  # nothing could be journaled, and closing does not raise
+    assert plugin.pending == 2 and plugin.failing is not None
+    assert len([m for m in told if "cannot be written either" in m]) == 1
+    chat_engine.host.unregister(plugin)
+    store.close()
+
+
+def test_a_journal_append_cut_short_by_a_full_disk_leaves_no_half_line(tmp_path: Path) -> None:
+    """The disk fills in the middle of an append (tests/disk_full.py: the file may grow by 10
+    bytes, then the write fails at the OS boundary): the append raises, the file is as it was,
+    and the next append after space is freed reads back whole. Closing never raises."""
+    from disk_full import files_cannot_grow
+
+    from chatcore.adapters.conversation_log.journal import SpillJournal
+
+    journal = SpillJournal(tmp_path / "journal", "sqlite:///somewhere.sqlite3")
+    journal.append({"key": "first", "text": "kept"})
+    size = journal.path.stat().st_size
+    with files_cannot_grow(beyond=size + 10):
+        with pytest.raises(OSError):
+            journal.append({"key": "second", "text": "x" * 100})
+        assert journal.path.stat().st_size == size
+        journal.close()  # nothing buffered: closing on a full disk is quiet
+    reopened = SpillJournal(tmp_path / "journal", "sqlite:///somewhere.sqlite3")  # adopts the file
+    reopened.append({"key": "third", "text": "after the disk was freed"})
+    assert [entry["key"] for _, entry in reopened.entries()] == ["first", "third"]
+    reopened.close()
+
+
+def test_writes_past_the_memory_bound_on_a_full_disk_are_counted(chat_engine: Any, tmp_path: Path) -> None:
+    """Database and journal both full (tests/disk_full.py): past ``max_pending`` writes in
+    memory, later ones are dropped and counted, so the exit can say how many were lost."""
+    from disk_full import files_cannot_grow
+
+    store = ConversationStore(sqlite_url(tmp_path / "log.sqlite3"), timeout_s=0.05)
+    told: list[str] = []
+    plugin = ConversationLogPlugin(
+        store, notify=told.append, retry_after_s=0.0, max_pending=3, journal_dir=tmp_path / "journal"
+    )
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    store.db.dispose()
+    with files_cannot_grow():
+        chat(conversation, ["one", "two", "three"])
+        assert plugin.pending == 3 and plugin.dropped == 3 and "up to 3" in told[1]
+    chat(conversation, ["four"])
+    assert plugin.pending == 0
+    assert [text for _, text in logged_texts(store, conversation.id)] == [
+        "one",
+        "a fixed reply",
+        "two",
+        "four",
+        "a fixed reply",
+    ]
+    plugin.close()
+    store.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -326,6 +327,7 @@ async def test_a_restart_resumes_each_channels_conversation_from_the_log(chat_en
     await first.say("i like tea", first.channel(0), first.member(0))
     key = conversation_key(first.channel(0))
     await first.close()
+    assert os.stat(db).st_mode & 0o777 == 0o600  # the log is private: created readable by its owner only
 
     with ConversationStore(f"sqlite:///{db}") as store:
         (summary,) = store.list_conversations(adapter="discord", channel_key=key)

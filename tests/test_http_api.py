@@ -518,6 +518,7 @@ def test_answered_requests_are_logged_and_a_follow_up_continues_its_conversation
     ]
     client.chat.completions.create(model=model, messages=other, max_tokens=4)
     request_log.close()  # writes what is queued
+    assert db.stat().st_mode & 0o777 == 0o600  # the log is private: created readable by its owner only
 
     by_first_text = {c.messages[0].text: c for c in read_log(db)}
     assert set(by_first_text) == {"hi there", "hello"}

@@ -9,6 +9,7 @@ import os
 import re
 import select
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -628,6 +629,62 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
     assert repl_host.pm.get_plugin("conversation-log:repl") is None  # unregistered at exit
 
 
+def test_a_fresh_chat_keeps_its_files_private(repl_host, tiny_model_dir, tmp_path, monkeypatch):
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2)
+    old_umask = os.umask(0o022)  # the usual umask, under which every file used to be readable by all
+    try:
+        with create_pipe_input() as pipe:
+            pipe.send_text("a private thought\r\x04")
+            start_chat(config, out=io.StringIO(), err=io.StringIO(), input=pipe, output=DummyOutput())
+    finally:
+        os.umask(old_umask)
+    folder = tmp_path / "data" / "chatcore"
+    modes = {path.name: path.stat().st_mode & 0o777 for path in [tmp_path / "data", folder, *folder.iterdir()]}
+    assert modes == {"data": 0o700, "chatcore": 0o700, "conversations.sqlite3": 0o600, "repl_history": 0o600}
+    assert "a private thought" in (folder / "repl_history").read_text()
+
+
+def test_a_chat_started_on_a_full_disk_works_without_its_history_and_says_what_was_not_kept(
+    repl_host, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The disk is full from the start (tests/disk_full.py: RLIMIT_FSIZE, so every write that
+    grows a file fails at the OS boundary): the history file, the log and its journal cannot be
+    written. Every line is still answered, the person is told once about the history and once
+    about the log, and the exit says what was not kept, without an error."""
+    from disk_full import files_cannot_grow
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    url = sqlite_url(tmp_path / "chat.sqlite3")
+    holder = ConversationStore(url)  # another chat holds the log open (its -wal and -shm exist)
+    holder.journal_mode()
+    config = ChatConfig(
+        model=str(tiny_model_dir),
+        decoder_spec="greedy",
+        max_new_tokens=2,
+        db_url=url,
+        history_file=tmp_path / "history",
+    )
+    out, err = io.StringIO(), io.StringIO()
+    with files_cannot_grow(), create_pipe_input() as pipe:
+        pipe.send_text("one\rtwo\rthree\r/quit\r")
+        state = start_chat(config, out=out, err=err, input=pipe, output=DummyOutput())
+    holder.close()
+    shown = out.getvalue()
+    assert [t.text for t in state.current.turns if t.role == "user"] == ["one", "two", "three"]
+    assert shown.count("bot> ") == 3
+    assert shown.count("input history is no longer saved") == 1 and "File too large" in shown
+    assert shown.count("cannot be written either") == 1
+    assert err.getvalue().count("note: 6 write(s) to the conversation log were lost") == 1
+    assert "Traceback" not in shown + err.getvalue()
+    assert (tmp_path / "history").read_text() == ""
+
+
 @pytest.mark.slow
 def test_a_long_paste_is_refused_at_once_and_kept_out_of_the_history(repl_host, tiny_model_dir, tmp_path):
     import threading
@@ -1088,6 +1145,54 @@ def test_a_killed_chat_keeps_every_completed_turn(tiny_model_dir, tmp_path):
     assert [m.role for m in messages] == ["user", "bot"] * turns
     assert [m.text for m in messages if m.role == "user"] == [f"message number {n}" for n in range(turns)]
     assert all(m.token_count and not m.interrupted for m in messages if m.role == "bot")
+
+
+@pytest.mark.slow
+def test_turns_shown_while_the_log_is_locked_survive_a_kill(tiny_model_dir, tmp_path):
+    """Another process holds SQLite's write lock while turns are answered; the chat is then
+    SIGKILLed. The turns were journaled before each reply was shown: the next process that
+    logs there writes every one of them, in order, and none twice."""
+    db_path = tmp_path / "locked.sqlite3"
+    url = sqlite_url(db_path)
+    ConversationStore(url).close()
+    blocker = sqlite3.connect(str(db_path), isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # another process holding the write lock for the whole chat
+    argv = [sys.executable, "-c", LAUNCHER, "", "chat", "--model", str(tiny_model_dir), "--decoder", "greedy"]
+    process = subprocess.Popen(
+        [*argv, "-n", "3", "--db", url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=child_env(tmp_path),
+        cwd=tmp_path,
+    )
+    buffer = [b""]
+    turns = 4
+    try:
+        for number in range(turns):
+            process.stdin.write(f"said during the outage {number}\n".encode())
+            process.stdin.flush()
+            line = read_line(process, buffer)
+            while line.startswith("note: "):  # the log being unavailable is noted before the next prompt
+                line = read_line(process, buffer)
+            assert line.startswith("bot> ")
+        process.kill()  # SIGKILL: no clean-up code runs
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        blocker.rollback()
+        blocker.close()
+    journal = tmp_path / "data" / "chatcore" / "log-journal"
+    with ConversationStore(url) as store:
+        assert store.count_messages() == 0  # nothing reached the database during the outage
+        ConversationLogPlugin(store, journal_dir=journal).close()  # the next process replays the journal
+        ConversationLogPlugin(store, journal_dir=journal).close()  # and a second one finds nothing left
+        messages = store.get_conversation(store.latest_conversation_id()).messages
+    assert [m.role for m in messages] == ["user", "bot"] * turns
+    assert [m.text for m in messages if m.role == "user"] == [f"said during the outage {n}" for n in range(turns)]
+    assert list(journal.glob("*.jsonl")) == []
 
 
 def test_writes_the_log_cannot_take_at_exit_wait_in_its_journal(engine, tmp_path):

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import click
-
-from chatcore.cli.files import open_output
 
 if TYPE_CHECKING:
     from chatcore.adapters.conversation_log.store import ConversationStore
@@ -127,9 +126,14 @@ def search_command(ctx: click.Context, text: str, limit: int, as_json: bool, db_
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, writable=True),
+    type=click.Path(dir_okay=False),
     default=None,
-    help="Write to this file instead of standard output.",
+    help="Write to this new file (created readable by you only) instead of standard output.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace the --output file if it exists, following a symbolic link (never the log's own files).",
 )
 @click.option(
     "--author",
@@ -152,10 +156,18 @@ def export_command(
     output: str | None,
     author_id: str | None,
     salvage: bool,
+    force: bool,
     db_url: str | None,
 ) -> None:
-    """Export the given conversations (all of them when no ID is given)."""
+    """Export the given conversations (all of them when no ID is given).
+
+    --output never writes onto the log, its -wal/-shm or its journal, and never
+    replaces an existing file or follows a symbolic link without --force.
+    """
     from chatcore.adapters.conversation_log import formatting
+    from chatcore.adapters.conversation_log.export_target import open_export
+    from chatcore.adapters.conversation_log.location import user_data_path
+    from chatcore.adapters.conversation_log.plugin import JOURNAL_FOLDER
 
     if salvage and (conversation_ids or author_id):
         raise click.UsageError("--salvage exports everything readable; it takes no ID or --author")
@@ -166,16 +178,32 @@ def export_command(
     )
     render = formatting.conversation_jsonl if export_format == "jsonl" else formatting.conversation_markdown
     separator = "\n" if export_format == "jsonl" else "\n---\n\n"
-    stream = open_output(output) if output else sys.stdout
+    stream: TextIO = sys.stdout
+    if output:
+        stream, notes = open_export(
+            output, force=force, log_path=store.file_path, journal_folder=user_data_path() / JOURNAL_FOLDER
+        )
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
     count = 0
     try:
         for record in records:
             stream.write((separator if count and export_format == "markdown" else "") + render(record) + "\n")
             stream.flush()  # what was read is kept even if a later conversation cannot be
             count += 1
-    finally:
         if output:
             stream.close()
+    except OSError as error:
+        where = output or "standard output"
+        raise click.ClickException(
+            f"cannot write {where}: {error.strerror or error}; {count} conversation(s) were written before it"
+        ) from None
+    finally:
+        if output and not stream.closed:
+            try:
+                stream.close()
+            except OSError:
+                pass  # already reported: the data that could not be written is what close would flush
     for problem in problems:
         click.echo(f"skipped: {formatting.one_line(problem, 200)}", err=True)
     if output or salvage:
@@ -224,7 +252,12 @@ def delete_command(
 @db_option
 @click.pass_context
 def where_command(ctx: click.Context, db_url: str | None) -> None:
-    """Print the URL of the log that the other subcommands use (nothing is opened)."""
+    """Print the URL of the log that the other subcommands use (nothing is opened).
+
+    Files that hold chats (the log, its -wal and -shm, the journal, the input history)
+    and that other users may read are reported on standard error, each with the
+    command that makes it private.
+    """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
@@ -232,6 +265,33 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
 
     url = resolve_url(db_url or (ctx.find_object(dict) or {}).get("db_url"))
     try:
-        click.echo(make_url(url).render_as_string(hide_password=True))
+        parsed = make_url(url)
     except ArgumentError:
         raise click.ClickException(f"{url!r} is not a database URL") from None
+    click.echo(parsed.render_as_string(hide_password=True))
+    log_path = None
+    database = parsed.database
+    if (
+        parsed.get_backend_name() == "sqlite"
+        and database
+        and database != ":memory:"
+        and not database.startswith("file:")
+    ):
+        log_path = Path(database).expanduser()
+    for line in loose_files(log_path):
+        click.echo(f"warning: {line}", err=True)
+
+
+def loose_files(log_path: "Path | None") -> list[str]:
+    """The chat files and folders other users may read, each with the command that fixes it."""
+    from chatcore.adapters.conversation_log.export_target import log_files
+    from chatcore.adapters.conversation_log.location import HISTORY_FILENAME, user_data_path
+    from chatcore.adapters.conversation_log.plugin import JOURNAL_FOLDER
+    from chatcore.adapters.conversation_log.private_files import loose_modes
+
+    data = user_data_path()
+    journal = data / JOURNAL_FOLDER
+    paths = [*log_files(log_path), data, data / HISTORY_FILENAME, journal]
+    if journal.is_dir():
+        paths.extend(sorted(journal.iterdir()))
+    return loose_modes(paths)

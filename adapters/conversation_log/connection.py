@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
@@ -24,31 +24,35 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from chatcore.adapters.conversation_log import schema
 from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError
+from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
+
+SYNCHRONOUS_LEVELS = ("normal", "full")
+"""SQLite's ``synchronous`` settings a log may ask for with ``?synchronous=`` in its URL.
+
+``normal`` (the default): with WAL, every commit survives the process being killed; an
+OS crash or a power cut may roll back the newest commits (SQLite syncs the WAL at
+checkpoints, not at each commit). ``full``: each commit is synced to the disk before
+it returns, so it survives a power cut too, at the cost of an fsync per write."""
 
 
-def _sqlite_connect(dbapi_connection: Any, connection_record: Any) -> None:
-    # pysqlite's own transaction handling would commit before every DDL statement;
-    # with it off, the "begin" listener below starts each transaction itself
-    # (SQLAlchemy's documented recipe for transactional DDL on SQLite).
-    dbapi_connection.isolation_level = None
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute("PRAGMA foreign_keys=ON")
+def _sqlite_connector(synchronous: str) -> Callable[[Any, Any], None]:
+    def connect(dbapi_connection: Any, connection_record: Any) -> None:
+        # pysqlite's own transaction handling would commit before every DDL statement;
+        # with it off, the "begin" listener starts each transaction itself
+        # (SQLAlchemy's documented recipe for transactional DDL on SQLite).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
         try:
-            cursor.execute("PRAGMA journal_mode=WAL")
-            # With WAL, NORMAL still keeps every commit when the process is killed;
-            # only a power cut can lose the newest ones, and it saves an fsync per turn.
-            cursor.execute("PRAGMA synchronous=NORMAL")
-        except sqlite3.OperationalError:
-            pass  # a read-only file: reading works without switching the journal
-    finally:
-        cursor.close()
+            cursor.execute("PRAGMA foreign_keys=ON")
+            try:
+                cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            except sqlite3.OperationalError:
+                pass  # a read-only file: reading works without switching the journal
+        finally:
+            cursor.close()
 
-
-def _sqlite_begin(connection: sa.Connection) -> None:
-    # Writers take the write lock at BEGIN: they wait their turn (busy timeout)
-    # instead of failing when a read transaction cannot be upgraded.
-    connection.exec_driver_sql(connection.get_execution_options().get("sqlite_begin", "BEGIN"))
+    return connect
 
 
 _WRITE = {"sqlite_begin": "BEGIN IMMEDIATE"}
@@ -85,7 +89,9 @@ class StoreConnection:
         self.is_sqlite = parsed.get_backend_name() == "sqlite"
         self.is_postgres = parsed.get_backend_name() == "postgresql"
         connect_args: dict[str, Any] = {}
+        self.synchronous = "normal"
         if self.is_sqlite:
+            parsed = self._take_synchronous(parsed)
             parsed = self._check_sqlite_location(parsed, create)
             # check_same_thread off: adapters may write from a worker thread; the
             # plugin serialises its writes.
@@ -99,9 +105,13 @@ class StoreConnection:
             raise LogError(f"cannot open the conversation log {self.display_url}: {reason(error)}{hint}") from None
         except SQLAlchemyError as error:
             raise LogError(f"cannot open the conversation log {self.display_url}: {reason(error)}") from None
+        self._timeout_s = timeout_s
+        self.write_wait_s: float | None = None
+        """How long a write waits for SQLite's lock; None: ``timeout_s``. The log plugin sets it
+        short while the log fails, so that retrying never holds a turn up for long."""
         if self.is_sqlite:
-            sa.event.listen(self.db, "connect", _sqlite_connect)
-            sa.event.listen(self.db, "begin", _sqlite_begin)
+            sa.event.listen(self.db, "connect", _sqlite_connector(self.synchronous))
+            sa.event.listen(self.db, "begin", self._sqlite_begin)
         self._parsed = parsed
         self._sessions = sessionmaker(self.db, expire_on_commit=False)
         self._write_sessions = sessionmaker(self.db.execution_options(**_WRITE), expire_on_commit=False)
@@ -113,6 +123,15 @@ class StoreConnection:
             raise
         self._file_identity = self._identity()
 
+    def _sqlite_begin(self, connection: sa.Connection) -> None:
+        # Writers take the write lock at BEGIN: they wait their turn (busy timeout)
+        # instead of failing when a read transaction cannot be upgraded.
+        begin = connection.get_execution_options().get("sqlite_begin", "BEGIN")
+        if begin != "BEGIN":
+            wait_s = self._timeout_s if self.write_wait_s is None else self.write_wait_s
+            connection.exec_driver_sql(f"PRAGMA busy_timeout = {max(0, round(wait_s * 1000))}")
+        connection.exec_driver_sql(begin)
+
     # -- the file under it ----------------------------------------------------------
     def _file_path(self) -> Path | None:
         """The SQLite file written to (None for servers, memory and read-only URIs)."""
@@ -120,6 +139,11 @@ class StoreConnection:
         if not database or database == ":memory:" or database.startswith("file:"):
             return None
         return Path(database).expanduser()
+
+    @property
+    def file_path(self) -> Path | None:
+        """The SQLite file of this log (None for servers, memory and URI names)."""
+        return self._file_path()
 
     def _identity(self) -> tuple[int, int] | None:
         path = self._file_path()
@@ -146,6 +170,19 @@ class StoreConnection:
         self._prepare_schema()
         self._file_identity = self._identity()
 
+    def _take_synchronous(self, parsed: sa.URL) -> sa.URL:
+        """Read ``?synchronous=normal|full`` off an SQLite URL (it is not a driver argument)."""
+        value = parsed.query.get("synchronous")
+        if value is None:
+            return parsed
+        level = (value if isinstance(value, str) else value[-1]).strip().lower()
+        if level not in SYNCHRONOUS_LEVELS:
+            raise LogError(
+                f"{self.display_url}: `synchronous` must be one of {', '.join(SYNCHRONOUS_LEVELS)}, got {value!r}"
+            )
+        self.synchronous = level
+        return parsed.difference_update_query(["synchronous"])
+
     # -- opening ------------------------------------------------------------------
     def _check_sqlite_location(self, parsed: sa.URL, create: bool) -> sa.URL:
         """The URL to open: checked, its folder made (``create``), or opened immutable (a read-only folder)."""
@@ -167,9 +204,16 @@ class StoreConnection:
                 return parsed.set(database=f"file:{path}?mode=ro&immutable=1", query={"uri": "true"})
             return parsed
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_private_folder(path.parent)
         except OSError as error:
             raise LogError(f"cannot create the folder for the conversation log {database}: {error}") from None
+        try:
+            # Made here, 0600, rather than by SQLite (0644 under the usual umask): SQLite gives
+            # the -wal and -shm files it makes the mode of the database file.
+            create_private_file(path)
+        except OSError as error:
+            if not path.exists():
+                raise LogError(f"cannot create the conversation log {database}: {error.strerror or error}") from None
         return parsed
 
     def _prepare_schema(self) -> None:

@@ -1,10 +1,14 @@
 """The spill journal: writes the database could not take, kept in a local file until it can.
 
-The log plugin holds up to a bound of waiting writes in memory; past it, and for
-whatever is still waiting when the process ends, writes are appended to a JSON-lines
-file here, one per line, flushed to the disk before the call returns. They are
-replayed in order once the database works again, by this process or, for a file
+A write the database cannot take at once is appended here, one JSON line, and is on
+the disk (the file fsynced, and its folder when the file is new) before the call
+returns: a process killed a moment later loses nothing it acknowledged. The writes
+are replayed in order once the database works again, by this process or, for a file
 whose process has ended, by the next one logging to the same database.
+
+Appends go straight to the file descriptor: a write that fails (a full disk) is cut
+back off the file, so no half line is left, and nothing stays buffered for a later
+close to fail on. The file and its folder are private (0600, 0700).
 
 Each file is named after its database (a digest of the URL) and its process, and is
 held with an exclusive ``flock`` while its process lives; a file nobody holds is an
@@ -22,6 +26,8 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
+
+from chatcore.adapters.conversation_log.private_files import open_private_append
 
 try:
     import fcntl
@@ -81,14 +87,26 @@ class SpillJournal:
                 stream.close()
 
     def append(self, record: dict[str, Any]) -> None:
-        """Add one write at the end; it is on the disk when this returns (OSError if it cannot be)."""
+        """Add one write at the end; it is on the disk when this returns (OSError if it cannot be,
+        and then the file is as it was)."""
+        line = (json.dumps(record, default=_encode, ensure_ascii=True) + "\n").encode("ascii")
         if self._own is None:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self._own = open(self.path, "a+", encoding="utf-8")
+            descriptor = open_private_append(self.path)
+            self._own = os.fdopen(descriptor, "r", encoding="utf-8")  # held for its lock, read on replay
             _lock(self._own)
-        self._own.write(json.dumps(record, default=_encode, ensure_ascii=True) + "\n")
-        self._own.flush()
-        os.fsync(self._own.fileno())
+        descriptor = self._own.fileno()
+        size = os.fstat(descriptor).st_size
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(descriptor, line[written:])
+            os.fsync(descriptor)
+        except OSError:
+            try:
+                os.ftruncate(descriptor, size)  # never a half line for the next append to follow
+            except OSError:
+                pass  # replay skips a line that does not parse
+            raise
         self.count += 1
 
     def __len__(self) -> int:
@@ -123,9 +141,11 @@ class SpillJournal:
                 return
 
     def close(self) -> None:
-        for _, stream in self._adopted:
-            stream.close()
-        self._adopted = []
-        if self._own is not None:
-            self._own.close()
-            self._own = None
+        """Release the files (they stay on the disk for the next process); never raises."""
+        streams = [stream for _, stream in self._adopted] + ([self._own] if self._own is not None else [])
+        self._adopted, self._own = [], None
+        for stream in streams:
+            try:
+                stream.close()
+            except OSError:
+                pass  # nothing is buffered: every append went to the file descriptor

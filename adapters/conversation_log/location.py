@@ -12,6 +12,7 @@ from pathlib import Path
 ENV_DB = "CHATCORE_DB"
 APP_NAME = "chatcore"
 DEFAULT_FILENAME = "conversations.sqlite3"
+HISTORY_FILENAME = "repl_history"  # the REPL's input history, beside the log
 
 
 def user_data_path() -> Path:

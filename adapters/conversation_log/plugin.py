@@ -11,21 +11,26 @@ store). One-shot commands such as ``generate`` and ``eval`` register none, so th
 leave no trace in the log.
 
 A database that is unavailable, locked, read-only, full or disconnected never stops
-the chat: the write is kept, ``notify`` is called once with the reason, and the kept
-writes go out, in order, with a later turn that finds the database working again
-(the store reconnects on every such failure, so a file that becomes writable or a
-server that comes back is used at once). While it fails, it is tried again at most
-every ``retry_after_s`` seconds, so that a locked file does not add its busy timeout
-to every turn.
+the chat: the write goes at once to a journal on the local disk
+(:mod:`~chatcore.adapters.conversation_log.journal`; fsynced before the hook returns,
+so before the reply is shown), ``notify`` is called once with the reason, and the
+journaled writes go out, in order and each once, when the database works again: the
+store reconnects on every failure; every later write retries first (waiting at most
+0.02 s for a locked SQLite file, so an outage never adds the busy timeout to each
+turn), and a timer retries after ``retry_after_s`` (1 s), then twice as long each
+time, up to 15 s, so the journal drains between turns too. What is still journaled
+when the process ends (or is killed) is replayed by the next process logging to the
+same database.
 
 Nothing is dropped and nothing breaks referential integrity:
 
 - every write is one message carrying its conversation's row, added in the same
   transaction when missing, so no write depends on another having got through;
-- up to ``max_pending`` writes wait in memory; past that (and for what is still
-  waiting at :meth:`ConversationLogPlugin.close`) they go to a spill journal on the
-  local disk (:mod:`~chatcore.adapters.conversation_log.journal`), replayed later,
-  also by the next process if this one ends first;
+- every write carries a key the store recognises, so a write replayed after a crash
+  between its commit and the journal's clean-up is stored once;
+- when the journal cannot be written either (a full disk), writes wait in memory (up
+  to ``max_pending``), the person is told once, and they go out with the next write
+  that works; what is still in memory at the end is counted in :attr:`pending`;
 - a write the database refuses for good (not a passing fault) is set aside in the
   journal's folder and reported, and the writes after it go on.
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -44,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import chatcore
 from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError
 from chatcore.adapters.conversation_log.journal import SpillJournal
+from chatcore.adapters.conversation_log.private_files import open_private_append
 
 if TYPE_CHECKING:
     from chatcore.adapters.conversation_log.store import ConversationStore
@@ -53,6 +60,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("chatcore.conversation_log")
 
 MAX_PENDING_WRITES = 10_000
+RETRY_AFTER_S = 1.0
+RETRY_WAIT_S = 0.02
+MIN_RETRY_INTERVAL_S = 0.05
+MAX_RETRY_INTERVAL_S = 15.0
 JOURNAL_FOLDER = "log-journal"  # in the user data folder
 TITLE_CHARS = 80
 _CONVERSATION_COLUMNS = ("adapter", "channel_key", "title")
@@ -76,15 +87,17 @@ class ConversationLogPlugin:
     """Persists every turn of the conversations on its host to ``store``.
 
     ``notify(message)`` tells the person in front of the adapter about a failing log
-    (once per outage) and about its recovery. ``journal_dir``: where writes past
-    ``max_pending`` are spilled (default: ``log-journal`` in the user data folder).
+    (once per outage) and about its recovery. ``journal_dir``: where writes the
+    database cannot take at once are journaled (default: ``log-journal`` in the user
+    data folder). ``max_pending``: how many writes may wait in memory when the journal
+    cannot be written either; past it they are dropped, and counted in :attr:`dropped`.
     """
 
     def __init__(
         self,
         store: "ConversationStore",
         notify: Callable[[str], None] | None = None,
-        retry_after_s: float = 30.0,
+        retry_after_s: float = RETRY_AFTER_S,
         max_pending: int = MAX_PENDING_WRITES,
         journal_dir: str | Path | None = None,
     ) -> None:
@@ -97,8 +110,13 @@ class ConversationLogPlugin:
         self.failing: str | None = None  # the reason, while writes fail
         self._failed_at = 0.0
         self.rejected = 0  # writes the database refused for good, set aside in the journal folder
+        # Writes neither the database nor the journal could take (a full disk), oldest first.
         self._pending: list[Write] = []
-        self._lock = threading.Lock()
+        self._unsaved_told = False
+        self.dropped = 0  # writes lost because memory, the journal and the database were all full
+        self._lock = threading.RLock()
+        self._closing = threading.Event()
+        self._retrier: threading.Thread | None = None
         if journal_dir is None:
             from chatcore.adapters.conversation_log.location import user_data_path
 
@@ -233,14 +251,19 @@ class ConversationLogPlugin:
             if self.damaged is None and self._reopened_after_loss(conversation):
                 return  # this write was part of the conversation written again
             if self.damaged is not None:
-                self._spill(write)
+                self._keep(write)
                 return
-            if len(self.journal) or len(self._pending) >= self.max_pending:
-                self._spill(write)  # behind what is journaled already, so the order holds
+            if self._waiting():
+                self._flush()  # each turn tries the waiting writes first (briefly: see _write)
+            if self._waiting():
+                self._keep(write)  # behind the writes still waiting, so the order holds
+            elif self._write(write):
+                self._recovered(1)
             else:
-                self._pending.append(write)
-            if self.failing is None or time.monotonic() - self._failed_at >= self.retry_after_s:
-                self._flush()
+                self._keep(write)  # on the disk before the hook returns, so before the reply is shown
+
+    def _waiting(self) -> bool:
+        return bool(self._pending) or bool(len(self.journal))
 
     def _reopened_after_loss(self, conversation: "Conversation") -> bool:
         """A log file deleted (or replaced) under a running chat would take every later
@@ -271,15 +294,33 @@ class ConversationLogPlugin:
         self._flush()
         return True
 
-    def _spill(self, write: Write) -> None:
-        try:
-            self.journal.append(write)
-        except OSError as error:  # no room on the local disk either: keep it in memory, past the bound
-            logger.warning("conversation log journal %s: %s", self.journal.path, error)
-            self._pending.append(write)
+    def _keep(self, write: Write) -> None:
+        """Keep a write the database has not taken: in the journal (on the disk) when it can, else in memory."""
+        if len(self._pending) >= self.max_pending:
+            self.dropped += 1
+            return
+        if not self._pending:  # once one waits in memory, the later ones queue behind it there
+            try:
+                self.journal.append(write)
+                return
+            except OSError as error:
+                if not self._unsaved_told:
+                    self._unsaved_told = True
+                    self.notify(
+                        f"conversation log journal {self.journal.folder} cannot be written either "
+                        f"({error.strerror or error}); turns wait in memory and are written when the log or "
+                        f"the disk works again (up to {self.max_pending:,}; those still waiting when the chat "
+                        "ends are lost)"
+                    )
+        self._pending.append(write)
 
     def _write(self, write: Write) -> bool:
-        """Store one write; False when the database is unavailable (the write is kept)."""
+        """Store one write; False when the database is unavailable (the caller keeps the write).
+
+        While the log fails, a retry waits at most RETRY_WAIT_S for SQLite's lock, so
+        retrying on every turn never holds a turn up for the whole busy timeout.
+        """
+        self.store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
         try:
             self.store.add_message(
                 write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
@@ -287,11 +328,12 @@ class ConversationLogPlugin:
         except LogUnavailableError as error:
             if self.failing is None:
                 self.notify(
-                    f"conversation log unavailable ({error}); the chat goes on and "
-                    "turns are written when it works again"
+                    f"conversation log unavailable ({error}); the chat goes on: turns are kept in its journal "
+                    "and written when it works again"
                 )
             self.failing = str(error)
             self._failed_at = time.monotonic()
+            self._start_retrying()
             return False
         except LogError as error:  # refused for good: set it aside, never block the writes after it
             self.rejected += 1
@@ -300,10 +342,14 @@ class ConversationLogPlugin:
 
     def _set_aside(self, write: Write, error: LogError) -> None:
         where: Path = self.journal.folder / f"{self.journal.prefix}-rejected.jsonl"
+        line = (json.dumps({"error": str(error), "write": write}, default=str) + "\n").encode("utf-8", "replace")
         try:
-            where.parent.mkdir(parents=True, exist_ok=True)
-            with open(where, "a", encoding="utf-8") as stream:
-                stream.write(json.dumps({"error": str(error), "write": write}, default=str) + "\n")
+            descriptor = open_private_append(where)
+            try:
+                os.write(descriptor, line)
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
             kept = True
         except OSError:
             kept = False
@@ -314,12 +360,8 @@ class ConversationLogPlugin:
         )
 
     def _flush(self) -> None:
+        """Write what waits, in order: the journal's files (oldest first), then memory. Stops at a failure."""
         written = 0
-        while self._pending:
-            if not self._write(self._pending[0]):
-                return
-            self._pending.pop(0)
-            written += 1
         if len(self.journal):
             done_path = None
             for path, write in self.journal.entries():
@@ -331,9 +373,42 @@ class ConversationLogPlugin:
                 written += 1
             if done_path is not None:
                 self.journal.done(done_path)
-        if self.failing is not None:
+        while self._pending:
+            if not self._write(self._pending[0]):
+                return
+            self._pending.pop(0)
+            written += 1
+        self._recovered(written)
+
+    def _recovered(self, written: int) -> None:
+        if self.failing is not None and not self._waiting():
             self.failing = None
+            self._unsaved_told = False
             self.notify(f"conversation log available again; {written} waiting write(s) saved")
+
+    # -- retrying on a timer ---------------------------------------------------------------
+    def _start_retrying(self) -> None:
+        """Retry after a failure without waiting for the next turn: after retry_after_s, then
+        twice as long each time, up to MAX_RETRY_INTERVAL_S (called holding the lock)."""
+        if self._retrier is not None or self._closing.is_set():
+            return
+        self._retrier = threading.Thread(target=self._retry_loop, name="conversation-log-retry", daemon=True)
+        self._retrier.start()
+
+    def _retry_loop(self) -> None:
+        interval = max(self.retry_after_s, MIN_RETRY_INTERVAL_S)
+        while not self._closing.wait(interval):
+            with self._lock:
+                if self._closing.is_set():
+                    break
+                if self.damaged is None and self._waiting():
+                    self._flush()
+                if not self._waiting() or self.damaged is not None:
+                    self._retrier = None
+                    return
+            interval = min(interval * 2, MAX_RETRY_INTERVAL_S)
+        with self._lock:
+            self._retrier = None
 
     @property
     def pending(self) -> int:
@@ -353,22 +428,26 @@ class ConversationLogPlugin:
             return not self._pending and not len(self.journal)
 
     def close(self) -> int:
-        """Try the waiting writes once more, then journal what is left; returns how many were journaled.
+        """Try the waiting writes once more, then journal what is left; returns how many are journaled.
 
         Adapters call this at exit: the journaled writes are replayed by the next
-        process that logs to the same database.
+        process that logs to the same database. Never raises for a full disk:
+        what neither the database nor the journal took stays in :attr:`pending`.
         """
+        self._closing.set()
+        retrier = self._retrier
+        if retrier is not None:
+            retrier.join()
         with self._lock:
-            if self.damaged is None:
+            if self.damaged is None and self._waiting():
                 self._flush()
             while self._pending:
-                write = self._pending.pop(0)
                 try:
-                    self.journal.append(write)
+                    self.journal.append(self._pending[0])
                 except OSError as error:
                     logger.warning("conversation log journal %s: %s", self.journal.path, error)
-                    self._pending.insert(0, write)
                     break
+                self._pending.pop(0)
             journaled = self.journal.count
             self.journal.close()
             return journaled

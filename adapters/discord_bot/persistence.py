@@ -108,8 +108,9 @@ class LogPersistence:
             journaled = self.plugin.close()  # what the log cannot take now waits in its journal
             if journaled:
                 logger.warning("conversation log: %d write(s) kept in the journal for the next start", journaled)
-            if self.plugin.pending > journaled:
-                logger.warning("conversation log: %d write(s) could not be saved", self.plugin.pending - journaled)
+            lost = self.plugin.pending - journaled + self.plugin.dropped
+            if lost > 0:
+                logger.warning("conversation log: %d write(s) could not be saved", lost)
         finally:
             self.host.unregister(LOG_PLUGIN_NAME)
             self.store.close()

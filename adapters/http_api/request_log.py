@@ -124,6 +124,9 @@ class RequestLog:
                 journaled = self.plugin.close()
                 if journaled:
                     logger.warning("conversation log: %d write(s) kept in the journal for the next start", journaled)
+                lost = self.plugin.pending - journaled + self.plugin.dropped
+                if lost > 0:
+                    logger.warning("conversation log: %d write(s) could not be saved", lost)
             if self.store is not None:
                 self.store.close()
 

@@ -150,7 +150,7 @@ def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
                 f"note: {journaled} write(s) could not be saved to the conversation log ({failing}); they are kept "
                 f"in {state.log_plugin.journal.folder} and written by the next chat that logs there"
             )
-        lost = state.log_plugin.pending - journaled
+        lost = state.log_plugin.pending - journaled + state.log_plugin.dropped
         if lost > 0:
             say(f"note: {lost} write(s) to the conversation log were lost ({failing})")
     if state.store is not None:

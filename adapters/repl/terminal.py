@@ -13,13 +13,15 @@ conversation, marked interrupted (and the log records it so). Ctrl-C at the prom
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from chatcore.adapters.conversation_log.formatting import display_safe
+from chatcore.adapters.conversation_log.location import HISTORY_FILENAME
 from chatcore.adapters.repl.completion import completions, toolbar_text
 from chatcore.adapters.repl.slash_commands import Outcome, handle_line
 from chatcore.errors import ChatcoreError
@@ -29,7 +31,6 @@ if TYPE_CHECKING:
     from chatcore.response import Response
 
 ReadLine = Callable[[], str]
-HISTORY_FILENAME = "repl_history"
 PROMPT = "you> "
 REPLY_PREFIX = "bot> "
 # More plain characters than this in one read of the terminal is a paste, not typing.
@@ -282,10 +283,40 @@ def prompt_toolkit_reader(
     from prompt_toolkit.key_binding import KeyBindings
     from prompt_toolkit.keys import Keys
 
+    from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
+
     class BoundedFileHistory(FileHistory):
+        """The input history file; one that cannot be read or written (a full disk) leaves the
+        history in memory, with one note, instead of an error on every line typed."""
+
+        saving = True
+
         def append_string(self, string: str) -> None:
             if fits_a_line(string):
                 super().append_string(string)
+
+        def load_history_strings(self) -> Iterable[str]:
+            try:
+                return list(super().load_history_strings())
+            except OSError as error:
+                self.stop_saving(error)
+                return []
+
+        def store_string(self, string: str) -> None:
+            if not self.saving:
+                return
+            try:
+                super().store_string(string)
+            except OSError as error:
+                self.stop_saving(error)
+
+        def stop_saving(self, error: OSError) -> None:
+            if self.saving:
+                self.saving = False
+                state.notify(
+                    f"input history is no longer saved ({os.fsdecode(self.filename)}: {error.strerror or error}); "
+                    "the chat goes on and keeps it in memory"
+                )
 
     class BoundedMemoryHistory(InMemoryHistory):
         def append_string(self, string: str) -> None:
@@ -301,8 +332,8 @@ def prompt_toolkit_reader(
     path = history_file if history_file is not None else history_path()
     if keep_history:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(exist_ok=True)
+            make_private_folder(path.parent)
+            create_private_file(path)  # the lines typed are as private as the log
             history = BoundedFileHistory(str(path))
         except OSError as error:
             state.notify(f"input history is not saved ({path}: {error.strerror or error})")
