@@ -315,7 +315,16 @@ def test_provenance_describes_the_reply(engine, loaded):
     data = response.to_dict()
     assert data["text"] == response.text()
     assert data["model"] == loaded.name
-    assert data["decoder"] == {"name": "greedy", "settings": {"no_repeat_ngram_size": 0, "repetition_penalty": 1.2}}
+    assert data["decoder"] == {
+        "name": "greedy",
+        "settings": {
+            "no_repeat_ngram_size": 0,
+            "repetition_penalty": 1.2,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logit_bias": {},
+        },
+    }
     assert data["steerers"][0]["name"] == "bow-bias"
     assert data["steerers"][0]["settings"]["words"] == ["pizza"]
     assert data["seed"] == 3 and data["max_new_tokens"] == 5

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from log_openers import open_in_crowds
 
 import chatcore
 from chatcore.adapters.conversation_log import ConversationLogPlugin
@@ -39,6 +40,7 @@ from chatcore.testing import ScriptedDecoder
 from chatcore.text import encode_text
 
 FORK = multiprocessing.get_context("fork")
+SPAWN = multiprocessing.get_context("spawn")
 TRIALS = 20
 OPENERS = 4
 
@@ -83,21 +85,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
     made.drop_all()
 
 
-def open_and_write(url: str, barrier: Any, number: int) -> None:
-    """One process of a crowd: open the log the moment the others do, write a message."""
-    barrier.wait(timeout=60)
-    store = ConversationStore(url, timeout_s=30)
-    store.add_message(
-        f"conversation-{number}",
-        "user",
-        f"hello from process {number}",
-        conversation={"adapter": "test", "title": f"process {number}"},
-    )
-    # Every process adds the same new conversation too: one row, and no write refused.
-    store.add_message("shared", "user", f"process {number} in the shared room", conversation={"title": "shared"})
-    store.close()
-
-
 def open_only(url: str) -> None:
     ConversationStore(url, timeout_s=30).close()
 
@@ -105,19 +92,23 @@ def open_only(url: str) -> None:
 # -- 1. many processes opening a new log at once -----------------------------------------------
 @pytest.mark.slow
 def test_processes_opening_a_new_log_at_once_all_log(backend: Backend) -> None:
-    for trial in range(TRIALS):
-        url = backend.new_url()
-        barrier = FORK.Barrier(OPENERS)
-        processes = [FORK.Process(target=open_and_write, args=(url, barrier, n)) for n in range(OPENERS)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(60)
-        assert [p.exitcode for p in processes] == [0] * OPENERS, f"trial {trial}"
-        with ConversationStore(url) as store:
-            assert store.count_messages() == 2 * OPENERS and store.count_conversations() == OPENERS + 1
-            assert len(store.search("hello from process")) == OPENERS
-            assert len(store.get_conversation("shared").messages) == OPENERS
+    urls = [backend.new_url() for _ in range(TRIALS)]
+    results = SPAWN.Queue()
+    # The openers are forked by a fresh process of their own: forked from this one, they could
+    # inherit a lock that another of the suite's threads held at that moment, and wait forever.
+    forker = SPAWN.Process(target=open_in_crowds, args=(urls, OPENERS, results))
+    forker.start()
+    try:
+        for trial, url in enumerate(urls):
+            assert results.get(timeout=120) == [0] * OPENERS, f"trial {trial}"
+            with ConversationStore(url) as store:
+                assert store.count_messages() == 2 * OPENERS and store.count_conversations() == OPENERS + 1
+                assert len(store.search("hello from process")) == OPENERS
+                assert len(store.get_conversation("shared").messages) == OPENERS
+    finally:
+        forker.join(60)
+        if forker.is_alive():
+            forker.kill()
 
 
 # -- 2. SIGKILL during the first open ------------------------------------------------------------

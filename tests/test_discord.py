@@ -471,7 +471,13 @@ async def test_decoder_and_steer_change_only_this_channels_replies(harness: Harn
     made_there = harness.bot.last_provenance[conversation_key(second)]
     assert made_here["decoder"] == {
         "name": "greedy",
-        "settings": {"no_repeat_ngram_size": 2, "repetition_penalty": 1.0},
+        "settings": {
+            "no_repeat_ngram_size": 2,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "logit_bias": {},
+        },
     }
     assert [s["name"] for s in made_here["steerers"]] == ["bow-bias"]
     assert made_there["decoder"]["name"] == "top-k" and made_there["steerers"] == []
