@@ -686,6 +686,22 @@ def test_a_chat_started_on_a_full_disk_works_without_its_history_and_says_what_w
 
 
 @pytest.mark.slow
+def test_coloured_text_pasted_without_paste_marks_is_one_whole_message(repl_host, tiny_model_dir):
+    """ESC [ 3 1 m reads like a terminal's mouse report; the chat never asks for those, so it
+    is text: the message stays whole, its escape sequences removed, and nothing crashes."""
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2, no_log=True)
+    out = io.StringIO()
+    with create_pipe_input() as pipe:
+        pipe.send_text("hello \x1b[31mred\x1b[0m world \x1b[<0;3;4M end\r\x04")
+        state = start_chat(config, out=out, input=pipe, output=DummyOutput())
+    (turn,) = [t for t in state.current.turns if t.role == "user"]
+    assert turn.text.startswith("hello ") and "red" in turn.text and turn.text.endswith("world end")
+    assert "\x1b" not in turn.text and "Traceback" not in out.getvalue()
+
+
 def test_a_long_paste_is_refused_at_once_and_kept_out_of_the_history(repl_host, tiny_model_dir, tmp_path):
     import threading
 

@@ -376,6 +376,16 @@ def prompt_toolkit_reader(
         else:
             event.current_buffer.insert_text(data)
 
+    @bindings.add(Keys.Vt100MouseEvent, eager=True)
+    def _not_a_mouse(event: Any) -> None:
+        # The chat never turns mouse reporting on, so a "mouse event" is text that an
+        # unmarked paste brought in (coloured text: ESC [ 3 1 m). It is kept as typed; the
+        # message's cleaning removes the escape sequences when it is sent.
+        if dropped[0] or not fits_a_line(event.current_buffer.text + event.data):
+            dropped[0] += len(event.data)
+        else:
+            event.current_buffer.insert_text(event.data)
+
     @bindings.add(Keys.Any, filter=overflowing)
     def _drop(event: Any) -> None:
         dropped[0] += len(event.data)
