@@ -40,6 +40,7 @@ class Response:
         provenance: dict[str, Any],
         finalize: Callable[["Response"], None] | None = None,
         cut_short: Callable[[], bool] | None = None,
+        started: float | None = None,
     ) -> None:
         self._token_source = token_source
         self._cut_short = cut_short
@@ -53,7 +54,9 @@ class Response:
         self.done = False
         self.interrupted = False
         self.error: BaseException | None = None
-        self._started: float | None = None
+        # When the reply was asked for (a scheduler's submission), so that its total time
+        # counts what its first token's does; else when it is first read.
+        self._started: float | None = started
 
     def on_done(self, callback: Callable[["Response"], None]) -> None:
         """Run ``callback(response)`` when the reply ends (at once if it already has)."""
@@ -67,7 +70,8 @@ class Response:
         if self.done:
             return
         if self._iterator is None:
-            self._started = time.perf_counter()
+            if self._started is None:
+                self._started = time.perf_counter()
             timings_of(self.provenance)
             self._iterator = self._token_source()
             self._detokenizer = IncrementalDetokenizer(self._tokenizer)
@@ -133,7 +137,7 @@ class Response:
     def interrupt(self) -> None:
         """Stop generating; the reply so far is kept, cut back to its last whole word, and
         marked interrupted."""
-        if self._iterator is None and not self.done:
+        if self._iterator is None and not self.done and self._started is None:
             self._started = time.perf_counter()
         self._finish(interrupted=True)
 

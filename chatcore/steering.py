@@ -84,19 +84,22 @@ def check_composition(steerers: Sequence[type[Steerer]]) -> None:
     if len(caching) > 1:
         names = " and ".join(repr(cls.name) for cls in caching[:2])
         raise OptionError(f"steerers {names} both edit the model's own key/value cache: give only one of them")
+    if replacing:
+        # Checked before the order: no order makes these two work, so the message must not
+        # suggest one.
+        replacer = steerers[replacing[0]]
+        for cls in steerers:
+            if cls.needs_model_cache:
+                raise OptionError(
+                    f"steerer {cls.name!r} edits the model's own key/value cache and cannot be "
+                    f"combined with {replacer.name!r}, which replaces the model step"
+                )
     if replacing and replacing[0] > 0:
         first = steerers[replacing[0]]
         raise OptionError(
             f"steerer {first.name!r} replaces the model step, so it must come first "
             f"(give it before {steerers[0].name!r})"
         )
-    if replacing:
-        for cls in steerers[1:]:
-            if cls.needs_model_cache:
-                raise OptionError(
-                    f"steerer {cls.name!r} edits the model's own key/value cache and cannot be "
-                    f"combined with {steerers[0].name!r}, which replaces the model step"
-                )
 
 
 LAYER_ATTRIBUTE = "chatcore_step_layer"

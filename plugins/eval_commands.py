@@ -25,7 +25,14 @@ from chatcore.errors import ChatcoreError
 )
 @click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Context i uses seed + i.")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=40, show_default=True)
+@click.option(
+    "-n",
+    "--max-new-tokens",
+    type=click.IntRange(1, 4096),
+    default=40,
+    show_default=True,
+    help="Longest reply, in tokens.",
+)
 @click.option(
     "--attribute",
     default=None,

@@ -22,6 +22,12 @@ IMPOSSIBLE_STEERERS = [
         "which replaces the model step",
     ),
     (
+        # Whatever the order: the refusal never suggests one that would be refused too.
+        ("pplm topic=food", "cocon content=pizza"),
+        "steerer 'pplm' edits the model's own key/value cache and cannot be combined with 'cocon', "
+        "which replaces the model step",
+    ),
+    (
         ("bow-bias topic=food", "cocon content=pizza"),
         "steerer 'cocon' replaces the model step, so it must come first (give it before 'bow-bias')",
     ),

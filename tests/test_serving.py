@@ -9,6 +9,7 @@ import pytest
 from chatcore.engine import ReplyOptions
 from chatcore.errors import PluginError
 from chatcore.prompting import Message
+from chatcore.registry import Registry
 from chatcore.serving import Scheduler, ServerBusy
 
 PROMPTS = [
@@ -410,3 +411,21 @@ def test_a_reply_cancelled_while_its_prompt_is_read_frees_its_slot(serving_engin
         after = scheduler.submit([Message("user", "hi")], OPTIONS[0])
         assert after.wait(60) and after.token_ids == alone(serving_engine, "hi", OPTIONS[0])
     assert not scheduler.runner.prefilling()
+
+
+def test_a_replys_timings_add_up_through_the_scheduler_and_alone(serving_engine):
+    """Queued, then the first token, then the whole reply: measured from one moment, whichever
+    entry point decoded it (a reply of several rows sends every token at its end)."""
+    serving_engine.host.load_modules(("chatcore.plugins.mmi",))
+    serving_engine.registry = Registry.build(serving_engine.host)
+    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 2}, seed=1, max_new_tokens=6)
+    conversation = serving_engine.conversation()
+    conversation.add_user("hi there")
+    with Scheduler(serving_engine) as scheduler:
+        through_scheduler = scheduler.respond(conversation, options)
+        through_scheduler.text()
+    alone = serving_engine.reply_to(["hi there"], options)
+    alone.text()
+    for response in (through_scheduler, alone):
+        timings = response.provenance["timings"]
+        assert 0 <= timings["queued_s"] <= timings["first_token_s"] <= timings["total_s"], timings

@@ -20,7 +20,14 @@ from chatcore.cli.options import model_option, plugin_options, prompt_options, t
     default=None,
     help="Seed of the first reply; each later reply uses the next number.",
 )
-@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=64, show_default=True)
+@click.option(
+    "-n",
+    "--max-new-tokens",
+    type=click.IntRange(1, 4096),
+    default=64,
+    show_default=True,
+    help="Longest reply, in tokens.",
+)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option(

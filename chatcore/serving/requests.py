@@ -116,7 +116,9 @@ class Handle:
         ``interrupt()`` cancels); ``finalize`` runs when it ends (a conversation records it)."""
         from chatcore.response import Response
 
-        response = Response(self.tokens, tokenizer, self.provenance, finalize=finalize, cut_short=self._was_cut)
+        response = Response(
+            self.tokens, tokenizer, self.provenance, finalize=finalize, cut_short=self._was_cut, started=self.submitted
+        )
         response.on_done(lambda _: self.cancel())  # interrupted before it was read: stop decoding it
         return response
 

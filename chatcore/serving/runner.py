@@ -614,6 +614,7 @@ def decode_alone(engine: "Engine", reply: "PreparedReply") -> Iterator[int]:
 
     handle = Handle()
     handle.provenance = reply.provenance
+    handle.admitted = handle.submitted  # no queue: it starts at once
     runner = Runner(engine.loaded, engine, prefill_chunk=None)  # nothing else waits for it
     runner.add(handle, engine.start_session(reply), reply.decoder, reply.provenance)
     sent = 0
