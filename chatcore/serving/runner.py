@@ -426,6 +426,13 @@ class Runner:
                 self._reuse_prefix(job)
             if self._prefill_chunk(job):
                 return
+        if job.shared_logits is not None and not job.session.steerers:
+            # A shared reply with no steerer: its rows of the batch's pass are its scores.
+            with torch.inference_mode():
+                tokens = self._choose(job, job.shared_logits)
+            self._record(job, tokens)
+            job.shared_logits = None
+            return
         state = self._state(job)
         # Shared jobs run in inference mode like the batch; an eager job's steerers may take
         # gradients (PPLM), so its tensors must be ordinary ones.
