@@ -352,14 +352,13 @@ def shown_in_discord(outcome: Outcome) -> Outcome:
 
 
 # -- the matrix --------------------------------------------------------------------------------
-# generate and eval load the model for every cell: the rest share one loaded model per entry point.
-RELOADING = ("generate", "eval")
+# The whole matrix is slow-marked (generate and eval load the model for every cell): it runs
+# once in `make test`, not again in the run on the oldest transformers release.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize(
-    "entry", [pytest.param(entry, marks=pytest.mark.slow) if entry in RELOADING else entry for entry in ENTRY_POINTS]
-)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_every_combination_gives_the_python_apis_reply_or_refusal(
     entry: str, model: str, matrix: Matrix, cli: Callable[..., Result], tmp_path: Path
 ) -> None:
