@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 import chatcore
-from chatcore.cli.options import model_option, plugin_options, prompt_options, threads_option
+from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
 from chatcore.errors import ChatcoreError
 
 
@@ -25,14 +25,7 @@ from chatcore.errors import ChatcoreError
 )
 @click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Context i uses seed + i.")
-@click.option(
-    "-n",
-    "--max-new-tokens",
-    type=click.IntRange(1, 4096),
-    default=40,
-    show_default=True,
-    help="Longest reply, in tokens.",
-)
+@max_new_tokens_option(40)
 @click.option(
     "--attribute",
     default=None,

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from chatcore.adapters.conversation_log.commands import DB_HELP
-from chatcore.cli.options import model_option, plugin_options, prompt_options, threads_option
+from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
 
 
 @click.command("chat")
@@ -20,14 +20,7 @@ from chatcore.cli.options import model_option, plugin_options, prompt_options, t
     default=None,
     help="Seed of the first reply; each later reply uses the next number.",
 )
-@click.option(
-    "-n",
-    "--max-new-tokens",
-    type=click.IntRange(1, 4096),
-    default=64,
-    show_default=True,
-    help="Longest reply, in tokens.",
-)
+@max_new_tokens_option(64)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option(

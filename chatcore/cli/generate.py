@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from chatcore.cli.options import model_option, plugin_options, prompt_options, threads_option
+from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
 from chatcore.cli.specs import parse_spec
 
 
@@ -28,14 +28,7 @@ def read_turns(data: bytes) -> tuple[str, ...]:
 @plugin_options
 @prompt_options("System prompt (persona) for the reply.")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
-@click.option(
-    "-n",
-    "--max-new-tokens",
-    type=click.IntRange(1, 4096),
-    default=64,
-    show_default=True,
-    help="Reply budget in tokens (capped by the room the prompt leaves in the context).",
-)
+@max_new_tokens_option(64)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option(

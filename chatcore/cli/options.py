@@ -29,6 +29,18 @@ threads_option = click.option(
 )
 
 
+def max_new_tokens_option(default: int) -> Callable[[F], F]:
+    """``-n/--max-new-tokens``: the reply's budget in tokens, with the command's default."""
+    return click.option(
+        "-n",
+        "--max-new-tokens",
+        type=click.IntRange(1, 4096),
+        default=default,
+        show_default=True,
+        help="Longest reply, in tokens (capped by the room the prompt leaves in the context).",
+    )
+
+
 def plugin_options(f: F) -> F:
     """``-d/--decoder`` (into ``decoder_spec``) and ``-s/--steer`` (into ``steer_specs``)."""
     f = click.option(
