@@ -16,12 +16,12 @@ runner that decodes every reply, yielding each step's chosen tokens.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatcore.decoding import Decoder
+from chatcore.decoding import Decoder, Select
 from chatcore.errors import ChatcoreError, PluginError
 from chatcore.evaluation.prompts import EvalContext
 from chatcore.evaluation.runner import EvalReport, EvalRow
@@ -278,7 +278,7 @@ class StepDecoder(Decoder):
 
     def __init__(
         self,
-        select: Callable[["torch.Tensor", "torch.Generator"], "torch.Tensor"],
+        select: "Select",
         processors: Sequence["ScoreProcessor"] = (),
         rows: int = 1,
     ) -> None:
@@ -300,7 +300,7 @@ class StepDecoder(Decoder):
 
 def decode_steps(
     session: "GenerationSession",
-    select: Callable[["torch.Tensor", "torch.Generator"], "torch.Tensor"],
+    select: "Select",
     processors: Sequence["ScoreProcessor"] = (),
     rows: int = 1,
 ) -> Iterator["torch.Tensor"]:

@@ -446,7 +446,7 @@ class Runner:
             job.cached = job.prompt_length
             self._keep_prompt(job)
         self._record(job, tokens)
-        if job.generated == 1 and job.shared and not self._finished(job):
+        if job.generated == 1 and job.shared and job in self.jobs:  # still writing: it joins the batch
             self.batch.join(job, job.cache)
             job.cache = None
         job.shared_logits = None
@@ -583,9 +583,6 @@ class Runner:
         for token in sampled[winner].token_ids:
             job.sink._push(token)
         self._end(job, "stop" if sampled[winner].ended else "length")
-
-    def _finished(self, job: Job) -> bool:
-        return job not in self.jobs
 
     def _end(self, job: Job, reason: Any, error: ChatcoreError | None = None) -> None:
         """The job is over: note its provenance, keep its prefix, leave the batch, tell the sink."""
