@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sqlite3
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -29,8 +30,8 @@ from typing import Any
 
 
 def turn_latencies(engine: Any, url: str, turns: int, journal: Path, during: Callable[[], Any]) -> list[float]:
-    from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.plugin import ConversationLogPlugin
+    from chatcore.log.store import ConversationStore
 
     store = ConversationStore(url)
     plugin = ConversationLogPlugin(store, notify=lambda message: None, journal_dir=journal)
@@ -115,7 +116,8 @@ def main() -> None:
                 continue
             report("sqlite", case, latencies)
     if args.backend in ("postgres", "both"):
-        from chatcore.adapters.conversation_log.pg_cluster import ThrowawayCluster, unavailable_reason
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' throwaway cluster
+        from pg_cluster import ThrowawayCluster, unavailable_reason
 
         reason = unavailable_reason()
         if reason is not None:

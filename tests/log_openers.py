@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
-from chatcore.adapters.conversation_log.store import ConversationStore
+from chatcore.log.store import ConversationStore
 
 
 def open_and_write(url: str, barrier: Any, number: int) -> None:

@@ -265,8 +265,8 @@ def test_output_files_in_missing_folders_fail_before_the_work(run, tiny_model_di
     assert_clean_failure(
         run("eval", "--model", "does-not-matter", "--json", str(missing)), "the folder", "does not exist"
     )
-    from chatcore.adapters.conversation_log.location import sqlite_url
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.location import sqlite_url
+    from chatcore.log.store import ConversationStore
 
     ConversationStore(sqlite_url(tmp_path / "log.sqlite3")).close()
     assert_clean_failure(

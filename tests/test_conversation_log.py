@@ -9,19 +9,19 @@ import pytest
 from click.testing import CliRunner
 
 import chatcore.plugin_manager as plugin_manager
-from chatcore.adapters.conversation_log import ConversationLogPlugin, LogError, UnknownConversationError
-from chatcore.adapters.conversation_log import schema as schema_module
-from chatcore.adapters.conversation_log.formatting import (
+from chatcore.log import ConversationLogPlugin, LogError, UnknownConversationError
+from chatcore.log import schema as schema_module
+from chatcore.log.formatting import (
     conversation_markdown,
     conversation_text,
     display_safe,
     summary_table,
 )
-from chatcore.adapters.conversation_log.location import resolve_url, sqlite_url
-from chatcore.adapters.conversation_log.store import ConversationStore
+from chatcore.log.location import resolve_url, sqlite_url
+from chatcore.log.store import ConversationStore
 from chatcore.text import encode_text
 
-LOG_MODULE = "chatcore.adapters.conversation_log"
+LOG_MODULE = "chatcore.log"
 
 
 @pytest.fixture
@@ -487,10 +487,10 @@ def test_logs_on_a_corrupt_file_is_one_line(logs_cli, tmp_path):
 
 
 def test_listing_uses_indexes_not_a_scan_of_the_messages(store):
-    """`chatcore logs list` stays fast on a big log (bench: python -m chatcore.adapters.conversation_log.benchmark)."""
+    """`chatcore logs list` stays fast on a big log (bench: python bench/log_list_speed.py)."""
     import sqlalchemy as sa
 
-    from chatcore.adapters.conversation_log.models import ConversationRow
+    from chatcore.log.models import ConversationRow
 
     query = (
         sa.select(*store._summary_columns())

@@ -26,16 +26,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from log_openers import open_in_crowds
-
-import chatcore
-from chatcore.adapters.conversation_log import ConversationLogPlugin
-from chatcore.adapters.conversation_log.location import sqlite_url
-from chatcore.adapters.conversation_log.pg_cluster import (
+from pg_cluster import (
     ThrowawayCluster,
     unavailable_reason,
 )
-from chatcore.adapters.conversation_log.store import ConversationStore
+
+import chatcore
 from chatcore.decoding import GenerationSession
+from chatcore.log import ConversationLogPlugin
+from chatcore.log.location import sqlite_url
+from chatcore.log.store import ConversationStore
 from chatcore.testing import ScriptedDecoder
 from chatcore.text import encode_text
 
@@ -413,7 +413,7 @@ def logs_command(*args: str) -> Any:
     from chatcore.cli import build_cli
 
     host = plugin_manager.PluginHost()
-    host.load_modules(("chatcore.adapters.conversation_log",))
+    host.load_modules(("chatcore.log",))
     plugin_manager.set_plugin_host(host)
     return CliRunner().invoke(build_cli(), ["logs", *args], catch_exceptions=False)
 
@@ -582,7 +582,7 @@ def test_a_journal_append_cut_short_by_a_full_disk_leaves_no_half_line(tmp_path:
     and the next append after space is freed reads back whole. Closing never raises."""
     from disk_full import files_cannot_grow
 
-    from chatcore.adapters.conversation_log.journal import SpillJournal
+    from chatcore.log.journal import SpillJournal
 
     journal = SpillJournal(tmp_path / "journal", "sqlite:///somewhere.sqlite3")
     journal.append({"key": "first", "text": "kept"})

@@ -317,7 +317,7 @@ async def test_a_thread_of_a_listed_channel_is_its_own_conversation(harness: Har
 # -- the conversation log across a restart -----------------------------------------
 @pytest.mark.asyncio
 async def test_a_restart_resumes_each_channels_conversation_from_the_log(chat_engine, tmp_path):
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.store import ConversationStore
 
     db = str(tmp_path / "log.sqlite3")
     first = await start_harness(chat_engine, settings_for(), lambda: LogPersistence(chat_engine, db))
@@ -491,8 +491,8 @@ async def test_decoder_and_steer_change_only_this_channels_replies(harness: Harn
 async def test_steer_and_decoder_refuse_configurations_that_cannot_reply(bundled_model, tmp_path):
     from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS, PLUGIN_MODULES
 
-    from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.engine import Engine
+    from chatcore.log.store import ConversationStore
     from chatcore.plugin_manager import PluginHost
 
     host = PluginHost()
@@ -823,7 +823,7 @@ async def test_twenty_channels_are_decoded_in_one_batch_and_equal_replies_decode
 async def test_a_reply_past_its_timeout_is_cut_at_a_whole_word_and_frees_its_place_at_once(
     serving_engine, gate, tmp_path, written, kept
 ):
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.store import ConversationStore
 
     gate.text = written
     db = str(tmp_path / "log.sqlite3")
@@ -867,8 +867,8 @@ async def test_a_reply_past_its_timeout_is_cut_at_a_whole_word_and_frees_its_pla
 async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log(
     loaded, host, tmp_path, grace_s, interrupted
 ):
-    from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.engine import Engine
+    from chatcore.log.store import ConversationStore
 
     host.register(SlowTextPlugin(), "slow-text-test")
     engine = Engine(loaded, host=host)

@@ -494,7 +494,7 @@ def logged(serving_engine, tmp_path):
 
 
 def read_log(db) -> list:
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.store import ConversationStore
 
     with ConversationStore(f"sqlite:///{db}") as store:
         return [store.get_conversation(summary.id) for summary in store.list_conversations(adapter="http")]

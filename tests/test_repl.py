@@ -22,19 +22,19 @@ from click.testing import CliRunner
 
 import chatcore
 import chatcore.plugin_manager as plugin_manager
-from chatcore.adapters.conversation_log import ConversationLogPlugin
-from chatcore.adapters.conversation_log.location import sqlite_url
-from chatcore.adapters.conversation_log.store import ConversationStore
 from chatcore.adapters.repl.app import ChatConfig, start_chat
 from chatcore.adapters.repl.completion import completions, toolbar_text
 from chatcore.adapters.repl.slash_commands import COMMANDS, handle_line
 from chatcore.adapters.repl.state import ChatState
 from chatcore.adapters.repl.terminal import run_loop
 from chatcore.engine import ReplyOptions
+from chatcore.log import ConversationLogPlugin
+from chatcore.log.location import sqlite_url
+from chatcore.log.store import ConversationStore
 from chatcore.steering import Steerer
 from chatcore.text import encode_text
 
-ADAPTERS = ("chatcore.adapters.conversation_log", "chatcore.adapters.repl")
+ADAPTERS = ("chatcore.log", "chatcore.adapters.repl")
 BUILTIN_TEST_PLUGINS = (
     "chatcore.plugins.greedy",
     "chatcore.plugins.top_k",
@@ -869,7 +869,7 @@ LAUNCHER = textwrap.dedent("""
     import importlib, sys
     from chatcore.plugin_manager import get_plugin_host
     host = get_plugin_host()
-    for name in ("chatcore.adapters.conversation_log", "chatcore.adapters.repl", *sys.argv[1].split(",")):
+    for name in ("chatcore.log", "chatcore.adapters.repl", *sys.argv[1].split(",")):
         if name and not host.pm.is_registered(module := importlib.import_module(name)):
             host.register(module, name)
     from chatcore.cli import main

@@ -23,9 +23,9 @@ def engine(smollm2):
 @pytest.fixture
 def logged_engine(smollm2, tmp_path):
     """SmolLM2 with the conversation log writing to a real SQLite file."""
-    from chatcore.adapters.conversation_log import ConversationLogPlugin
-    from chatcore.adapters.conversation_log.location import sqlite_url
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log import ConversationLogPlugin
+    from chatcore.log.location import sqlite_url
+    from chatcore.log.store import ConversationStore
 
     store = ConversationStore(sqlite_url(tmp_path / "log.sqlite3"))
     engine = make_engine(smollm2)

@@ -61,9 +61,9 @@ class LogPersistence:
     """
 
     def __init__(self, engine: "Engine", db: str | None = None) -> None:
-        from chatcore.adapters.conversation_log.location import resolve_url
-        from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
-        from chatcore.adapters.conversation_log.store import ConversationStore
+        from chatcore.log.location import resolve_url
+        from chatcore.log.plugin import ConversationLogPlugin
+        from chatcore.log.store import ConversationStore
 
         self.store = ConversationStore(resolve_url(db))
         self.plugin = ConversationLogPlugin(self.store, notify=lambda message: logger.warning("%s", message))

@@ -119,7 +119,7 @@ def log_location(settings: "DiscordSettings") -> str:
         return "off"
     from sqlalchemy.engine import make_url
 
-    from chatcore.adapters.conversation_log.location import resolve_url
+    from chatcore.log.location import resolve_url
 
     return make_url(resolve_url(settings.db)).render_as_string(hide_password=True)
 

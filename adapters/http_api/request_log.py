@@ -10,7 +10,7 @@ newest ``MAX_THREADS`` conversations; after a restart the next turn starts a new
 
 Writing never slows or fails a request: the log and its store live on a thread of
 their own, the handler only queues the exchange, and a database that fails keeps its
-writes in the log's journal (see :mod:`chatcore.adapters.conversation_log.plugin`).
+writes in the log's journal (see :mod:`chatcore.log.plugin`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
-    from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.engine import Engine
+    from chatcore.log.plugin import ConversationLogPlugin
+    from chatcore.log.store import ConversationStore
     from chatcore.prompting import Message
 
 logger = logging.getLogger("chatcore.serve")
@@ -67,9 +67,9 @@ class RequestLog:
         self._executor.submit(self._open, db).result()
 
     def _open(self, db: str | None) -> None:
-        from chatcore.adapters.conversation_log.location import resolve_url
-        from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
-        from chatcore.adapters.conversation_log.store import ConversationStore
+        from chatcore.log.location import resolve_url
+        from chatcore.log.plugin import ConversationLogPlugin
+        from chatcore.log.store import ConversationStore
 
         self.store = ConversationStore(resolve_url(db))
         self.plugin = ConversationLogPlugin(self.store, notify=lambda message: logger.warning("%s", message))

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from chatcore.adapters.conversation_log.errors import LogError
-from chatcore.adapters.conversation_log.formatting import SHORT_ID, one_line
 from chatcore.errors import ChatcoreError
+from chatcore.log.errors import LogError
+from chatcore.log.formatting import SHORT_ID, one_line
 
 if TYPE_CHECKING:
-    from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.adapters.repl.state import ChatState
     from chatcore.engine import Engine
+    from chatcore.log.store import ConversationStore
     from chatcore.plugin_manager import PluginHost
 
 
@@ -46,8 +46,8 @@ def open_log(config: ChatConfig, say: Callable[[str], None]) -> tuple["Conversat
         if config.continue_last or config.conversation_id:
             raise ChatcoreError("--continue and --cid resume from the conversation log; drop --no-log")
         return None, "--no-log"
-    from chatcore.adapters.conversation_log.location import resolve_url
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.location import resolve_url
+    from chatcore.log.store import ConversationStore
 
     try:
         return ConversationStore(resolve_url(config.db_url)), ""
@@ -93,11 +93,11 @@ def build_state(
     config: ChatConfig, host: "PluginHost | None" = None, say: Callable[[str], None] = print
 ) -> "ChatState":
     """Everything up to the first prompt: options checked, log opened, model loaded, conversation ready."""
-    from chatcore.adapters.conversation_log.location import resolve_url
-    from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.adapters.repl.state import ChatState
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import ReplyOptions, validate_options
+    from chatcore.log.location import resolve_url
+    from chatcore.log.store import ConversationStore
     from chatcore.prompting import clean_system_prompt
     from chatcore.serving import Scheduler
 

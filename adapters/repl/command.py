@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from chatcore.adapters.conversation_log.commands import DB_HELP
 from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
+from chatcore.log.commands import DB_HELP
 
 
 @click.command("chat")

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from chatcore.adapters.conversation_log.formatting import SHORT_ID, display_safe, one_line, summary_table
 from chatcore.cli.specs import parse_spec, with_steerer
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.explain import explain, format_settings
+from chatcore.log.formatting import SHORT_ID, display_safe, one_line, summary_table
 
 if TYPE_CHECKING:
     from chatcore.adapters.repl.state import ChatState

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
-    from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.conversation import Conversation
     from chatcore.engine import Engine, ReplyOptions
+    from chatcore.log.plugin import ConversationLogPlugin
+    from chatcore.log.store import ConversationStore
     from chatcore.response import Response
     from chatcore.serving import Scheduler
 
@@ -138,8 +138,8 @@ class ChatState:
 
     def attach_log(self, store: "ConversationStore") -> "ConversationLogPlugin":
         """Log to ``store`` from now on; returns the plugin that writes to it."""
-        from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
         from chatcore.errors import ChatcoreError
+        from chatcore.log.plugin import ConversationLogPlugin
 
         self.store = store
         self.log_plugin = plugin = ConversationLogPlugin(store, notify=self.notify)

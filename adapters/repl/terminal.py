@@ -20,11 +20,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from chatcore.adapters.conversation_log.formatting import display_safe
-from chatcore.adapters.conversation_log.location import HISTORY_FILENAME
 from chatcore.adapters.repl.completion import completions, toolbar_text
 from chatcore.adapters.repl.slash_commands import Outcome, handle_line
 from chatcore.errors import ChatcoreError
+from chatcore.log.formatting import display_safe
+from chatcore.log.location import HISTORY_FILENAME
 
 if TYPE_CHECKING:
     from chatcore.adapters.repl.state import ChatState
@@ -261,7 +261,7 @@ def fits_a_line(line: str) -> bool:
 
 
 def history_path() -> Path:
-    from chatcore.adapters.conversation_log.location import user_data_path
+    from chatcore.log.location import user_data_path
 
     return user_data_path() / HISTORY_FILENAME
 
@@ -283,7 +283,7 @@ def prompt_toolkit_reader(
     from prompt_toolkit.key_binding import KeyBindings
     from prompt_toolkit.keys import Keys
 
-    from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
+    from chatcore.log.private_files import create_private_file, make_private_folder
 
     class BoundedFileHistory(FileHistory):
         """The input history file; one that cannot be read or written (a full disk) leaves the

@@ -7,11 +7,11 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from chatcore.adapters.conversation_log.connection import reason
-from chatcore.adapters.conversation_log.errors import LogError
-from chatcore.adapters.conversation_log.models import ConversationRow, MessageRow
-from chatcore.adapters.conversation_log.reading import StoreReading
-from chatcore.adapters.conversation_log.records import ConversationRecord, MessageRecord
+from chatcore.log.connection import reason
+from chatcore.log.errors import LogError
+from chatcore.log.models import ConversationRow, MessageRow
+from chatcore.log.reading import StoreReading
+from chatcore.log.records import ConversationRecord, MessageRecord
 
 
 class StoreSalvage(StoreReading):

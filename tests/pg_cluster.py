@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
-from chatcore.adapters.conversation_log.errors import LogError
+from chatcore.log.errors import LogError
 
 SERVER_USER = "postgres"
 

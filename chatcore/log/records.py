@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from chatcore.adapters.conversation_log.models import MessageRow
+from chatcore.log.models import MessageRow
 
 
 @dataclass

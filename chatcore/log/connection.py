@@ -2,10 +2,10 @@
 
 :class:`StoreConnection` opens the SQLAlchemy engine for a URL (SQLite files in WAL
 mode with transactional DDL; PostgreSQL through psycopg with a connect timeout),
-creates or upgrades the schema (:mod:`~chatcore.adapters.conversation_log.schema`),
+creates or upgrades the schema (:mod:`~chatcore.log.schema`),
 notices an SQLite file deleted or replaced under it, and turns database failures into
-:class:`~chatcore.adapters.conversation_log.errors.LogError` (or
-:class:`~chatcore.adapters.conversation_log.errors.LogUnavailableError` when a retry
+:class:`~chatcore.log.errors.LogError` (or
+:class:`~chatcore.log.errors.LogUnavailableError` when a retry
 may work, after dropping the pooled connections).
 """
 
@@ -22,9 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from chatcore.adapters.conversation_log import schema
-from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError
-from chatcore.adapters.conversation_log.private_files import create_private_file, make_private_folder
+from chatcore.log import schema
+from chatcore.log.errors import LogError, LogUnavailableError
+from chatcore.log.private_files import create_private_file, make_private_folder
 
 SYNCHRONOUS_LEVELS = ("normal", "full")
 """SQLite's ``synchronous`` settings a log may ask for with ``?synchronous=`` in its URL.

@@ -3,7 +3,7 @@
 Everything happens in one transaction that first takes a lock every opener waits on:
 ``BEGIN IMMEDIATE`` on SQLite (the database's write lock; SQLite's DDL is
 transactional once pysqlite's own transaction handling is off, see
-:mod:`~chatcore.adapters.conversation_log.connection`), ``pg_advisory_xact_lock`` on
+:mod:`~chatcore.log.connection`), ``pg_advisory_xact_lock`` on
 PostgreSQL (its DDL is transactional too). The first opener creates the schema; the
 others wait, then find it made. A crash at any point rolls the whole step back.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from chatcore.adapters.conversation_log.errors import LogError
-from chatcore.adapters.conversation_log.models import SCHEMA_VERSION
+from chatcore.log.errors import LogError
+from chatcore.log.models import SCHEMA_VERSION
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 # Any constant: every chatcore process takes the same advisory lock on the database.

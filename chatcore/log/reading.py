@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from chatcore.adapters.conversation_log.connection import StoreConnection
-from chatcore.adapters.conversation_log.errors import LogError, UnknownConversationError
-from chatcore.adapters.conversation_log.models import ConversationRow, MessageRow
-from chatcore.adapters.conversation_log.records import (
+from chatcore.log.connection import StoreConnection
+from chatcore.log.errors import LogError, UnknownConversationError
+from chatcore.log.models import ConversationRow, MessageRow
+from chatcore.log.records import (
     ConversationRecord,
     ConversationSummary,
     MessageRecord,

@@ -1,6 +1,6 @@
 """Alembic's entry point for the conversation log: migrate the connection it is handed.
 
-:func:`chatcore.adapters.conversation_log.schema.prepare` opens the transaction, takes
+:func:`chatcore.log.schema.prepare` opens the transaction, takes
 the lock that serialises concurrent first opens, and passes the connection in
 ``config.attributes["connection"]``; Alembic then runs inside that one transaction,
 so a crash at any point leaves either the old schema or the new one, never half.

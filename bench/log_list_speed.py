@@ -1,8 +1,8 @@
 """How fast ``chatcore logs list`` and ``logs search`` answer over a big log.
 
-    python -m chatcore.adapters.conversation_log.benchmark            # 100,000 messages, SQLite
-    python -m chatcore.adapters.conversation_log.benchmark --messages 1000000 --db big.sqlite3
-    python -m chatcore.adapters.conversation_log.benchmark --backend postgres   # a throwaway cluster
+    python bench/log_list_speed.py            # 100,000 messages, SQLite
+    python bench/log_list_speed.py --messages 1000000 --db big.sqlite3
+    python bench/log_list_speed.py --backend postgres   # a throwaway cluster
 
 Fills a log (an SQLite file in a temporary folder unless ``--db``; with ``--backend
 postgres`` a database in a throwaway PostgreSQL cluster) with conversations of
@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.store import ConversationStore
 
 CLI_LAUNCHER = (
     "import importlib, sys\n"
     "from chatcore.plugin_manager import get_plugin_host\n"
     "host = get_plugin_host()\n"
-    "module = importlib.import_module('chatcore.adapters.conversation_log')\n"
+    "module = importlib.import_module('chatcore.log')\n"
     "if not host.pm.is_registered(module): host.register(module, 'conversation_log')\n"
     "from chatcore.cli import main\n"
     "sys.exit(main(sys.argv[1:]))\n"
@@ -70,7 +70,7 @@ def populate(store: "ConversationStore", messages: int, per_conversation: int, b
     """Bulk-insert synthetic conversations; returns the number of conversations."""
     import sqlalchemy as sa
 
-    from chatcore.adapters.conversation_log.models import ConversationRow, MessageRow
+    from chatcore.log.models import ConversationRow, MessageRow
 
     conversations = max(1, messages // per_conversation)
     start = datetime(2024, 1, 1, tzinfo=timezone.utc)
@@ -144,7 +144,7 @@ def time_scan(store: "ConversationStore", text: str, repeat: int) -> float:
 
 
 def run(url: str, args: argparse.Namespace) -> None:
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.store import ConversationStore
 
     store = ConversationStore(url)
     started = time.perf_counter()
@@ -196,8 +196,10 @@ def time_cli(url: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from chatcore.adapters.conversation_log.location import sqlite_url
-    from chatcore.adapters.conversation_log.pg_cluster import ThrowawayCluster
+    from chatcore.log.location import sqlite_url
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' throwaway cluster
+    from pg_cluster import ThrowawayCluster
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=100_000)

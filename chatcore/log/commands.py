@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 import click
 
 if TYPE_CHECKING:
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.store import ConversationStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,8 +29,8 @@ def db_option(function: F) -> F:
 
 def open_store(ctx: click.Context, db_url: str | None) -> "ConversationStore":
     """The log the command works on; never a new one (a mistyped path creates nothing)."""
-    from chatcore.adapters.conversation_log.location import resolve_url
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.location import resolve_url
+    from chatcore.log.store import ConversationStore
 
     group_url = (ctx.find_object(dict) or {}).get("db_url")
     store = ConversationStore(resolve_url(db_url or group_url), create=False)
@@ -68,7 +68,7 @@ def list_command(
     db_url: str | None,
 ) -> None:
     """The most recently active conversations: id, last activity, adapter, messages, title."""
-    from chatcore.adapters.conversation_log import formatting
+    from chatcore.log import formatting
 
     store = open_store(ctx, db_url)
     summaries = store.list_conversations(limit=limit, offset=offset, adapter=adapter, channel_key=channel_key)
@@ -87,7 +87,7 @@ def list_command(
 @click.pass_context
 def show_command(ctx: click.Context, conversation_id: str, as_json: bool, db_url: str | None) -> None:
     """One conversation, every message with its decoder, tokens, latency and flags."""
-    from chatcore.adapters.conversation_log import formatting
+    from chatcore.log import formatting
 
     record = open_store(ctx, db_url).get_conversation(conversation_id)
     click.echo(formatting.to_json(record.to_dict()) if as_json else formatting.conversation_text(record))
@@ -101,7 +101,7 @@ def show_command(ctx: click.Context, conversation_id: str, as_json: bool, db_url
 @click.pass_context
 def search_command(ctx: click.Context, text: str, limit: int, as_json: bool, db_url: str | None) -> None:
     """Messages that contain TEXT (case-insensitive), newest first."""
-    from chatcore.adapters.conversation_log import formatting
+    from chatcore.log import formatting
 
     hits = open_store(ctx, db_url).search(text, limit=limit)
     if as_json:
@@ -164,10 +164,10 @@ def export_command(
     --output never writes onto the log, its -wal/-shm or its journal, and never
     replaces an existing file or follows a symbolic link without --force.
     """
-    from chatcore.adapters.conversation_log import formatting
-    from chatcore.adapters.conversation_log.export_target import open_export
-    from chatcore.adapters.conversation_log.location import user_data_path
-    from chatcore.adapters.conversation_log.plugin import JOURNAL_FOLDER
+    from chatcore.log import formatting
+    from chatcore.log.export_target import open_export
+    from chatcore.log.location import user_data_path
+    from chatcore.log.plugin import JOURNAL_FOLDER
 
     if salvage and (conversation_ids or author_id):
         raise click.UsageError("--salvage exports everything readable; it takes no ID or --author")
@@ -226,7 +226,7 @@ def delete_command(
     ctx: click.Context, conversation_id: str | None, author_id: str | None, yes: bool, db_url: str | None
 ) -> None:
     """Delete one conversation and all its messages, or every message of one author."""
-    from chatcore.adapters.conversation_log import formatting
+    from chatcore.log import formatting
 
     if (conversation_id is None) == (author_id is None):
         raise click.UsageError("give a conversation ID or --author ID (one of them)")
@@ -261,7 +261,7 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
-    from chatcore.adapters.conversation_log.location import resolve_url
+    from chatcore.log.location import resolve_url
 
     url = resolve_url(db_url or (ctx.find_object(dict) or {}).get("db_url"))
     try:
@@ -284,10 +284,10 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
 
 def loose_files(log_path: "Path | None") -> list[str]:
     """The chat files and folders other users may read, each with the command that fixes it."""
-    from chatcore.adapters.conversation_log.export_target import log_files
-    from chatcore.adapters.conversation_log.location import HISTORY_FILENAME, user_data_path
-    from chatcore.adapters.conversation_log.plugin import JOURNAL_FOLDER
-    from chatcore.adapters.conversation_log.private_files import loose_modes
+    from chatcore.log.export_target import log_files
+    from chatcore.log.location import HISTORY_FILENAME, user_data_path
+    from chatcore.log.plugin import JOURNAL_FOLDER
+    from chatcore.log.private_files import loose_modes
 
     data = user_data_path()
     journal = data / JOURNAL_FOLDER

@@ -14,8 +14,8 @@ import stat
 from pathlib import Path
 from typing import TextIO
 
-from chatcore.adapters.conversation_log.private_files import PRIVATE_FILE
 from chatcore.errors import ChatcoreError
+from chatcore.log.private_files import PRIVATE_FILE
 
 LOG_COMPANIONS = ("", "-wal", "-shm", "-journal")
 

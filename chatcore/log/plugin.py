@@ -12,7 +12,7 @@ leave no trace in the log.
 
 A database that is unavailable, locked, read-only, full or disconnected never stops
 the chat: the write goes at once to a journal on the local disk
-(:mod:`~chatcore.adapters.conversation_log.journal`; fsynced before the hook returns,
+(:mod:`~chatcore.log.journal`; fsynced before the hook returns,
 so before the reply is shown), ``notify`` is called once with the reason, and the
 journaled writes go out, in order and each once, when the database works again: the
 store reconnects on every failure; every later write retries first (waiting at most
@@ -48,13 +48,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import chatcore
-from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError
-from chatcore.adapters.conversation_log.journal import SpillJournal
-from chatcore.adapters.conversation_log.private_files import open_private_append
+from chatcore.log.errors import LogError, LogUnavailableError
+from chatcore.log.journal import SpillJournal
+from chatcore.log.private_files import open_private_append
 
 if TYPE_CHECKING:
-    from chatcore.adapters.conversation_log.store import ConversationStore
     from chatcore.conversation import Conversation, Turn
+    from chatcore.log.store import ConversationStore
     from chatcore.response import Response
 
 logger = logging.getLogger("chatcore.conversation_log")
@@ -118,7 +118,7 @@ class ConversationLogPlugin:
         self._closing = threading.Event()
         self._retrier: threading.Thread | None = None
         if journal_dir is None:
-            from chatcore.adapters.conversation_log.location import user_data_path
+            from chatcore.log.location import user_data_path
 
             journal_dir = user_data_path() / JOURNAL_FOLDER
         self.journal = SpillJournal(Path(journal_dir), store.url)

@@ -6,7 +6,7 @@ that is killed loses at most the turn it was writing. SQLite files run in WAL mo
 Any SQLAlchemy URL works; PostgreSQL suits several bot processes sharing one log.
 
 Schema: created and upgraded by Alembic revisions in one locked transaction, so many
-processes may open a new log at once (see :mod:`~chatcore.adapters.conversation_log.schema`).
+processes may open a new log at once (see :mod:`~chatcore.log.schema`).
 A log from a newer chatcore is refused with a clear message rather than damaged.
 
 Faults: a failure that may pass (locked, read-only, full disk, a dropped server
@@ -22,9 +22,9 @@ pg_trgm GIN index, and ``LIKE`` otherwise.
 
 from __future__ import annotations
 
-from chatcore.adapters.conversation_log.errors import LogError, LogUnavailableError, UnknownConversationError
-from chatcore.adapters.conversation_log.salvage import StoreSalvage
-from chatcore.adapters.conversation_log.writing import NUL_SYMBOL, REPLACEMENT, StoreWriting, storable
+from chatcore.log.errors import LogError, LogUnavailableError, UnknownConversationError
+from chatcore.log.salvage import StoreSalvage
+from chatcore.log.writing import NUL_SYMBOL, REPLACEMENT, StoreWriting, storable
 
 __all__ = [
     "NUL_SYMBOL",
@@ -47,8 +47,8 @@ class ConversationStore(StoreWriting, StoreSalvage):
     :class:`LogUnavailableError` when trying again later may succeed.
 
     The work is split by job: opening, schema and errors
-    (:mod:`~chatcore.adapters.conversation_log.connection`), writing
-    (:mod:`~chatcore.adapters.conversation_log.writing`), reading, search and resuming
-    (:mod:`~chatcore.adapters.conversation_log.reading`), damaged files
-    (:mod:`~chatcore.adapters.conversation_log.salvage`).
+    (:mod:`~chatcore.log.connection`), writing
+    (:mod:`~chatcore.log.writing`), reading, search and resuming
+    (:mod:`~chatcore.log.reading`), damaged files
+    (:mod:`~chatcore.log.salvage`).
     """

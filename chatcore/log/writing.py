@@ -15,9 +15,9 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from chatcore.adapters.conversation_log.errors import LogError
-from chatcore.adapters.conversation_log.models import ConversationRow, MessageRow, utc_now
-from chatcore.adapters.conversation_log.reading import StoreReading
+from chatcore.log.errors import LogError
+from chatcore.log.models import ConversationRow, MessageRow, utc_now
+from chatcore.log.reading import StoreReading
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 REPLACEMENT = "\ufffd"  # stands for a lone surrogate, which no UTF-8 database can hold

@@ -18,7 +18,7 @@ from chatcore.text import BIDI_CONTROLS, display_safe, one_line
 __all__ = ["BIDI_CONTROLS", "display_safe", "one_line"]  # shared with the REPL and the "why"
 
 if TYPE_CHECKING:
-    from chatcore.adapters.conversation_log.records import (
+    from chatcore.log.records import (
         ConversationRecord,
         ConversationSummary,
         MessageRecord,

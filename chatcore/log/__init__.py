@@ -1,8 +1,8 @@
 """The conversation log: every turn of a chat kept in a database (SQLite by default).
 
-- :class:`~chatcore.adapters.conversation_log.store.ConversationStore` opens a log
+- :class:`~chatcore.log.store.ConversationStore` opens a log
   by SQLAlchemy URL and has the whole database API (SQLAlchemy is imported only then);
-- :class:`~chatcore.adapters.conversation_log.plugin.ConversationLogPlugin` writes
+- :class:`~chatcore.log.plugin.ConversationLogPlugin` writes
   turns through the ``on_user_message`` / ``on_response`` hooks; an adapter registers
   one holding its store (the REPL does unless ``--no-log``);
 - this module, the registered entry point, adds the ``chatcore logs`` commands.
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 import chatcore
-from chatcore.adapters.conversation_log.errors import LogError, UnknownConversationError
-from chatcore.adapters.conversation_log.location import resolve_url
-from chatcore.adapters.conversation_log.plugin import ConversationLogPlugin
+from chatcore.log.errors import LogError, UnknownConversationError
+from chatcore.log.location import resolve_url
+from chatcore.log.plugin import ConversationLogPlugin
 
 if TYPE_CHECKING:
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.store import ConversationStore
 
 __all__ = [
     "ConversationLogPlugin",
@@ -36,14 +36,14 @@ __all__ = [
 
 def open_store(url: str | None = None) -> "ConversationStore":
     """Open (creating if needed) the log at ``url``, ``$CHATCORE_DB`` or the default file."""
-    from chatcore.adapters.conversation_log.store import ConversationStore
+    from chatcore.log.store import ConversationStore
 
     return ConversationStore(resolve_url(url))
 
 
 def __getattr__(name: str) -> Any:
     if name == "ConversationStore":  # lazily: it imports SQLAlchemy
-        from chatcore.adapters.conversation_log.store import ConversationStore
+        from chatcore.log.store import ConversationStore
 
         return ConversationStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -51,6 +51,6 @@ def __getattr__(name: str) -> Any:
 
 @chatcore.hookimpl(trylast=True)
 def register_commands(cli: click.Group) -> None:
-    from chatcore.adapters.conversation_log.commands import logs
+    from chatcore.log.commands import logs
 
     cli.add_command(logs)

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
-from chatcore.adapters.conversation_log.private_files import open_private_append
+from chatcore.log.private_files import open_private_append
 
 try:
     import fcntl
