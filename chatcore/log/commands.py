@@ -237,6 +237,7 @@ def delete_command(
         deleted = store.delete_author(author_id)
         click.echo(f"deleted {deleted} message(s) by author {formatting.field_text(author_id)}")
         return
+    assert conversation_id is not None  # one of the two was given (checked above)
     record = store.get_conversation(conversation_id)
     if not yes:
         title = formatting.one_line(record.title or "", 60)

@@ -79,8 +79,19 @@ class StoreSalvage(StoreReading):
                 lost += 1
         try:
             with self._session("read a conversation") as session:
-                row = session.get(ConversationRow, conversation_id)
-                head = (row.created, row.updated, row.adapter, row.channel_key, row.model, row.title) if row else None
+                conversation = session.get(ConversationRow, conversation_id)
+                head = (
+                    (
+                        conversation.created,
+                        conversation.updated,
+                        conversation.adapter,
+                        conversation.channel_key,
+                        conversation.model,
+                        conversation.title,
+                    )
+                    if conversation
+                    else None
+                )
         except LogError:
             head = None
         if head is None and not messages:
