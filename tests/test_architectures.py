@@ -57,7 +57,7 @@ def hf_greedy(engine, messages, max_new_tokens):
 def test_greedy_equals_generate_on_the_chat_template(chat_engine, turns, system):
     conversation = chat_engine.scripted(turns, system=system)
     expected = hf_greedy(chat_engine, conversation.messages(), 12)
-    response = conversation.reply(decoder="greedy", max_new_tokens=12)
+    response = chat_engine.respond(conversation, decoder="greedy", max_new_tokens=12)
     response.text()
     assert chat_engine.prompt_format.name == "chat-template"
     assert response.token_ids == expected

@@ -801,8 +801,8 @@ async def test_twenty_channels_are_decoded_in_one_batch_and_equal_replies_decode
         tokens = 0
         for index, channel in enumerate(channels):
             alone = chat_engine.conversation()
-            alone.add_user(f"hello from channel {index}")
-            response = alone.reply(ReplyOptions(decoder="greedy", max_new_tokens=16))
+            chat_engine.add_user(alone, f"hello from channel {index}")
+            response = chat_engine.respond(alone, ReplyOptions(decoder="greedy", max_new_tokens=16))
             expected = "\n".join(split_reply(response.text())) or bot_module.EMPTY_REPLY
             tokens += len(response.token_ids)
             assert by_channel[channel.id] == expected, index

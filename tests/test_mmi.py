@@ -253,13 +253,13 @@ def test_sampling_stops_once_the_quorum_of_candidates_has_ended(
 def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_reverse, mmi_host):
     engine = Engine(bundled, host=mmi_host)
     conversation = engine.conversation()
-    conversation.add_user("hi! do you have any pets?")
+    engine.add_user(conversation, "hi! do you have any pets?")
     conversation.add_bot_text("yes, i have two cats")
-    conversation.add_user("what are their names?")
+    engine.add_user(conversation, "what are their names?")
     options = ReplyOptions(
         decoder="mmi", decoder_settings={"candidates": 4, "source_turns": 2}, seed=7, max_new_tokens=24
     )
-    response = conversation.reply(options)
+    response = engine.respond(conversation, options)
     text = response.text()
     provenance = response.provenance
     candidates = provenance["candidates"]
@@ -272,7 +272,7 @@ def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_
     eligible = [c for c in candidates if c["token_ids"] and c["scores"]["ended"]]
     assert eligible and chosen[0]["scores"]["reverse"] == max(c["scores"]["reverse"] for c in eligible)
     # The recorded scores are what the scoring functions give for these candidates.
-    turns = reranking.split_turns(_prompt_ids(conversation, 24), bundled.eos_token_id)
+    turns = reranking.split_turns(_prompt_ids(engine, conversation, 24), bundled.eos_token_id)
     source = list(reversed(turns[-2:]))
     ids = [c["token_ids"] for c in candidates]
     for candidate, score in zip(candidates, reranking.reverse_scores(bundled_reverse, ids, source)):
@@ -280,19 +280,19 @@ def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_
     # Forward scores come from the sampling pass; with no steerer they are the plain model's.
     ended = [c for c in candidates if c["scores"]["ended"]]
     assert ended
-    prompt = _prompt_ids(conversation, 24)
+    prompt = _prompt_ids(engine, conversation, 24)
     for candidate in ended:
         (score,) = reranking.forward_scores(bundled, prompt, [candidate["token_ids"]])
         assert candidate["scores"]["forward"] == pytest.approx(score.total, abs=1e-4)
     assert conversation.turns[-1].text == text
 
 
-def _prompt_ids(conversation, max_new_tokens):
+def _prompt_ids(engine, conversation, max_new_tokens):
     """The prompt the reply was made from: every turn but the reply itself."""
     turns = conversation.turns
     conversation.turns = turns[:-1]
     try:
-        return conversation.prompt(max_new_tokens).token_ids
+        return engine.prompt(conversation, max_new_tokens).token_ids
     finally:
         conversation.turns = turns
 

@@ -129,14 +129,14 @@ def test_a_reader_that_stops_reading_cancels_its_reply(serving_engine):
 
 def test_respond_records_the_reply_in_the_conversation(serving_engine):
     conversation = serving_engine.conversation(system="You are terse.")
-    conversation.add_user("hi there")
+    serving_engine.add_user(conversation, "hi there")
     expected = serving_engine.conversation(system="You are terse.")
-    expected.add_user("hi there")
+    serving_engine.add_user(expected, "hi there")
     options = ReplyOptions(decoder="top-k", seed=1, max_new_tokens=12)
     with Scheduler(serving_engine) as scheduler:
         response = scheduler.respond(conversation, options)
         text = response.text()
-    assert text == expected.reply(options).text()
+    assert text == serving_engine.respond(expected, options).text()
     assert conversation.turns[-1].role == "bot" and conversation.turns[-1].text == text
     assert response.provenance["seed"] == 1 and response.provenance["finish_reason"] in ("stop", "length")
 
@@ -200,9 +200,9 @@ def test_prefix_cache_reuses_earlier_turns_with_the_same_tokens(serving_engine, 
     cached = serving_engine.conversation(system="You like food.")
     with Scheduler(serving_engine) as scheduler:
         for text in user_turns:
-            expected.add_user(text)
-            cached.add_user(text)
-            plain = expected.reply(options)
+            serving_engine.add_user(expected, text)
+            serving_engine.add_user(cached, text)
+            plain = serving_engine.respond(expected, options)
             plain.text()
             reply = scheduler.respond(cached, options)
             reply.text()
@@ -420,7 +420,7 @@ def test_a_replys_timings_add_up_through_the_scheduler_and_alone(serving_engine)
     serving_engine.registry = Registry.build(serving_engine.host)
     options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 2}, seed=1, max_new_tokens=6)
     conversation = serving_engine.conversation()
-    conversation.add_user("hi there")
+    serving_engine.add_user(conversation, "hi there")
     with Scheduler(serving_engine) as scheduler:
         through_scheduler = scheduler.respond(conversation, options)
         through_scheduler.text()

@@ -121,7 +121,7 @@ class ChatRuntime:
             raise WorkerBusy("every place in the batch and its queue is taken")
         conversation = self.conversation(key)
         conversation.system = system
-        conversation.add_user(text, meta={"author_id": author_id} if author_id is not None else None)
+        self.engine.add_user(conversation, text, meta={"author_id": author_id} if author_id is not None else None)
         handle = self.scheduler.submit(conversation, options, listener=listener)
         return PendingReply(key, conversation, handle)
 
@@ -135,7 +135,7 @@ class ChatRuntime:
         def record(response: Any) -> None:
             if handle.admitted is None:
                 return  # cut while it waited for a place: the model never saw it, no reply to keep
-            conversation._record(response)
+            self.engine.record(conversation, response)
 
         if stop_reason is not None:  # what it has written now, without waiting for its next step
             response = handle.cut(self.engine.tokenizer, finalize=record)

@@ -80,7 +80,7 @@ class LogPersistence:
             conversation_id = self.store.latest_conversation_id(adapter=ADAPTER, channel_key=key)
             if conversation_id is None:
                 return None
-            return self.store.resume(engine, conversation_id)
+            return self.store.resume(conversation_id)
         except ChatcoreError as error:
             # An unavailable log must not silence the bot: start afresh; the log
             # plugin keeps the new turns until the database works again.
