@@ -176,7 +176,7 @@ class Registry:
 
 
 _registries: "weakref.WeakKeyDictionary[PluginHost, tuple[int, Registry]]" = weakref.WeakKeyDictionary()
-_registries_lock = threading.Lock()
+_registries_lock = threading.RLock()
 
 
 def registry_of(host: PluginHost | None = None) -> Registry:

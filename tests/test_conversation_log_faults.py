@@ -31,13 +31,9 @@ from pg_cluster import (
     unavailable_reason,
 )
 
-import chatcore
-from chatcore.decoding import GenerationSession
 from chatcore.log import ConversationLogPlugin
 from chatcore.log.location import sqlite_url
 from chatcore.log.store import ConversationStore
-from chatcore.testing import ScriptedDecoder
-from chatcore.text import encode_text
 
 FORK = multiprocessing.get_context("fork")
 SPAWN = multiprocessing.get_context("spawn")
@@ -153,37 +149,9 @@ def as_user(uid: int | None) -> Iterator[None]:
         os.setegid(0)
 
 
-class FixedTextDecoder(ScriptedDecoder):
-    """Says ``text`` (its tokens), whatever the model scores: a reply with chosen characters."""
-
-    name = "fixed-reply"
-    description = "yields the tokens of a fixed text (tests)"
-
-    @dataclass
-    class Settings:
-        text: str = "a fixed reply"
-
-    def script(self, session: GenerationSession) -> list[int]:
-        return encode_text(session.model.tokenizer, self.settings.text)
-
-
-class FixedTextPlugin:
-    @chatcore.hookimpl
-    def register_decoders(self, register: Any) -> None:
-        register(FixedTextDecoder)
-
-
 def chat(engine: Any, conversation: Any, texts: Iterable[str], reply: str = "a fixed reply") -> None:
     for text in texts:
-        engine.send(conversation, text, decoder="fixed-reply", decoder_settings={"text": reply}).text()
-
-
-@pytest.fixture
-def chat_engine(loaded: Any, host: Any) -> Any:
-    from chatcore.engine import Engine
-
-    assert host.register(FixedTextPlugin(), "fixed-reply-test")
-    return Engine(loaded, host=host)
+        engine.send(conversation, text, decoder="fixed-text", decoder_settings={"text": reply}).text()
 
 
 def logged_texts(store: ConversationStore, conversation_id: str) -> list[tuple[str, str]]:

@@ -31,6 +31,7 @@ from discord_harness import (  # noqa: E402
     slash,
     start_harness,
 )
+from fixed_text import MASS_PING, FixedTextPlugin  # noqa: E402
 
 import chatcore  # noqa: E402
 from chatcore.adapters.discord_bot import bot as bot_module  # noqa: E402
@@ -47,38 +48,6 @@ from chatcore.text import encode_text  # noqa: E402
 
 backend = dpytest.backend
 factories = dpytest.factories
-
-MASS_PING = "hello @everyone and @here and <@&123456789012345678>!"
-
-
-# -- a test decoder: says a fixed text ----------------------------------------------
-@dataclass
-class FixedTextSettings:
-    text: str = MASS_PING
-    repeat: int = 1
-
-
-class FixedTextDecoder(ScriptedDecoder):
-    name = "fixed-text"
-    description = "says the tokens of a fixed text (tests)"
-    Settings = FixedTextSettings
-
-    def script(self, session: GenerationSession) -> list[int]:
-        return encode_text(session.model.tokenizer, self.settings.text * self.settings.repeat)
-
-
-class FixedTextPlugin:
-    @chatcore.hookimpl
-    def register_decoders(self, register: Any) -> None:
-        register(FixedTextDecoder)
-
-
-@pytest.fixture
-def chat_engine(loaded, host):
-    from chatcore.engine import Engine
-
-    assert host.register(FixedTextPlugin(), "fixed-text-test")
-    return Engine(loaded, host=host)
 
 
 def settings_for(**changes: Any) -> DiscordSettings:

@@ -260,42 +260,34 @@ def test_prefix_cache_evicts_the_least_recently_used(loaded):
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
-def chat_engine(request, tmp_path_factory):
-    from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
+def template_engine(request, tiny_chat_model_dir):
+    """An engine on a tiny chat model (chat template, rotary positions) of each architecture."""
+    from chatcore.testing import make_engine
 
-    folder = build_tiny_model(
-        tmp_path_factory.mktemp(request.param),
-        architecture=request.param,
-        chat_template=CHATML_TEMPLATE,
-        layers=2,
-        width=64,
-        heads=4,
-        positions=256,
-    )
-    return make_engine(str(folder), "chatcore.plugins.bow_bias")
+    return make_engine(tiny_chat_model_dir(request.param), "chatcore.plugins.bow_bias")
 
 
-def test_chat_models_batch_and_reuse_prefixes_exactly(chat_engine):
+def test_chat_models_batch_and_reuse_prefixes_exactly(template_engine):
     """Rotary positions, grouped-query attention and a chat template: left padding and cached
     prefixes must not move any row's positions."""
     messages = [[Message("system", "Be brief."), Message("user", p)] for p in PROMPTS[:4]]
     expected = []
     for message_list, options in zip(messages, OPTIONS[:4]):
-        reply = chat_engine.prepare_reply(message_list, options)
-        expected.append(list(chat_engine.reply_tokens(reply)))
-    with Scheduler(chat_engine) as scheduler:
+        reply = template_engine.prepare_reply(message_list, options)
+        expected.append(list(template_engine.reply_tokens(reply)))
+    with Scheduler(template_engine) as scheduler:
         handles = [scheduler.submit(m, o) for m, o in zip(messages, OPTIONS[:4])]
         for handle in handles:
             assert handle.wait(60)
         assert [h.token_ids for h in handles] == expected
         # The next turn of the first conversation starts with what the first reply fed the model.
-        text = chat_engine.tokenizer.decode(handles[0].token_ids)
+        text = template_engine.tokenizer.decode(handles[0].token_ids)
         follow = messages[0] + [Message("assistant", text), Message("user", "and then?")]
         again = scheduler.submit(follow, OPTIONS[0])
         again.wait(60)
-        assert again.token_ids == list(chat_engine.reply_tokens(chat_engine.prepare_reply(follow, OPTIONS[0])))
+        assert again.token_ids == list(template_engine.reply_tokens(template_engine.prepare_reply(follow, OPTIONS[0])))
     # Mistral's sliding-window cache layers cannot be stacked: its replies decode beside the batch.
-    merged = chat_engine.loaded.model.config.model_type == "llama"
+    merged = template_engine.loaded.model.config.model_type == "llama"
     assert scheduler.runner._can_merge is merged
     assert (again.provenance.get("prefix_cached_tokens", 0) > 10) is merged
 
