@@ -6,8 +6,8 @@ With the conversation log, the newest logged conversation of a key is resumed af
 a restart and every turn is written by the log's plugin; without it, conversations
 live in memory only.
 
-Every method runs on the inference worker's thread, which owns the engine and (for
-SQLite) the database connection.
+Every method runs on the inference worker's thread, which owns the log's database
+connection.
 """
 
 from __future__ import annotations
