@@ -9,7 +9,6 @@ import pytest
 from chatcore.engine import ReplyOptions
 from chatcore.errors import PluginError
 from chatcore.prompting import Message
-from chatcore.registry import Registry
 from chatcore.serving import Scheduler, ServerBusy
 
 PROMPTS = [
@@ -409,7 +408,6 @@ def test_a_replys_timings_add_up_through_the_scheduler_and_alone(serving_engine)
     """Queued, then the first token, then the whole reply: measured from one moment, whichever
     entry point decoded it (a reply of several rows sends every token at its end)."""
     serving_engine.host.load_modules(("chatcore.plugins.mmi",))
-    serving_engine.registry = Registry.build(serving_engine.host)
     options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 2}, seed=1, max_new_tokens=6)
     conversation = serving_engine.conversation()
     serving_engine.add_user(conversation, "hi there")
