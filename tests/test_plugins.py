@@ -186,6 +186,28 @@ def test_built_in_names_are_reserved_and_the_plugin_taking_one_is_named(host):
     assert "'greedy' is a built-in name" in host.problems[0].message
 
 
+def test_a_host_has_one_registry_rebuilt_only_when_its_plugins_change(host):
+    from chatcore.registry import registry_of
+
+    first = registry_of(host)
+    assert registry_of(host) is first  # built once
+
+    class Shadow:
+        @chatcore.hookimpl
+        def register_decoders(self, register):
+            register(OtherGreedy)
+
+    host.register(Shadow(), "shadow")
+    second = registry_of(host)
+    assert second is not first and registry_of(host) is second
+    host.register(object(), "bystander")  # another rebuild finds the same clash: still one problem
+    assert registry_of(host) is not second
+    assert problems_of(host) == [("shadow", "hook register_decoders")]
+    host.unregister("shadow")
+    assert registry_of(host).decoders["greedy"].plugin == "chatcore.plugins.greedy"
+    assert problems_of(host) == []  # the clash went with the plugin
+
+
 @pytest.mark.parametrize("order", [("first", "second"), ("second", "first")])
 def test_a_name_two_plugins_register_is_neither_plugins_and_both_are_reachable_qualified(host, order):
     classes = {
