@@ -175,7 +175,7 @@ class StoreCheck(StoreReading):
                     connection.exec_driver_sql(f'REINDEX "{index}"')
                     rebuilt.append(f"index {index}")
                 if damage.fts:
-                    connection.exec_driver_sql(f"INSERT INTO {FTS_TABLE}({FTS_TABLE}) VALUES ('rebuild')")
+                    _rebuild_fts(connection)
                     rebuilt.append("the search index")
         return ", ".join(rebuilt)
 
@@ -203,6 +203,23 @@ class StoreCheck(StoreReading):
         """None when the rows can be written to (after the check on open rebuilt any index), else the damage."""
         damage = self.damage if self.damage is not None else self.find_damage()
         return damage.describe() if damage.rows else None
+
+
+def _rebuild_fts(connection: sa.Connection) -> None:
+    """FTS5's ``rebuild``, from an empty index: its own records may be too damaged to open it at all.
+
+    The shadow tables are emptied and given the records a new FTS5 table starts with
+    (copied from one made in the temporary schema), then FTS5 indexes every message anew."""
+    run = connection.exec_driver_sql
+    run("CREATE VIRTUAL TABLE temp.chatcore_empty_fts USING fts5(text)")
+    try:
+        run(f"DELETE FROM {FTS_TABLE}_data")
+        run(f"DELETE FROM {FTS_TABLE}_idx")
+        run(f"DELETE FROM {FTS_TABLE}_docsize")
+        run(f"INSERT INTO {FTS_TABLE}_data (id, block) SELECT id, block FROM temp.chatcore_empty_fts_data")
+    finally:
+        run("DROP TABLE temp.chatcore_empty_fts")
+    run(f"INSERT INTO {FTS_TABLE}({FTS_TABLE}) VALUES ('rebuild')")
 
 
 def check_report(store: StoreCheck, repair: bool, echo: Callable[[str], None]) -> int:

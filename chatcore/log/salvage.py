@@ -21,12 +21,16 @@ export reads them like any other.
 from __future__ import annotations
 
 import io
+import json
 import struct
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
+
+import sqlalchemy as sa
 
 from chatcore.log.errors import LogError
 
@@ -137,8 +141,8 @@ def _open_pages(path: Path) -> tuple[Any, IO[bytes]]:
     header = file.read(_HEADER_BYTES)
     file.seek(0)
     source: IO[bytes] = file
-    if _sane_header(header)[: _HEADER_BYTES] != header.ljust(_HEADER_BYTES, b"\x00")[: _HEADER_BYTES]:
-        source = io.BufferedReader(_PatchedHeader(file, _sane_header(header)))
+    if _sane_header(header)[:_HEADER_BYTES] != header.ljust(_HEADER_BYTES, b"\x00")[:_HEADER_BYTES]:
+        source = _PatchedHeader(file, _sane_header(header))  # type: ignore[assignment]
     wal = path.with_name(path.name + "-wal")
     try:
         try:
@@ -183,18 +187,36 @@ def _text(value: Any) -> Any:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
+def _json_or_none(value: Any) -> Any:
+    """A JSON column's text, or None where damage left text that is not JSON."""
+    if not isinstance(value, str):
+        return None
+    try:
+        json.loads(value)
+    except ValueError:
+        return None
+    return value
+
+
 class _Layout:
     """Where each column sits in the rows of a table, as the migrations made it."""
 
-    def __init__(self, columns: list[str]) -> None:
+    def __init__(self, columns: list[str], json_columns: set[str]) -> None:
         self.columns = columns
         self.index = {name: position for position, name in enumerate(columns)}
+        self.json_positions = [position for position, name in enumerate(columns) if name in json_columns]
 
     def row(self, values: list[Any]) -> list[Any] | None:
-        """The values padded to every column (a row written before a later column was added), or None."""
+        """The values padded to every column (a row written before a later column was added), or None.
+
+        A JSON value that damage made unreadable is dropped (None), keeping the row."""
         if not len(self.columns) - 2 <= len(values) <= len(self.columns):
             return None
-        return [_text(value) for value in values] + [None] * (len(self.columns) - len(values))
+        row = [_text(value) for value in values] + [None] * (len(self.columns) - len(values))
+        for position in self.json_positions:
+            if row[position] is not None:
+                row[position] = _json_or_none(row[position])
+        return row
 
     def message(self, rowid: int, values: list[Any]) -> list[Any] | None:
         row = self.row(values)
@@ -229,7 +251,12 @@ def _layouts(store: "ConversationStore") -> tuple[_Layout, _Layout]:
     with store.db.connect() as connection:
         conversations = [row[1] for row in connection.exec_driver_sql("PRAGMA table_info(conversations)")]
         messages = [row[1] for row in connection.exec_driver_sql("PRAGMA table_info(messages)")]
-    return _Layout(conversations), _Layout(messages)
+    from chatcore.log.models import ConversationRow, MessageRow
+
+    def json_columns(model: Any) -> set[str]:
+        return {column.name for column in model.__table__.columns if isinstance(column.type, sa.JSON)}
+
+    return _Layout(conversations, json_columns(ConversationRow)), _Layout(messages, json_columns(MessageRow))
 
 
 def salvage(path: Path, into: "ConversationStore") -> SalvageReport:
@@ -309,13 +336,24 @@ def _mend_conversation_ids(
     indexed: dict[int, list[str]],
     layout: _Layout,
 ) -> None:
-    """A message naming no known conversation takes the one an index entry for its rowid names, if known."""
+    """A message naming no known conversation takes the one an index entry for its rowid names,
+    else the only known one whose id differs from its own in one character (a damaged byte)."""
     at = layout.index["conversation_id"]
+    named = Counter(message[at] for message in messages.values())
+    # Known: a conversation's own row, or an id that several messages name (its row may be lost).
+    # (U+FFFD: bytes that were not UTF-8, which the log never writes.)
+    known = set(conversations) | {key for key, count in named.items() if count > 1 and "\ufffd" not in key}
     for rowid, message in messages.items():
-        if message[at] not in conversations:
-            known = [key for key in indexed.get(rowid, ()) if key in conversations]
-            if len(known) == 1:
-                message[at] = known[0]
+        damaged = message[at]
+        if damaged in known:
+            continue
+        by_index = {key for key in indexed.get(rowid, ()) if key in known}
+        one_off = {key for key in known if len(key) == len(damaged) and sum(a != b for a, b in zip(key, damaged)) == 1}
+        # Both agreeing first: a damaged index page may hold entries for this rowid too.
+        for found in (by_index & one_off, by_index, one_off):
+            if len(found) == 1:
+                message[at] = found.pop()
+                break
 
 
 def _rebuild_missing_conversations(
@@ -357,9 +395,13 @@ def _store_rows(
 
     with into.db.begin() as connection:
         # The new log is only read back for the export: no search index to keep up.
-        for trigger in connection.exec_driver_sql(
-            "SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'messages'"
-        ).scalars().all():
+        for trigger in (
+            connection.exec_driver_sql(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'messages'"
+            )
+            .scalars()
+            .all()
+        ):
             connection.exec_driver_sql(f'DROP TRIGGER "{trigger}"')
         connection.exec_driver_sql(insert("conversations", conversation_layout), [tuple(r) for r in conversations])
         # OR IGNORE: a damaged row may repeat another's unique write key; the first one is kept.
@@ -373,8 +415,6 @@ def salvaged_store(ctx: "click.Context", url: str | None, problems: list[str]) -
     """A new log (in a private temporary folder, removed when the command ends) holding what the
     SQLite file named by ``url`` still holds, and that file's path; the report goes into ``problems``."""
     import tempfile
-
-    import sqlalchemy as sa
 
     from chatcore.log.location import resolve_url, sqlite_url
     from chatcore.log.store import ConversationStore

@@ -22,8 +22,8 @@ pg_trgm GIN index, and ``LIKE`` otherwise.
 
 from __future__ import annotations
 
-from chatcore.log.errors import LogError, LogUnavailableError, UnknownConversationError
 from chatcore.log.check import StoreCheck
+from chatcore.log.errors import LogError, LogUnavailableError, UnknownConversationError
 from chatcore.log.writing import NUL_SYMBOL, REPLACEMENT, StoreWriting, storable
 
 __all__ = [
