@@ -172,6 +172,7 @@ def export_command(
     if salvage and (conversation_ids or author_id):
         raise click.UsageError("--salvage exports everything readable; it takes no ID or --author")
     problems: list[str] = []
+    log_path: Path | None
     if salvage:
         from chatcore.log.salvage import salvaged_store
 
