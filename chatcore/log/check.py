@@ -4,9 +4,9 @@
 a few changed bytes in an index page pass it, and every read through that index
 (``logs show``, resuming) then silently misses rows. ``PRAGMA integrity_check`` does
 compare them, so it is the check on open (3.7x the cost of ``quick_check`` on 100,000
-messages: ``python bench/log_damage.py``, docs/measurements.md). The FTS5 search index is checked cheaply on open (its row
-count, and one search through its structure) and fully by ``logs check`` (FTS5's own
-``integrity-check``, a few seconds per 100,000 messages).
+messages: ``python bench/log_damage.py``, docs/measurements.md). The FTS5 search index
+is checked cheaply on open (its row count, and one search through its structure) and
+fully by ``logs check`` (FTS5's own ``integrity-check``, seconds per 100,000 messages).
 
 What is damaged decides what happens:
 
