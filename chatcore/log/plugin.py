@@ -128,6 +128,8 @@ class ConversationLogPlugin:
         self.journal = SpillJournal(Path(journal_dir), store.url)
         # A damaged SQLite file is never written into: every write goes to the journal.
         self.damaged = store.quick_check()
+        if store.repaired is not None:
+            self.notify(store.repaired)
         if self.damaged is not None:
             self.failing = f"the log file is damaged ({self.damaged})"
             self.notify(
