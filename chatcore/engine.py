@@ -12,9 +12,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from chatcore.conversation import Conversation
 from chatcore.decoding import Decoder
@@ -32,6 +32,7 @@ from chatcore.prompting import (
 )
 from chatcore.registry import Registry, registry_of
 from chatcore.response import Response
+from chatcore.serving.logprobs import MAX_TOP_LOGPROBS
 from chatcore.steering import GenerationSession, Steerer, check_composition, failed_layer
 from chatcore.text import clean_message
 from chatcore.values import Message, PromptPlan, Turn
@@ -57,6 +58,9 @@ class ReplyOptions(Settings):
     """The longest reply, in tokens."""
     min_new_tokens: NonNegativeInt = 1
     """Replies are at least this many tokens."""
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """Keep each chosen token's log-probability and this many best alternatives' (None: none);
+    the reply's Handle.logprobs holds them (see chatcore.serving.logprobs)."""
 
     @model_validator(mode="after")
     def _min_within_max(self) -> ReplyOptions:
@@ -369,6 +373,7 @@ class Engine:
             stop_token_ids=reply.prompt_format.stop_token_ids,
             banned_token_ids=reply.prompt_format.banned_token_ids,
             messages=reply.plan.messages,
+            logprobs=reply.options.logprobs,
         )
         for steerer in reply.steerers:
             self.guard(steerer, "prepare", lambda s=steerer: s.prepare(session))

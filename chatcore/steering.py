@@ -53,6 +53,8 @@ class GenerationSession:
     banned_token_ids: never generated (the special tokens that are not stop tokens).
     messages:        the messages the prompt was rendered from (system first if any),
                      for decoders and steerers that read the conversation as text.
+    logprobs:        keep each chosen token's log-probability and this many best
+                     alternatives' (chatcore.serving.logprobs); None: none.
     candidates:      filled by decoders that sample several replies.
     details:         free-form notes for provenance (decoders and steerers may add).
     """
@@ -67,6 +69,7 @@ class GenerationSession:
     stop_token_ids: frozenset[int] = frozenset()
     banned_token_ids: frozenset[int] = frozenset()
     messages: list[Message] = field(default_factory=list)
+    logprobs: int | None = None
     candidates: list[Candidate] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 

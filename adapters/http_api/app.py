@@ -6,6 +6,8 @@
     GET  /v1/plugins            the decoders and steerers a request may name, with the
                                 JSON schema of their settings
     POST /v1/chat/completions   a reply (JSON, or server-sent events with ``"stream": true``)
+    POST /v1/completions        a raw prompt continued, without the chat template (legacy shape)
+    POST /tokenize              text -> token ids; POST /detokenize: token ids -> text (llama.cpp's names)
 
 Every error is an OpenAI error object with a 4xx/5xx status, never a traceback.
 """
@@ -17,7 +19,7 @@ import hmac
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -28,20 +30,34 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from chatcore.adapters.http_api.completions import Completion, served_model_name, to_messages, to_options
+from chatcore.adapters.http_api.choices import Choices, Kind
+from chatcore.adapters.http_api.completions import (
+    DEFAULT_MAX_N,
+    served_model_name,
+    to_messages,
+    to_options,
+)
 from chatcore.adapters.http_api.errors import ApiError, error_body
+from chatcore.adapters.http_api.logprobs import TokenTexts
 from chatcore.adapters.http_api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from chatcore.adapters.http_api.metrics import CountingRequests, ServeMetrics
-from chatcore.adapters.http_api.schema import ChatCompletionRequest
+from chatcore.adapters.http_api.raw_prompt import prompt_messages, raw_format
+from chatcore.adapters.http_api.schema import ChatCompletionRequest, CompletionRequest, Sampling
 from chatcore.adapters.http_api.shutdown import LiveReplies
+from chatcore.adapters.http_api.tokens import detokenize, tokenize
 from chatcore.errors import ChatcoreError
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from chatcore.adapters.http_api.request_log import RequestLog
+    from chatcore.engine import ReplyOptions
+    from chatcore.prompting import Message, PromptFormat
     from chatcore.registry import Registry
     from chatcore.serving import Scheduler
 
 DEFAULT_MAX_BODY = 1_000_000  # bytes
+ParsedBody = TypeVar("ParsedBody", bound="BaseModel")
 RETRY_AFTER_S = 1  # what 429 and 503 answers tell a client to wait before trying again
 
 
@@ -52,7 +68,8 @@ class ServeConfig:
     conversation log answered requests go to (see :mod:`.request_log`). max_queue_wait: seconds a
     request may wait for a batch slot before it gets 503 (None: no limit). request_timeout:
     seconds a reply may take in all before it is cut with 504 or an error event (None: no limit).
-    served_model_names: the model's ids in the API, the first listed first. cors_origins: see below."""
+    served_model_names: the model's ids in the API, the first listed first. cors_origins: see below.
+    max_n: the most choices (``n``) one request may ask for."""
 
     api_key: str | None = None
     system: str | None = None
@@ -62,6 +79,7 @@ class ServeConfig:
     request_timeout: float | None = None
     served_model_names: tuple[str, ...] = ()  # the ids a request may name; empty: the model's own name
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: none (no CORS headers)
+    max_n: int = DEFAULT_MAX_N
 
 
 def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Starlette:
@@ -111,61 +129,96 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
     async def prometheus(request: Request) -> Response:
         return Response(metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
-    async def chat_completions(request: Request) -> Response:
+    engine = scheduler.engine
+    texts = TokenTexts(engine.tokenizer)
+    raw = raw_format(engine)
+
+    def accepting(request: Request) -> None:
         authorize(request)
         if live.draining:
             raise ApiError(503, "the server is shutting down; send the request to another one", None, "server_shutdown")
-        body = await read_json(request, config.max_body)
-        try:
-            parsed = ChatCompletionRequest.model_validate(body)
-        except ValidationError as error:
-            raise validation_error(error) from None
+
+    async def chat_completions(request: Request) -> Response:
+        accepting(request)
+        parsed = parse(ChatCompletionRequest, await read_json(request, config.max_body))
         if parsed.model not in names:
             raise unknown_model(parsed.model, names)
         messages = to_messages(parsed, config.system)
-        options = to_options(parsed, scheduler.engine.registry, len(scheduler.engine.tokenizer))
+        options = to_options(parsed, engine.registry, len(engine.tokenizer), config.max_n)
+        return await answer(request, parsed, messages, options, "chat")
+
+    async def completions(request: Request) -> Response:
+        accepting(request)
+        parsed = parse(CompletionRequest, await read_json(request, config.max_body))
+        if parsed.model not in names:
+            raise unknown_model(parsed.model, names)
+        messages = prompt_messages(parsed)
+        options = to_options(parsed, engine.registry, len(engine.tokenizer), config.max_n)
+        echo = messages[0].text if parsed.echo else ""
+        return await answer(request, parsed, messages, options, "text", raw, echo)
+
+    async def answer(
+        request: Request,
+        parsed: Sampling,
+        messages: list["Message"],
+        options: "ReplyOptions",
+        kind: Kind,
+        prompt_format: "PromptFormat | None" = None,
+        echo: str = "",
+    ) -> Response:
+        """Submit the request's choices and send them: JSON, or server-sent events."""
         try:
-            completion = Completion.submit(scheduler, messages, options, parsed.stop_strings(), parsed.model)
+            group = Choices.submit(
+                scheduler, messages, options, parsed.stop_strings(), parsed.model, parsed.n, kind, texts,
+                prompt_format, echo,
+            )  # fmt: skip
         except ApiError:
             metrics.record_busy()
             raise
-        completion.interrupt_after("queue-wait", config.max_queue_wait)
-        completion.interrupt_after("timeout", config.request_timeout)
-        live.add(completion)
+        for completion in group.completions:
+            completion.interrupt_after("queue-wait", config.max_queue_wait)
+            completion.interrupt_after("timeout", config.request_timeout)
+            live.add(completion)
         # From here until the reply is sent, a client that goes away cancels it (queued or running).
-        watcher = asyncio.create_task(cancel_on_disconnect(request, completion))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, group))
         streaming = False
         try:
-            await completion.started()
+            await group.started()
             if parsed.stream:
                 watcher.cancel()  # the streaming response watches the connection itself
                 usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
                 streaming = True
-                return ReplyStream(
-                    events(completion, usage, lambda: ended(messages, completion)),
-                    lambda: ended(messages, completion),
-                )
-            text = "".join([delta async for delta in completion.deltas()])
+                return ReplyStream(events(group, usage, lambda: ended(messages, group)), lambda: ended(messages, group))
+            body = await group.body()
         except BaseException:
-            completion.handle.cancel()
+            group.cancel_handles()
             raise
         finally:
             watcher.cancel()
             if not streaming:
-                ended(messages, completion)
-        return JSONResponse(completion.body(text))
+                ended(messages, group)
+        return JSONResponse(body)
 
-    def ended(messages: list[Any], completion: Completion) -> None:
-        """Once per reply, however it ended: log it, count it, forget it."""
-        if completion.recorded:
-            return
-        completion.recorded = True
-        completion.handle.cancel()  # no-op for a reply that ended; frees the slot of one that did not
-        completion.stop_timers()
-        live.discard(completion)
-        metrics.record_reply(completion)
-        if config.log is not None:
-            config.log.record(completion.exchange(messages))
+    def ended(messages: list[Any], group: Choices) -> None:
+        """Once per choice, however it ended: log it, count it, forget it."""
+        for completion in group.completions:
+            if completion.recorded:
+                continue
+            completion.recorded = True
+            completion.handle.cancel()  # no-op for a reply that ended; frees the slot of one that did not
+            completion.stop_timers()
+            live.discard(completion)
+            metrics.record_reply(completion)
+            if config.log is not None:
+                config.log.record(completion.exchange(messages))
+
+    async def tokenize_route(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse(tokenize(engine.tokenizer, texts, await read_json(request, config.max_body)))
+
+    async def detokenize_route(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse(detokenize(engine.tokenizer, await read_json(request, config.max_body)))
 
     async def api_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, ApiError)
@@ -194,6 +247,9 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             Route("/v1/models/{model:path}", model_detail, methods=["GET"]),
             Route("/v1/plugins", plugins, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/tokenize", tokenize_route, methods=["POST"]),
+            Route("/detokenize", detokenize_route, methods=["POST"]),
         ],
         middleware=middleware(config, metrics),
         exception_handlers={
@@ -265,6 +321,14 @@ async def read_json(request: Request, limit: int) -> Any:
     return body
 
 
+def parse(schema: "type[ParsedBody]", body: Any) -> "ParsedBody":
+    """``body`` as ``schema``; its first problem as a 400 naming the field."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as error:
+        raise validation_error(error) from None
+
+
 def validation_error(error: ValidationError) -> ApiError:
     """The first problem pydantic found, named by its field."""
     first = error.errors()[0]
@@ -277,16 +341,19 @@ def validation_error(error: ValidationError) -> ApiError:
     return ApiError(400, f"Invalid value for {param!r}: {first['msg']}", param)
 
 
-async def events(completion: Completion, usage: bool, ended: Callable[[], None] | None = None) -> AsyncIterator[str]:
-    """Server-sent events as OpenAI sends them: a role chunk, content chunks, a finish chunk,
-    the usage chunk when asked for, then ``[DONE]``. A failure mid-reply (or a timeout, or the
-    shutdown cutting it) is an error event, then ``[DONE]``.
-    ``ended()`` runs once the reply has ended, however it ended."""
+async def events(group: Choices, usage: bool, ended: Callable[[], None] | None = None) -> AsyncIterator[str]:
+    """Server-sent events as OpenAI sends them: a role chunk per choice (chat), content chunks
+    (each naming its choice's index), a finish chunk per choice, the usage chunk when asked
+    for, then ``[DONE]``. A failure mid-reply (or a timeout, or the shutdown cutting it) is an
+    error event, then ``[DONE]``. ``ended()`` runs once the replies have ended, however they ended."""
     failure: ApiError | None = None
+    offsets = {completion.index: len(group.echo) for completion in group.completions}
     try:
-        yield sse(completion.chunk({"role": "assistant", "content": ""}, usage=usage))
-        async for delta in completion.deltas():
-            yield sse(completion.chunk({"content": delta}, usage=usage))
+        for chunk in group.opening_chunks(usage):
+            yield sse(chunk)
+        async for index, piece in group.pieces():
+            yield sse(group.piece_chunk(index, piece, usage, offsets[index]))
+            offsets[index] += len(piece.text)
     except ApiError as error:
         failure = error
     finally:
@@ -296,9 +363,10 @@ async def events(completion: Completion, usage: bool, ended: Callable[[], None] 
         yield sse(failure.body())
         yield "data: [DONE]\n\n"
         return
-    yield sse(completion.chunk({}, completion.finish_reason, usage=usage))
+    for chunk in group.finish_chunks(usage):
+        yield sse(chunk)
     if usage:
-        yield sse(completion.usage_chunk())
+        yield sse(group.usage_chunk())
     yield "data: [DONE]\n\n"
 
 
@@ -322,10 +390,10 @@ def sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def cancel_on_disconnect(request: Request, completion: Completion) -> None:
-    """Cancel the reply when the client goes away before it is sent."""
+async def cancel_on_disconnect(request: Request, group: Choices) -> None:
+    """Cancel the replies when the client goes away before they are sent."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            completion.cancel()
+            group.cancel()
             return

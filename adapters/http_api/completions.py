@@ -1,25 +1,29 @@
-"""One chat completion: from the request body to chatcore's messages and options, and from
-the scheduler's tokens to text deltas, OpenAI chunks and the final body."""
+"""One completion: from the request body to chatcore's messages and options, and from the
+scheduler's tokens to text deltas (:class:`Piece`), each with the log-probabilities of the
+tokens that wrote it when they were asked for. :mod:`.choices` puts a request's choices
+into OpenAI's chunks and bodies."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import unicodedata
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from chatcore.adapters.http_api.errors import ApiError
-from chatcore.adapters.http_api.schema import MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest
+from chatcore.adapters.http_api.schema import MAX_STOP_CHARS, MAX_STOPS, ChatCompletionRequest, Sampling
 from chatcore.errors import ChatcoreError
 
 if TYPE_CHECKING:
     from chatcore.adapters.http_api.request_log import Exchange
     from chatcore.engine import Engine, ReplyOptions
-    from chatcore.prompting import Message, Role
+    from chatcore.prompting import Message, PromptFormat, Role
     from chatcore.serving import Event, Handle, Scheduler
+    from chatcore.serving.logprobs import TokenLogprob
+
+DEFAULT_MAX_N = 8
 
 ALLOWED_CONTROLS = {"\n", "\t", "\r"}
 
@@ -97,8 +101,10 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
     return ([Message("system", system)] if system else []) + messages
 
 
-def to_options(request: ChatCompletionRequest, registry: Any, vocab_size: int | None = None) -> "ReplyOptions":
-    """Decoder, steerers, seed and budget; checked by the registry before anything is queued.
+def to_options(
+    request: Sampling, registry: Any, vocab_size: int | None = None, max_n: int = DEFAULT_MAX_N
+) -> "ReplyOptions":
+    """Decoder, steerers, seed, budget and log-probabilities; checked by the registry before anything is queued.
 
     ``temperature`` and ``top_p`` go to the decoder's settings (top-k by default,
     greedy at temperature 0; the greedy decoder refuses a temperature above 0 or a top_p
@@ -108,8 +114,10 @@ def to_options(request: ChatCompletionRequest, registry: Any, vocab_size: int | 
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import DEFAULT_DECODER, DEFAULT_MAX_NEW_TOKENS, ReplyOptions, validate_options
 
-    if request.n != 1:
-        raise ApiError(400, f"only n=1 is supported, got n={request.n}", "n")
+    if request.n > max_n:
+        raise ApiError(400, f"`n` must be at most {max_n} on this server (--max-n), got {request.n}", "n")
+    if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:
+        raise ApiError(400, "`top_logprobs` needs `logprobs` set to true", "top_logprobs")
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
     stops = request.stop_strings()
@@ -148,9 +156,14 @@ def to_options(request: ChatCompletionRequest, registry: Any, vocab_size: int | 
         settings["frequency_penalty"] = request.frequency_penalty
     if request.logit_bias:
         settings["logit_bias"] = token_biases(request.logit_bias, vocab_size)
-    budget = request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_NEW_TOKENS
+    budget = request.budget() or DEFAULT_MAX_NEW_TOKENS
     options = ReplyOptions(
-        decoder=decoder, decoder_settings=settings, steerers=steerers, seed=request.seed, max_new_tokens=budget
+        decoder=decoder,
+        decoder_settings=settings,
+        steerers=steerers,
+        seed=request.seed,
+        max_new_tokens=budget,
+        logprobs=request.top_logprobs_asked(),
     )
     try:
         validate_options(options, registry)
@@ -193,6 +206,15 @@ INTERRUPTS: dict[str, tuple[int, str, str]] = {
 }
 
 
+@dataclass
+class Piece:
+    """Text of a reply as it is sent, with the tokens that completed it (their log-probabilities,
+    when the request asked for them; a stop string's tokens included, though its text is not sent)."""
+
+    text: str
+    tokens: "list[TokenLogprob]" = field(default_factory=list)
+
+
 @dataclass(eq=False)  # each reply is its own, hashable by identity
 class Completion:
     """A submitted reply as the HTTP handler reads it: text deltas, then counts and the finish reason."""
@@ -202,8 +224,7 @@ class Completion:
     tokenizer: Any
     stops: list[str]
     model: str
-    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice's index among the request's ``n``
     completion_tokens: int = 0
     finish_reason: str | None = None
     first: "Event | None" = None
@@ -287,7 +308,14 @@ class Completion:
 
     @classmethod
     def submit(
-        cls, scheduler: "Scheduler", messages: list["Message"], options: "ReplyOptions", stops: list[str], model: str
+        cls,
+        scheduler: "Scheduler",
+        messages: list["Message"],
+        options: "ReplyOptions",
+        stops: list[str],
+        model: str,
+        index: int = 0,
+        prompt_format: "PromptFormat | None" = None,
     ) -> "Completion":
         from chatcore.serving import ServerBusy
 
@@ -298,10 +326,10 @@ class Completion:
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         try:
-            handle = scheduler.submit(messages, options, listener=listener)
+            handle = scheduler.submit(messages, options, listener=listener, prompt_format=prompt_format)
         except ServerBusy as error:
             raise ApiError(429, str(error), None, "server_busy") from None
-        return cls(handle, events, scheduler.engine.tokenizer, stops, model)
+        return cls(handle, events, scheduler.engine.tokenizer, stops, model, index)
 
     async def started(self) -> None:
         """Wait for the first token or the end, so a reply that fails to start is an error status."""
@@ -324,11 +352,12 @@ class Completion:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def deltas(self) -> AsyncIterator[Piece]:
         """The reply's text as it comes, a whole word at a time (so that a reply cut short
         never ends in half a word); stop strings end it; leaving early cancels the reply.
         A reply cancelled before its end (the server stopping) raises a 503 ApiError after
-        its whole words."""
+        its whole words. Tokens whose text is not sent yet wait for the next piece; those
+        left at the end come in a last piece of no text."""
         from chatcore.cutting import WholeWords
         from chatcore.serving import Token
         from chatcore.serving.stops import StopStrings
@@ -337,18 +366,22 @@ class Completion:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         stops = StopStrings(self.stops)
         words = WholeWords()
+        tokens: list[TokenLogprob] = []
         try:
             while True:
                 event, self.first = (self.first, None) if self.first is not None else (await self._next(), None)
                 if isinstance(event, Token):
                     self.completion_tokens += 1
                     self.token_times.append(time.perf_counter())
+                    if event.logprob is not None:
+                        tokens.append(event.logprob)
                     text = words.push(stops.push(detokenizer.push(event.token_id)))
                     if stops.hit:  # the end the client asked for: the text before it is all there
                         text += words.flush()
-                    if text:
+                    if text or (stops.hit and tokens):
                         self.text += text
-                        yield text
+                        yield Piece(text, tokens)
+                        tokens = []
                     if stops.hit:
                         self.finish_reason = "stop"
                         return
@@ -363,55 +396,14 @@ class Completion:
                     self.error = "the reply was cut short: the server is stopping"
                     raise ApiError(503, self.error, None, "server_stopping")
                 tail = words.push(stops.push(detokenizer.flush()) + stops.flush()) + words.flush()
-                if tail:
+                if tail or tokens:
                     self.text += tail
-                    yield tail
+                    yield Piece(tail, tokens)
                 self.finish_reason = "stop" if stops.hit or event.reason != "length" else "length"
                 return
         finally:
             self.stop_timers()
             self.handle.cancel()  # a reply left early (stop string, client gone) frees its slot
-
-    # -- OpenAI's shapes ------------------------------------------------------------------
-    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None, usage: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-        }
-        if usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(),
-        }
-
-    def body(self, text: str) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": self.finish_reason,
-                }
-            ],
-            "usage": self.usage(),
-            "chatcore": provenance_summary(self.handle.provenance),
-        }
 
 
 def provenance_summary(provenance: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""The body of ``POST /v1/chat/completions`` as pydantic models: types, ranges and unknown fields checked in one place.
+"""The request bodies as pydantic models: types, ranges and unknown fields checked in one place.
 
-OpenAI's fields that chatcore supports, plus its own ``decoder`` (a decoder spec, as
-``--decoder`` takes) and ``steer`` (steerer specs, as ``--steer`` takes). A field
-chatcore does not support is refused by name rather than silently ignored.
+``POST /v1/chat/completions``, ``POST /v1/completions`` (raw prompts) and the
+``/tokenize`` / ``/detokenize`` pair. OpenAI's fields that chatcore supports, plus its own
+``decoder`` (a decoder spec, as ``--decoder`` takes) and ``steer`` (steerer specs, as
+``--steer`` takes). A field chatcore does not support is refused by name rather than
+silently ignored.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from chatcore.serving.logprobs import MAX_TOP_LOGPROBS
 
 MAX_MESSAGES = 512
 MAX_STOPS = 4
@@ -58,13 +62,13 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(Strict):
+class Sampling(Strict):
+    """What both completion endpoints take: the model, the budget, sampling, stops, ``n`` and chatcore's fields."""
+
     model: str
-    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
@@ -91,3 +95,63 @@ class ChatCompletionRequest(Strict):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def budget(self) -> int | None:
+        """The reply's token budget as asked (None: the server's default)."""
+        return self.max_tokens
+
+    def top_logprobs_asked(self) -> int | None:
+        """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""
+        return None
+
+
+class ChatCompletionRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(Sampling):
+    """``POST /v1/completions``: a raw prompt, continued without the chat template."""
+
+    prompt: str | list[str]
+    # OpenAI's default budget for this endpoint.
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            from chatcore.adapters.http_api.errors import ApiError
+
+            raise ApiError(
+                400, f"`prompt` takes one string (or a list of one), got a list of {len(self.prompt)}", "prompt"
+            )
+        return self.prompt[0]
+
+
+class TokenizeRequest(Strict):
+    """``POST /tokenize``, as llama.cpp's server names it."""
+
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(Strict):
+    """``POST /detokenize``, as llama.cpp's server names it."""
+
+    tokens: list[int] = Field(max_length=100_000)

@@ -21,6 +21,7 @@ from chatcore.response import timings_of
 
 if TYPE_CHECKING:
     from chatcore.response import Response
+    from chatcore.serving.logprobs import TokenLogprob
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -31,9 +32,10 @@ class ServerBusy(ChatcoreError):
 
 @dataclass(frozen=True)
 class Token:
-    """A new token of the reply."""
+    """A new token of the reply, with its log-probabilities when the reply asked for them."""
 
     token_id: int
+    logprob: "TokenLogprob | None" = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Handle:
     provenance:     the reply's provenance (model, decoder, seed, prompt_tokens ...), filled
                     in when the scheduler admits it; the Response adds its timings.
     token_ids:      the reply's tokens so far (stop tokens excluded).
+    logprobs:       their log-probabilities, when the reply's options asked for them.
     finish_reason:  "stop" (a stop token), "length" (the token budget), "cancelled" or
                     "error"; None while it runs.
     error:          the one-line error of a failed reply.
@@ -61,6 +64,7 @@ class Handle:
     def __init__(self, listener: Callable[[Event], None] | None = None) -> None:
         self.provenance: dict[str, Any] = {}
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
         self.finish_reason: FinishReason | None = None
         self.error: ChatcoreError | None = None
         self.submitted = time.perf_counter()
@@ -145,11 +149,13 @@ class Handle:
         return self.cancelled or self.finish_reason == "cancelled"
 
     # -- the scheduler's side --------------------------------------------------------
-    def _push(self, token_id: int) -> None:
+    def _push(self, token_id: int, logprob: "TokenLogprob | None" = None) -> None:
         if self.first_token is None:
             self.first_token = time.perf_counter()
         self.token_ids.append(token_id)
-        self._emit(Token(token_id))
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        self._emit(Token(token_id, logprob))
 
     def _end(self, reason: FinishReason, error: ChatcoreError | None = None) -> None:
         if self.finished.is_set():

@@ -46,6 +46,7 @@ from chatcore.decoding import Sampled, restrict_scores
 from chatcore.errors import ChatcoreError
 from chatcore.models import cache_keyword, output_cache
 from chatcore.processors import chain
+from chatcore.serving.logprobs import TokenLogprob, chosen_logprobs
 from chatcore.serving.prefix_cache import Layers, PrefixCache, cache_from_layers
 from chatcore.steering import compose
 from chatcore.step import Step, StepOutput, StepState, model_step
@@ -65,7 +66,7 @@ class Sink(Protocol):
     @property
     def cancelled(self) -> bool: ...
 
-    def _push(self, token_id: int) -> None: ...
+    def _push(self, token_id: int, logprob: TokenLogprob | None = None) -> None: ...
 
     def _end(self, reason: Any, error: ChatcoreError | None = None) -> None: ...
 
@@ -116,6 +117,8 @@ class Job:
     totals: "torch.Tensor | None" = field(default=None, repr=False)  # (rows,) forward log-probability sums
     counts: "torch.Tensor | None" = field(default=None, repr=False)  # (rows,) tokens in those sums
     observer: Callable[["torch.Tensor"], None] | None = field(default=None, repr=False)
+    # Per step, each row's log-probabilities, when the reply asked for them (session.logprobs).
+    logprobs: list[list[TokenLogprob]] | None = field(default=None, repr=False)
 
 
 class SharedBatch:
@@ -321,6 +324,7 @@ class Runner:
             length=len(prompt),
             prompt_length=len(prompt),
             observer=observer,
+            logprobs=[] if session.logprobs is not None else None,
         )
         if rows > 1:
             job.totals = torch.zeros(rows, dtype=torch.float64, device=device)
@@ -540,6 +544,8 @@ class Runner:
         scores = job.processors(job.sequences[:, : job.length], scores)
         tokens = job.decoder.select(scores, session.generator)
         tokens = torch.where(job.finished, torch.full_like(tokens, self.loaded.eos_token_id), tokens)
+        if job.logprobs is not None and session.logprobs is not None:
+            job.logprobs.append(chosen_logprobs(scores, tokens, session.logprobs))
         if job.totals is not None and job.counts is not None:
             # The forward score: log-probabilities of the steered scores, before the decoder's filters.
             picked = torch.log_softmax(logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -563,7 +569,7 @@ class Runner:
             if bool(job.finished[0]):
                 self._end(job, "stop")
                 return
-            job.sink._push(int(tokens[0]))
+            job.sink._push(int(tokens[0]), job.logprobs[-1][0] if job.logprobs else None)
             if budget_spent:
                 self._end(job, "length")
             return
@@ -579,8 +585,8 @@ class Runner:
             sampled.append(Sampled(written[:cut], float(job.totals[row]), int(job.counts[row]), done))
         decoder = job.decoder
         winner = self.faults.guard(decoder, "choose", lambda: decoder.choose(job.session, sampled))
-        for token in sampled[winner].token_ids:
-            job.sink._push(token)
+        for index, token in enumerate(sampled[winner].token_ids):
+            job.sink._push(token, job.logprobs[index][winner] if job.logprobs else None)
         self._end(job, "stop" if sampled[winner].ended else "length")
 
     def _end(self, job: Job, reason: Any, error: ChatcoreError | None = None) -> None:
