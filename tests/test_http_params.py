@@ -83,7 +83,10 @@ def test_streamed_logprobs_are_the_same_tokens(client, model):
     whole = client.chat.completions.create(**asked)
     chunks = list(client.chat.completions.create(**asked, stream=True))
     streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    expected = whole.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in expected]
+    # the second request starts from the prefix cache: the same numbers up to float rounding
+    assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-4) for a, b in zip(streamed, expected))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     plain = client.chat.completions.create(model=model, messages=HI, max_tokens=3)
     assert plain.choices[0].logprobs is None
