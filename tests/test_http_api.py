@@ -227,7 +227,7 @@ def test_plugins_lists_decoders_and_steerers_with_the_schema_of_their_settings(s
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "temperature": "hot"}, 400, "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "max_tokens": 0}, 400, "max_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "n": 9}, 400, "n"),
         (
             {"messages": [{"role": "user", "content": "hi"}], "model": "M", "stream_options": {"include_usage": True}},
             400,

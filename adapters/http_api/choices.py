@@ -44,6 +44,8 @@ class Choices:
     def __post_init__(self) -> None:
         if not self.id:
             self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        for completion in self.completions:
+            completion.id = self.id if len(self.completions) == 1 else f"{self.id}/{completion.index}"
 
     @classmethod
     def submit(

@@ -70,6 +70,13 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     help="Requests queued beyond those; past it requests get 429 (busy).",
 )
 @click.option(
+    "--max-n",
+    type=click.IntRange(1, 64),
+    default=8,
+    show_default=True,
+    help="The most choices (`n`) one request may ask for; each is a reply in the batch.",
+)
+@click.option(
     "--max-queue-wait",
     type=click.FloatRange(0, min_open=True),
     default=None,
@@ -119,6 +126,7 @@ def serve(
     prompt_format: str,
     max_batch: int,
     max_waiting: int,
+    max_n: int,
     max_queue_wait: float | None,
     request_timeout: float | None,
     shutdown_grace: float,
@@ -131,8 +139,9 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API.
 
-    GET /v1/models and POST /v1/chat/completions (streaming or not), with chatcore's
-    own `decoder` and `steer` fields; GET /v1/plugins lists the decoders and steerers
+    GET /v1/models, POST /v1/chat/completions and POST /v1/completions (raw prompts)
+    (streaming or not, `n` choices, `logprobs`), with chatcore's own `decoder` and `steer`
+    fields; POST /tokenize and /detokenize; GET /v1/plugins lists the decoders and steerers
     with the JSON schema of their settings; GET /health and GET /metrics (Prometheus) need
     no key. Concurrent requests are decoded together in one batch. With --log (or --db), the
     conversations served are kept in the conversation log (`chatcore logs`). SIGTERM or
@@ -185,6 +194,7 @@ def serve(
                 request_timeout=request_timeout,
                 served_model_names=served_model_names,
                 cors_origins=cors_origins,
+                max_n=max_n,
             )
             app = build_app(scheduler, config)
             click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)

@@ -225,6 +225,7 @@ class Completion:
     stops: list[str]
     model: str
     index: int = 0  # the choice's index among the request's ``n``
+    id: str = ""  # the response's id (with ``/index`` when there are several choices), for the server's log
     completion_tokens: int = 0
     finish_reason: str | None = None
     first: "Event | None" = None
