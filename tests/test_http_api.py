@@ -266,7 +266,7 @@ def test_bad_requests_get_openai_errors(serving, client, body, status, param):
 
 def test_unknown_routes_and_methods_are_openai_errors(serving):
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    missing = call(f"{serving[1].url}/completions", headers=headers)
+    missing = call(f"{serving[1].url}/embeddings", headers=headers)
     assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
     wrong = call(f"{serving[1].url}/chat/completions", headers=headers)
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
