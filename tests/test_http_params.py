@@ -62,7 +62,9 @@ def test_logprobs_are_the_scores_the_decoder_chose_from(client, model):
     for entry in content:
         # greedy takes the best token: it heads its own alternatives, best first
         assert entry.token == entry.top_logprobs[0].token and entry.logprob == entry.top_logprobs[0].logprob
-        assert [alt.logprob for alt in entry.top_logprobs] == sorted((alt.logprob for alt in entry.top_logprobs), reverse=True)
+        assert [alt.logprob for alt in entry.top_logprobs] == sorted(
+            (alt.logprob for alt in entry.top_logprobs), reverse=True
+        )
         assert entry.logprob <= 0 and bytes(entry.bytes).decode("utf-8", "replace") == entry.token
     assert b"".join(bytes(entry.bytes) for entry in content).decode() == greedy.choices[0].message.content
 
