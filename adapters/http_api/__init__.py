@@ -2,8 +2,11 @@
 
 Modules, each with one job: ``command`` (the click command, light), ``schema`` (the
 request body as pydantic models, unknown fields refused), ``errors`` (OpenAI-shaped
-error responses), ``completions`` (a request's reply as text deltas, chunks and a final
-body), ``app`` (the Starlette routes, authentication, body limits) and ``server``
+error responses), ``completions`` (one reply as text deltas with their tokens'
+log-probabilities), ``choices`` (a request's ``n`` replies in OpenAI's chunks and bodies),
+``logprobs`` (tokens' text and bytes in OpenAI's log-probability shapes), ``raw_prompt``
+(the prompt format of ``/v1/completions``), ``tokens`` (``/tokenize``, ``/detokenize``),
+``app`` (the Starlette routes, authentication, body limits) and ``server``
 (uvicorn, in the foreground or on a thread). Every reply is decoded by the serving
 scheduler (chatcore.serving); see docs/serving.md.
 """
