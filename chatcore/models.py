@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_MODEL = "chatcore-tiny"
+# The commands' default model, when set: a name or path (the tests set chatcore-tiny here).
+MODEL_ENV = "CHATCORE_MODEL"
+# The commands' default where its package is installed: a real instruction-tuned model.
+PREFERRED_MODEL = "smollm2"
 DEFAULT_REVERSE_MODEL = "chatcore-tiny-reverse"
 BUNDLED_DIR = Path(__file__).with_name("bundled")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -66,6 +70,25 @@ def known_model_file(name: str) -> Path:
         if candidate.is_file():
             return candidate
     raise ModelLoadError(f"model {name!r} needs its package, which is not installed: {known.install}")
+
+
+def known_model_installed(name: str) -> bool:
+    """Whether a known model's GGUF file is present (its package is never imported)."""
+    try:
+        known_model_file(name)
+    except ModelLoadError:
+        return False
+    return True
+
+
+def default_model_name() -> str:
+    """The model the commands (chat, generate, serve, discord, eval) load when none is named:
+    ``$CHATCORE_MODEL`` when set, else SmolLM2 where its package is installed, else the
+    bundled chatcore-tiny. The Python API's ``Engine()`` keeps chatcore-tiny."""
+    chosen = os.environ.get(MODEL_ENV, "").strip()
+    if chosen:
+        return chosen
+    return PREFERRED_MODEL if known_model_installed(PREFERRED_MODEL) else DEFAULT_MODEL
 
 
 def looks_like_path(name: str) -> bool:

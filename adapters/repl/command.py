@@ -6,14 +6,24 @@ from pathlib import Path
 
 import click
 
-from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
+from chatcore.cli.options import (
+    max_new_tokens_option,
+    model_option,
+    persona_option,
+    plugin_options,
+    prompt_options,
+    sampling_options,
+    threads_option,
+)
 from chatcore.log.commands import DB_HELP
 
 
 @click.command("chat")
 @model_option
 @plugin_options
+@sampling_options
 @prompt_options("System prompt (persona) of the conversation.")
+@persona_option
 @click.option(
     "--seed",
     type=click.IntRange(0, 2**63 - 1),
@@ -52,8 +62,11 @@ def chat(
     model: str,
     decoder_spec: str,
     steer_specs: tuple[str, ...],
+    temperature: float | None,
+    top_p: float | None,
     system_text: str | None,
     system_file: str | None,
+    persona: str | None,
     prompt_format: str,
     seed: int | None,
     max_new_tokens: int,
@@ -82,8 +95,12 @@ def chat(
         raise OptionError("`--cid` is empty: give a conversation id (`chatcore logs list` shows them)")
     if conversation_id is not None and continue_last:
         raise OptionError("give --cid ID or --continue, not both")
+    from chatcore.cli.options import with_sampling_shortcuts
+    from chatcore.personas import system_prompt_with_persona
+
     validate_format_name(prompt_format)
-    system = system_prompt_option(system_text, system_file)
+    decoder_spec = with_sampling_shortcuts(decoder_spec, temperature=temperature, top_p=top_p)
+    system = system_prompt_with_persona(system_text, system_file, persona)
     start_chat(
         ChatConfig(
             model=model,
