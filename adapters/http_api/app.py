@@ -62,6 +62,7 @@ class ServeConfig:
     request_timeout: float | None = None
     served_model_names: tuple[str, ...] = ()  # the ids a request may name; empty: the model's own name
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: none (no CORS headers)
+    max_new_tokens: int | None = None  # the budget of requests that give no max_tokens (None: 64)
 
 
 def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Starlette:
@@ -123,7 +124,7 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         if parsed.model not in names:
             raise unknown_model(parsed.model, names)
         messages = to_messages(parsed, config.system)
-        options = to_options(parsed, scheduler.engine.registry, len(scheduler.engine.tokenizer))
+        options = to_options(parsed, scheduler.engine.registry, len(scheduler.engine.tokenizer), config.max_new_tokens)
         try:
             completion = Completion.submit(scheduler, messages, options, parsed.stop_strings(), parsed.model)
         except ApiError:

@@ -97,8 +97,14 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
     return ([Message("system", system)] if system else []) + messages
 
 
-def to_options(request: ChatCompletionRequest, registry: Any, vocab_size: int | None = None) -> "ReplyOptions":
-    """Decoder, steerers, seed and budget; checked by the registry before anything is queued.
+def to_options(
+    request: ChatCompletionRequest,
+    registry: Any,
+    vocab_size: int | None = None,
+    default_budget: int | None = None,
+) -> "ReplyOptions":
+    """Decoder, steerers, seed and budget (``default_budget``, the server's, when the request
+    gives none); checked by the registry before anything is queued.
 
     ``temperature`` and ``top_p`` go to the decoder's settings (top-k by default,
     greedy at temperature 0; the greedy decoder refuses a temperature above 0 or a top_p
@@ -148,7 +154,7 @@ def to_options(request: ChatCompletionRequest, registry: Any, vocab_size: int | 
         settings["frequency_penalty"] = request.frequency_penalty
     if request.logit_bias:
         settings["logit_bias"] = token_biases(request.logit_bias, vocab_size)
-    budget = request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_NEW_TOKENS
+    budget = request.max_completion_tokens or request.max_tokens or default_budget or DEFAULT_MAX_NEW_TOKENS
     options = ReplyOptions(
         decoder=decoder, decoder_settings=settings, steerers=steerers, seed=request.seed, max_new_tokens=budget
     )
