@@ -332,7 +332,7 @@ class CtrlCWhen(io.StringIO):
         ("Hello there, my frie", lambda text, _: "my" in text, "Hello there, my [interrupted]", "Hello there, my"),
         # Pressed after the first token (flushes: the notices, the "bot> " prefix, the first
         # delta): not one whole word, so no reply is kept.
-        ("Hellothere", lambda _, flushes: flushes == 3, " [interrupted]", None),
+        ("Hellothere", lambda _, flushes: flushes == 3, "[interrupted]", None),
     ],
 )
 def test_ctrl_c_keeps_the_reply_up_to_its_last_whole_word_and_the_log_says_so(
