@@ -72,8 +72,8 @@ def explain(provenance: dict[str, Any], every_candidate: bool = True) -> list[st
         )
     if provenance.get("finish_reason") == "length" and not provenance.get("interrupted"):
         lines.append(
-            f"cut by its budget: the reply used all {provenance.get('max_new_tokens')} tokens of max_new_tokens "
-            "(it may end mid-sentence)"
+            f"cut by its budget: the reply used all of its max_new_tokens ({provenance.get('max_new_tokens')}) "
+            "and may end mid-sentence"
         )
     if provenance.get("error"):
         lines.append(f"cut short by an error: {one_line(str(provenance['error']), 200)}")

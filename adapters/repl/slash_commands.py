@@ -323,7 +323,8 @@ def format_turns(state: "ChatState", limit: int | None = None) -> str:
         elif turn.interrupted:
             mark = " [interrupted]"
         elif turn.meta.get("provenance", {}).get("finish_reason") == "length":
-            mark = f" [cut at {turn.meta['provenance'].get('max_new_tokens')} tokens]"
+            budget = turn.meta["provenance"].get("max_new_tokens")
+            mark = f" [cut at {budget} {'token' if budget == 1 else 'tokens'}]"
         else:
             mark = ""
         lines.append(f"{label}> {display_safe(turn.text)}{mark}")

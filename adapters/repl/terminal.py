@@ -86,7 +86,8 @@ def stream_reply(response: "Response", out: IO[str]) -> str:
 
 def budget_marker(response: "Response") -> str:
     """The mark after a reply that used its whole token budget (it may stop mid-sentence)."""
-    return f"[cut at {response.provenance.get('max_new_tokens')} tokens: /max to raise]"
+    budget = response.provenance.get("max_new_tokens")
+    return f"[cut at {budget} {'token' if budget == 1 else 'tokens'}: /max to raise]"
 
 
 def dim(text: str, out: IO[str]) -> str:

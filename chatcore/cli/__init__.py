@@ -37,7 +37,7 @@ class ChatcoreGroup(click.Group):
         except click.UsageError as error:
             hint = unquoted_spec_hint(error.format_message())
             if hint:
-                error.message = f"{error.message}\n{hint}"
+                error.message = f"{error.message}: {hint}"
             raise
 
 
@@ -50,10 +50,7 @@ def unquoted_spec_hint(message: str) -> str:
     found = re.search(r"unexpected extra arguments? \((.*)\)", message)
     if found is None or not any(SETTING_WORD.fullmatch(word) for word in found.group(1).split()):
         return ""
-    return (
-        "hint: a decoder or steerer with settings is one quoted argument, "
-        'e.g. --decoder "rank topic=sports" or --steer "bow-bias topic=food"'
-    )
+    return 'a decoder or steerer with its settings is one quoted argument, e.g. --decoder "rank topic=sports"'
 
 
 @click.group(cls=ChatcoreGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -52,7 +52,8 @@ def budget_note(response: "Response") -> str | None:
     """The line that says a reply stopped at its token budget, not where the model ended it."""
     if not response.cut_by_budget:
         return None
-    return f"[cut at {response.provenance.get('max_new_tokens')} tokens: -n/--max-tokens raises the budget]"
+    budget = response.provenance.get("max_new_tokens")
+    return f"[cut at {budget} {'token' if budget == 1 else 'tokens'}: -n/--max-tokens raises the budget]"
 
 
 @click.command()
