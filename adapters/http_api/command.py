@@ -70,7 +70,7 @@ def bind_listener(host: str, port: int) -> "socket.socket":
 @prompt_options("System prompt of requests that bring none.")
 @persona_option
 @sampling_options
-@max_new_tokens_option(None)
+@max_new_tokens_option(64, per_model=True)
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Replies decoded at once.")
 @click.option(
     "--max-waiting",
@@ -156,7 +156,7 @@ def serve(
     """
     from chatcore.adapters.http_api.app import ServeConfig, build_app
     from chatcore.adapters.http_api.server import make_server
-    from chatcore.cli.options import with_sampling_shortcuts
+    from chatcore.cli.options import reply_budget, with_sampling_shortcuts
     from chatcore.cpu import use_threads
     from chatcore.engine import Engine
     from chatcore.errors import OptionError
@@ -209,7 +209,7 @@ def serve(
                 request_timeout=request_timeout,
                 served_model_names=served_model_names,
                 cors_origins=cors_origins,
-                **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}),
+                max_new_tokens=reply_budget(max_new_tokens, model, 64),
             )
             app = build_app(scheduler, config)
             click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)

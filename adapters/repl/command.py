@@ -30,7 +30,7 @@ from chatcore.log.commands import DB_HELP
     default=None,
     help="Seed of the first reply; each later reply uses the next number.",
 )
-@max_new_tokens_option(64)
+@max_new_tokens_option(64, per_model=True)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option(
@@ -69,7 +69,7 @@ def chat(
     persona: str | None,
     prompt_format: str,
     seed: int | None,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     device: str | None,
     threads: int | None,
     dtype: str,
@@ -95,7 +95,7 @@ def chat(
         raise OptionError("`--cid` is empty: give a conversation id (`chatcore logs list` shows them)")
     if conversation_id is not None and continue_last:
         raise OptionError("give --cid ID or --continue, not both")
-    from chatcore.cli.options import with_sampling_shortcuts
+    from chatcore.cli.options import reply_budget, with_sampling_shortcuts
     from chatcore.personas import system_prompt_with_persona
 
     validate_format_name(prompt_format)
@@ -109,7 +109,7 @@ def chat(
             system=system,
             prompt_format=prompt_format,
             seed=seed,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=reply_budget(max_new_tokens, model, 64),
             device=device,
             threads=threads,
             dtype=dtype,

@@ -64,7 +64,7 @@ def budget_note(response: "Response") -> str | None:
 @prompt_options("System prompt (persona) for the reply.")
 @persona_option
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
-@max_new_tokens_option(64)
+@max_new_tokens_option(64, per_model=True)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option(
@@ -98,7 +98,7 @@ def generate(
     persona: str | None,
     prompt_format: str,
     seed: int | None,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     device: str | None,
     threads: int | None,
     dtype: str,
@@ -118,7 +118,7 @@ def generate(
     and the reply are written to the log.
     """
     from chatcore.cli.continuing import check_continue_options
-    from chatcore.cli.options import with_sampling_shortcuts
+    from chatcore.cli.options import reply_budget, with_sampling_shortcuts
     from chatcore.cpu import use_threads
     from chatcore.engine import Engine, ReplyOptions, validate_options
     from chatcore.personas import system_prompt_with_persona
@@ -133,7 +133,8 @@ def generate(
     decoder, decoder_settings = parse_spec(decoder_spec)
     steerers = [parse_spec(spec) for spec in steer_specs]
     options = ReplyOptions(
-        decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, seed=seed, max_new_tokens=max_new_tokens
+        decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, seed=seed,
+        max_new_tokens=reply_budget(max_new_tokens, model, 64),
     )
     # Everything that needs no model fails before the model loads.
     from chatcore.text import clean_message

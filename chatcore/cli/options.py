@@ -38,19 +38,33 @@ threads_option = click.option(
 )
 
 
-def max_new_tokens_option(default: int | None) -> Callable[[F], F]:
+def max_new_tokens_option(default: int | None, per_model: bool = False) -> Callable[[F], F]:
     """``-n/--max-new-tokens`` (alias ``--max-tokens``): the reply's budget in tokens, with the
-    command's default (None: the command's settings file or its own default decides)."""
+    command's default (None: the command's settings file or its own default decides).
+    ``per_model``: not given, it is None, and the command takes the known model's budget
+    (:func:`reply_budget`), else ``default``."""
+    shown: bool | str = default is not None
+    if per_model:
+        shown = f"{default}; 200 for smollm2"
     return click.option(
         "-n",
         "--max-new-tokens",
         "--max-tokens",
         "max_new_tokens",
         type=click.IntRange(1, 4096),
-        default=default,
-        show_default=default is not None,
+        default=None if per_model else default,
+        show_default=shown,
         help="Longest reply, in tokens (capped by the room the prompt leaves in the context).",
     )
+
+
+def reply_budget(given: int | None, model: str, default: int) -> int:
+    """``-n`` when given, else the known model's budget, else the command's ``default``."""
+    if given is not None:
+        return given
+    from chatcore.models import default_reply_budget
+
+    return default_reply_budget(model, default)
 
 
 # Top-level flags that set one decoder setting each: (flag, setting, help).
