@@ -25,9 +25,7 @@ def personas_folder() -> Path:
 
 def check_name(name: str) -> str:
     if not NAME_PATTERN.fullmatch(name):
-        raise OptionError(
-            f"persona name {name!r} must be 1 to 64 letters, digits, '-' or '_' (not starting with '-')"
-        )
+        raise OptionError(f"persona name {name!r} must be 1 to 64 letters, digits, '-' or '_' (not starting with '-')")
     return name
 
 
@@ -49,9 +47,7 @@ def read_persona(name: str) -> str:
     path = persona_path(name)
     if not path.is_file():
         known = ", ".join(persona_names()) or "none yet"
-        raise ChatcoreError(
-            f"no persona {name!r} (saved: {known}); `chatcore personas add {name} \"TEXT\"` saves one"
-        )
+        raise ChatcoreError(f'no persona {name!r} (saved: {known}); `chatcore personas add {name} "TEXT"` saves one')
     return read_system_file(str(path))
 
 

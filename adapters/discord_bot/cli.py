@@ -74,7 +74,9 @@ def parse_shard_ids(text: str | None) -> tuple[int, ...] | None:
     multiple=True,
     help="A role id or name that may change decoder and steering. Repeatable.",
 )
-@click.option("-m", "--model", default=None, help=f"Bundled name, smollm2, GGUF file, folder or hub id [{MODEL_DEFAULT_HELP}].")
+@click.option(
+    "-m", "--model", default=None, help=f"Bundled name, smollm2, GGUF file, folder or hub id [{MODEL_DEFAULT_HELP}]."
+)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option("-d", "--decoder", default=None, help='Decoder and settings, e.g. "top-k top_k=20" [top-k].')

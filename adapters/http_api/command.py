@@ -157,11 +157,10 @@ def serve(
     from chatcore.adapters.http_api.app import ServeConfig, build_app
     from chatcore.adapters.http_api.server import make_server
     from chatcore.cli.options import reply_budget, with_sampling_shortcuts
-    from chatcore.cpu import use_threads
-    from chatcore.engine import Engine
-    from chatcore.errors import OptionError
     from chatcore.cli.specs import parse_spec
-    from chatcore.engine import DEFAULT_DECODER, ReplyOptions, validate_options
+    from chatcore.cpu import use_threads
+    from chatcore.engine import DEFAULT_DECODER, Engine, ReplyOptions, validate_options
+    from chatcore.errors import OptionError
     from chatcore.personas import system_prompt_with_persona
     from chatcore.prompting import validate_format_name
     from chatcore.serving import Scheduler

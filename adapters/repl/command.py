@@ -88,7 +88,7 @@ def chat(
     """
     from chatcore.adapters.repl.app import ChatConfig, start_chat
     from chatcore.errors import OptionError
-    from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.prompting import validate_format_name
 
     # A bad file or format name fails before the log opens and the model loads.
     if conversation_id is not None and not conversation_id.strip():

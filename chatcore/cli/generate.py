@@ -133,7 +133,10 @@ def generate(
     decoder, decoder_settings = parse_spec(decoder_spec)
     steerers = [parse_spec(spec) for spec in steer_specs]
     options = ReplyOptions(
-        decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, seed=seed,
+        decoder=decoder,
+        decoder_settings=decoder_settings,
+        steerers=steerers,
+        seed=seed,
         max_new_tokens=reply_budget(max_new_tokens, model, 64),
     )
     # Everything that needs no model fails before the model loads.

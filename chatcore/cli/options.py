@@ -12,6 +12,7 @@ import click
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
 def default_model() -> str:
     """The model a command loads when none is named (:func:`chatcore.models.default_model_name`)."""
     from chatcore.models import default_model_name
