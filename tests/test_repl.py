@@ -219,6 +219,9 @@ def test_every_slash_command(state, store):
     assert_one_line_error(command("/format chat-template"), "has no chat template")
     assert state.format_name == "dialogpt"
 
+    assert command("/max 3").output == "max new tokens: 3 from the next reply on" and state.options.max_new_tokens == 3
+    assert "temperature=0.6" in command("/set temperature=0.6").output  # tests/test_newcomer_cli.py has the rest
+
     assert "multi-line on" in command("/multi").output and state.multiline
     assert "multi-line off" in command("/multi").output and not state.multiline
 

@@ -37,7 +37,7 @@ class ChatcoreGroup(click.Group):
         except click.UsageError as error:
             hint = unquoted_spec_hint(error.format_message())
             if hint:
-                error.message = f"{error.message}: {hint}"
+                raise click.UsageError(f"{error.format_message()}: {hint}", ctx=error.ctx) from None
             raise
 
 
