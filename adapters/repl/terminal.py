@@ -66,11 +66,11 @@ def stream_reply(response: "Response", out: IO[str]) -> str:
             show(words.push(delta))
         show(words.flush())
         if response.cut_by_budget:
-            out.write((" " if printed else "") + dim(budget_marker(response), out))
+            out.write(mark_spacing(printed) + dim(budget_marker(response), out))
     except KeyboardInterrupt:
         response.interrupt()
         show(kept_rest(response, printed))
-        out.write((" " if printed else "") + "[interrupted]")
+        out.write(mark_spacing(printed) + "[interrupted]")
     except ChatcoreError as error:
         show(kept_rest(response, printed))
         shown = f"error: {error}"
@@ -82,6 +82,11 @@ def stream_reply(response: "Response", out: IO[str]) -> str:
     out.write(f"\n{shown}\n" if shown else "\n")
     out.flush()
     return shown
+
+
+def mark_spacing(printed: str) -> str:
+    """What goes between a reply and its mark: a space after a word, nothing at a line's start."""
+    return " " if printed and not printed.endswith("\n") else ""
 
 
 def budget_marker(response: "Response") -> str:
