@@ -194,6 +194,9 @@ def test_max_and_set_change_the_budget_and_decoder_settings_with_one_line_errors
         assert outcome.error and "\n" not in outcome.output and needle in outcome.output, outcome.output
     assert chat.options.decoder_settings == {"temperature": "0.7", "top_k": "5"}  # errors change nothing
     assert "top_p=0.9" in handle_line(chat, "/settings").output  # the model's default where not set
+    from chatcore.adapters.repl.completion import completions
+
+    assert [s.text for s in completions(chat, "/set top_k=5 temp")] == ["temperature="]  # the decoder's keys
     reply = handle_line(chat, "hello there").reply
     reply.text()
     assert reply.provenance["max_new_tokens"] == 9 and reply.provenance["decoder"]["settings"]["temperature"] == 0.7
