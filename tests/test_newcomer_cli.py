@@ -142,6 +142,7 @@ def test_generate_flags_a_reply_cut_by_its_budget(run, tiny_model_dir):
     assert plain.stderr == "[cut at 1 token: -n/--max-tokens raises the budget]\n" and "[cut" not in plain.stdout
 
 
+@pytest.mark.slow  # starts a server (about 3.5 s)
 def test_the_server_takes_its_default_budget_and_says_length(serving_engine, gate):
     import openai
 
