@@ -223,6 +223,9 @@ def test_personas_are_saved_listed_used_and_removed(run, tiny_model_dir, data_ho
     assert run("personas", "add", "pirate", "You are a pirate.  Say arr.").exit_code == 0
     assert (data_home / "personas" / "pirate.txt").read_text() == "You are a pirate. Say arr.\n"
     assert run("personas").stdout == "pirate  You are a pirate. Say arr.\n"
+    (data_home / "personas" / "broken.txt").write_bytes(b"\xff\xfe\x00")
+    assert run("personas").stdout.splitlines()[0].startswith("broken  (cannot be used: system prompt file")
+    (data_home / "personas" / "broken.txt").unlink()
     assert run("personas", "show", "pirate").stdout == "You are a pirate. Say arr.\n"
     result = run("generate", "-m", str(tiny_model_dir), "--persona", "pirate", "-n", "2", "--json", "hi")
     assert result.exit_code == 0, result.output

@@ -14,6 +14,7 @@ def personas(ctx: click.Context) -> None:
     """
     if ctx.invoked_subcommand is not None:
         return
+    from chatcore.errors import ChatcoreError
     from chatcore.personas import persona_names, personas_folder, read_persona
     from chatcore.text import one_line
 
@@ -23,7 +24,11 @@ def personas(ctx: click.Context) -> None:
         return
     width = max(len(name) for name in names)
     for name in names:
-        click.echo(f"{name:<{width}}  {one_line(read_persona(name), 70)}")
+        try:  # one file that cannot be read (empty, not UTF-8) does not hide the others
+            shown = one_line(read_persona(name), 70)
+        except ChatcoreError as error:
+            shown = f"(cannot be used: {error})"
+        click.echo(f"{name:<{width}}  {shown}")
 
 
 @personas.command("show")
