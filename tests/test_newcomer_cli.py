@@ -245,9 +245,9 @@ def test_generate_continues_the_latest_or_a_given_logged_conversation(run, tiny_
     plugin = ConversationLogPlugin(store)
     engine.host.register(plugin, "conversation-log")
     older = engine.conversation(adapter="repl")
-    older.send("an older chat", decoder="greedy", max_new_tokens=2).text()
+    engine.send(older, "an older chat", decoder="greedy", max_new_tokens=2).text()
     latest = engine.conversation(adapter="repl", system="Be brief.")
-    latest.send("hello there", decoder="greedy", max_new_tokens=2).text()
+    engine.send(latest, "hello there", decoder="greedy", max_new_tokens=2).text()
     plugin.close()
     engine.host.unregister("conversation-log")
 

@@ -162,6 +162,7 @@ def discord_command(
     from chatcore.engine import ReplyOptions, validate_options
     from chatcore.personas import read_persona
     from chatcore.prompting import validate_format_name
+    from chatcore.registry import registry_of
 
     if system is not None and system_file is not None:
         raise ChatcoreError("give --system or --system-file, not both")
@@ -196,7 +197,7 @@ def discord_command(
     if temperature is not None or top_p is not None:
         settings.decoder = with_sampling_shortcuts(settings.decoder, temperature=temperature, top_p=top_p)
     # Everything that needs no model is checked before the token is read and the model loads.
-    validate_format_name(settings.prompt_format)
+    validate_format_name(settings.prompt_format, registry_of())
     decoder_name, decoder_settings = parse_spec(settings.decoder)
     steerers = [parse_spec(spec) for spec in settings.steer]
     validate_options(ReplyOptions(decoder=decoder_name, decoder_settings=decoder_settings, steerers=steerers))

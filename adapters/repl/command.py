@@ -89,6 +89,7 @@ def chat(
     from chatcore.adapters.repl.app import ChatConfig, start_chat
     from chatcore.errors import OptionError
     from chatcore.prompting import validate_format_name
+    from chatcore.registry import registry_of
 
     # A bad file or format name fails before the log opens and the model loads.
     if conversation_id is not None and not conversation_id.strip():
@@ -98,7 +99,7 @@ def chat(
     from chatcore.cli.options import reply_budget, with_sampling_shortcuts
     from chatcore.personas import system_prompt_with_persona
 
-    validate_format_name(prompt_format)
+    validate_format_name(prompt_format, registry_of())
     decoder_spec = with_sampling_shortcuts(decoder_spec, temperature=temperature, top_p=top_p)
     system = system_prompt_with_persona(system_text, system_file, persona)
     start_chat(

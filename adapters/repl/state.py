@@ -107,7 +107,7 @@ class ChatState:
         if self.scheduler is not None:
             response = self.scheduler.respond(self.current, options)
         else:
-            response = self.current.reply(options)
+            response = self.engine.respond(self.current, options)
         if self.next_seed is not None:
             self.next_seed += 1
         self.last_response = response
@@ -115,7 +115,7 @@ class ChatState:
 
     def send(self, text: Any) -> "Response":
         self.retry_log()
-        self.current.add_user(text)
+        self.engine.add_user(self.current, text)
         return self.reply()
 
     def retry_log(self) -> None:
@@ -132,7 +132,7 @@ class ChatState:
         except ChatcoreError:
             self.next_log_try = time.monotonic() + LOG_RETRY_S
             return
-        self.attach_log(store).log_conversation(self.current)
+        self.attach_log(store).log_conversation(self.current, self.engine.loaded)
         self.log_opener = None
         self.notify("the conversation log can be written now: this conversation is logged from its first turn")
 

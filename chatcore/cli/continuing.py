@@ -64,7 +64,7 @@ def logged_conversation(
     """The logged conversation, live, with the log written for the turns added meanwhile."""
     from chatcore.log.plugin import ConversationLogPlugin
 
-    conversation = store.resume(engine, conversation_id)
+    conversation = store.resume(conversation_id)
     if system is not None:  # as in the terminal chat: a system prompt given replaces the logged one
         conversation.system = system
     plugin = ConversationLogPlugin(store, notify=lambda message: say(f"note: {message}"))

@@ -123,6 +123,7 @@ def generate(
     from chatcore.engine import Engine, ReplyOptions, validate_options
     from chatcore.personas import system_prompt_with_persona
     from chatcore.prompting import validate_format_name
+    from chatcore.registry import registry_of
 
     if turns == ("-",):
         turns = read_turns(sys.stdin.buffer.read())
@@ -145,7 +146,7 @@ def generate(
     for turn in turns:
         clean_message(turn)
     validate_options(options)
-    validate_format_name(prompt_format)
+    validate_format_name(prompt_format, registry_of())
     system = system_prompt_with_persona(system_text, system_file, persona)
     if not continuing:
         use_threads(threads)
@@ -163,7 +164,7 @@ def generate(
         use_threads(threads)
         engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
         with logged_conversation(engine, store, found, system, say) as conversation:
-            show(conversation.send(turns[0], options), as_json)
+            show(engine.send(conversation, turns[0], options), as_json)
     finally:
         store.close()
 
