@@ -67,8 +67,13 @@ def explain(provenance: dict[str, Any], every_candidate: bool = True) -> list[st
     if timings:
         first = timings.get("first_token_s")
         lines.append(
-            f"{new_tokens} tokens in {timings.get('total_s')} s"
+            f"{new_tokens} {'token' if new_tokens == 1 else 'tokens'} in {timings.get('total_s')} s"
             + (f" (first token after {first} s)" if first is not None else "")
+        )
+    if provenance.get("finish_reason") == "length" and not provenance.get("interrupted"):
+        lines.append(
+            f"cut by its budget: the reply used all of its max_new_tokens ({provenance.get('max_new_tokens')}) "
+            "and may end mid-sentence"
         )
     if provenance.get("error"):
         lines.append(f"cut short by an error: {one_line(str(provenance['error']), 200)}")

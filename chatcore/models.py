@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_MODEL = "chatcore-tiny"
+# The commands' default model, when set: a name or path (the tests set chatcore-tiny here).
+MODEL_ENV = "CHATCORE_MODEL"
+# The commands' default where its package is installed: a real instruction-tuned model.
+PREFERRED_MODEL = "smollm2"
 DEFAULT_REVERSE_MODEL = "chatcore-tiny-reverse"
 BUNDLED_DIR = Path(__file__).with_name("bundled")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -40,6 +44,8 @@ class KnownModel:
     install: str
     # The sampling its authors recommend, where the file's generation config gives none.
     sampling: dict[str, float] = field(default_factory=dict)
+    # The commands' reply budget when none is given (-n): room for its usual answer.
+    max_new_tokens: int | None = None
 
 
 # Only the GGUF file of each package is used: the packages are installed with --no-deps and
@@ -52,6 +58,9 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         # SmolLM2's model card samples at a low temperature with top-p; at chatcore's generic
         # default (T=0.8, top-k 40) its replies wander and pick up stray "A:" prefixes.
         sampling={"temperature": 0.2, "top_p": 0.9},
+        # Its answers run to a paragraph or a short list: at 64 tokens 7 of 10 ordinary openers
+        # were cut mid-sentence (docs/measurements.md).
+        max_new_tokens=200,
     ),
 }
 
@@ -66,6 +75,31 @@ def known_model_file(name: str) -> Path:
         if candidate.is_file():
             return candidate
     raise ModelLoadError(f"model {name!r} needs its package, which is not installed: {known.install}")
+
+
+def known_model_installed(name: str) -> bool:
+    """Whether a known model's GGUF file is present (its package is never imported)."""
+    try:
+        known_model_file(name)
+    except ModelLoadError:
+        return False
+    return True
+
+
+def default_model_name() -> str:
+    """The model the commands (chat, generate, serve, discord, eval) load when none is named:
+    ``$CHATCORE_MODEL`` when set, else SmolLM2 where its package is installed, else the
+    bundled chatcore-tiny. The Python API's ``Engine()`` keeps chatcore-tiny."""
+    chosen = os.environ.get(MODEL_ENV, "").strip()
+    if chosen:
+        return chosen
+    return PREFERRED_MODEL if known_model_installed(PREFERRED_MODEL) else DEFAULT_MODEL
+
+
+def default_reply_budget(name: str, fallback: int) -> int:
+    """The reply budget of a command run without ``-n``: the known model's, else ``fallback``."""
+    known = KNOWN_MODELS.get(name)
+    return known.max_new_tokens if known is not None and known.max_new_tokens else fallback
 
 
 def looks_like_path(name: str) -> bool:

@@ -141,6 +141,12 @@ class Response:
             self._started = time.perf_counter()
         self._finish(interrupted=True)
 
+    @property
+    def cut_by_budget(self) -> bool:
+        """Whether the reply ended because it used its whole token budget (``max_new_tokens``)
+        rather than where the model ended it: its ``finish_reason`` is ``"length"``."""
+        return self.done and not self.interrupted and self.provenance.get("finish_reason") == "length"
+
     def text(self) -> str:
         """The whole reply (generating it if needed)."""
         for _ in self:
@@ -151,4 +157,5 @@ class Response:
         return self.text()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text(), "token_ids": list(self.token_ids), **self.provenance}
+        text = self.text()
+        return {"text": text, "token_ids": list(self.token_ids), **self.provenance, "cut_by_budget": self.cut_by_budget}

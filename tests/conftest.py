@@ -16,6 +16,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The models are tiny: threads only add overhead (and contention on a busy machine).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The commands' default model is SmolLM2 where it is installed, which is slow: the suite
+# always defaults to the bundled tiny model (a test that means SmolLM2 names it).
+os.environ["CHATCORE_MODEL"] = "chatcore-tiny"
 
 import pytest
 

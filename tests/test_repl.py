@@ -217,6 +217,9 @@ def test_every_slash_command(state, store):
     assert_one_line_error(command("/format chat-template"), "has no chat template")
     assert state.format_name == "dialogpt"
 
+    assert command("/max 3").output == "max new tokens: 3 from the next reply on" and state.options.max_new_tokens == 3
+    assert "temperature=0.6" in command("/set temperature=0.6").output  # tests/test_newcomer_cli.py has the rest
+
     assert "multi-line on" in command("/multi").output and state.multiline
     assert "multi-line off" in command("/multi").output and not state.multiline
 
@@ -330,7 +333,7 @@ class CtrlCWhen(io.StringIO):
         ("Hello there, my frie", lambda text, _: "my" in text, "Hello there, my [interrupted]", "Hello there, my"),
         # Pressed after the first token (flushes: the notices, the "bot> " prefix, the first
         # delta): not one whole word, so no reply is kept.
-        ("Hellothere", lambda _, flushes: flushes == 3, " [interrupted]", None),
+        ("Hellothere", lambda _, flushes: flushes == 3, "[interrupted]", None),
     ],
 )
 def test_ctrl_c_keeps_the_reply_up_to_its_last_whole_word_and_the_log_says_so(

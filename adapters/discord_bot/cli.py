@@ -13,7 +13,13 @@ from pathlib import Path
 import click
 
 from chatcore.adapters.discord_bot.config import TOKEN_ENV
-from chatcore.cli.options import threads_option
+from chatcore.cli.options import (
+    MODEL_DEFAULT_HELP,
+    max_new_tokens_option,
+    persona_option,
+    sampling_options,
+    threads_option,
+)
 from chatcore.errors import ChatcoreError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -68,20 +74,24 @@ def parse_shard_ids(text: str | None) -> tuple[int, ...] | None:
     multiple=True,
     help="A role id or name that may change decoder and steering. Repeatable.",
 )
-@click.option("-m", "--model", default=None, help="Bundled name, local folder or hub id [chatcore-tiny].")
+@click.option(
+    "-m", "--model", default=None, help=f"Bundled name, smollm2, GGUF file, folder or hub id [{MODEL_DEFAULT_HELP}]."
+)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option("-d", "--decoder", default=None, help='Decoder and settings, e.g. "top-k top_k=20" [top-k].')
 @click.option("-s", "--steer", "steer", multiple=True, help="Steerer and settings. Repeatable; applied in order.")
 @click.option("--system", default=None, help="System prompt (persona) of every conversation; admins may override it.")
 @click.option("--system-file", default=None, type=click.Path(), help="Read the system prompt from a UTF-8 text file.")
+@persona_option
+@sampling_options
 @click.option(
     "--format",
     "prompt_format",
     default=None,
     help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt ... [auto].",
 )
-@click.option("-n", "--max-new-tokens", type=click.IntRange(1, 4096), default=None, help="Longest reply [64].")
+@max_new_tokens_option(None)
 @click.option(
     "--max-batch", type=click.IntRange(1), default=None, help="Replies decoded together, from different channels [8]."
 )
@@ -121,6 +131,9 @@ def discord_command(
     steer: tuple[str, ...],
     system: str | None,
     system_file: str | None,
+    persona: str | None,
+    temperature: float | None,
+    top_p: float | None,
     prompt_format: str | None,
     max_new_tokens: int | None,
     max_batch: int | None,
@@ -144,13 +157,19 @@ def discord_command(
 
     from chatcore.adapters.discord_bot.config import load_settings, read_token
     from chatcore.adapters.discord_bot.run import guard_logging
+    from chatcore.cli.options import with_sampling_shortcuts
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import ReplyOptions, validate_options
+    from chatcore.personas import read_persona
     from chatcore.prompting import validate_format_name
     from chatcore.registry import registry_of
 
     if system is not None and system_file is not None:
         raise ChatcoreError("give --system or --system-file, not both")
+    if persona is not None:
+        if system is not None or system_file is not None:
+            raise ChatcoreError("give --persona, --system or --system-file, not two of them")
+        system = read_persona(persona)
     settings = load_settings(
         settings_file,
         {
@@ -175,6 +194,8 @@ def discord_command(
             "log": log,
         },
     )
+    if temperature is not None or top_p is not None:
+        settings.decoder = with_sampling_shortcuts(settings.decoder, temperature=temperature, top_p=top_p)
     # Everything that needs no model is checked before the token is read and the model loads.
     validate_format_name(settings.prompt_format, registry_of())
     decoder_name, decoder_settings = parse_spec(settings.decoder)

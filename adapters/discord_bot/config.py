@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
+    Field,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
@@ -30,6 +31,7 @@ from pydantic import (
 )
 
 from chatcore.errors import ChatcoreError, OptionError
+from chatcore.models import default_model_name
 from chatcore.options import Settings, parse_settings
 from chatcore.prompting import AUTO, clean_system_prompt, read_system_file
 
@@ -55,8 +57,8 @@ Snowflake = Annotated[int, AfterValidator(_snowflake)]
 class DiscordSettings(Settings):
     """Everything ``chatcore discord`` can be told, with defaults that are safe to deploy."""
 
-    model: Named = "chatcore-tiny"
-    """Bundled model name, local folder or hub id."""
+    model: Named = Field(default_factory=default_model_name)
+    """Bundled model name, smollm2, a GGUF file, local folder or hub id (default: smollm2 where installed)."""
     device: str | None = None
     """cpu, cuda, cuda:1 ... (default: cuda when present)."""
     threads: PositiveInt | None = None

@@ -138,7 +138,8 @@ async def check(settings: "DiscordSettings", host: "PluginHost | None" = None) -
             + (f", channels {', '.join(map(str, settings.channels))}" if settings.channels else ""),
             "slash commands: " + (f"guilds {', '.join(map(str, settings.guilds))}" if settings.guilds else "global"),
             f"conversation log: {log_location(settings)}",
-            f"batch: {settings.max_batch} replies at once, {settings.queue_size} more may wait",
+            f"batch: {settings.max_batch} {'reply' if settings.max_batch == 1 else 'replies'} at once, "
+            f"{settings.queue_size} more may wait",
             "shards: "
             + (
                 "one connection"

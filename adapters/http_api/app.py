@@ -80,6 +80,7 @@ class ServeConfig:
     served_model_names: tuple[str, ...] = ()  # the ids a request may name; empty: the model's own name
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: none (no CORS headers)
     max_n: int = DEFAULT_MAX_N
+    max_new_tokens: int | None = None  # the budget of requests that give no max_tokens (None: 64)
 
 
 def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Starlette:
@@ -144,7 +145,7 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         if parsed.model not in names:
             raise unknown_model(parsed.model, names)
         messages = to_messages(parsed, config.system)
-        options = to_options(parsed, engine.registry, len(engine.tokenizer), config.max_n)
+        options = to_options(parsed, engine.registry, len(engine.tokenizer), config.max_n, config.max_new_tokens)
         return await answer(request, parsed, messages, options, "chat")
 
     async def completions(request: Request) -> Response:
@@ -153,7 +154,7 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         if parsed.model not in names:
             raise unknown_model(parsed.model, names)
         messages = prompt_messages(parsed)
-        options = to_options(parsed, engine.registry, len(engine.tokenizer), config.max_n)
+        options = to_options(parsed, engine.registry, len(engine.tokenizer), config.max_n, config.max_new_tokens)
         echo = messages[0].text if parsed.echo else ""
         return await answer(request, parsed, messages, options, "text", raw, echo)
 

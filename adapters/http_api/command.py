@@ -6,7 +6,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from chatcore.cli.options import model_option, prompt_options, threads_option
+from chatcore.cli.options import (
+    max_new_tokens_option,
+    model_option,
+    persona_option,
+    prompt_options,
+    sampling_options,
+    threads_option,
+)
 
 if TYPE_CHECKING:
     import socket
@@ -61,6 +68,9 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     help='A browser origin allowed to call the API, e.g. "https://chat.example.com" or "*" (repeatable) [none].',
 )
 @prompt_options("System prompt of requests that bring none.")
+@persona_option
+@sampling_options
+@max_new_tokens_option(64, per_model=True)
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Replies decoded at once.")
 @click.option(
     "--max-waiting",
@@ -124,6 +134,10 @@ def serve(
     system_text: str | None,
     system_file: str | None,
     prompt_format: str,
+    persona: str | None,
+    temperature: float | None,
+    top_p: float | None,
+    max_new_tokens: int | None,
     max_batch: int,
     max_waiting: int,
     max_n: int,
@@ -146,14 +160,18 @@ def serve(
     no key. Concurrent requests are decoded together in one batch. With --log (or --db), the
     conversations served are kept in the conversation log (`chatcore logs`). SIGTERM or
     Ctrl-C lets running replies finish for --shutdown-grace seconds, then cuts them and
-    exits 0. See docs/serving.md.
+    exits 0. --temperature, --top-p and --max-tokens are the defaults of requests that
+    bring none. See docs/serving.md.
     """
     from chatcore.adapters.http_api.app import ServeConfig, build_app
     from chatcore.adapters.http_api.server import make_server
+    from chatcore.cli.options import reply_budget, with_sampling_shortcuts
+    from chatcore.cli.specs import parse_spec
     from chatcore.cpu import use_threads
-    from chatcore.engine import Engine
+    from chatcore.engine import DEFAULT_DECODER, Engine, ReplyOptions, validate_options
     from chatcore.errors import OptionError
-    from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.personas import system_prompt_with_persona
+    from chatcore.prompting import validate_format_name
     from chatcore.registry import registry_of
     from chatcore.serving import Scheduler
 
@@ -162,7 +180,11 @@ def serve(
     validate_format_name(prompt_format, registry_of())
     if any(not name.strip() for name in served_model_names):
         raise OptionError("`--served-model-name` is empty")
-    system = system_prompt_option(system_text, system_file)
+    system = system_prompt_with_persona(system_text, system_file, persona)
+    sampling = {name: value for name, value in (("temperature", temperature), ("top_p", top_p)) if value is not None}
+    # A value the default decoder would refuse fails now, not at the first request.
+    decoder_name, decoder_settings = parse_spec(with_sampling_shortcuts(DEFAULT_DECODER, **sampling))
+    validate_options(ReplyOptions(decoder=decoder_name, decoder_settings=decoder_settings))
     if api_key is None and host not in LOOPBACK:
         click.echo(
             f"chatcore: warning: listening on {host} without --api-key: anyone who can reach this "
@@ -180,6 +202,8 @@ def serve(
     try:
         use_threads(threads)
         engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+        # The server's sampling: what a request brings, else these flags, else the model's own.
+        engine.sampling_defaults.update(sampling)
         if request_log is not None:
             request_log.engine = engine
             click.echo(f"chatcore: logging conversations to {request_log.display_url}", err=True)
@@ -195,6 +219,7 @@ def serve(
                 served_model_names=served_model_names,
                 cors_origins=cors_origins,
                 max_n=max_n,
+                max_new_tokens=reply_budget(max_new_tokens, model, 64),
             )
             app = build_app(scheduler, config)
             click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)

@@ -102,9 +102,14 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
 
 
 def to_options(
-    request: Sampling, registry: Any, vocab_size: int | None = None, max_n: int = DEFAULT_MAX_N
+    request: Sampling,
+    registry: Any,
+    vocab_size: int | None = None,
+    max_n: int = DEFAULT_MAX_N,
+    default_budget: int | None = None,
 ) -> "ReplyOptions":
-    """Decoder, steerers, seed, budget and log-probabilities; checked by the registry before anything is queued.
+    """Decoder, steerers, seed, budget (``default_budget``, the server's, when the request gives
+    none) and log-probabilities; checked by the registry before anything is queued.
 
     ``temperature`` and ``top_p`` go to the decoder's settings (top-k by default,
     greedy at temperature 0; the greedy decoder refuses a temperature above 0 or a top_p
@@ -156,7 +161,7 @@ def to_options(
         settings["frequency_penalty"] = request.frequency_penalty
     if request.logit_bias:
         settings["logit_bias"] = token_biases(request.logit_bias, vocab_size)
-    budget = request.budget() or DEFAULT_MAX_NEW_TOKENS
+    budget = request.budget() or default_budget or DEFAULT_MAX_NEW_TOKENS
     options = ReplyOptions(
         decoder=decoder,
         decoder_settings=settings,

@@ -162,8 +162,11 @@ def banner(state: "ChatState") -> str:
 
     conversation = state.current
     log = f"logged to {state.store.display_url}" if state.store is not None else f"not logged ({state.log_off_reason})"
+    loaded = state.engine.loaded
     lines = [
-        f"chatcore chat: decoder {state.options.decoder}"
+        f"chatcore chat with {loaded.name} (`chatcore chat --model NAME` picks another: chatcore-tiny, smollm2, "
+        "a GGUF file, a folder or a hub id)",
+        f"decoder {state.options.decoder}"
         + (f", steering {'; '.join(describe_steerers(state))}" if state.options.steerers else "")
         + f", format {state.format_name}"
         + (", with a system prompt (/system shows it)" if conversation.system else "")

@@ -6,21 +6,31 @@ from pathlib import Path
 
 import click
 
-from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
+from chatcore.cli.options import (
+    max_new_tokens_option,
+    model_option,
+    persona_option,
+    plugin_options,
+    prompt_options,
+    sampling_options,
+    threads_option,
+)
 from chatcore.log.commands import DB_HELP
 
 
 @click.command("chat")
 @model_option
 @plugin_options
+@sampling_options
 @prompt_options("System prompt (persona) of the conversation.")
+@persona_option
 @click.option(
     "--seed",
     type=click.IntRange(0, 2**63 - 1),
     default=None,
     help="Seed of the first reply; each later reply uses the next number.",
 )
-@max_new_tokens_option(64)
+@max_new_tokens_option(64, per_model=True)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option(
@@ -52,11 +62,14 @@ def chat(
     model: str,
     decoder_spec: str,
     steer_specs: tuple[str, ...],
+    temperature: float | None,
+    top_p: float | None,
     system_text: str | None,
     system_file: str | None,
+    persona: str | None,
     prompt_format: str,
     seed: int | None,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     device: str | None,
     threads: int | None,
     dtype: str,
@@ -75,7 +88,7 @@ def chat(
     """
     from chatcore.adapters.repl.app import ChatConfig, start_chat
     from chatcore.errors import OptionError
-    from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.prompting import validate_format_name
     from chatcore.registry import registry_of
 
     # A bad file or format name fails before the log opens and the model loads.
@@ -83,8 +96,12 @@ def chat(
         raise OptionError("`--cid` is empty: give a conversation id (`chatcore logs list` shows them)")
     if conversation_id is not None and continue_last:
         raise OptionError("give --cid ID or --continue, not both")
+    from chatcore.cli.options import reply_budget, with_sampling_shortcuts
+    from chatcore.personas import system_prompt_with_persona
+
     validate_format_name(prompt_format, registry_of())
-    system = system_prompt_option(system_text, system_file)
+    decoder_spec = with_sampling_shortcuts(decoder_spec, temperature=temperature, top_p=top_p)
+    system = system_prompt_with_persona(system_text, system_file, persona)
     start_chat(
         ChatConfig(
             model=model,
@@ -93,7 +110,7 @@ def chat(
             system=system,
             prompt_format=prompt_format,
             seed=seed,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=reply_budget(max_new_tokens, model, 64),
             device=device,
             threads=threads,
             dtype=dtype,

@@ -62,14 +62,19 @@ def completions(state: "ChatState", text_before_cursor: str) -> list[Suggestion]
     word, before = words[-1], [w for w in words[:-1] if w]
     options: list[tuple[str, str]] = []
     registry = state.engine.registry
+    decoder = registry.decoders.get(state.options.decoder)
     if "=" in word:
         tables = {"/decoder": registry.decoders, "/steer": registry.steerers}
         table = tables.get(before[0]) if len(before) >= 2 else None
         if table is not None and before[1] in table:
             options = _setting_values(table[before[1]], word.split("=", 1)[0])
+        elif before[:1] == ["/set"] and decoder is not None:
+            options = _setting_values(decoder, word.split("=", 1)[0])
         return [Suggestion(text, -len(word), meta) for text, meta in options if text.startswith(word)]
     if not before:
         options = [(c.name, c.summary) for c in COMMANDS.values()]
+    elif before[0] == "/set":  # the current decoder's settings
+        options = _setting_keys(decoder, before[1:]) if decoder is not None else []
     elif before[0] == "/decoder":
         if len(before) == 1:
             options = _names(registry.decoders)

@@ -107,6 +107,15 @@ def describe_decoder(state: "ChatState") -> str:
     return f"{decoder['name']} {settings}".strip()
 
 
+def describe_model_defaults(state: "ChatState") -> str:
+    """The sampling the model recommends (its generation config, else the known models' table),
+    which the decoder takes for the settings not given."""
+    defaults = state.engine.sampling_defaults
+    if not defaults:
+        return "none (the decoder's own defaults)"
+    return format_settings(defaults) + " (for settings not given; /set overrides)"
+
+
 def describe_steerers(state: "ChatState") -> list[str]:
     lines = []
     for name, raw in state.options.steerers:
@@ -196,6 +205,49 @@ def steer_command(state: "ChatState", rest: str) -> Outcome:
     return Outcome(output="steering: " + "; ".join(describe_steerers(state)))
 
 
+@command("/max", "/max [N]", "show or set the reply budget in tokens (e.g. /max 200)")
+def max_command(state: "ChatState", rest: str) -> Outcome:
+    if not rest:
+        return Outcome(output=f"max new tokens: {state.options.max_new_tokens} (/max N changes it)")
+    try:
+        budget = int(rest)
+    except ValueError:
+        budget = 0
+    if not 1 <= budget <= MAX_BUDGET:
+        raise OptionError(f"`/max` takes a number of tokens from 1 to {MAX_BUDGET}, got {one_line(rest, 40)!r}")
+    # What the system prompt leaves room for is checked too, before anything changes.
+    options = state.options.replace(max_new_tokens=budget)
+    from chatcore.prompting import check_system_fits
+
+    check_system_fits(
+        state.engine.format_for(state.current), state.current.system, state.engine.loaded.max_positions, budget
+    )
+    state.options = options
+    room = state.engine.loaded.max_positions
+    capped = f" (capped by the room the prompt leaves in the model's {room} positions)" if budget >= room else ""
+    return Outcome(output=f"max new tokens: {budget} from the next reply on{capped}")
+
+
+@command("/set", "/set KEY=VALUE ...", "change decoder settings (e.g. /set temperature=0.7 top_p=0.9)")
+def set_command(state: "ChatState", rest: str) -> Outcome:
+    from chatcore.options import parse_key_values
+
+    if not rest:
+        return Outcome(output=f"decoder: {describe_decoder(state)}\n/set KEY=VALUE changes a setting")
+    import shlex
+
+    try:
+        pairs = shlex.split(rest)
+    except ValueError as error:
+        raise OptionError(f"cannot parse {one_line(rest, 60)!r}: {error}") from None
+    changes = parse_key_values(pairs)
+    settings = {**state.options.decoder_settings, **changes}
+    options = state.options.replace(decoder_settings=settings)
+    state.engine.check_options(options)  # the decoder's own settings model validates, before anything changes
+    state.options.decoder_settings = settings
+    return Outcome(output=f"decoder: {describe_decoder(state)}")
+
+
 @command("/settings", "/settings", "model, decoder, steerers, seed, log and conversation")
 def settings_command(state: "ChatState", rest: str) -> Outcome:
     loaded = state.engine.loaded
@@ -205,9 +257,10 @@ def settings_command(state: "ChatState", rest: str) -> Outcome:
     lines = [
         f"model:          {loaded.name} ({loaded.device})",
         f"decoder:        {describe_decoder(state)}",
+        f"model defaults: {describe_model_defaults(state)}",
         f"steerers:       {'; '.join(describe_steerers(state)) or 'none'}",
         f"seed:           {seed}",
-        f"max new tokens: {state.options.max_new_tokens}",
+        f"max new tokens: {state.options.max_new_tokens} (/max N changes it; /set KEY=VALUE the decoder's)",
         f"format:         {state.format_name}",
         f"system prompt:  {one_line(conversation.system, 60) if conversation.system else 'none'}",
         f"log:            {log}",
@@ -218,6 +271,7 @@ def settings_command(state: "ChatState", rest: str) -> Outcome:
 
 
 CLEAR_WORDS = ("clear", "off")
+MAX_BUDGET = 4096  # as -n/--max-new-tokens
 
 
 @command("/system", "/system [TEXT | clear]", "show, set or clear the system prompt (from the next reply on)")
@@ -266,8 +320,13 @@ def format_turns(state: "ChatState", limit: int | None = None) -> str:
         label = "you" if turn.role == "user" else "bot"
         if turn.meta.get("provenance", {}).get("error"):
             mark = " [cut short by an error]"
+        elif turn.interrupted:
+            mark = " [interrupted]"
+        elif turn.meta.get("provenance", {}).get("finish_reason") == "length":
+            budget = turn.meta["provenance"].get("max_new_tokens")
+            mark = f" [cut at {budget} {'token' if budget == 1 else 'tokens'}]"
         else:
-            mark = " [interrupted]" if turn.interrupted else ""
+            mark = ""
         lines.append(f"{label}> {display_safe(turn.text)}{mark}")
     return "\n".join(lines)
 

@@ -65,10 +65,12 @@ def stream_reply(response: "Response", out: IO[str]) -> str:
         for delta in response:
             show(words.push(delta))
         show(words.flush())
+        if response.cut_by_budget:
+            out.write(mark_spacing(printed) + dim(budget_marker(response), out))
     except KeyboardInterrupt:
         response.interrupt()
         show(kept_rest(response, printed))
-        out.write(" [interrupted]")
+        out.write(mark_spacing(printed) + "[interrupted]")
     except ChatcoreError as error:
         show(kept_rest(response, printed))
         shown = f"error: {error}"
@@ -80,6 +82,23 @@ def stream_reply(response: "Response", out: IO[str]) -> str:
     out.write(f"\n{shown}\n" if shown else "\n")
     out.flush()
     return shown
+
+
+def mark_spacing(printed: str) -> str:
+    """What goes between a reply and its mark: a space after a word, nothing at a line's start."""
+    return " " if printed and not printed.endswith("\n") else ""
+
+
+def budget_marker(response: "Response") -> str:
+    """The mark after a reply that used its whole token budget (it may stop mid-sentence)."""
+    budget = response.provenance.get("max_new_tokens")
+    return f"[cut at {budget} {'token' if budget == 1 else 'tokens'}: /max to raise]"
+
+
+def dim(text: str, out: IO[str]) -> str:
+    """``text`` dimmed on a terminal (ANSI faint), as is elsewhere."""
+    isatty = getattr(out, "isatty", None)
+    return f"\033[2m{text}\033[0m" if isatty is not None and isatty() else text
 
 
 def kept_rest(response: "Response", printed: str) -> str:

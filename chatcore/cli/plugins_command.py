@@ -54,8 +54,30 @@ def plugins(name: str | None, as_json: bool) -> None:
         for kind in ("decoders", "steerers", "prompt_sets"):
             if row[kind]:
                 click.echo(f"  {kind.replace('_', ' ')}: {', '.join(row[kind])}")
+    for line in model_sampling_lines():
+        click.echo(line)
     for problem in problems:
         click.echo(f"problem: plugin {problem['plugin']!r} at {problem['stage']}: {problem['message']}", err=True)
+
+
+def model_sampling_lines(fields: "set[str] | None" = None) -> list[str]:
+    """The known models' recommended sampling (``fields``: only the settings a decoder has),
+    which decoders take for the settings not given; a model's own generation config wins."""
+    from chatcore.explain import format_settings
+    from chatcore.models import KNOWN_MODELS
+
+    lines = []
+    for name, known in KNOWN_MODELS.items():
+        sampling = {key: value for key, value in known.sampling.items() if fields is None or key in fields}
+        if sampling:
+            lines.append(f"  {name}: {format_settings(sampling)}")
+    if not lines:
+        return []
+    return [
+        "models' recommended sampling (the default for settings not given; a model's generation_config.json "
+        "sets its own):",
+        *lines,
+    ]
 
 
 def show_settings(registry: "Registry", name: str, as_json: bool) -> None:
@@ -89,5 +111,8 @@ def show_settings(registry: "Registry", name: str, as_json: bool) -> None:
         click.echo(f"  {row['name']:<{width}}  {row['type']} (default {row['default']}{limits})")
         if row["help"]:
             click.echo(f"  {'':<{width}}  {row['help']}")
+    if kind == "decoder":
+        for line in model_sampling_lines({row["name"] for row in rows}):
+            click.echo(line)
     option = "--decoder" if kind == "decoder" else "--steer"
     click.echo(f'Set them as `{option} "{name} KEY=VALUE ..."`.')

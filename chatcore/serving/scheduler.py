@@ -107,8 +107,9 @@ class Scheduler:
             if self._stopping:
                 raise ChatcoreError("the scheduler has stopped")
             if len(self._accepted) >= self.max_batch + self.max_waiting:
+                replies = "reply" if self.max_batch == 1 else "replies"
                 raise ServerBusy(
-                    f"the server is busy: {self.max_batch} replies in progress and "
+                    f"the server is busy: {self.max_batch} {replies} in progress and "
                     f"{len(self._accepted) - self.max_batch} waiting; try again shortly"
                 )
             self.waiting.append(request)

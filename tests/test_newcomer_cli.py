@@ -1,0 +1,270 @@
+"""What a newcomer meets first: the default model, the sampling shortcuts, /max and /set, the
+budget mark, personas and continuing a logged conversation from ``generate`` (tiny model)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from chatcore.cli import build_cli
+from chatcore.engine import ReplyOptions
+from chatcore.explain import explain
+from chatcore.log import ConversationLogPlugin
+from chatcore.log.location import sqlite_url
+from chatcore.log.store import ConversationStore
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+
+    def invoke(*args, input=None):
+        return runner.invoke(build_cli(), list(args), input=input, catch_exceptions=True)
+
+    return invoke
+
+
+def one_line_failure(result, *needles):
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def data_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    return tmp_path / "data" / "chatcore"
+
+
+# -- the default model -----------------------------------------------------------------------
+def test_the_commands_default_to_smollm2_where_installed_and_the_tests_to_the_tiny_model(monkeypatch):
+    from chatcore import models
+
+    # The suite pins the tiny model, so that no test switches to SmolLM2 (slow) by leaving --model out.
+    assert models.default_model_name() == "chatcore-tiny"
+    generate = build_cli().commands["generate"]
+    (model,) = [p for p in generate.params if p.name == "model"]
+    assert model.get_default(click.Context(generate)) == "chatcore-tiny"
+
+    monkeypatch.delenv(models.MODEL_ENV)
+    installed = models.known_model_installed("smollm2")
+    assert models.default_model_name() == ("smollm2" if installed else "chatcore-tiny")
+    missing = models.KnownModel(package="chatcore_no_such_package", filename="x.gguf", install="-")
+    monkeypatch.setitem(models.KNOWN_MODELS, "smollm2", missing)
+    assert models.default_model_name() == "chatcore-tiny"
+    monkeypatch.setenv(models.MODEL_ENV, "/some/model")
+    assert models.default_model_name() == "/some/model"
+
+
+# -- shortcuts -----------------------------------------------------------------------------------
+def test_sampling_shortcuts_set_the_decoders_settings(run, tiny_model_dir):
+    result = run(
+        "generate", "-m", str(tiny_model_dir), "--temperature", "0.3", "--top-p", "0.8", "--max-tokens", "3",
+        "--seed", "1", "--json", "hi",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert (data["decoder"]["settings"]["temperature"], data["decoder"]["settings"]["top_p"]) == (0.3, 0.8)
+    assert data["max_new_tokens"] == 3 and len(data["token_ids"]) <= 3
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (("-d", "greedy", "--temperature", "0.5"), ("--temperature: decoder 'greedy' has no setting 'temperature'",)),
+        (("-d", "top-k top_p=0.5", "--top-p", "0.9"), ("--top-p and the decoder's top_p=0.5 both given",)),
+        (("--temperature", "-1"), ("`temperature` must be",)),
+        (("-d", "top-k", "top_k=2"), ("reads like a setting", '--decoder "top-k top_k=2"')),
+    ],
+)
+def test_shortcuts_and_unquoted_specs_are_refused_in_one_line(run, tiny_model_dir, args, needles):
+    one_line_failure(run("generate", "-m", str(tiny_model_dir), *args, "hi"), *needles)
+
+
+def test_an_unquoted_spec_on_chat_gets_a_hint(run):
+    result = run("chat", "--decoder", "rank", "topic=sports")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert "unexpected extra argument (topic=sports)" in error and '--decoder "rank topic=sports"' in error
+
+
+# -- the budget mark -------------------------------------------------------------------------------
+def test_a_reply_cut_by_its_budget_is_marked_in_the_chat_why_history_and_log(serving_engine, gate, tmp_path, data_home):
+    from chatcore.adapters.repl.slash_commands import handle_line
+    from chatcore.adapters.repl.state import ChatState
+    from chatcore.adapters.repl.terminal import run_loop
+
+    gate.text = "one two three four five six seven"
+    store = ConversationStore(sqlite_url(tmp_path / "log.sqlite3"))
+    chat = ChatState(serving_engine, ReplyOptions(decoder="gated-text", max_new_tokens=3), store=store)
+    chat.attach_log(store)
+    lines = ["tell me a story", "/max 60", "go on"]
+    gate.release.set()  # the second reply is said whole, then ends at its stop token
+
+    def read_line() -> str:
+        if lines:
+            return lines.pop(0)
+        raise EOFError
+
+    out = io.StringIO()
+    run_loop(chat, read_line, out)
+    shown = out.getvalue().splitlines()
+    assert shown[0].startswith("bot> one") and shown[0].endswith(" [cut at 3 tokens: /max to raise]")
+    assert shown[1] == "max new tokens: 60 from the next reply on"
+    assert shown[2] == "bot> one two three four five six seven"  # ended by the model: no mark
+    first_reply = chat.current.turns[1]
+    assert first_reply.meta["provenance"]["finish_reason"] == "length"
+    assert "cut by its budget: the reply used all of its max_new_tokens (3)" in "\n".join(
+        explain(first_reply.meta["provenance"])
+    )
+    history = handle_line(chat, "/history").output.splitlines()
+    assert history[1].endswith("[cut at 3 tokens]") and not history[3].endswith("]")
+    assert "cut by its budget" not in handle_line(chat, "/why").output
+    chat.log_plugin.close()
+    logged = [m for m in store.get_conversation(chat.current.id).messages if m.role == "bot"]
+    assert [m.provenance["finish_reason"] for m in logged] == ["length", "stop"]
+    store.close()
+
+
+def test_generate_flags_a_reply_cut_by_its_budget(run, tiny_model_dir):
+    result = run("generate", "-m", str(tiny_model_dir), "-d", "greedy", "-n", "1", "--json", "hi")
+    data = json.loads(result.stdout)  # a stop token cannot come first: one token is always the whole budget
+    assert (data["cut_by_budget"], data["finish_reason"]) == (True, "length")
+    plain = run("generate", "-m", str(tiny_model_dir), "-d", "greedy", "-n", "1", "hi")
+    assert plain.stderr == "[cut at 1 token: -n/--max-tokens raises the budget]\n" and "[cut" not in plain.stdout
+
+
+@pytest.mark.slow  # starts a server (about 3.5 s)
+def test_the_server_takes_its_default_budget_and_says_length(serving_engine, gate):
+    import openai
+
+    from chatcore.adapters.http_api.app import ServeConfig, build_app
+    from chatcore.adapters.http_api.server import start_in_thread
+    from chatcore.serving import Scheduler
+
+    gate.text = "one two three four five six seven"
+    scheduler = Scheduler(serving_engine, max_batch=1, max_waiting=1)
+    server = start_in_thread(build_app(scheduler, ServeConfig(max_new_tokens=3)))
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="-", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "tell me a story"}],
+            extra_body={"decoder": "gated-text"},
+        )
+    finally:
+        server.stop()
+        scheduler.close()
+    assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("length", 3)
+
+
+# -- /max, /set and /settings ----------------------------------------------------------------------
+def test_max_and_set_change_the_budget_and_decoder_settings_with_one_line_errors(engine):
+    from chatcore.adapters.repl.slash_commands import handle_line
+    from chatcore.adapters.repl.state import ChatState
+
+    chat = ChatState(engine, ReplyOptions(decoder="top-k", max_new_tokens=4))
+    engine.sampling_defaults = {"temperature": 0.2, "top_p": 0.9}  # as SmolLM2's known settings
+    assert handle_line(chat, "/max").output == "max new tokens: 4 (/max N changes it)"
+    assert handle_line(chat, "/max 9").output == "max new tokens: 9 from the next reply on"
+    assert chat.options.max_new_tokens == 9
+    for bad in ("/max 0", "/max lots", "/max 5000"):
+        outcome = handle_line(chat, bad)
+        assert outcome.error and "\n" not in outcome.output and "`/max` takes a number of tokens" in outcome.output
+    assert chat.options.max_new_tokens == 9
+    settings = handle_line(chat, "/settings").output
+    assert "temperature=0.2" in settings and "model defaults: temperature=0.2 top_p=0.9" in settings
+    assert "max new tokens: 9" in settings
+
+    assert "temperature=0.7" in handle_line(chat, "/set temperature=0.7 top_k=5").output
+    assert chat.options.decoder_settings == {"temperature": "0.7", "top_k": "5"}
+    for bad, needle in (
+        ("/set temperature=-1", "`temperature` must be"),
+        ("/set bogus=1", "unknown setting"),
+        ("/set temperature", "expected key=value"),
+    ):
+        outcome = handle_line(chat, bad)
+        assert outcome.error and "\n" not in outcome.output and needle in outcome.output, outcome.output
+    assert chat.options.decoder_settings == {"temperature": "0.7", "top_k": "5"}  # errors change nothing
+    assert "top_p=0.9" in handle_line(chat, "/settings").output  # the model's default where not set
+    from chatcore.adapters.repl.completion import completions
+
+    assert [s.text for s in completions(chat, "/set top_k=5 temp")] == ["temperature="]  # the decoder's keys
+    reply = handle_line(chat, "hello there").reply
+    reply.text()
+    assert reply.provenance["max_new_tokens"] == 9 and reply.provenance["decoder"]["settings"]["temperature"] == 0.7
+
+
+def test_the_banner_names_the_model_and_how_to_pick_another(engine):
+    from chatcore.adapters.repl.app import banner
+    from chatcore.adapters.repl.state import ChatState
+
+    first = banner(ChatState(engine, ReplyOptions())).splitlines()[0]
+    assert first.startswith(f"chatcore chat with {engine.loaded.name} ") and "--model NAME" in first
+
+
+def test_plugins_shows_the_models_recommended_sampling(run):
+    shown = run("plugins", "top-k").stdout
+    assert "models' recommended sampling" in shown and "smollm2: temperature=0.2 top_p=0.9" in shown
+    assert "models' recommended sampling" not in run("plugins", "greedy").stdout
+
+
+# -- personas --------------------------------------------------------------------------------------
+def test_personas_are_saved_listed_used_and_removed(run, tiny_model_dir, data_home):
+    assert "no personas yet" in run("personas").stdout
+    assert run("personas", "add", "pirate", "You are a pirate.  Say arr.").exit_code == 0
+    assert (data_home / "personas" / "pirate.txt").read_text() == "You are a pirate. Say arr.\n"
+    assert run("personas").stdout == "pirate  You are a pirate. Say arr.\n"
+    (data_home / "personas" / "broken.txt").write_bytes(b"\xff\xfe\x00")
+    assert run("personas").stdout.splitlines()[0].startswith("broken  (cannot be used: system prompt file")
+    (data_home / "personas" / "broken.txt").unlink()
+    assert run("personas", "show", "pirate").stdout == "You are a pirate. Say arr.\n"
+    result = run("generate", "-m", str(tiny_model_dir), "--persona", "pirate", "-n", "2", "--json", "hi")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["system"] == "You are a pirate. Say arr."
+    one_line_failure(run("generate", "--persona", "ninja", "hi"), "no persona 'ninja' (saved: pirate)")
+    one_line_failure(run("chat", "--persona", "pirate", "--system", "x"), "give --persona, --system")
+    one_line_failure(run("personas", "add", "../evil", "x"), "persona name '../evil' must be")
+    one_line_failure(run("personas", "add", "blank", "   "), "the text is empty")
+    assert run("personas", "rm", "pirate").exit_code == 0 and run("personas").stdout.startswith("no personas yet")
+    one_line_failure(run("personas", "rm", "pirate"), "no persona 'pirate'")
+
+
+# -- generate --continue / --cid -----------------------------------------------------------------
+def test_generate_continues_the_latest_or_a_given_logged_conversation(run, tiny_model_dir, engine, tmp_path, data_home):
+    url = sqlite_url(tmp_path / "log.sqlite3")
+    store = ConversationStore(url)
+    plugin = ConversationLogPlugin(store)
+    engine.host.register(plugin, "conversation-log")
+    older = engine.conversation(adapter="repl")
+    engine.send(older, "an older chat", decoder="greedy", max_new_tokens=2).text()
+    latest = engine.conversation(adapter="repl", system="Be brief.")
+    engine.send(latest, "hello there", decoder="greedy", max_new_tokens=2).text()
+    plugin.close()
+    engine.host.unregister("conversation-log")
+
+    base = ("generate", "-m", str(tiny_model_dir), "-d", "greedy", "-n", "2", "--db", url, "--json")
+    result = run(*base, "--continue", "and then?")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["history_turns_used"] == 3 and data["system"] == "Be brief."  # its history is the context
+    result = run(*base, "--cid", older.id[:8], "more")
+    assert result.exit_code == 0, result.output
+    roles = {c: [(m.role, m.text) for m in store.get_conversation(c).messages] for c in (older.id, latest.id)}
+    assert [r for r, _ in roles[latest.id]] == ["user", "bot", "user", "bot"] and roles[latest.id][2][1] == "and then?"
+    assert [r for r, _ in roles[older.id]] == ["user", "bot", "user", "bot"] and roles[older.id][2][1] == "more"
+    store.close()
+
+    one_line_failure(run(*base, "--cid", "nope", "x"), "no conversation 'nope'")
+    one_line_failure(run(*base, "--continue", "two", "turns"), "take one message")
+    one_line_failure(run(*base, "--continue", "--cid", older.id, "x"), "not both")
+    empty = sqlite_url(tmp_path / "empty.sqlite3")
+    one_line_failure(run("generate", "--db", empty, "--continue", "x"), "no logged conversation to continue")
