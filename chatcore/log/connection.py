@@ -1,7 +1,8 @@
 """The store's connection to its database: the engine, the schema check at opening, errors, sessions.
 
 :class:`StoreConnection` opens the SQLAlchemy engine for a URL (SQLite files in WAL
-mode with transactional DDL; PostgreSQL through psycopg with a connect timeout),
+mode with transactional DDL; PostgreSQL through psycopg with a connect timeout, a statement
+timeout and TCP keepalives),
 creates or upgrades the schema (:mod:`~chatcore.log.schema`),
 notices an SQLite file deleted or replaced under it, and turns database failures into
 :class:`~chatcore.log.errors.LogError` (or
@@ -57,6 +58,34 @@ def _sqlite_connector(synchronous: str) -> Callable[[Any, Any], None]:
 
 _WRITE = {"sqlite_begin": "BEGIN IMMEDIATE"}
 
+LIBPQ_DRIVERS = ("psycopg", "psycopg2")
+POSTGRES_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 3,  # seconds to reach the server and log in (libpq's least is 2)
+    # A dead peer or a cut network found in about 25 s rather than the kernel's two hours (TCP only).
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 20_000,  # ms: data the server never acknowledges fails the connection (TCP only)
+}
+"""libpq settings every PostgreSQL log connection gets, unless its URL sets them
+(``?connect_timeout=10&keepalives_idle=60``)."""
+POSTGRES_STATEMENT_TIMEOUT = "10s"
+"""The server cancels a statement running longer (a lock wait included); ``?options=-c
+statement_timeout=...`` in the URL sets another. A server that stops answering altogether
+(stopped, frozen) cannot cancel anything: the log plugin's write deadline covers that case."""
+
+
+def postgres_connect_args(parsed: sa.URL) -> dict[str, Any]:
+    """:data:`POSTGRES_DEFAULTS` and the statement timeout, for what the URL leaves unset."""
+    given = set(parsed.query)
+    args = {key: value for key, value in POSTGRES_DEFAULTS.items() if key not in given}
+    options = parsed.query.get("options") or ""
+    options = options if isinstance(options, str) else " ".join(options)
+    if "statement_timeout" not in options:
+        args["options"] = f"{options} -c statement_timeout={POSTGRES_STATEMENT_TIMEOUT}".strip()
+    return args
+
 
 def reason(error: BaseException) -> str:
     """The first line of what went wrong, for a one-line message (the driver's own error when there is one)."""
@@ -96,8 +125,8 @@ class StoreConnection:
             # check_same_thread off: adapters may write from a worker thread; the
             # plugin serialises its writes.
             connect_args = {"timeout": timeout_s, "check_same_thread": False}
-        elif self.is_postgres and parsed.get_driver_name() == "psycopg":
-            connect_args = {"connect_timeout": max(1, round(timeout_s))}
+        elif self.is_postgres and parsed.get_driver_name() in LIBPQ_DRIVERS:
+            connect_args = postgres_connect_args(parsed)
         try:
             self.db = sa.create_engine(parsed, connect_args=connect_args, pool_pre_ping=not self.is_sqlite)
         except ImportError as error:

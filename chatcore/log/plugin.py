@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import chatcore
+from chatcore.log.deadline import DeadlineWorker
 from chatcore.log.errors import LogError, LogUnavailableError
 from chatcore.log.journal import SpillJournal
 from chatcore.log.private_files import open_private_append
@@ -64,6 +65,11 @@ RETRY_AFTER_S = 1.0
 RETRY_WAIT_S = 0.02
 MIN_RETRY_INTERVAL_S = 0.05
 MAX_RETRY_INTERVAL_S = 15.0
+# The longest a turn waits for its write (a hung server, a stuck disk): past it the write is
+# journaled and the reply shown. Above the store's SQLite busy timeout (3 s), so a lock held
+# briefly by another process is waited out rather than journaled.
+WRITE_DEADLINE_S = 5.0
+FAILING_WAIT_S = 0.5  # the wait for a write tried while the log fails (each turn, and the timer)
 JOURNAL_FOLDER = "log-journal"  # in the user data folder
 TITLE_CHARS = 80
 _CONVERSATION_COLUMNS = ("adapter", "channel_key", "title")
@@ -100,9 +106,12 @@ class ConversationLogPlugin:
         retry_after_s: float = RETRY_AFTER_S,
         max_pending: int = MAX_PENDING_WRITES,
         journal_dir: str | Path | None = None,
+        write_deadline_s: float = WRITE_DEADLINE_S,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"`max_pending` must be a positive integer, got {max_pending}")
+        if not write_deadline_s > 0:
+            raise ValueError(f"`write_deadline_s` must be a positive number of seconds, got {write_deadline_s}")
         self.store = store
         self.notify = notify or (lambda message: logger.warning("%s", message))
         self.retry_after_s = retry_after_s
@@ -114,6 +123,9 @@ class ConversationLogPlugin:
         self._pending: list[Write] = []
         self._unsaved_told = False
         self.dropped = 0  # writes lost because memory, the journal and the database were all full
+        self.write_deadline_s = write_deadline_s
+        self.failing_wait_s = min(FAILING_WAIT_S, write_deadline_s)
+        self._writer = DeadlineWorker()
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._retrier: threading.Thread | None = None
@@ -321,9 +333,14 @@ class ConversationLogPlugin:
         retrying on every turn never holds a turn up for the whole busy timeout.
         """
         self.store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
+        store = self.store
+        deadline_s = self.failing_wait_s if self.failing is not None else self.write_deadline_s
         try:
-            self.store.add_message(
-                write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
+            self._writer.run(
+                lambda: store.add_message(
+                    write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
+                ),
+                deadline_s,
             )
         except LogUnavailableError as error:
             if self.failing is None:
@@ -450,4 +467,5 @@ class ConversationLogPlugin:
                 self._pending.pop(0)
             journaled = self.journal.count
             self.journal.close()
+            self._writer.close()
             return journaled

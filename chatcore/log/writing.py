@@ -150,7 +150,59 @@ class StoreWriting(StoreReading):
         is added in the same transaction if missing, so a message never depends on an
         earlier write having got through.
         """
-        created = created or utc_now()
+        try:
+            return self._insert_message(
+                conversation_id,
+                role,
+                text,
+                created=created or utc_now(),
+                author_id=author_id,
+                token_count=token_count,
+                prompt_tokens=prompt_tokens,
+                latency_s=latency_s,
+                first_token_s=first_token_s,
+                decoder=decoder,
+                steerers=steerers,
+                candidates=candidates,
+                seed=seed,
+                interrupted=interrupted,
+                provenance=provenance,
+                keep_replies=keep_replies,
+                write_key=write_key,
+                conversation=conversation,
+            )
+        except LogError as error:
+            # The same write committed by another attempt meanwhile (one that outlived its
+            # deadline, then finished): it is stored, once.
+            if write_key is not None and isinstance(error.__cause__, IntegrityError):
+                with self._session("add a message") as session:
+                    stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
+                if stored is not None:
+                    return int(stored)
+            raise
+
+    def _insert_message(
+        self,
+        conversation_id: str,
+        role: str,
+        text: str,
+        *,
+        created: datetime,
+        author_id: str | None,
+        token_count: int | None,
+        prompt_tokens: int | None,
+        latency_s: float | None,
+        first_token_s: float | None,
+        decoder: dict[str, Any] | None,
+        steerers: list[Any] | None,
+        candidates: list[Any] | None,
+        seed: int | None,
+        interrupted: bool,
+        provenance: dict[str, Any] | None,
+        keep_replies: int | None,
+        write_key: str | None,
+        conversation: dict[str, Any] | None,
+    ) -> int:
         with self._session("add a message", write=True) as session:
             if write_key is not None:
                 stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
