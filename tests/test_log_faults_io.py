@@ -7,6 +7,7 @@ its start. The PostgreSQL cases run against the throwaway cluster these tests st
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import test_conversation_log_faults as faults
 from pg_cluster import ThrowawayCluster
 
 from chatcore.log import ConversationLogPlugin
+from chatcore.log.location import sqlite_url
 from chatcore.log.store import ConversationStore
 
 # The fault suite's fixtures and helpers.
@@ -82,3 +84,81 @@ def test_a_hung_server_costs_a_turn_a_bounded_wait_and_its_turns_are_stored_once
     assert list((tmp_path / "journal").glob("*.jsonl")) == []
     plugin.close()
     store.close()
+
+
+# -- the same content accepted on both backends -----------------------------------------------------
+def test_values_postgres_refuses_are_stored_alike_on_both_backends_and_noted(backend: Backend) -> None:
+    with ConversationStore(backend.new_url()) as store:
+        store.add_message(
+            "odd",
+            "user",
+            "a \x00 in the text",
+            author_id="user\x00id",
+            seed=2**64 - 1,
+            latency_s=float("nan"),
+            provenance={"scores": [float("nan"), float("inf"), -float("inf"), 0.5], "note": "nul \x00"},
+            conversation={"adapter": "a" * 70, "model": "m" * 300, "channel_key": "c" * 300, "title": "odd"},
+        )
+        (message,) = store.get_conversation("odd").messages
+        summary = store.list_conversations()[0]
+        meta = store.get_conversation("odd").meta
+    assert message.text == "a \u2400 in the text" and message.author_id == "user\u2400id"
+    assert message.seed is None and message.latency_s is None
+    provenance = message.provenance or {}
+    assert provenance["scores"] == [None, None, None, 0.5] and provenance["note"] == "nul \u2400"
+    assert provenance["normalised"] == [
+        "text: NUL replaced by U+2400",
+        "author_id: NUL replaced by U+2400",
+        "latency_s: nan replaced by null",
+        "seed: 18446744073709551615 does not fit 64 bits; left out",
+        "provenance: nan replaced by null",
+        "provenance: inf replaced by null",
+        "provenance: -inf replaced by null",
+        "provenance: NUL replaced by U+2400",
+    ]
+    assert (summary.adapter, summary.model, summary.channel_key) == ("a" * 64, "m" * 255, "c" * 255)
+    assert meta["normalised"] == [
+        "adapter: cut to 64 characters",
+        "channel_key: cut to 255 characters",
+        "model: cut to 255 characters",
+    ]
+
+
+# -- escaped views ----------------------------------------------------------------------------------
+POSING = "hello\n12:00:01 bot> type your password here\x9b2J\x9d0;title\x07 \u202eevil\u2066"
+RAW_CONTROLS = ("\x9b", "\x9d", "\u202e", "\u2066")
+
+
+def test_every_view_escapes_c1_and_bidi_and_no_message_poses_as_a_line(tmp_path: Path) -> None:
+    path = tmp_path / "log.sqlite3"
+    with ConversationStore(sqlite_url(path)) as store:
+        store.add_message("posing", "user", POSING, conversation={"title": "title \x9b1m", "adapter": "repl"})
+        store.add_message("posing", "bot", "a real reply")
+    views = {
+        "show": faults.logs_command("show", "posing", "--db", str(path)).stdout,
+        "show --json": faults.logs_command("show", "posing", "--json", "--db", str(path)).stdout,
+        "list --json": faults.logs_command("list", "--json", "--db", str(path)).stdout,
+        "search --json": faults.logs_command("search", "password", "--json", "--db", str(path)).stdout,
+        "search": faults.logs_command("search", "password", "--db", str(path)).stdout,
+    }
+    for export_format in ("markdown", "jsonl"):
+        target = tmp_path / f"export.{export_format}"
+        faults.logs_command("export", "--format", export_format, "-o", str(target), "--db", str(path))
+        views[f"export {export_format}"] = target.read_text()
+    for name, shown in views.items():
+        assert not any(raw in shown for raw in RAW_CONTROLS), name
+    assert "\\u009b" in views["show --json"] and "\\u202e" in views["search --json"]
+    assert json.loads(views["show --json"])["messages"][0]["text"] == POSING  # the same text, escaped
+    transcript = [line for line in views["show"].splitlines() if line[:2].isdigit()]
+    assert [line.split()[1] for line in transcript] == ["you>", "bot>"]  # the posing line is not one of them
+    markdown_turns = [line for line in views["export markdown"].splitlines() if line.startswith("**")]
+    assert [line.split()[0] for line in markdown_turns] == ["**you**", "**bot**"]
+
+
+def test_searching_a_huge_message_shows_only_the_text_around_the_match(tmp_path: Path) -> None:
+    path = tmp_path / "log.sqlite3"
+    huge = "lorem ipsum " * 400_000 + "the needle is here" + " dolor sit" * 100_000  # about 5.8 MB
+    with ConversationStore(sqlite_url(path)) as store:
+        store.add_message("huge", "user", huge, conversation={"title": "huge"})
+    shown = faults.logs_command("search", "NEEDLE", "--db", str(path)).stdout
+    assert "the needle is here" in shown and len(shown) < 300

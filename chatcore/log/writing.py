@@ -1,13 +1,13 @@
 """The conversation log's writes: conversations, messages (retry-safe), retried replies, deletions.
 
 Every write is its own transaction, committed before the call returns. Values a
-database cannot hold are replaced where they enter (:func:`storable`), so no message
-is refused for its content.
+database cannot hold are made to fit where they enter, alike on every backend, and the
+change is noted in the row (:mod:`~chatcore.log.normalise`), so no message is refused
+for its content.
 """
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Any, cast
 
@@ -17,27 +17,10 @@ from sqlalchemy.orm import Session
 
 from chatcore.log.errors import LogError
 from chatcore.log.models import ConversationRow, MessageRow, utc_now
+from chatcore.log.normalise import NUL_SYMBOL, REPLACEMENT, Normaliser, storable
 from chatcore.log.reading import StoreReading
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-REPLACEMENT = "\ufffd"  # stands for a lone surrogate, which no UTF-8 database can hold
-NUL_SYMBOL = "\u2400"  # stands for NUL where the database refuses it (PostgreSQL)
-
-
-def storable(value: Any, *, nul: bool = True) -> Any:
-    """``value`` with every string made storable: lone surrogates replaced, NUL too unless ``nul``.
-
-    Recurses into the JSON columns' dicts and lists, so nothing a reply carries can
-    make its write fail.
-    """
-    if isinstance(value, str):
-        value = _LONE_SURROGATE.sub(REPLACEMENT, value)
-        return value if nul else value.replace("\x00", NUL_SYMBOL)
-    if isinstance(value, dict):
-        return {storable(key, nul=nul): storable(item, nul=nul) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [storable(item, nul=nul) for item in value]
-    return value
+__all__ = ["NUL_SYMBOL", "REPLACEMENT", "StoreWriting", "storable"]
 
 
 def _rowcount(result: sa.Result[Any]) -> int:
@@ -47,9 +30,6 @@ def _rowcount(result: sa.Result[Any]) -> int:
 
 class StoreWriting(StoreReading):
     """Adding conversations and messages to the log, and deleting them."""
-
-    def _storable(self, value: Any) -> Any:
-        return storable(value, nul=not self.is_postgres)
 
     def ensure_conversation(
         self,
@@ -93,18 +73,20 @@ class StoreWriting(StoreReading):
             return False
         created = fields.get("created") or utc_now()
         title = fields.get("title") or None
+        clean = Normaliser()
         values = dict(
             id=conversation_id,
             created=created,
             updated=created,
-            adapter=self._storable(fields.get("adapter")),
-            channel_key=self._storable(fields.get("channel_key")),
-            model=self._storable(fields.get("model")),
-            title=title and self._storable(title[:255]),
-            system=self._storable(fields.get("system")),
-            prompt_format=fields.get("prompt_format"),
-            meta=self._storable(dict(fields.get("meta") or {})),
+            adapter=clean.text(fields.get("adapter"), "adapter", 64),
+            channel_key=clean.text(fields.get("channel_key"), "channel_key", 255),
+            model=clean.text(fields.get("model"), "model", 255),
+            title=title and clean.text(title[:255], "title"),
+            system=clean.text(fields.get("system"), "system"),
+            prompt_format=clean.text(fields.get("prompt_format"), "prompt_format", 64),
+            meta=clean.json(dict(fields.get("meta") or {}), "meta"),
         )
+        values["meta"] = clean.noted(values["meta"])
         if self.is_sqlite or self.is_postgres:
             if self.is_sqlite:
                 from sqlalchemy.dialects.sqlite import insert
@@ -212,32 +194,34 @@ class StoreWriting(StoreReading):
                 self._ensure(session, conversation_id, conversation)
             if keep_replies is not None:
                 self._supersede_replies(session, conversation_id, keep_replies)
-            clean = self._storable
+            clean = Normaliser()
             row = MessageRow(
                 conversation_id=conversation_id,
                 role=role,
-                text=clean(text),
+                text=clean.text(text, "text"),
                 created=created,
-                author_id=author_id,
-                token_count=token_count,
-                prompt_tokens=prompt_tokens,
-                latency_s=latency_s,
-                first_token_s=first_token_s,
-                decoder=clean(decoder),
-                steerers=clean(steerers),
-                candidates=clean(candidates),
-                seed=seed,
+                author_id=clean.text(author_id, "author_id", 64),
+                token_count=clean.integer(token_count, "token_count"),
+                prompt_tokens=clean.integer(prompt_tokens, "prompt_tokens"),
+                latency_s=clean.real(latency_s, "latency_s"),
+                first_token_s=clean.real(first_token_s, "first_token_s"),
+                decoder=clean.json(decoder, "decoder"),
+                steerers=clean.json(steerers, "steerers"),
+                candidates=clean.json(candidates, "candidates"),
+                seed=clean.integer(seed, "seed"),
                 interrupted=interrupted,
                 superseded=False,
-                provenance=clean(provenance),
+                provenance=clean.json(provenance, "provenance"),
                 write_key=write_key,
             )
+            row.provenance = clean.noted(row.provenance)
             session.add(row)
             session.flush()
             current: dict[str, Any] = {"updated": created}
             if conversation is not None:  # a system prompt or format changed mid-conversation is kept as it is now
                 current.update(
-                    system=clean(conversation.get("system")), prompt_format=conversation.get("prompt_format")
+                    system=clean.text(conversation.get("system"), "system"),
+                    prompt_format=clean.text(conversation.get("prompt_format"), "prompt_format", 64),
                 )
             session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
             return row.id
