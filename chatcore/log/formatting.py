@@ -160,9 +160,14 @@ def around_match(text: str, wanted: str | None, width: int = SEARCH_CONTEXT) -> 
     to show than a short one."""
     start = 0
     if wanted:
-        found = re.search(re.escape(wanted), text, re.IGNORECASE)
-        if found is not None and found.end() > width:
-            start = max(0, found.start() - width // 3)
+        lowered = text.lower()
+        if len(lowered) == len(text):  # the usual case: lower() kept every index
+            at = lowered.find(wanted.lower())
+        else:
+            found = re.search(re.escape(wanted), text, re.IGNORECASE)
+            at = -1 if found is None else found.start()
+        if at + len(wanted) > width:
+            start = max(0, at - width // 3)
     # Twice the width: whitespace runs collapse and escapes grow, then one_line cuts to width.
     piece = text[start : start + 2 * width]
     return ("…" if start else "") + piece
