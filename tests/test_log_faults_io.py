@@ -8,7 +8,9 @@ its start. The PostgreSQL cases run against the throwaway cluster these tests st
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +164,35 @@ def test_searching_a_huge_message_shows_only_the_text_around_the_match(tmp_path:
         store.add_message("huge", "user", huge, conversation={"title": "huge"})
     shown = faults.logs_command("search", "NEEDLE", "--db", str(path)).stdout
     assert "the needle is here" in shown and len(shown) < 300
+
+
+# -- one file per log ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("change", ["replaced", "restored from a copy", "deleted"])
+def test_a_log_file_changed_under_a_chat_keeps_its_own_content_and_the_chat_once(
+    chat_engine: Any, tmp_path: Path, change: str
+) -> None:
+    path, other = tmp_path / "log.sqlite3", tmp_path / "other.sqlite3"
+    with ConversationStore(sqlite_url(other)) as store:
+        store.add_message("other", "user", "a conversation of the other file", conversation={"title": "other"})
+    store = ConversationStore(sqlite_url(path))
+    told: list[str] = []
+    chat_engine.host.register(ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "j"), "log")
+    conversation = chat_engine.conversation()
+    chat(conversation, ["one", "two"])
+    assert (tmp_path / "log.sqlite3-wal").stat().st_size > 0  # the turns sit in the WAL, not yet in the file
+    if change == "replaced":
+        other.replace(path)
+    elif change == "restored from a copy":
+        with closing(sqlite3.connect(path)) as source, closing(sqlite3.connect(other)) as copy:
+            source.backup(copy)  # a backup of the log as it is now, put back in its place
+        other.replace(path)
+    else:
+        path.unlink()
+    chat(conversation, ["three", "four"])
+    assert len(told) == 1 and ("deleted" if change == "deleted" else "replaced") in told[0]
+    with ConversationStore(sqlite_url(path)) as reader:
+        # The old file's WAL was never applied to the new file; the chat is in it once.
+        assert logged_texts(reader, conversation.id) == [(t.role, t.text) for t in conversation.turns]
+        others = [s.id for s in reader.list_conversations() if s.id != conversation.id]
+        assert others == (["other"] if change == "replaced" else [])
+    store.close()

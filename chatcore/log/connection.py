@@ -57,6 +57,7 @@ def _sqlite_connector(synchronous: str) -> Callable[[Any, Any], None]:
 
 
 _WRITE = {"sqlite_begin": "BEGIN IMMEDIATE"}
+WAL_COMPANIONS = ("-wal", "-shm")
 
 LIBPQ_DRIVERS = ("psycopg", "psycopg2")
 POSTGRES_DEFAULTS: dict[str, Any] = {
@@ -150,7 +151,8 @@ class StoreConnection:
         except BaseException:
             self.db.dispose()
             raise
-        self._file_identity = self._identity()
+        self._companions: dict[str, tuple[int, int] | None] = {}
+        self._note_identity()
 
     def _sqlite_begin(self, connection: sa.Connection) -> None:
         # Writers take the write lock at BEGIN: they wait their turn (busy timeout)
@@ -174,13 +176,18 @@ class StoreConnection:
         """The SQLite file of this log (None for servers, memory and URI names)."""
         return self._file_path()
 
-    def _identity(self) -> tuple[int, int] | None:
+    def _identity(self, suffix: str = "") -> tuple[int, int] | None:
         path = self._file_path()
         try:
-            found = path.stat() if path is not None else None
+            found = path.with_name(path.name + suffix).stat() if path is not None else None
         except OSError:
             return None
         return (found.st_dev, found.st_ino) if found is not None else None
+
+    def _note_identity(self) -> None:
+        """Remember which files at the path are this log's: the database, its -wal and its -shm."""
+        self._file_identity = self._identity()
+        self._companions = {suffix: self._identity(suffix) for suffix in WAL_COMPANIONS}
 
     def file_gone(self) -> str | None:
         """Why the SQLite file this store opened is no longer the one at its path (deleted,
@@ -189,15 +196,27 @@ class StoreConnection:
             return None
         now = self._identity()
         if now == self._file_identity:
+            self._companions = {suffix: self._identity(suffix) for suffix in WAL_COMPANIONS}
             return None
         return f"the log file {self._file_path()} was {'deleted' if now is None else 'replaced'}"
 
     def reopen(self) -> None:
-        """Open the file at the path afresh (creating it, with its schema, when it is gone)."""
+        """Open the file at the path afresh (creating it, with its schema, when it is gone).
+
+        SQLite leaves the -wal and -shm of a file that was moved or deleted under it where
+        they are, unmerged (it will not checkpoint into a file it no longer finds at its
+        path). Opened beside the new file, that WAL would be applied to it and overwrite its
+        pages with the old file's; so they are removed first, when they are still the very
+        files this log used (a -wal that came with the new file is its own, and kept)."""
         self.db.dispose()
+        path = self._file_path()
+        if path is not None:
+            for suffix, identity in self._companions.items():
+                if identity is not None and self._identity(suffix) == identity:
+                    path.with_name(path.name + suffix).unlink(missing_ok=True)
         self._check_sqlite_location(self._parsed, create=True)
         self._prepare_schema()
-        self._file_identity = self._identity()
+        self._note_identity()
 
     def _take_synchronous(self, parsed: sa.URL) -> sa.URL:
         """Read ``?synchronous=normal|full`` off an SQLite URL (it is not a driver argument)."""

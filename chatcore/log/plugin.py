@@ -37,12 +37,12 @@ Nothing is dropped and nothing breaks referential integrity:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -222,10 +222,18 @@ class ConversationLogPlugin:
             kept += 1
         return kept
 
+    @staticmethod
+    def write_key(conversation_id: str, turn: "Turn") -> str:
+        """The key of a turn's write: the same for every write of that turn (a hook, a conversation
+        written again into a new file, an adapter handing it over twice), so it is stored once."""
+        digest = hashlib.sha256(f"{conversation_id}\0{turn.role}\0{turn.created.isoformat()}\0".encode())
+        digest.update(turn.text.encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()[:32]
+
     def _message_write(self, conversation: "Conversation", role: str, turn: "Turn", fields: dict[str, Any]) -> Write:
         author_id = turn.meta.get("author_id")
         return {
-            "key": uuid.uuid4().hex,
+            "key": self.write_key(conversation.id, turn),
             "conversation_id": conversation.id,
             "role": role,
             "text": turn.text,
