@@ -241,6 +241,19 @@ def unavailable(store: ConversationStore, backend: Backend) -> Iterator[None]:
     admin.dispose()
 
 
+def refuse_connections(cluster: ThrowawayCluster, url: str, refuse: bool) -> None:
+    """Close the database at ``url`` to connections (and end those it has), or open it again."""
+    name = sa.engine.make_url(url).database
+    admin = sa.create_engine(cluster.url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.exec_driver_sql(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {"false" if refuse else "true"}')
+        if refuse:
+            connection.exec_driver_sql(
+                f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'"
+            )
+    admin.dispose()
+
+
 # -- 4. writes the database cannot take go to the journal at once ---------------------------------------
 def test_writes_that_cannot_reach_the_database_are_journaled_at_once_and_replayed_in_order(
     chat_engine: Any, backend: Backend, tmp_path: Path

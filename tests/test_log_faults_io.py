@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 import test_conversation_log_faults as faults
 from pg_cluster import ThrowawayCluster
 
-from chatcore.log import ConversationLogPlugin
+from chatcore.log import ConversationLogPlugin, LogError
 from chatcore.log.location import sqlite_url
 from chatcore.log.store import ConversationStore
 
@@ -196,3 +197,41 @@ def test_a_log_file_changed_under_a_chat_keeps_its_own_content_and_the_chat_once
         others = [s.id for s in reader.list_conversations() if s.id != conversation.id]
         assert others == (["other"] if change == "replaced" else [])
     store.close()
+
+
+# -- a log that cannot be opened when the chat starts ----------------------------------------------------
+def test_a_log_that_cannot_open_at_the_start_journals_every_turn_until_it_opens(
+    chat_engine: Any, backend: Backend, tmp_path: Path
+) -> None:
+    url = backend.new_url()
+    if backend.cluster is None:
+        blocked = Path(sa.engine.make_url(url).database or "").parent
+        blocked.rmdir()
+        blocked.write_text("a file where the log's folder should be")  # refused, as by a full disk
+    else:
+        ConversationStore(url).close()
+        faults.refuse_connections(backend.cluster, url, refuse=True)  # the server refuses this database
+    with pytest.raises(LogError):
+        ConversationStore(url)
+    told: list[str] = []
+    recovered, notify = recovery_event(told)
+    plugin = ConversationLogPlugin(
+        None, notify=notify, journal_dir=tmp_path / "journal", url=url, opener=lambda: ConversationStore(url)
+    )
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    chat(conversation, ["one", "two"])
+    (journal,) = (tmp_path / "journal").glob("*.jsonl")
+    assert plugin.store is None and len(journal.read_text().splitlines()) == 4  # on the disk, not in memory
+    if backend.cluster is None:
+        blocked.unlink()
+        blocked.mkdir()
+    else:
+        faults.refuse_connections(backend.cluster, url, refuse=False)
+    chat(conversation, ["three"])
+    assert plugin.wait_idle(timeout_s=120)
+    plugin.flush()
+    assert recovered.is_set() and plugin.store is not None and plugin.pending == 0
+    assert logged_texts(plugin.store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
+    plugin.close()
+    plugin.store.close()

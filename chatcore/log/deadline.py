@@ -58,6 +58,17 @@ class DeadlineWorker:
         except FutureTimeout:
             raise LogUnavailableError(f"the database did not answer within {timeout_s:g} s") from None
 
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait for a call that outlived its deadline to end; False if it is still running after ``timeout_s``."""
+        current = self._current
+        if current is None:
+            return True
+        try:
+            current.exception(timeout=timeout_s)
+        except FutureTimeout:
+            return False
+        return True
+
     def _serve(self) -> None:
         while True:
             item = self._calls.get()

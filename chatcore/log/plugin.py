@@ -97,22 +97,35 @@ class ConversationLogPlugin:
     database cannot take at once are journaled (default: ``log-journal`` in the user
     data folder). ``max_pending``: how many writes may wait in memory when the journal
     cannot be written either; past it they are dropped, and counted in :attr:`dropped`.
+    ``write_deadline_s``: the longest a turn waits for its write (a hung server) before
+    the write is journaled.
+
+    A log that could not be opened when the adapter started (locked, a server down, a
+    read-only folder): ``store=None`` with its ``url`` and an ``opener``; every write is
+    journaled (on the disk, before the reply is shown), and each write, and the retry
+    timer, tries to open it; once open, the journal is written to it, in order.
     """
 
     def __init__(
         self,
-        store: "ConversationStore",
+        store: "ConversationStore | None",
         notify: Callable[[str], None] | None = None,
         retry_after_s: float = RETRY_AFTER_S,
         max_pending: int = MAX_PENDING_WRITES,
         journal_dir: str | Path | None = None,
         write_deadline_s: float = WRITE_DEADLINE_S,
+        *,
+        opener: "Callable[[], ConversationStore] | None" = None,
+        url: str | None = None,
     ) -> None:
+        if store is None and (opener is None or url is None):
+            raise ValueError("a log that is not open yet (`store` None) needs its `url` and an `opener`")
         if max_pending < 1:
             raise ValueError(f"`max_pending` must be a positive integer, got {max_pending}")
         if not write_deadline_s > 0:
             raise ValueError(f"`write_deadline_s` must be a positive number of seconds, got {write_deadline_s}")
         self.store = store
+        self._opener = opener
         self.notify = notify or (lambda message: logger.warning("%s", message))
         self.retry_after_s = retry_after_s
         self.max_pending = max_pending
@@ -133,7 +146,12 @@ class ConversationLogPlugin:
             from chatcore.log.location import user_data_path
 
             journal_dir = user_data_path() / JOURNAL_FOLDER
-        self.journal = SpillJournal(Path(journal_dir), store.url)
+        self.journal = SpillJournal(Path(journal_dir), store.url if store is not None else str(url))
+        if store is None:  # every write goes to the journal until the log opens (tried on each write)
+            self.damaged: str | None = None
+            self.failing = "the log is not open yet"
+            self._failed_at = time.monotonic()
+            return
         # A damaged SQLite file is never written into: every write goes to the journal.
         self.damaged = store.quick_check()
         if self.damaged is not None:
@@ -290,6 +308,8 @@ class ConversationLogPlugin:
         write into the unlinked file, out of sight. Found before a write: say so once,
         open a new file at the path, and write this conversation into it from its first
         turn (the turns of other conversations in the lost file are not recovered)."""
+        if self.store is None:
+            return False
         try:
             gone = self.store.file_gone()
             if gone is None:
@@ -340,12 +360,13 @@ class ConversationLogPlugin:
         While the log fails, a retry waits at most RETRY_WAIT_S for SQLite's lock, so
         retrying on every turn never holds a turn up for the whole busy timeout.
         """
-        self.store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
         store = self.store
+        if store is not None:
+            store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
         deadline_s = self.failing_wait_s if self.failing is not None else self.write_deadline_s
         try:
             self._writer.run(
-                lambda: store.add_message(
+                lambda: (store or self._open()).add_message(
                     write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
                 ),
                 deadline_s,
@@ -364,6 +385,20 @@ class ConversationLogPlugin:
             self.rejected += 1
             self._set_aside(write, error)
         return True
+
+    def _open(self) -> "ConversationStore":
+        """Open the log that could not be opened at the start (on the writer thread). Any failure
+        may pass (a folder made later, a server started): the writes stay journaled."""
+        assert self._opener is not None
+        try:
+            store = self._opener()
+        except LogUnavailableError:
+            raise
+        except LogError as error:
+            raise LogUnavailableError(str(error)) from error
+        store.write_wait_s = RETRY_WAIT_S
+        self.store = store
+        return store
 
     def _set_aside(self, write: Write, error: LogError) -> None:
         where: Path = self.journal.folder / f"{self.journal.prefix}-rejected.jsonl"
@@ -444,6 +479,10 @@ class ConversationLogPlugin:
     def journaled(self) -> int:
         """Writes waiting in the spill journal (this process's file)."""
         return self.journal.count
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait for a write that outlived its deadline to end (True when none runs any more)."""
+        return self._writer.wait_idle(timeout_s)
 
     def flush(self) -> bool:
         """Try the waiting writes now, however recently they failed; True when none is left."""
