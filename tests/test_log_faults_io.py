@@ -235,3 +235,60 @@ def test_a_log_that_cannot_open_at_the_start_journals_every_turn_until_it_opens(
     assert logged_texts(plugin.store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
     plugin.close()
     plugin.store.close()
+
+
+# -- two chats on one conversation --------------------------------------------------------------------------
+def chat_engine_of_its_own(loaded: Any) -> Any:
+    """Another chat process, as far as the log can tell: an engine with its own plugin host."""
+    from conftest import BUILTIN_TEST_PLUGINS
+
+    import chatcore.plugin_manager as plugin_manager
+    from chatcore.engine import Engine
+
+    host = plugin_manager.PluginHost()
+    host.load_modules(BUILTIN_TEST_PLUGINS)
+    assert host.register(faults.FixedTextPlugin(), "fixed-reply-test")
+    return Engine(loaded, host=host)
+
+
+def test_a_second_chat_on_one_conversation_forks_it_and_nothing_is_mislabelled(
+    loaded: Any, backend: Backend, tmp_path: Path
+) -> None:
+    url = backend.new_url()
+    engines, stores, told = [], [], []
+    for name in ("first", "second"):
+        engine = chat_engine_of_its_own(loaded)
+        stores.append(ConversationStore(url))
+        said: list[str] = []
+        engine.host.register(ConversationLogPlugin(stores[-1], notify=said.append, journal_dir=tmp_path / name), "log")
+        engines.append(engine)
+        told.append(said)
+    started = engines[0].conversation()
+    chat(started, ["hello"])
+    first, second = (stores[n].resume(engines[n], started.id) for n in range(2))  # two terminals, one --cid
+    chat(first, ["from the first"], reply="first reply")
+    chat(second, ["from the second"], reply="second reply")  # another chat wrote since: it forks
+    first.turns.pop()  # /retry: a retried reply supersedes only the first chat's own reply
+    first.reply(decoder="fixed-reply", decoder_settings={"text": "first reply"}).text()
+    chat(first, ["the first goes on"], reply="first again")
+    chat(second, ["the second goes on"], reply="second again")
+    assert told[0] == [] and len(told[1]) == 1 and "goes on in a new conversation" in told[1][0]
+    store = stores[0]
+    original = store.get_conversation(started.id)
+    assert [(m.text, m.superseded) for m in original.messages] == [
+        ("hello", False),
+        ("a fixed reply", False),
+        ("from the first", False),
+        ("first reply", True),
+        ("first reply", False),
+        ("the first goes on", False),
+        ("first again", False),
+    ]
+    (fork,) = [s.id for s in store.list_conversations() if s.id != started.id]
+    assert fork[:12] in told[1][0]
+    assert [(m.text, m.superseded) for m in store.get_conversation(fork).messages] == [
+        (t.text, False) for t in second.turns
+    ]
+    assert [t.text for t in store.resume(engines[1], fork).turns] == [t.text for t in second.turns]
+    for made in stores:
+        made.close()

@@ -43,13 +43,15 @@ import logging
 import os
 import threading
 import time
+import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import chatcore
 from chatcore.log.deadline import DeadlineWorker
-from chatcore.log.errors import LogError, LogUnavailableError
+from chatcore.log.errors import ConversationTakenError, LogError, LogUnavailableError
 from chatcore.log.journal import SpillJournal
 from chatcore.log.private_files import open_private_append
 
@@ -136,6 +138,10 @@ class ConversationLogPlugin:
         self._pending: list[Write] = []
         self._unsaved_told = False
         self.dropped = 0  # writes lost because memory, the journal and the database were all full
+        self.writer = uuid.uuid4().hex  # this chat, as the messages' ``writer`` column names it
+        self._since: dict[str, int] = {}  # per conversation: the newest logged message this chat had read
+        self._forks: dict[str, str] = {}  # conversation -> the new one its turns go to (another chat writes it)
+        self._live: weakref.WeakValueDictionary[str, Conversation] = weakref.WeakValueDictionary()
         self.write_deadline_s = write_deadline_s
         self.failing_wait_s = min(FAILING_WAIT_S, write_deadline_s)
         self._writer = DeadlineWorker()
@@ -250,19 +256,35 @@ class ConversationLogPlugin:
 
     def _message_write(self, conversation: "Conversation", role: str, turn: "Turn", fields: dict[str, Any]) -> Write:
         author_id = turn.meta.get("author_id")
-        return {
-            "key": self.write_key(conversation.id, turn),
-            "conversation_id": conversation.id,
-            "role": role,
-            "text": turn.text,
-            "fields": dict(
-                fields,
-                created=turn.created,
-                interrupted=turn.interrupted,
-                author_id=None if author_id is None else str(author_id),
-                conversation=self._conversation_fields(conversation),
-            ),
-        }
+        since = self._since.setdefault(
+            conversation.id, max((int(t.meta.get("log_message_id") or 0) for t in conversation.turns), default=0)
+        )
+        return self._retarget(
+            {
+                "key": self.write_key(conversation.id, turn),
+                "conversation_id": conversation.id,
+                "role": role,
+                "text": turn.text,
+                "fields": dict(
+                    fields,
+                    created=turn.created,
+                    interrupted=turn.interrupted,
+                    author_id=None if author_id is None else str(author_id),
+                    conversation=self._conversation_fields(conversation),
+                    writer=self.writer,
+                    writer_since=since,
+                ),
+            }
+        )
+
+    def _retarget(self, write: Write) -> Write:
+        """The write into the conversation this chat's turns moved to, when another chat writes the original."""
+        fork = self._forks.get(write["conversation_id"])
+        if fork is None:
+            return write
+        key = hashlib.sha256(f"{fork}\0{write['key']}".encode()).hexdigest()[:32]
+        fields = dict(write["fields"], writer_since=0, keep_replies=None)
+        return dict(write, conversation_id=fork, key=key, fields=fields)
 
     @staticmethod
     def _conversation_fields(conversation: "Conversation") -> dict[str, Any]:
@@ -286,6 +308,7 @@ class ConversationLogPlugin:
     # -- writing ----------------------------------------------------------------------
     def _submit(self, conversation: "Conversation", write: Write) -> None:
         with self._lock:
+            self._live[conversation.id] = conversation
             if self.damaged is None and self._reopened_after_loss(conversation):
                 return  # this write was part of the conversation written again
             if self.damaged is not None:
@@ -360,6 +383,7 @@ class ConversationLogPlugin:
         While the log fails, a retry waits at most RETRY_WAIT_S for SQLite's lock, so
         retrying on every turn never holds a turn up for the whole busy timeout.
         """
+        write = self._retarget(write)  # one journaled before its conversation moved
         store = self.store
         if store is not None:
             store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
@@ -381,10 +405,27 @@ class ConversationLogPlugin:
             self._failed_at = time.monotonic()
             self._start_retrying()
             return False
+        except ConversationTakenError:
+            self._fork(write)
         except LogError as error:  # refused for good: set it aside, never block the writes after it
             self.rejected += 1
             self._set_aside(write, error)
         return True
+
+    def _fork(self, write: Write) -> None:
+        """Another chat writes this conversation too (two terminals on one ``--cid``): rather than
+        interleave the two, this chat goes on in a new conversation holding its turns so far."""
+        original = write["conversation_id"]
+        self._forks[original] = fork = uuid.uuid4().hex
+        live = self._live.get(original)
+        self.notify(
+            f"conversation {original[:12]} is being written by another chat as well; this chat goes on in a new "
+            f"conversation {fork[:12]}, which holds its turns so far (`chatcore chat --cid {fork[:12]}` resumes it)"
+        )
+        copies = [self._turn_write(live, turn) for turn in live.turns] if live is not None else [self._retarget(write)]
+        for copy in copies:
+            if not self._write(copy):
+                self._keep(copy)
 
     def _open(self) -> "ConversationStore":
         """Open the log that could not be opened at the start (on the writer thread). Any failure

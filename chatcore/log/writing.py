@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from chatcore.log.errors import LogError
+from chatcore.log.errors import ConversationTakenError, LogError
 from chatcore.log.models import ConversationRow, MessageRow, utc_now
 from chatcore.log.normalise import NUL_SYMBOL, REPLACEMENT, Normaliser, storable
 from chatcore.log.reading import StoreReading
@@ -119,6 +119,8 @@ class StoreWriting(StoreReading):
         keep_replies: int | None = None,
         write_key: str | None = None,
         conversation: dict[str, Any] | None = None,
+        writer: str | None = None,
+        writer_since: int = 0,
     ) -> int:
         """Append one message and commit; returns its id.
 
@@ -131,6 +133,11 @@ class StoreWriting(StoreReading):
         ``conversation``: :meth:`ensure_conversation`'s fields; the conversation's row
         is added in the same transaction if missing, so a message never depends on an
         earlier write having got through.
+
+        ``writer``: who writes (one id per chat); with it, a message written into the
+        conversation by another writer after message id ``writer_since`` (the newest one
+        this writer has read) raises :class:`ConversationTakenError` instead of
+        interleaving two chats, and a retried reply supersedes only this writer's replies.
         """
         try:
             return self._insert_message(
@@ -152,6 +159,8 @@ class StoreWriting(StoreReading):
                 keep_replies=keep_replies,
                 write_key=write_key,
                 conversation=conversation,
+                writer=writer,
+                writer_since=writer_since,
             )
         except LogError as error:
             # The same write committed by another attempt meanwhile (one that outlived its
@@ -184,16 +193,33 @@ class StoreWriting(StoreReading):
         keep_replies: int | None,
         write_key: str | None,
         conversation: dict[str, Any] | None,
+        writer: str | None,
+        writer_since: int,
     ) -> int:
         with self._session("add a message", write=True) as session:
             if write_key is not None:
                 stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
                 if stored is not None:
                     return int(stored)
+            if writer is not None:
+                other = session.scalar(
+                    sa.select(MessageRow.writer)
+                    .where(
+                        MessageRow.conversation_id == conversation_id,
+                        MessageRow.id > writer_since,
+                        MessageRow.writer.is_not(None),
+                        MessageRow.writer != writer,
+                    )
+                    .limit(1)
+                )
+                if other is not None:
+                    raise ConversationTakenError(
+                        f"conversation {conversation_id} is being written by another chat as well"
+                    )
             if conversation is not None:
                 self._ensure(session, conversation_id, conversation)
             if keep_replies is not None:
-                self._supersede_replies(session, conversation_id, keep_replies)
+                self._supersede_replies(session, conversation_id, keep_replies, writer)
             clean = Normaliser()
             row = MessageRow(
                 conversation_id=conversation_id,
@@ -213,6 +239,7 @@ class StoreWriting(StoreReading):
                 superseded=False,
                 provenance=clean.json(provenance, "provenance"),
                 write_key=write_key,
+                writer=writer,
             )
             row.provenance = clean.noted(row.provenance)
             session.add(row)
@@ -226,7 +253,7 @@ class StoreWriting(StoreReading):
             session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
             return row.id
 
-    def _supersede_replies(self, session: Session, conversation_id: str, keep: int) -> None:
+    def _supersede_replies(self, session: Session, conversation_id: str, keep: int, writer: str | None) -> None:
         newest_user = (
             sa.select(sa.func.max(MessageRow.id))
             .where(MessageRow.conversation_id == conversation_id, MessageRow.role == "user")
@@ -239,6 +266,8 @@ class StoreWriting(StoreReading):
                 MessageRow.role == "bot",
                 MessageRow.superseded.is_(False),
                 MessageRow.id > sa.func.coalesce(newest_user, 0),
+                # Only this chat's own replies: another chat's are never taken for retried ones.
+                sa.true() if writer is None else sa.or_(MessageRow.writer.is_(None), MessageRow.writer == writer),
             )
             .order_by(MessageRow.id)
         ).all()
