@@ -292,3 +292,19 @@ def test_a_second_chat_on_one_conversation_forks_it_and_nothing_is_mislabelled(
     assert [t.text for t in store.resume(engines[1], fork).turns] == [t.text for t in second.turns]
     for made in stores:
         made.close()
+
+
+def test_a_journal_is_replayed_by_any_spelling_of_its_database(chat_engine: Any, tmp_path: Path) -> None:
+    folder = tmp_path / "logs"
+    (tmp_path / "link").symlink_to(folder, target_is_directory=True)
+    store = ConversationStore(f"sqlite:///{folder}/log.sqlite3?synchronous=full", timeout_s=0.05)
+    plugin = ConversationLogPlugin(store, retry_after_s=0.0, journal_dir=tmp_path / "journal")
+    chat_engine.host.register(plugin, "conversation-log")
+    conversation = chat_engine.conversation()
+    with faults.unavailable(store, Backend("sqlite", tmp_path)):
+        chat(conversation, ["said while the log was locked"])
+        assert plugin.close() == 2
+    store.close()
+    with ConversationStore(sqlite_url(tmp_path / "link" / "log.sqlite3")) as later:  # another spelling, one file
+        ConversationLogPlugin(later, journal_dir=tmp_path / "journal").close()
+        assert logged_texts(later, conversation.id) == [(t.role, t.text) for t in conversation.turns]
