@@ -283,7 +283,7 @@ class ConversationLogPlugin:
         if fork is None:
             return write
         key = hashlib.sha256(f"{fork}\0{write['key']}".encode()).hexdigest()[:32]
-        fields = dict(write["fields"], writer_since=0, keep_replies=None)
+        fields = dict(write["fields"], writer_since=0)
         return dict(write, conversation_id=fork, key=key, fields=fields)
 
     @staticmethod
