@@ -15,16 +15,16 @@ def long_conversation(engine: Any, history_tokens: int, reply_tokens: int) -> An
     ``reply_tokens``, has at least ``history_tokens`` tokens (or all the model's context
     allows)."""
     conversation = engine.conversation()
-    conversation.add_user(LINES[0])
+    engine.add_user(conversation, LINES[0])
     while True:
-        before = len(conversation.prompt(reply_tokens).token_ids)
+        before = len(engine.prompt(conversation, reply_tokens).token_ids)
         if before >= history_tokens:
             return conversation
         if len(conversation.turns) % 2:
             conversation.add_bot_text(LINES[1])
         else:
-            conversation.add_user(LINES[0])
-        if len(conversation.prompt(reply_tokens).token_ids) <= before:
+            engine.add_user(conversation, LINES[0])
+        if len(engine.prompt(conversation, reply_tokens).token_ids) <= before:
             return conversation  # the model's context is full
 
 

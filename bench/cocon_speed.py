@@ -37,7 +37,7 @@ def main() -> None:
     n = args.tokens
 
     conversation = long_conversation(engine, args.history, n)
-    history_tokens = len(conversation.prompt(n).token_ids)
+    history_tokens = len(engine.prompt(conversation, n).token_ids)
 
     cocon_settings = {"content": args.content}
     if args.block:
@@ -62,7 +62,7 @@ def main() -> None:
         )
         sync()
         start = time.perf_counter()
-        response = conversation.reply(options)
+        response = engine.respond(conversation, options)
         response.text()
         sync()
         elapsed = time.perf_counter() - start

@@ -40,8 +40,8 @@ def main() -> None:
     )
 
     conversation = engine.conversation()
-    conversation.add_user("hi, how are you doing today? what did you do this weekend?")
-    prompt = conversation.prompt(n).token_ids
+    engine.add_user(conversation, "hi, how are you doing today? what did you do this weekend?")
+    prompt = engine.prompt(conversation, n).token_ids
     input_ids = torch.tensor([prompt], device=device)
     mask = torch.ones_like(input_ids)
 
@@ -53,7 +53,7 @@ def main() -> None:
         options = ReplyOptions(decoder=decoder, decoder_settings=settings, seed=0, max_new_tokens=n, min_new_tokens=n)
         sync()
         start = time.perf_counter()
-        response = conversation.reply(options)
+        response = engine.respond(conversation, options)
         response.text()
         sync()
         elapsed = time.perf_counter() - start
@@ -97,13 +97,13 @@ def main() -> None:
 
     # Time to first token with a ~400-token history.
     chat = long_conversation(engine, 400, n)
-    history_tokens = len(chat.prompt(n).token_ids)
-    long_ids = torch.tensor([chat.prompt(n).token_ids], device=device)
+    history_tokens = len(engine.prompt(chat, n).token_ids)
+    long_ids = torch.tensor([engine.prompt(chat, n).token_ids], device=device)
 
     def first_token_ours() -> float:
         sync()
         start = time.perf_counter()
-        response = chat.reply(ReplyOptions(decoder="greedy", max_new_tokens=1, seed=0))
+        response = engine.respond(chat, ReplyOptions(decoder="greedy", max_new_tokens=1, seed=0))
         next(iter(response), None)
         response.text()
         sync()

@@ -39,10 +39,10 @@ def turn_latencies(engine: Any, url: str, turns: int, journal: Path, during: Cal
     latencies = []
     with during(store):
         for number in range(turns):
-            conversation.add_user(f"question number {number}: what do you think about the weather today?")
+            engine.add_user(conversation, f"question number {number}: what do you think about the weather today?")
             conversation.add_bot_text(f"reply number {number}: i think it will rain later, bring an umbrella")
             started = time.perf_counter()
-            plugin.log_conversation(conversation, start=len(conversation.turns) - 2)
+            plugin.log_conversation(conversation, engine.loaded, start=len(conversation.turns) - 2)
             latencies.append(time.perf_counter() - started)
     plugin.close()
     store.close()

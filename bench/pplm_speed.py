@@ -59,7 +59,7 @@ def main() -> None:
         options = ReplyOptions(decoder="top-k", seed=0, max_new_tokens=n, min_new_tokens=n, steerers=steerers)
         sync()
         start = time.perf_counter()
-        response = conversation.reply(options)
+        response = engine.respond(conversation, options)
         response.text()
         sync()
         elapsed = time.perf_counter() - start
@@ -75,7 +75,7 @@ def main() -> None:
     for history in (args.history, 20):
         for n in lengths:
             conversation = long_conversation(engine, history, n)
-            prompt_tokens = len(conversation.prompt(n).token_ids)
+            prompt_tokens = len(engine.prompt(conversation, n).token_ids)
             timed(conversation, [], n), timed(conversation, pplm, n)  # warm-up
             plain_times, pplm_times = [], []
             for _ in range(args.repeats):

@@ -76,7 +76,7 @@ def throughput(engine, args) -> None:
     conversations = []
     for index in range(n):
         conversation = engine.conversation()
-        conversation.add_user(f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
+        engine.add_user(conversation, f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
         conversations.append(conversation)
     options = [
         ReplyOptions(decoder="top-k", seed=index, max_new_tokens=tokens, min_new_tokens=tokens) for index in range(n)
@@ -88,7 +88,7 @@ def throughput(engine, args) -> None:
         start = time.perf_counter()
         replies["alone"] = []
         for conversation, option in zip(conversations, options):
-            response = conversation.reply(option)
+            response = engine.respond(conversation, option)
             response.text()
             assert len(response.token_ids) == tokens
             replies["alone"].append(response.token_ids)
@@ -139,7 +139,7 @@ def compare_threads(args) -> None:
         conversations = []
         for index in range(n):
             conversation = engine.conversation()
-            conversation.add_user(f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
+            engine.add_user(conversation, f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
             conversations.append(conversation)
         options = [
             ReplyOptions(decoder="top-k", seed=i, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
@@ -176,9 +176,9 @@ def first_token(engine, args, Scheduler) -> None:
         scheduler.prefix_cache.clear()  # only the previous turn may be reused, not an earlier run of this one
         conversation = long_conversation(engine, history, args.tokens) if history else engine.conversation()
         if not history:
-            conversation.add_user(QUESTIONS[0])
+            engine.add_user(conversation, QUESTIONS[0])
         scheduler.respond(conversation, turn).text()
-        conversation.add_user(QUESTIONS[1])
+        engine.add_user(conversation, QUESTIONS[1])
         handle = scheduler.submit(conversation, first)
         handle.wait()
         reused = handle.provenance.get("prefix_cached_tokens", 0)
@@ -187,10 +187,10 @@ def first_token(engine, args, Scheduler) -> None:
     def generate_ttft(history: int) -> float:
         conversation = long_conversation(engine, history, args.tokens) if history else engine.conversation()
         if not history:
-            conversation.add_user(QUESTIONS[0])
+            engine.add_user(conversation, QUESTIONS[0])
         conversation.add_bot_text("i like it a lot.")
-        conversation.add_user(QUESTIONS[1])
-        ids = torch.tensor([conversation.prompt(1).token_ids], device=device)
+        engine.add_user(conversation, QUESTIONS[1])
+        ids = torch.tensor([engine.prompt(conversation, 1).token_ids], device=device)
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(

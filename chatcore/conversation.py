@@ -1,38 +1,27 @@
-"""Conversations: a system prompt, turns, and replies.
+"""Conversations: a system prompt, turns, and the name of a prompt format. Plain data.
 
-The engine's prompt format (chatcore.prompting) turns the system prompt and the turns
-into the prompt's token ids. When they do not fit the model's context (its positions
-minus the reply's token budget), the oldest whole turns are dropped, never the system
-prompt; if the newest turn alone is too long, only its most recent tokens are kept.
-User text is never parsed for special tokens.
+A conversation holds no engine: the engine (:class:`chatcore.engine.Engine`) adds a user's
+turn and fires ``on_user_message`` (``engine.add_user``), replies (``engine.respond``,
+``engine.send``) and records each reply as a bot turn (``engine.record``). Its prompt
+format renders the system prompt and the turns into the prompt's token ids; when they do
+not fit the model's context (its positions minus the reply's token budget), the oldest
+whole turns are dropped, never the system prompt; if the newest turn alone is too long,
+only its most recent tokens are kept. User text is never parsed for special tokens.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 from chatcore.errors import ChatcoreError
-from chatcore.prompting import Message, PromptPlan, clean_system_prompt, prompt_budget
-from chatcore.text import clean_message
+from chatcore.prompting import clean_system_prompt
+from chatcore.values import Message, PromptPlan, Speaker, Turn
 
-if TYPE_CHECKING:
-    from chatcore.engine import Engine, ReplyOptions
-    from chatcore.response import Response
+Role = Speaker  # the name this module has always given it
 
-Role = Literal["user", "bot"]
-
-
-@dataclass
-class Turn:
-    role: Role
-    text: str
-    created: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
-    interrupted: bool = False
-    meta: dict[str, Any] = field(default_factory=dict)
+__all__ = ["Conversation", "PromptPlan", "Role", "Turn", "build_prompt"]
 
 
 def build_prompt(turn_ids: Sequence[Sequence[int]], eos: int, budget: int) -> PromptPlan:
@@ -63,22 +52,21 @@ def build_prompt(turn_ids: Sequence[Sequence[int]], eos: int, budget: int) -> Pr
 
 
 class Conversation:
-    """The turns of one conversation, its system prompt, and the engine that answers them.
+    """The turns of one conversation and its system prompt.
 
     ``system``: the system prompt (persona), or None. ``prompt_format``: a format name
-    for this conversation, or None for the engine's.
+    for this conversation, or None for the engine's. ``meta``: facts adapters keep with
+    it (``adapter``, ``channel_key``, ``title`` ...).
     """
 
     def __init__(
         self,
-        engine: "Engine",
         id: str | None = None,
         turns: Sequence[Turn] = (),
         system: str | None = None,
         prompt_format: str | None = None,
         **meta: Any,
     ) -> None:
-        self.engine = engine
         self.id = id or uuid.uuid4().hex
         self.turns: list[Turn] = list(turns)
         self.meta: dict[str, Any] = dict(meta)
@@ -93,19 +81,9 @@ class Conversation:
     def system(self, text: str | None) -> None:
         self._system = clean_system_prompt(text)
 
-    def add_user(self, text: Any, meta: dict[str, Any] | None = None) -> Turn:
-        """Append a user turn (validated and normalised) and fire ``on_user_message``.
-
-        ``meta``: facts about the turn that adapters record, e.g. ``{"author_id": "123"}``
-        (the conversation log stores the author so that an operator can export or delete
-        one person's messages).
-        """
-        turn = Turn("user", clean_message(text), meta=dict(meta or {}))
-        self.turns.append(turn)
-        self.engine.host.call_each("on_user_message", conversation=self, turn=turn)
-        return turn
-
     def add_bot_text(self, text: str, interrupted: bool = False, meta: dict[str, Any] | None = None) -> Turn:
+        """Append a bot turn (a scripted context's; the engine records real replies with
+        ``engine.record``, which also fires ``on_response``)."""
         turn = Turn("bot", text, interrupted=interrupted, meta=dict(meta or {}))
         self.turns.append(turn)
         return turn
@@ -120,36 +98,3 @@ class Conversation:
             if t.text or t.role == "bot"
         ]
         return messages
-
-    def prompt(self, max_new_tokens: int) -> PromptPlan:
-        """The prompt's token ids, leaving room for a reply of ``max_new_tokens`` (see ``prompt_budget``)."""
-        messages = self.messages()
-        if not any(m.role != "system" for m in messages):
-            raise ChatcoreError("the conversation has no turns to reply to")
-        budget = prompt_budget(self.engine.loaded.max_positions, max_new_tokens)
-        return self.engine.format_for(self).fit(messages, budget)
-
-    def reply(self, options: "ReplyOptions | None" = None, **overrides: Any) -> "Response":
-        """A lazy reply to the conversation so far (the last turn should be the user's)."""
-        return self.engine.respond(self, options, **overrides)
-
-    def send(self, text: Any, options: "ReplyOptions | None" = None, **overrides: Any) -> "Response":
-        """``add_user(text)`` then ``reply()``.
-
-        Options that cannot make a reply (an unknown name, a bad setting, steerers that
-        cannot work together) are refused first, so the message is not added or logged.
-        """
-        options = self.engine.options_for(options, **overrides)
-        self.engine.check_options(options)
-        self.add_user(text)
-        return self.reply(options)
-
-    def _record(self, response: "Response") -> None:
-        text = "".join(response._chunks)
-        if not text and (response.error is not None or response.interrupted):
-            # A reply that failed or was stopped before its first whole word (Ctrl-C while
-            # MMI ranks its candidates, a timeout in the middle of the first word) is not a
-            # turn: the user's message waits for one.
-            return
-        self.add_bot_text(text, interrupted=response.interrupted, meta={"provenance": response.provenance})
-        self.engine.host.call_each("on_response", conversation=self, response=response)

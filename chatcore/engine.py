@@ -1,8 +1,8 @@
 """The dialogue engine: a loaded model, the plugin registry, and replies.
 
 engine = Engine()                       # the bundled chatcore-tiny model
-conversation = engine.conversation()
-for delta in conversation.send("hi, how are you?"):
+conversation = engine.conversation()    # plain data: turns, system prompt, format name
+for delta in engine.send(conversation, "hi, how are you?"):
     print(delta, end="", flush=True)
 """
 
@@ -17,24 +17,24 @@ from typing import Any
 from pydantic import NonNegativeInt, PositiveInt, model_validator
 
 from chatcore.conversation import Conversation
-from chatcore.decoding import Decoder, GenerationSession
+from chatcore.decoding import Decoder
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model, sampling_defaults
 from chatcore.options import Configurable, Settings, settings_schema
 from chatcore.plugin_manager import PluginHost, get_plugin_host
 from chatcore.prompting import (
     AUTO,
-    Message,
     PromptFormat,
-    PromptPlan,
     choose_format,
     prompt_budget,
     scripted_messages,
     validate_format_name,
 )
-from chatcore.registry import Registry
+from chatcore.registry import Registry, registry_of
 from chatcore.response import Response
-from chatcore.steering import Steerer, check_composition, failed_layer
+from chatcore.steering import GenerationSession, Steerer, check_composition, failed_layer
+from chatcore.text import clean_message
+from chatcore.values import Message, PromptPlan, Turn
 
 DEFAULT_DECODER = "top-k"
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -110,7 +110,7 @@ def validate_options(options: ReplyOptions, registry: Registry | None = None, ho
     the model) when a configuration is given, before it is accepted or anything is logged.
     """
     host = host or get_plugin_host()
-    registry = registry or Registry.build(host)
+    registry = registry or registry_of(host)
     decoder = registry.decoder(options.decoder)
     steerers = [registry.steerer(name) for name, _ in options.steerers]
     check_composition(steerers)
@@ -134,18 +134,21 @@ class Engine:
         prompt_format: str = AUTO,
     ) -> None:
         self.host = host or get_plugin_host()
-        self.registry = Registry.build(self.host)
         if not self.registry.prompt_formats:
             # Every engine needs a prompt format: a host assembled by hand (tests, embedding
             # programs) gets the built-in ones, as the entry-point host always has them.
             self.host.load_modules((BUILTIN_FORMATS,))
-            self.registry = Registry.build(self.host)
         validate_format_name(prompt_format, self.registry)  # an unknown name fails before the model loads
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.sampling_defaults = sampling_defaults(self.loaded)
         self._formats: dict[str, PromptFormat] = {}
         self._setups: OrderedDict[tuple[type, str], Any] = OrderedDict()  # decoders' and steerers' setup results
         self.prompt_format = self.make_prompt_format(prompt_format)
+
+    @property
+    def registry(self) -> Registry:
+        """The names the host's plugins registered (built once per set of plugins: :func:`registry_of`)."""
+        return registry_of(self.host)
 
     # -- model -------------------------------------------------------------------
     @property
@@ -225,19 +228,17 @@ class Engine:
 
     # -- conversations ----------------------------------------------------------
     def conversation(self, system: str | None = None, prompt_format: str | None = None, **meta: Any) -> Conversation:
-        """A new conversation, with an optional system prompt and prompt format name."""
-        if prompt_format is not None:
-            self.make_prompt_format(prompt_format)
-        return Conversation(self, system=system, prompt_format=prompt_format, **meta)
+        """A new conversation, with an optional system prompt and prompt format name (default:
+        the engine's, by the name it resolved to)."""
+        chosen = self.make_prompt_format(prompt_format) if prompt_format is not None else self.prompt_format
+        return Conversation(system=system, prompt_format=chosen.name, **meta)
 
     def scripted(self, turns: Sequence[str], system: str | None = None) -> Conversation:
         """A conversation holding a scripted context (oldest turn first; the user's turn last)."""
-        from chatcore.text import clean_message
-
         conversation = self.conversation(system=system)
         for message in scripted_messages(turns):
             if message.role == "user":
-                conversation.add_user(message.text)
+                self.add_user(conversation, message.text)
             else:
                 conversation.add_bot_text(clean_message(message.text))
         return conversation
@@ -246,13 +247,65 @@ class Engine:
         self, turns: Sequence[str], options: ReplyOptions | None = None, system: str | None = None, **overrides: Any
     ) -> Response:
         """One-shot: a reply to a scripted context (oldest turn first, the user's last)."""
-        return self.scripted(turns, system).reply(options, **overrides)
+        return self.respond(self.scripted(turns, system), options, **overrides)
+
+    def add_user(self, conversation: Conversation, text: Any, meta: dict[str, Any] | None = None) -> Turn:
+        """Append a user turn (validated and normalised) to ``conversation`` and fire ``on_user_message``.
+
+        ``meta``: facts about the turn that adapters record, e.g. ``{"author_id": "123"}``
+        (the conversation log stores the author so that an operator can export or delete
+        one person's messages).
+        """
+        turn = Turn("user", clean_message(text), meta=dict(meta or {}))
+        conversation.turns.append(turn)
+        self.host.call_each("on_user_message", conversation=conversation, turn=turn, model=self.loaded)
+        return turn
+
+    def send(
+        self, conversation: Conversation, text: Any, options: ReplyOptions | None = None, **overrides: Any
+    ) -> Response:
+        """``add_user(conversation, text)`` then ``respond(conversation)``.
+
+        Options that cannot make a reply (an unknown name, a bad setting, steerers that
+        cannot work together) are refused first, so the message is not added or logged.
+        """
+        options = self.options_for(options, **overrides)
+        self.check_options(options)
+        self.add_user(conversation, text)
+        return self.respond(conversation, options)
 
     def respond(self, conversation: Conversation, options: ReplyOptions | None = None, **overrides: Any) -> Response:
+        """A lazy reply to the conversation so far (its last turn should be the user's),
+        recorded in it when it ends (:meth:`record`)."""
         reply = self.prepare_reply(conversation, self.options_for(options, **overrides))
         return Response(
-            lambda: self.reply_tokens(reply), self.tokenizer, reply.provenance, finalize=conversation._record
+            lambda: self.reply_tokens(reply),
+            self.tokenizer,
+            reply.provenance,
+            finalize=lambda response: self.record(conversation, response),
         )
+
+    def record(self, conversation: Conversation, response: Response) -> None:
+        """Add a finished reply to ``conversation`` as a bot turn (with its provenance) and fire
+        ``on_response``; every entry point's replies end here, once each."""
+        text = response.text()  # the reply has ended: this is what it streamed, cut to whole words
+        if not text and (response.error is not None or response.interrupted):
+            # A reply that failed or was stopped before its first whole word (Ctrl-C while
+            # MMI ranks its candidates, a timeout in the middle of the first word) is not a
+            # turn: the user's message waits for one.
+            return
+        conversation.add_bot_text(text, interrupted=response.interrupted, meta={"provenance": response.provenance})
+        self.host.call_each("on_response", conversation=conversation, response=response)
+
+    def prompt(self, conversation: Conversation, max_new_tokens: int) -> PromptPlan:
+        """The prompt's token ids for ``conversation``, leaving room for a reply of
+        ``max_new_tokens`` (see :func:`chatcore.prompting.prompt_budget`)."""
+        return self._fit(self.format_for(conversation), conversation.messages(), max_new_tokens)
+
+    def _fit(self, prompt_format: PromptFormat, messages: list[Message], max_new_tokens: int) -> PromptPlan:
+        if not any(m.role != "system" for m in messages):
+            raise ChatcoreError("the conversation has no turns to reply to")
+        return prompt_format.fit(messages, prompt_budget(self.loaded.max_positions, max_new_tokens))
 
     def prepare_reply(
         self,
@@ -278,7 +331,7 @@ class Engine:
         seed = options.seed if options.seed is not None else random.randrange(2**31)
         if isinstance(source, Conversation):
             prompt_format = self.format_for(source)
-            plan = source.prompt(options.max_new_tokens)
+            plan = self._fit(prompt_format, source.messages(), options.max_new_tokens)
         else:
             prompt_format = prompt_format or self.prompt_format
             plan = prompt_format.fit(list(source), prompt_budget(self.loaded.max_positions, options.max_new_tokens))
@@ -326,7 +379,8 @@ class Engine:
         its token ids as they come (plugin failures as one-line ChatcoreErrors)."""
         from chatcore.serving.runner import decode_alone
 
-        return decode_alone(self, reply)
+        # A generator: the session starts (and its steerers prepare) when the reply is first read.
+        yield from decode_alone(self.loaded, self, self.start_session(reply), reply.decoder, reply.provenance)
 
     def guard(self, plugin_object: Any, what: str, call: Any) -> Any:
         """``call()`` on behalf of a decoder or steerer: a failure becomes a one-line

@@ -19,8 +19,10 @@ import pluggy
 if TYPE_CHECKING:
     import click
 
-    from chatcore.conversation import Conversation, Turn
+    from chatcore.conversation import Conversation
+    from chatcore.models import LoadedModel
     from chatcore.response import Response
+    from chatcore.values import Turn
 
 hookspec = pluggy.HookspecMarker("chatcore")
 hookimpl = pluggy.HookimplMarker("chatcore")
@@ -33,9 +35,9 @@ def register_decoders(register: Callable[[type], None]) -> None:
     Called once, when the registry is built. ``DecoderClass`` subclasses
     :class:`chatcore.decoding.Decoder`: it has a unique ``name``, a ``Settings``
     model, and the rules the runner calls (``rows``, ``prepare``, ``processors``,
-    ``select``, ``enough``, ``choose``: docs/hooks.md). If two plugins register the same name,
-    the first registration wins (pluggy calls later-registered plugins first, and the
-    built-ins are ``trylast``) and the other is reported as shadowed.
+    ``select``, ``enough``, ``choose``: docs/hooks.md). Name clashes (chatcore.registry): a
+    built-in name stays the built-in's and the other registration is reported; a name two
+    other plugins register is reachable only as ``PLUGIN/NAME``.
     The return value is ignored.
     """
 
@@ -45,7 +47,8 @@ def register_steerers(register: Callable[[type], None]) -> None:
     """Register steerer classes by calling ``register(SteererClass)``.
 
     Called once, when the registry is built. ``SteererClass`` subclasses
-    :class:`chatcore.steering.Steerer`: a unique ``name``, a ``Settings`` dataclass,
+    :class:`chatcore.steering.Steerer`: a unique ``name``, a ``Settings`` model
+    (:class:`chatcore.options.Settings`, pydantic),
     ``prepare(session)`` (once per response) and ``wrap(step)`` (returns a new step
     function), and ``shares_batch = True`` for a score steerer (its step only edits the
     logits its inner step returns: its replies share the batch) or the default False
@@ -64,7 +67,7 @@ def register_prompt_formats(register: Callable[[type], None]) -> None:
     :class:`chatcore.prompting.PromptFormat`: a unique ``name``, a constructor
     ``(tokenizer, generation_config, model_name)`` that raises ``ChatcoreError`` if the
     model cannot use the format, ``render(messages) -> list[int]`` (the prompt's token
-    ids for a list of :class:`chatcore.prompting.Message`, system first if any, ending
+    ids for a list of :class:`chatcore.values.Message`, system first if any, ending
     where the reply starts; message text encoded with ``self.encode_text`` so that it is
     never read as special tokens), optionally ``end_of_turn_ids()`` (tokens besides EOS
     that end a reply) and ``supports(tokenizer)`` (whether ``auto`` may pick it).
@@ -86,18 +89,21 @@ def register_commands(cli: click.Group) -> None:
 
 
 @hookspec
-def on_user_message(conversation: Conversation, turn: Turn) -> None:
-    """A user turn was added to ``conversation``.
+def on_user_message(conversation: Conversation, turn: Turn, model: LoadedModel) -> None:
+    """A user turn was added to ``conversation`` (``engine.add_user``).
 
     Called after ``turn`` is appended to ``conversation.turns`` and before any reply
-    is generated. Adapters and the conversation log use it to persist or audit the
-    message. Must not modify the conversation. The return value is ignored.
+    is generated. ``model`` is the engine's model that will answer (``model.name``;
+    ``model.tokenizer`` counts the turn's tokens). Adapters and the conversation log use
+    it to persist or audit the message. Must not modify the conversation. An
+    implementation may leave out arguments it does not need. The return value is ignored.
     """
 
 
 @hookspec
 def on_response(conversation: Conversation, response: Response) -> None:
-    """A reply finished (completely, or interrupted) and was added to ``conversation``.
+    """A reply finished (completely, or interrupted) and was added to ``conversation``
+    (``engine.record``, whichever entry point decoded it).
 
     Called once per reply, after its text and provenance are final
     (``response.text()``, ``response.provenance``, ``response.interrupted``). Use it to
@@ -111,6 +117,6 @@ def register_prompt_sets(register: Callable[[str, Callable[[], list[Any]]], None
 
     ``loader()`` returns a list of contexts; each context is a list of turns (str),
     oldest first, ending with the turn to reply to. Loaders are called only when the
-    set is used, so they may be slow. Name clashes: the first registration wins.
+    set is used, so they may be slow. Name clashes are resolved as for :func:`register_decoders`.
     The return value is ignored.
     """

@@ -74,13 +74,18 @@ class PluginHost:
         self.pm.add_hookspecs(hookspecs)
         self.problems: list[PluginProblem] = []
         self.infos: dict[str, PluginInfo] = {}
+        # Counts registrations and removals, so that the registry (chatcore.registry.registry_of)
+        # is rebuilt only when the plugins changed.
+        self.changes = 0
 
     # -- loading -----------------------------------------------------------------
     def report(self, plugin: str, stage: str, error: BaseException | str) -> None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         problem = PluginProblem(plugin, stage, message)
         if problem in self.problems:
-            return  # e.g. the same name clash seen again when another registry is built
+            # A hook that fails the same way on every reply is recorded (and said) once: a bot
+            # that runs for weeks keeps a short list.
+            return
         self.problems.append(problem)
         # Problems found while loading plugins and collecting their names are kept quiet
         # (every command, `--help` included, loads them): `chatcore plugins` lists them,
@@ -108,6 +113,7 @@ class PluginHost:
             self.pm.unregister(plugin)
             self.report(name, "register", f"hook wrappers are not supported on chatcore hooks: {', '.join(wrappers)}")
             return False
+        self.changes += 1
         self.infos[name] = info or PluginInfo(
             name=name,
             module=getattr(plugin, "__name__", type(plugin).__name__),
@@ -121,6 +127,7 @@ class PluginHost:
         plugin = self.pm.get_plugin(name)
         if plugin is not None:
             self.pm.unregister(plugin)
+            self.changes += 1
         self.infos.pop(name, None)
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:

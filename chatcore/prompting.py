@@ -23,39 +23,19 @@ What holds for every format (the base class does it, so a plugin gets it for fre
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from chatcore.errors import ChatcoreError, UnknownNameError
 
-Role = Literal["system", "user", "assistant"]
-ROLES: tuple[Role, ...] = ("system", "user", "assistant")
+# The types prompt formats take and give, re-exported where format authors look for them.
+from chatcore.values import ROLES as ROLES
+from chatcore.values import Message as Message
+from chatcore.values import PromptPlan as PromptPlan
+from chatcore.values import Role as Role
+
 AUTO = "auto"
 MAX_SYSTEM_CHARS = 32_000
-
-
-@dataclass(frozen=True)
-class Message:
-    """One message of a prompt: ``role`` is ``system``, ``user`` or ``assistant``."""
-
-    role: Role
-    text: str
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"`role` must be one of {', '.join(ROLES)}, got {self.role!r}")
-
-
-@dataclass
-class PromptPlan:
-    """A rendered prompt and what truncation did to the conversation."""
-
-    token_ids: list[int]
-    turns_used: int = 0
-    turns_dropped: int = 0
-    truncated_tokens: int = 0  # tokens cut from the front of the oldest kept turn
-    messages: list[Message] = field(default_factory=list)  # what was rendered, system first if any
 
 
 class PromptFormat:
@@ -272,15 +252,11 @@ def system_prompt_option(text: str | None, path: str | None) -> str | None:
     return clean_system_prompt(text)
 
 
-def validate_format_name(name: str, registry: Any = None) -> None:
-    """Fail on a prompt format name no plugin registered (no model needed)."""
+def validate_format_name(name: str, registry: Any) -> None:
+    """Fail on a prompt format name no plugin registered (no model needed); ``registry``:
+    the host's :class:`chatcore.registry.Registry` (``registry_of(host)``)."""
     if name == AUTO:
         return
-    if registry is None:
-        from chatcore.plugin_manager import get_plugin_host
-        from chatcore.registry import Registry
-
-        registry = Registry.build(get_plugin_host())
     if name not in registry.prompt_formats:
         known = ", ".join([AUTO] + sorted(registry.prompt_formats))
         raise UnknownNameError(f"unknown prompt format {name!r} (available: {known})")

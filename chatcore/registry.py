@@ -12,19 +12,26 @@ Name clashes follow one rule, whatever order the plugins were discovered in:
   the bare name fails with a message naming every plugin that wants it. A user picks
   one by writing its qualified name, or keeps one plugin out with ``CHATCORE_PLUGINS``.
 - the same plugin registering a name twice keeps its first registration.
+
+A host has one registry (:func:`registry_of`), built when first asked for and again only
+after a plugin is registered on the host or taken off it.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from chatcore.errors import UnknownNameError
 from chatcore.options import Configurable, check_settings_class, settings_schema
-from chatcore.plugin_manager import PluginHost
+from chatcore.plugin_manager import PluginHost, get_plugin_host
 
 QUALIFIER = "/"
+# The hooks a registry collects; their problems belong to the registry that collected them.
+REGISTRATION_HOOKS = ("register_decoders", "register_steerers", "register_prompt_sets", "register_prompt_formats")
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Registry:
         from chatcore.prompting import PromptFormat
         from chatcore.steering import Steerer
 
+        # The problems a previous build of this host's registry found are found again below.
+        host.problems[:] = [p for p in host.problems if p.stage not in {f"hook {h}" for h in REGISTRATION_HOOKS}]
         registry = cls(broken=sorted({p.plugin for p in host.problems if not p.stage.startswith("hook ")}))
 
         def builtin(plugin: str) -> bool:
@@ -129,10 +138,9 @@ class Registry:
                         + " or ".join(f"{p}{QUALIFIER}{name}" for p in plugins),
                     )
 
-        collect("register_decoders", registry.decoders, Decoder)
-        collect("register_steerers", registry.steerers, Steerer)
-        collect("register_prompt_sets", registry.prompt_sets, None)
-        collect("register_prompt_formats", registry.prompt_formats, PromptFormat)
+        tables = (registry.decoders, registry.steerers, registry.prompt_sets, registry.prompt_formats)
+        for hook, table, base in zip(REGISTRATION_HOOKS, tables, (Decoder, Steerer, None, PromptFormat)):
+            collect(hook, table, base)
         return registry
 
     def _lookup(self, table: dict[str, Entry], kind: str, name: str) -> Any:
@@ -165,3 +173,19 @@ class Registry:
 
     def prompt_set(self, name: str) -> Any:
         return self._lookup(self.prompt_sets, "prompt set", name)
+
+
+_registries: "weakref.WeakKeyDictionary[PluginHost, tuple[int, Registry]]" = weakref.WeakKeyDictionary()
+_registries_lock = threading.RLock()
+
+
+def registry_of(host: PluginHost | None = None) -> Registry:
+    """The registry of ``host`` (default: the process-wide host): built on first use and
+    kept until a plugin is registered on the host or taken off it."""
+    host = host or get_plugin_host()
+    with _registries_lock:
+        built = _registries.get(host)
+        if built is None or built[0] != host.changes:
+            built = (host.changes, Registry.build(host))
+            _registries[host] = built
+        return built[1]

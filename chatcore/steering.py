@@ -18,13 +18,67 @@ A steerer instance serves one response at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from chatcore.options import Configurable
 from chatcore.step import Step, StepOutput, StepState
+from chatcore.values import Message
 
 if TYPE_CHECKING:
-    from chatcore.decoding import GenerationSession
+    import torch
+
+    from chatcore.models import LoadedModel
+
+
+@dataclass
+class Candidate:
+    """One sampled reply, for decoders that produce several."""
+
+    token_ids: list[int]
+    text: str
+    scores: dict[str, float] = field(default_factory=dict)
+    chosen: bool = False
+
+
+@dataclass
+class GenerationSession:
+    """Everything the decoding of one response needs.
+
+    prompt_ids:      the formatted prompt (chatcore.prompting renders it).
+    steerers:        in composition order (see chatcore.steering).
+    generator:       the seeded random generator every sampling draw uses.
+    min_new_tokens:  stop tokens are banned during the first this-many steps.
+    stop_token_ids:  a row ends at any of these (default: EOS alone).
+    banned_token_ids: never generated (the special tokens that are not stop tokens).
+    messages:        the messages the prompt was rendered from (system first if any),
+                     for decoders and steerers that read the conversation as text.
+    candidates:      filled by decoders that sample several replies.
+    details:         free-form notes for provenance (decoders and steerers may add).
+    """
+
+    model: "LoadedModel"
+    prompt_ids: list[int]
+    steerers: Sequence["Steerer"]
+    max_new_tokens: int
+    generator: "torch.Generator"
+    seed: int
+    min_new_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    banned_token_ids: frozenset[int] = frozenset()
+    messages: list[Message] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eos_token_id(self) -> int:
+        """The model's EOS: a stop token, and the filler of rows that have ended."""
+        return self.model.eos_token_id
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every token that ends a reply (EOS when no format said otherwise)."""
+        return self.stop_token_ids | {self.eos_token_id}
 
 
 class Steerer(Configurable):

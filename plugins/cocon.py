@@ -386,8 +386,9 @@ def cocon_command(
     """
     from chatcore.cocon.training import CoconTrainConfig, train_cocon
     from chatcore.prompting import validate_format_name
+    from chatcore.registry import registry_of
 
-    validate_format_name(prompt_format)  # an unknown name fails before the model loads
+    validate_format_name(prompt_format, registry_of())  # an unknown name fails before the model loads
     try:
         config = CoconTrainConfig(
             out_dir=out_dir,

@@ -78,6 +78,7 @@ def eval_command(
     from chatcore.evaluation.prompts import load_prompt_file
     from chatcore.evaluation.runner import evaluate
     from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.registry import registry_of
 
     decoder, decoder_settings = parse_spec(decoder_spec)
     steerers = [parse_spec(spec) for spec in steer_specs]
@@ -86,7 +87,7 @@ def eval_command(
     )
     # Everything that needs no model fails before the model loads.
     validate_options(options)
-    validate_format_name(prompt_format)
+    validate_format_name(prompt_format, registry_of())
     if json_path:
         check_output_path(json_path)
     system = system_prompt_option(system_text, system_file)

@@ -8,6 +8,7 @@ Nothing is downloaded.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 # Never reach for a hub from the test suite.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -109,6 +110,30 @@ def bundled_model():
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """``architecture -> folder``: a tiny random chat model of that architecture (two layers,
+    ChatML template, chatcore-tiny's tokenizer), built once per session."""
+    from chatcore.testing import CHATML_TEMPLATE, build_tiny_model
+
+    folders: dict[str, Any] = {}
+
+    def folder(architecture: str) -> str:
+        if architecture not in folders:
+            folders[architecture] = build_tiny_model(
+                tmp_path_factory.mktemp(architecture),
+                architecture=architecture,
+                chat_template=CHATML_TEMPLATE,
+                layers=2,
+                width=64,
+                heads=4,
+                positions=256,
+            )
+        return str(folders[architecture])
+
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Llama (grouped-query attention, rotary positions) with a ChatML chat template
     and chatcore-tiny's tokenizer: no bundled CoCon block fits it."""
@@ -156,4 +181,16 @@ def host() -> plugin_manager.PluginHost:
 def engine(loaded, host):
     from chatcore.engine import Engine
 
+    return Engine(loaded, host=host)
+
+
+@pytest.fixture
+def chat_engine(loaded, host):
+    """``engine`` with the ``fixed-text`` test decoder too (tests/fixed_text.py): replies whose
+    exact characters a test chooses."""
+    from fixed_text import FixedTextPlugin
+
+    from chatcore.engine import Engine
+
+    assert host.register(FixedTextPlugin(), "fixed-text-test")
     return Engine(loaded, host=host)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
+from chatcore.testing import make_engine
 
 ARCHITECTURES = ["llama", "qwen2", "gemma", "mistral", "phi3"]
 CONTEXTS = [
@@ -16,17 +16,10 @@ CONTEXTS = [
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
-def chat_engine(request, tmp_path_factory):
-    folder = build_tiny_model(
-        tmp_path_factory.mktemp(request.param),
-        architecture=request.param,
-        chat_template=CHATML_TEMPLATE,
-        layers=2,
-        width=64,
-        heads=4,
-        positions=256,
-    )
-    return make_engine(str(folder), "chatcore.plugins.bow_bias")
+def template_engine(request, tiny_chat_model_dir):
+    """An engine on a tiny chat model (chat template, rotary positions) of each architecture."""
+
+    return make_engine(tiny_chat_model_dir(request.param), "chatcore.plugins.bow_bias")
 
 
 def hf_greedy(engine, messages, max_new_tokens):
@@ -54,25 +47,25 @@ def hf_greedy(engine, messages, max_new_tokens):
 
 @pytest.mark.parametrize("system", [None, "You are terse."])
 @pytest.mark.parametrize("turns", CONTEXTS)
-def test_greedy_equals_generate_on_the_chat_template(chat_engine, turns, system):
-    conversation = chat_engine.scripted(turns, system=system)
-    expected = hf_greedy(chat_engine, conversation.messages(), 12)
-    response = conversation.reply(decoder="greedy", max_new_tokens=12)
+def test_greedy_equals_generate_on_the_chat_template(template_engine, turns, system):
+    conversation = template_engine.scripted(turns, system=system)
+    expected = hf_greedy(template_engine, conversation.messages(), 12)
+    response = template_engine.respond(conversation, decoder="greedy", max_new_tokens=12)
     response.text()
-    assert chat_engine.prompt_format.name == "chat-template"
+    assert template_engine.prompt_format.name == "chat-template"
     assert response.token_ids == expected
 
 
-def test_top_k_is_reproducible_and_bow_bias_steers(chat_engine):
+def test_top_k_is_reproducible_and_bow_bias_steers(template_engine):
     def sampled(seed):
-        response = chat_engine.reply_to(["hi there"], seed=seed, max_new_tokens=10)
+        response = template_engine.reply_to(["hi there"], seed=seed, max_new_tokens=10)
         response.text()
         return response.token_ids
 
     assert sampled(5) == sampled(5) and sampled(5)
     assert sampled(5) != sampled(6)
-    plain = chat_engine.reply_to(["hi there"], seed=5, max_new_tokens=10, decoder="greedy").text()
-    steered = chat_engine.reply_to(
+    plain = template_engine.reply_to(["hi there"], seed=5, max_new_tokens=10, decoder="greedy").text()
+    steered = template_engine.reply_to(
         ["hi there"],
         seed=5,
         max_new_tokens=10,
@@ -81,5 +74,5 @@ def test_top_k_is_reproducible_and_bow_bias_steers(chat_engine):
     )
     # Random weights: the bias wins at every step, so every token starts (or is) the word.
     assert steered.text() != plain
-    pieces = [chat_engine.tokenizer.decode([token]).strip().lower() for token in steered.token_ids]
+    pieces = [template_engine.tokenizer.decode([token]).strip().lower() for token in steered.token_ids]
     assert all(piece and "pizza".startswith(piece) for piece in pieces), pieces

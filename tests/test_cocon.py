@@ -243,14 +243,15 @@ def test_a_content_longer_than_the_models_positions_is_a_clear_error(cocon_engin
         decoder="greedy", max_new_tokens=2, steerers=[("cocon", {"content": (content,), "block": str(tiny_block_dir)})]
     )
     with pytest.raises(Exception, match=r"`content` .* tokens long; .* takes at most"):
-        cocon_engine.conversation().send("hi", options).text()
+        cocon_engine.send(cocon_engine.conversation(), "hi", options).text()
 
 
 def test_tau_defaults_to_the_blocks_own(cocon_engine, tiny_block_dir, tmp_path):
     import shutil
 
     def taus(block: str, settings: dict) -> list[float]:
-        response = cocon_engine.conversation().send(
+        response = cocon_engine.send(
+            cocon_engine.conversation(),
             "hi there",
             ReplyOptions(
                 decoder="greedy",
@@ -288,7 +289,8 @@ def test_the_bundled_block_names_its_default_tau():
 def test_cocon_replies_under_every_decoder_and_composes_after(cocon_engine, tiny_block_dir):
     settings = {"content": "pizza", "tau": "2", "block": str(tiny_block_dir)}
     for decoder in ("greedy", "top-k"):
-        response = cocon_engine.conversation().send(
+        response = cocon_engine.send(
+            cocon_engine.conversation(),
             "what should we eat?",
             ReplyOptions(decoder=decoder, steerers=[("cocon", settings)], seed=1, min_new_tokens=6, max_new_tokens=6),
         )
@@ -298,7 +300,8 @@ def test_cocon_replies_under_every_decoder_and_composes_after(cocon_engine, tiny
             len(encode_text(cocon_engine.tokenizer, " pizza"))
         ]
     # A logit steerer after cocon wraps the cocon step: its bias decides the first token.
-    steered = cocon_engine.conversation().send(
+    steered = cocon_engine.send(
+        cocon_engine.conversation(),
         "what should we eat?",
         ReplyOptions(
             decoder="greedy",
@@ -319,9 +322,9 @@ def test_cocon_must_come_first(cocon_engine, tiny_block_dir):
         steerers=[("bow-bias", {"words": "pizza"}), ("cocon", {"content": "pizza", "block": str(tiny_block_dir)})]
     )
     conversation = cocon_engine.conversation()
-    conversation.add_user("hi")
+    cocon_engine.add_user(conversation, "hi")
     with pytest.raises(OptionError, match="must come first"):  # refused before any decoding
-        conversation.reply(options)
+        cocon_engine.respond(conversation, options)
 
 
 def test_cocon_decodes_several_rows_in_one_batch(cocon_engine, loaded, tiny_block_dir):
@@ -362,7 +365,7 @@ def test_a_block_for_one_model_is_refused_on_another(loaded, tiny_block_dir, coc
     engine = Engine(bundled, host=cocon_engine.host)
     options = ReplyOptions(steerers=[("cocon", {"content": "pizza", "block": str(tiny_block_dir)})])
     with pytest.raises(BlockMismatchError, match="chatcore train cocon"):
-        engine.conversation().send("hi", options).text()
+        engine.send(engine.conversation(), "hi", options).text()
     # The same shape but another tokenizer is refused too.
     fingerprint = dict(info["base_model"]["fingerprint"], tokenizer_sha256="0" * 64)
     with pytest.raises(BlockMismatchError, match="different tokenizer"):
@@ -370,7 +373,7 @@ def test_a_block_for_one_model_is_refused_on_another(loaded, tiny_block_dir, coc
     # And with no block given, a model without a bundled block gets told how to make one.
     options = ReplyOptions(steerers=[("cocon", {"content": "pizza"})])
     with pytest.raises(BlockMismatchError, match="no bundled CoCon block fits"):
-        cocon_engine.conversation().send("hi", options).text()
+        cocon_engine.send(cocon_engine.conversation(), "hi", options).text()
 
 
 # -- the bundled block ------------------------------------------------------------------------
@@ -826,7 +829,8 @@ def test_cocon_replies_on_every_family_under_greedy_top_k_and_mmi(family_model, 
     replies = {}
     for decoder, settings in (("greedy", {}), ("top-k", {}), ("mmi", {"candidates": 2})):
         for steerers in ([], [cocon]):
-            response = engine.conversation().send(
+            response = engine.send(
+                engine.conversation(),
                 "what should we eat?",
                 ReplyOptions(
                     decoder=decoder,
@@ -861,7 +865,7 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
     loaded = load_model(str(folder), device="cpu", dtype="float32")
     engine = make_engine(loaded, *COCON_PLUGINS[2:])
     with pytest.raises(BlockMismatchError) as refused:
-        engine.conversation().send("hi", ReplyOptions(steerers=[("cocon", {"content": "pizza"})])).text()
+        engine.send(engine.conversation(), "hi", ReplyOptions(steerers=[("cocon", {"content": "pizza"})])).text()
     command = str(refused.value).split("`")[1]  # chatcore train cocon --model FOLDER --out DIR
     assert command.startswith("chatcore train cocon --model ")
     corpus = tmp_path / "dialogues.jsonl"
@@ -913,7 +917,8 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
     assert (block.config.n_embd, block.config.n_head, block.config.split_layer) == (32, 4, 1)
     assert info["base_model"]["fingerprint"]["n_layer"] == 3
     assert info["base_model"]["fingerprint"]["model_type"] == "llama"
-    response = engine.conversation().send(
+    response = engine.send(
+        engine.conversation(),
         "what should we eat?",
         ReplyOptions(
             decoder="greedy",
@@ -975,7 +980,8 @@ def test_cocon_on_smollm2_splits_exactly_and_replies_with_a_fresh_block(smollm2,
     assert block.head_dim == 64
     save_block(block, tmp_path, {"name": "smollm2", "fingerprint": model_fingerprint(smollm2.model, smollm2.tokenizer)})
     engine = make_engine(smollm2, *COCON_PLUGINS[2:])
-    response = engine.conversation().send(
+    response = engine.send(
+        engine.conversation(),
         "what should we eat?",
         ReplyOptions(
             decoder="greedy",

@@ -52,14 +52,14 @@ def test_build_prompt_budget_too_small():
 
 def test_conversation_prompt_is_dialogpt_formatted(engine, tokenizer):
     conversation = engine.conversation()
-    conversation.add_user("hello there")
+    engine.add_user(conversation, "hello there")
     conversation.add_bot_text("hi! how are you?")
-    conversation.add_user("great, thanks")
+    engine.add_user(conversation, "great, thanks")
     eos = tokenizer.eos_token_id
     expected = []
     for text in ("hello there", "hi! how are you?", "great, thanks"):
         expected += encode_text(tokenizer, text) + [eos]
-    plan = conversation.prompt(32)
+    plan = engine.prompt(conversation, 32)
     assert plan.token_ids == expected
     assert (plan.turns_used, plan.turns_dropped, plan.truncated_tokens) == (3, 0, 0)
 
@@ -69,12 +69,12 @@ def test_long_history_drops_oldest_turns_and_still_replies(engine, tokenizer, lo
     texts = [f"message number {i} talks about pizza, movies and the weather" for i in range(30)]
     for index, text in enumerate(texts):
         if index % 2 == 0:
-            conversation.add_user(text)
+            engine.add_user(conversation, text)
         else:
             conversation.add_bot_text(text)
     max_new = 40
     budget = loaded.max_positions - max_new
-    plan = conversation.prompt(max_new)
+    plan = engine.prompt(conversation, max_new)
     assert plan.turns_dropped > 0 and plan.turns_used >= 1
     assert plan.turns_used + plan.turns_dropped == len(texts)
     assert len(plan.token_ids) <= budget
@@ -85,7 +85,9 @@ def test_long_history_drops_oldest_turns_and_still_replies(engine, tokenizer, lo
     older = encode_text(tokenizer, texts[-plan.turns_used - 1])
     assert len(plan.token_ids) + len(older) + 1 > budget
 
-    response = conversation.reply(ReplyOptions(decoder="greedy", max_new_tokens=max_new, min_new_tokens=max_new))
+    response = engine.respond(
+        conversation, ReplyOptions(decoder="greedy", max_new_tokens=max_new, min_new_tokens=max_new)
+    )
     response.text()
     assert len(response.token_ids) == max_new
     provenance = response.provenance
@@ -97,40 +99,42 @@ def test_long_history_drops_oldest_turns_and_still_replies(engine, tokenizer, lo
 
 def test_a_too_long_newest_turn_keeps_its_most_recent_tokens(engine, tokenizer, loaded):
     conversation = engine.conversation()
-    conversation.add_user("an old turn")
+    engine.add_user(conversation, "an old turn")
     long_text = " ".join(f"word{i}" for i in range(120))
-    conversation.add_user(long_text)
+    engine.add_user(conversation, long_text)
     ids = encode_text(tokenizer, long_text)
     max_new = 64
     budget = loaded.max_positions - max_new
     assert len(ids) + 1 > budget
-    plan = conversation.prompt(max_new)
+    plan = engine.prompt(conversation, max_new)
     assert plan.token_ids == ids[-(budget - 1) :] + [tokenizer.eos_token_id]
     assert (plan.turns_used, plan.turns_dropped, plan.truncated_tokens) == (1, 1, len(ids) - (budget - 1))
-    response = conversation.reply(ReplyOptions(decoder="greedy", max_new_tokens=max_new, min_new_tokens=max_new))
+    response = engine.respond(
+        conversation, ReplyOptions(decoder="greedy", max_new_tokens=max_new, min_new_tokens=max_new)
+    )
     assert len(response.text()) > 0
     assert response.provenance["truncated_tokens"] == len(ids) - (budget - 1)
 
 
 def test_a_conversation_without_turns_cannot_be_answered(engine):
     with pytest.raises(ChatcoreError, match="no turns"):
-        engine.conversation().reply(ReplyOptions(decoder="greedy"))
+        engine.respond(engine.conversation(), ReplyOptions(decoder="greedy"))
 
 
 def test_special_token_text_from_the_user_is_ordinary_text(engine, tokenizer):
     eos = tokenizer.eos_token_id
     conversation = engine.conversation()
-    turn = conversation.add_user("<|endoftext|>")
+    turn = engine.add_user(conversation, "<|endoftext|>")
     assert turn.text == "<|endoftext|>"
     ids = engine.prompt_format.encode_text(turn.text)
     assert eos not in ids and len(ids) > 1
     assert tokenizer.decode(ids) == "<|endoftext|>"
     assert encode_text(tokenizer, "a <|endoftext|> b").count(eos) == 0
-    plan = conversation.prompt(16)
+    plan = engine.prompt(conversation, 16)
     assert plan.token_ids.count(eos) == 1 and plan.token_ids[-1] == eos
     conversation.add_bot_text("sure <|endoftext|> thing")
-    conversation.add_user("ok")
-    assert conversation.prompt(16).token_ids.count(eos) == 3
+    engine.add_user(conversation, "ok")
+    assert engine.prompt(conversation, 16).token_ids.count(eos) == 3
 
 
 # -- clean_message --------------------------------------------------------------------------
@@ -192,18 +196,18 @@ def test_huge_messages_are_rejected_and_leave_the_conversation_unchanged(engine)
 
     engine.host.register(Watcher(), "watcher")
     conversation = engine.conversation()
-    conversation.add_user("hello")
+    engine.add_user(conversation, "hello")
     before = list(conversation.turns)
     huge = "x" * (MAX_MESSAGE_CHARS + 1)
     with pytest.raises(ChatcoreError) as excinfo:
-        conversation.add_user(huge)
+        engine.add_user(conversation, huge)
     assert f"{MAX_MESSAGE_CHARS:,}" in str(excinfo.value)
     with pytest.raises(ChatcoreError):
-        conversation.send(huge, ReplyOptions(decoder="greedy"))
+        engine.send(conversation, huge, ReplyOptions(decoder="greedy"))
     with pytest.raises(ChatcoreError):
-        conversation.send(b"\xff\xff", ReplyOptions(decoder="greedy"))
+        engine.send(conversation, b"\xff\xff", ReplyOptions(decoder="greedy"))
     with pytest.raises(ChatcoreError):
-        conversation.send(" \n ", ReplyOptions(decoder="greedy"))
+        engine.send(conversation, " \n ", ReplyOptions(decoder="greedy"))
     assert conversation.turns == before
     assert seen == ["hello"]
     # exactly at the limit is fine
@@ -244,10 +248,10 @@ def test_send_refuses_a_configuration_that_cannot_reply_before_the_message_is_ad
     ]
     for options, line in refused:
         with pytest.raises(OptionError) as excinfo:
-            conversation.send("hello", options)
+            engine.send(conversation, "hello", options)
         assert str(excinfo.value) == line
     with pytest.raises(OptionError, match="`temperature` must be between 1e-15 and 1e"):
-        conversation.send("hello", decoder_settings={"temperature": 1e-300})  # overrides are checked too
+        engine.send(conversation, "hello", decoder_settings={"temperature": 1e-300})  # overrides are checked too
     assert conversation.turns == [] and seen == []
 
 
@@ -277,7 +281,7 @@ def sample(engine, seed, message="tell me about your day"):
         min_new_tokens=12,
         max_new_tokens=12,
     )
-    response = engine.conversation().send(message, options)
+    response = engine.send(engine.conversation(), message, options)
     response.text()
     return response
 
@@ -294,7 +298,7 @@ def test_a_random_seed_is_recorded_and_reproduces_the_reply(engine):
     options = ReplyOptions(
         decoder="top-k", decoder_settings={"top_k": 100, "temperature": 1.2}, min_new_tokens=12, max_new_tokens=12
     )
-    response = engine.conversation().send("tell me about your day", options)
+    response = engine.send(engine.conversation(), "tell me about your day", options)
     response.text()
     seed = response.provenance["seed"]
     assert isinstance(seed, int) and seed >= 0
@@ -302,7 +306,8 @@ def test_a_random_seed_is_recorded_and_reproduces_the_reply(engine):
 
 
 def test_provenance_describes_the_reply(engine, loaded):
-    response = engine.conversation().send(
+    response = engine.send(
+        engine.conversation(),
         "hi",
         ReplyOptions(
             decoder="greedy",
@@ -334,16 +339,16 @@ def test_provenance_describes_the_reply(engine, loaded):
 
 def test_reply_and_send_accept_option_overrides(engine):
     conversation = engine.conversation()
-    response = conversation.send("hi", decoder="greedy", max_new_tokens=3, min_new_tokens=3, seed=9)
+    response = engine.send(conversation, "hi", decoder="greedy", max_new_tokens=3, min_new_tokens=3, seed=9)
     response.text()
     assert len(response.token_ids) == 3 and response.provenance["seed"] == 9
     assert response.provenance["decoder"]["name"] == "greedy"
     base = ReplyOptions(decoder="top-k", max_new_tokens=5, min_new_tokens=5)
-    again = conversation.reply(base, seed=9)
+    again = engine.respond(conversation, base, seed=9)
     again.text()
     assert len(again.token_ids) == 5 and again.provenance["seed"] == 9 and base.seed is None
     with pytest.raises(OptionError):
-        conversation.reply(base, max_new_tokens=0)
+        engine.respond(conversation, base, max_new_tokens=0)
 
 
 def test_reply_to_alternates_turns_ending_with_the_user(engine):
@@ -374,7 +379,9 @@ def test_user_message_and_response_hooks_fire(engine):
     recorder = Recorder()
     assert engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
-    response = conversation.send("  hello\nthere ", ReplyOptions(decoder="greedy", min_new_tokens=6, max_new_tokens=6))
+    response = engine.send(
+        conversation, "  hello\nthere ", ReplyOptions(decoder="greedy", min_new_tokens=6, max_new_tokens=6)
+    )
     assert recorder.events == [("user", "hello there", True, 1)]  # before any generation
     text = response.text()
     assert recorder.events[1:] == [("response", text, True, text, False)]
@@ -395,7 +402,7 @@ def test_a_raising_hook_is_reported_and_the_message_still_lands(engine):
     engine.host.register(Broken(), "broken-hook")
     engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
-    conversation.add_user("hi")
+    engine.add_user(conversation, "hi")
     assert [t.text for t in conversation.turns] == ["hi"]
     assert recorder.events == [("user", "hi", True, 1)]
     assert [(p.plugin, p.stage) for p in engine.host.problems] == [("broken-hook", "hook on_user_message")]
@@ -411,7 +418,9 @@ def test_interrupting_keeps_the_partial_reply_up_to_its_last_whole_word(engine):
     recorder = Recorder()
     engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
-    response = conversation.send("hi", ReplyOptions(decoder="top-k", seed=1, min_new_tokens=40, max_new_tokens=40))
+    response = engine.send(
+        conversation, "hi", ReplyOptions(decoder="top-k", seed=1, min_new_tokens=40, max_new_tokens=40)
+    )
     deltas = []
     for delta in response:
         deltas.append(delta)
@@ -435,7 +444,9 @@ def test_interrupting_while_the_stream_is_still_held(engine):
     recorder = Recorder()
     engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
-    response = conversation.send("hi", ReplyOptions(decoder="top-k", seed=2, min_new_tokens=40, max_new_tokens=40))
+    response = engine.send(
+        conversation, "hi", ReplyOptions(decoder="top-k", seed=2, min_new_tokens=40, max_new_tokens=40)
+    )
     from chatcore.cutting import whole_words
 
     stream = iter(response)
@@ -448,7 +459,7 @@ def test_interrupting_while_the_stream_is_still_held(engine):
     assert conversation.turns[-1].interrupted and conversation.turns[-1].text == whole_words(seen)
     assert len([e for e in recorder.events if e[0] == "response"]) == 1
     # the conversation goes on
-    follow_up = conversation.send("and then?", ReplyOptions(decoder="greedy", max_new_tokens=4))
+    follow_up = engine.send(conversation, "and then?", ReplyOptions(decoder="greedy", max_new_tokens=4))
     follow_up.text()
     assert not follow_up.interrupted
     assert [t.role for t in conversation.turns] == ["user", "bot", "user", "bot"]
@@ -458,13 +469,13 @@ def test_a_reply_interrupted_before_its_first_token_is_not_a_turn(engine):
     recorder = Recorder()
     engine.host.register(recorder, "test-plugin")
     conversation = engine.conversation()
-    response = conversation.send("hi", ReplyOptions(decoder="greedy"))
+    response = engine.send(conversation, "hi", ReplyOptions(decoder="greedy"))
     response.interrupt()
     assert response.interrupted and response.text() == "" and response.token_ids == []
     # Nothing was said: no empty bot turn, none logged; the user's message waits for a reply.
     assert [t.role for t in conversation.turns] == ["user"]
     assert not [e for e in recorder.events if e[0] == "response"]
-    follow_up = conversation.send("are you there?", ReplyOptions(decoder="greedy", max_new_tokens=4))
+    follow_up = engine.send(conversation, "are you there?", ReplyOptions(decoder="greedy", max_new_tokens=4))
     assert follow_up.text() and [t.role for t in conversation.turns] == ["user", "user", "bot"]
 
 
@@ -484,6 +495,6 @@ def test_a_user_turn_carries_its_meta_to_the_hooks(engine):
 
     engine.host.register(Plugin(), "meta-watcher")
     conversation = engine.conversation()
-    conversation.add_user("hi", meta={"author_id": "42"})
-    conversation.add_user("again")
+    engine.add_user(conversation, "hi", meta={"author_id": "42"})
+    engine.add_user(conversation, "again")
     assert seen == [{"author_id": "42"}, {}]

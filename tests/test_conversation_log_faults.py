@@ -31,13 +31,9 @@ from pg_cluster import (
     unavailable_reason,
 )
 
-import chatcore
-from chatcore.decoding import GenerationSession
 from chatcore.log import ConversationLogPlugin
 from chatcore.log.location import sqlite_url
 from chatcore.log.store import ConversationStore
-from chatcore.testing import ScriptedDecoder
-from chatcore.text import encode_text
 
 FORK = multiprocessing.get_context("fork")
 SPAWN = multiprocessing.get_context("spawn")
@@ -153,37 +149,9 @@ def as_user(uid: int | None) -> Iterator[None]:
         os.setegid(0)
 
 
-class FixedTextDecoder(ScriptedDecoder):
-    """Says ``text`` (its tokens), whatever the model scores: a reply with chosen characters."""
-
-    name = "fixed-reply"
-    description = "yields the tokens of a fixed text (tests)"
-
-    @dataclass
-    class Settings:
-        text: str = "a fixed reply"
-
-    def script(self, session: GenerationSession) -> list[int]:
-        return encode_text(session.model.tokenizer, self.settings.text)
-
-
-class FixedTextPlugin:
-    @chatcore.hookimpl
-    def register_decoders(self, register: Any) -> None:
-        register(FixedTextDecoder)
-
-
-def chat(conversation: Any, texts: Iterable[str], reply: str = "a fixed reply") -> None:
+def chat(engine: Any, conversation: Any, texts: Iterable[str], reply: str = "a fixed reply") -> None:
     for text in texts:
-        conversation.send(text, decoder="fixed-reply", decoder_settings={"text": reply}).text()
-
-
-@pytest.fixture
-def chat_engine(loaded: Any, host: Any) -> Any:
-    from chatcore.engine import Engine
-
-    assert host.register(FixedTextPlugin(), "fixed-reply-test")
-    return Engine(loaded, host=host)
+        engine.send(conversation, text, decoder="fixed-text", decoder_settings={"text": reply}).text()
 
 
 def logged_texts(store: ConversationStore, conversation_id: str) -> list[tuple[str, str]]:
@@ -204,11 +172,11 @@ def test_a_file_read_only_at_the_start_is_written_once_it_is_writable(chat_engin
             plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0, journal_dir=folder / "journal")
             chat_engine.host.register(plugin, "conversation-log")
             conversation = chat_engine.conversation()
-            chat(conversation, ["one", "two"])
+            chat(chat_engine, conversation, ["one", "two"])
             assert plugin.failing and "readonly" in plugin.failing.replace(" ", "").replace("-", "")
             with as_user(None if other is None else 0):
                 path.chmod(0o666)  # writable again, while the chat goes on
-            chat(conversation, ["three"])
+            chat(chat_engine, conversation, ["three"])
             assert plugin.pending == 0 and plugin.failing is None and "available again" in told[-1]
             assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
             store.close()
@@ -264,11 +232,11 @@ def test_writes_that_cannot_reach_the_database_are_journaled_at_once_and_replaye
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
     with unavailable(store, backend):
-        chat(conversation, [f"turn {n}" for n in range(6)])
+        chat(chat_engine, conversation, [f"turn {n}" for n in range(6)])
         assert plugin.failing and plugin.pending == 12 and plugin.journaled == 12  # none waits in memory only
         (journal,) = (tmp_path / "journal").glob("*.jsonl")
         assert len(journal.read_text().splitlines()) == 12  # on the disk as each turn was acknowledged
-    chat(conversation, ["after"])  # the next turn retries
+    chat(chat_engine, conversation, ["after"])  # the next turn retries
     assert plugin.pending == 0 and plugin.failing is None and "available again" in told[-1]
     assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]  # in order
     assert list((tmp_path / "journal").glob("*.jsonl")) == []
@@ -290,7 +258,7 @@ def test_a_timer_retries_without_waiting_for_the_next_turn(chat_engine: Any, bac
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
     with unavailable(store, backend):
-        chat(conversation, ["said while the log was down"])
+        chat(chat_engine, conversation, ["said while the log was down"])
         assert plugin.journaled == 2
     assert recovered.wait(timeout=60), "the journal was not replayed"
     assert plugin.pending == 0 and logged_texts(store, conversation.id) == [
@@ -311,7 +279,7 @@ def test_writes_journaled_at_exit_are_replayed_by_the_next_process(
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
     with unavailable(store, backend):
-        chat(conversation, ["said while the log was down", "and this"])
+        chat(chat_engine, conversation, ["said while the log was down", "and this"])
         assert plugin.close() == 4  # the process ends: its waiting writes go to the journal
     store.close()
     chat_engine.host.unregister(plugin)
@@ -331,9 +299,9 @@ def test_a_nul_in_a_reply_is_stored_and_the_turns_after_it_too(
     plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
-    chat(conversation, ["say a nul"], reply="before\x00after")
+    chat(chat_engine, conversation, ["say a nul"], reply="before\x00after")
     assert conversation.turns[-1].text == "before\x00after"  # the model did say it
-    chat(conversation, [f"turn {n}" for n in range(7)])
+    chat(chat_engine, conversation, [f"turn {n}" for n in range(7)])
     assert told == [] and plugin.pending == 0
     logged = logged_texts(store, conversation.id)
     assert len(logged) == 16
@@ -356,11 +324,11 @@ def test_a_write_the_database_refuses_is_set_aside_and_the_rest_go_on(
     plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
-    chat(conversation, ["first"])
+    chat(chat_engine, conversation, ["first"])
     with store.db.begin() as connection:  # a rule the next message breaks: refused for its content
         connection.execute(sa.text("CREATE UNIQUE INDEX one_of_each ON messages (text)"))
-    chat(conversation, ["second"])  # its reply repeats the first reply: refused
-    chat(conversation, ["third"], reply="a different reply")
+    chat(chat_engine, conversation, ["second"])  # its reply repeats the first reply: refused
+    chat(chat_engine, conversation, ["third"], reply="a different reply")
     assert plugin.pending == 0 and plugin.rejected == 1 and len(told) == 1 and "refused" in told[0]
     assert [text for _, text in logged_texts(store, conversation.id)] == [
         "first",
@@ -383,13 +351,13 @@ def test_connections_dropped_by_the_server_are_replaced(
     plugin = ConversationLogPlugin(store, retry_after_s=0.0, journal_dir=tmp_path / "journal")
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
-    chat(conversation, ["one"])
+    chat(chat_engine, conversation, ["one"])
     name = sa.engine.make_url(url).database
     admin = sa.create_engine(postgres_cluster.url(), isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:  # a server restart, as the pooled connections see it
         connection.exec_driver_sql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
     admin.dispose()
-    chat(conversation, ["two"])
+    chat(chat_engine, conversation, ["two"])
     assert plugin.pending == 0 and plugin.failing is None
     assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
     with store.db.connect() as connection:  # search is served by the trigram index, not a scan
@@ -524,15 +492,15 @@ def test_the_log_its_companions_and_the_journal_are_private(chat_engine: Any, tm
         plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0, journal_dir=journal)
         chat_engine.host.register(plugin, "conversation-log")
         conversation = chat_engine.conversation()
-        chat(conversation, ["hello"])
+        chat(chat_engine, conversation, ["hello"])
         wal, shm = (path.with_name(path.name + suffix) for suffix in ("-wal", "-shm"))
         assert [mode(p) for p in (path, wal, shm)] == [0o600] * 3
         assert mode(folder) == mode(folder.parent) == 0o700
         with unavailable(store, Backend("sqlite", tmp_path)):
-            chat(conversation, ["kept in the journal"])
+            chat(chat_engine, conversation, ["kept in the journal"])
             (journaled,) = journal.glob("*.jsonl")
             assert mode(journaled) == 0o600 and mode(journal) == 0o700
-        chat(conversation, ["after"])
+        chat(chat_engine, conversation, ["after"])
         with store.db.begin() as connection:  # a rule the next write breaks: it is set aside
             connection.execute(
                 sa.text(
@@ -540,7 +508,7 @@ def test_the_log_its_companions_and_the_journal_are_private(chat_engine: Any, tm
                     "BEGIN SELECT RAISE(ABORT, 'refused'); END"
                 )
             )
-        chat(conversation, ["refused"])
+        chat(chat_engine, conversation, ["refused"])
         (rejected,) = journal.glob("*-rejected.jsonl")
         assert mode(rejected) == 0o600
         store.close()
@@ -572,20 +540,20 @@ def test_a_full_disk_loses_no_turn_that_was_shown(chat_engine: Any, tmp_path: Pa
     plugin = ConversationLogPlugin(store, notify=told.append, retry_after_s=0.0, journal_dir=tmp_path / "journal")
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
-    chat(conversation, ["before"])
+    chat(chat_engine, conversation, ["before"])
     store.db.dispose()  # the WAL is checkpointed and removed: the next write must grow a file
     with files_cannot_grow():
-        chat(conversation, ["while full 1", "while full 2"])
+        chat(chat_engine, conversation, ["while full 1", "while full 2"])
         assert plugin.pending == 4 and plugin.journaled == 0
         assert [m for m in told if "cannot be written either" in m] == told[1:]  # told once
         assert len(told) == 2 and "wait in memory" in told[1]
-    chat(conversation, ["space freed"])
+    chat(chat_engine, conversation, ["space freed"])
     assert plugin.pending == 0 and plugin.failing is None and plugin.dropped == 0
     assert logged_texts(store, conversation.id) == [(t.role, t.text) for t in conversation.turns]
 
     told.clear()
     with files_cannot_grow():
-        chat(conversation, ["the disk fills again"])
+        chat(chat_engine, conversation, ["the disk fills again"])
         assert plugin.close() == 0  # nothing could be journaled, and closing does not raise
     assert plugin.pending == 2 and plugin.failing is not None
     assert len([m for m in told if "cannot be written either" in m]) == 1
@@ -629,9 +597,9 @@ def test_writes_past_the_memory_bound_on_a_full_disk_are_counted(chat_engine: An
     conversation = chat_engine.conversation()
     store.db.dispose()
     with files_cannot_grow():
-        chat(conversation, ["one", "two", "three"])
+        chat(chat_engine, conversation, ["one", "two", "three"])
         assert plugin.pending == 3 and plugin.dropped == 3 and "up to 3" in told[1]
-    chat(conversation, ["four"])
+    chat(chat_engine, conversation, ["four"])
     assert plugin.pending == 0
     assert [text for _, text in logged_texts(store, conversation.id)] == [
         "one",

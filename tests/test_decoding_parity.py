@@ -34,7 +34,7 @@ def conversation_for(engine, turns):
     conversation = engine.conversation()
     for index, text in enumerate(turns):
         if (len(turns) - index) % 2 == 1:
-            conversation.add_user(text)
+            engine.add_user(conversation, text)
         else:
             conversation.add_bot_text(text)
     return conversation
@@ -61,8 +61,8 @@ def hf_generate(loaded, prompt_ids, max_new_tokens, min_new_tokens=0, **kwargs):
 
 def ours(engine, turns, options):
     conversation = conversation_for(engine, turns)
-    prompt = conversation.prompt(options.max_new_tokens).token_ids
-    response = conversation.reply(options)
+    prompt = engine.prompt(conversation, options.max_new_tokens).token_ids
+    response = engine.respond(conversation, options)
     response.text()
     assert response.done and not response.interrupted
     return prompt, response.token_ids
@@ -90,7 +90,7 @@ def test_greedy_matches_generate(engine, loaded, min_new_tokens):
 
 def test_greedy_prompt_is_dialogpt_formatted(engine, loaded):
     conversation = conversation_for(engine, ["hello there", "hey!", "how are you?"])
-    ids = conversation.prompt(16).token_ids
+    ids = engine.prompt(conversation, 16).token_ids
     eos = loaded.eos_token_id
     assert ids[-1] == eos
     assert ids.count(eos) == 3

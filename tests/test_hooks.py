@@ -141,13 +141,13 @@ def test_hook_register_prompt_formats(host, loaded) -> None:
     assert Registry.build(host).prompt_formats["shout-test"].plugin == "shout"
     assert engine.prompt_format.name == "shout-test"
     conversation = engine.conversation(system="be loud")
-    conversation.add_user("hello there")
+    engine.add_user(conversation, "hello there")
     tokenizer, eos = loaded.tokenizer, loaded.tokenizer.eos_token_id
     expected = tokenizer("BE LOUD")["input_ids"] + [eos] + tokenizer("HELLO THERE")["input_ids"] + [eos]
-    assert conversation.prompt(16).token_ids == expected
+    assert engine.prompt(conversation, 16).token_ids == expected
     full_stop = tokenizer(".")["input_ids"][0]
     assert engine.prompt_format.stop_token_ids == {eos, full_stop}
-    response = conversation.reply(decoder="greedy", seed=0, max_new_tokens=30)
+    response = engine.respond(conversation, decoder="greedy", seed=0, max_new_tokens=30)
     response.text()
     assert full_stop not in response.token_ids and eos not in response.token_ids
 
@@ -168,13 +168,13 @@ def test_hook_on_user_message(engine) -> None:
 
     class Plugin:
         @chatcore.hookimpl
-        def on_user_message(self, conversation, turn):
-            seen.append((conversation.id, turn.role, turn.text, len(conversation.turns)))
+        def on_user_message(self, conversation, turn, model):
+            seen.append((conversation.id, turn.role, turn.text, len(conversation.turns), model))
 
     engine.host.register(Plugin(), "listener")
     conversation = engine.conversation()
-    conversation.add_user("hello\tthere")
-    assert seen == [(conversation.id, "user", "hello there", 1)]
+    engine.add_user(conversation, "hello\tthere")
+    assert seen == [(conversation.id, "user", "hello there", 1, engine.loaded)]
 
 
 def test_hook_on_response(engine) -> None:
@@ -187,5 +187,5 @@ def test_hook_on_response(engine) -> None:
 
     engine.host.register(Plugin(), "listener")
     conversation = engine.conversation()
-    text = conversation.send("hi", decoder="greedy", max_new_tokens=5).text()
+    text = engine.send(conversation, "hi", decoder="greedy", max_new_tokens=5).text()
     assert seen == [(text, text, "greedy")]

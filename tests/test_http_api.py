@@ -301,15 +301,14 @@ def slow_request(serving, name: str, stream: bool) -> socket.socket:
 def test_a_client_that_disconnects_frees_its_slot(serving, client, stream):
     scheduler = serving[0]
     connection = slow_request(serving, model_name(client), stream)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not scheduler.in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert scheduler.in_flight() == 1
-    connection.close()  # 100 slow steps would take 5 s
-    closed = time.monotonic()
-    while scheduler.in_flight() and time.monotonic() - closed < 10:
-        time.sleep(0.02)
-    assert scheduler.in_flight() == 0 and time.monotonic() - closed < 2
+    (handle,) = [job.sink for job in list(scheduler.runner.jobs)]
+    connection.close()
+    # Freed by the disconnect, not by its end: the reply ends cancelled, with its 100 slow steps not all taken.
+    assert handle.wait(60) and handle.finish_reason == "cancelled" and len(handle.token_ids) < 100
+    assert scheduler.in_flight() == 0
 
 
 def test_a_busy_server_says_so(serving, client):

@@ -26,7 +26,6 @@ from chatcore.log.store import ConversationStore
 # The fault suite's fixtures and helpers.
 postgres_cluster = faults.postgres_cluster
 backend = faults.backend
-chat_engine = faults.chat_engine
 Backend = faults.Backend
 chat = faults.chat
 logged_texts = faults.logged_texts
@@ -72,9 +71,9 @@ def test_a_hung_server_costs_a_turn_a_bounded_wait_and_its_turns_are_stored_once
     )
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
-    chat(conversation, ["before the server hangs"])
+    chat(chat_engine, conversation, ["before the server hangs"])
     with postgres_cluster.frozen():  # without a deadline, the next turn would wait for ever
-        chat(conversation, ["said while it hangs", "and this"])
+        chat(chat_engine, conversation, ["said while it hangs", "and this"])
         assert plugin.failing and "did not answer" in told[0]
         assert plugin.journaled == 4  # on the disk, every one, before its reply was shown
         (journal,) = (tmp_path / "journal").glob("*.jsonl")
@@ -179,7 +178,7 @@ def test_a_log_file_changed_under_a_chat_keeps_its_own_content_and_the_chat_once
     told: list[str] = []
     chat_engine.host.register(ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "j"), "log")
     conversation = chat_engine.conversation()
-    chat(conversation, ["one", "two"])
+    chat(chat_engine, conversation, ["one", "two"])
     assert (tmp_path / "log.sqlite3-wal").stat().st_size > 0  # the turns sit in the WAL, not yet in the file
     if change == "replaced":
         other.replace(path)
@@ -189,7 +188,7 @@ def test_a_log_file_changed_under_a_chat_keeps_its_own_content_and_the_chat_once
         other.replace(path)
     else:
         path.unlink()
-    chat(conversation, ["three", "four"])
+    chat(chat_engine, conversation, ["three", "four"])
     assert len(told) == 1 and ("deleted" if change == "deleted" else "replaced") in told[0]
     with ConversationStore(sqlite_url(path)) as reader:
         # The old file's WAL was never applied to the new file; the chat is in it once.
@@ -220,7 +219,7 @@ def test_a_log_that_cannot_open_at_the_start_journals_every_turn_until_it_opens(
     )
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
-    chat(conversation, ["one", "two"])
+    chat(chat_engine, conversation, ["one", "two"])
     (journal,) = (tmp_path / "journal").glob("*.jsonl")
     assert plugin.store is None and len(journal.read_text().splitlines()) == 4  # on the disk, not in memory
     if backend.cluster is None:
@@ -228,7 +227,7 @@ def test_a_log_that_cannot_open_at_the_start_journals_every_turn_until_it_opens(
         blocked.mkdir()
     else:
         faults.refuse_connections(backend.cluster, url, refuse=False)
-    chat(conversation, ["three"])
+    chat(chat_engine, conversation, ["three"])
     assert plugin.wait_idle(timeout_s=120)
     plugin.flush()
     assert recovered.is_set() and plugin.store is not None and plugin.pending == 0
@@ -247,7 +246,9 @@ def chat_engine_of_its_own(loaded: Any) -> Any:
 
     host = plugin_manager.PluginHost()
     host.load_modules(BUILTIN_TEST_PLUGINS)
-    assert host.register(faults.FixedTextPlugin(), "fixed-reply-test")
+    from fixed_text import FixedTextPlugin
+
+    assert host.register(FixedTextPlugin(), "fixed-text-test")
     return Engine(loaded, host=host)
 
 
@@ -264,14 +265,14 @@ def test_a_second_chat_on_one_conversation_forks_it_and_nothing_is_mislabelled(
         engines.append(engine)
         told.append(said)
     started = engines[0].conversation()
-    chat(started, ["hello"])
-    first, second = (stores[n].resume(engines[n], started.id) for n in range(2))  # two terminals, one --cid
-    chat(first, ["from the first"], reply="first reply")
-    chat(second, ["from the second"], reply="second reply")  # another chat wrote since: it forks
+    chat(engines[0], started, ["hello"])
+    first, second = (stores[n].resume(started.id) for n in range(2))  # two terminals, one --cid
+    chat(engines[0], first, ["from the first"], reply="first reply")
+    chat(engines[1], second, ["from the second"], reply="second reply")  # another chat wrote since: it forks
     first.turns.pop()  # /retry: a retried reply supersedes only the first chat's own reply
-    first.reply(decoder="fixed-reply", decoder_settings={"text": "first reply"}).text()
-    chat(first, ["the first goes on"], reply="first again")
-    chat(second, ["the second goes on"], reply="second again")
+    engines[0].respond(first, decoder="fixed-text", decoder_settings={"text": "first reply"}).text()
+    chat(engines[0], first, ["the first goes on"], reply="first again")
+    chat(engines[1], second, ["the second goes on"], reply="second again")
     assert told[0] == [] and len(told[1]) == 1 and "goes on in a new conversation" in told[1][0]
     store = stores[0]
     original = store.get_conversation(started.id)
@@ -289,7 +290,7 @@ def test_a_second_chat_on_one_conversation_forks_it_and_nothing_is_mislabelled(
     assert [(m.text, m.superseded) for m in store.get_conversation(fork).messages] == [
         (t.text, False) for t in second.turns
     ]
-    assert [t.text for t in store.resume(engines[1], fork).turns] == [t.text for t in second.turns]
+    assert [t.text for t in store.resume(fork).turns] == [t.text for t in second.turns]
     for made in stores:
         made.close()
 
@@ -302,7 +303,7 @@ def test_a_journal_is_replayed_by_any_spelling_of_its_database(chat_engine: Any,
     chat_engine.host.register(plugin, "conversation-log")
     conversation = chat_engine.conversation()
     with faults.unavailable(store, Backend("sqlite", tmp_path)):
-        chat(conversation, ["said while the log was locked"])
+        chat(chat_engine, conversation, ["said while the log was locked"])
         assert plugin.close() == 2
     store.close()
     with ConversationStore(sqlite_url(tmp_path / "link" / "log.sqlite3")) as later:  # another spelling, one file

@@ -123,7 +123,7 @@ def api_outcome(engine: Any, cell: Cell) -> Outcome:
     one that fails before its first token: it was not refused at configuration."""
     conversation = engine.conversation()
     try:
-        response = conversation.send(PROMPT, cell.options())
+        response = engine.send(conversation, PROMPT, cell.options())
     except ChatcoreError as error:
         return Outcome("refused", str(error))
     try:

@@ -26,13 +26,6 @@ def mmi_host(host):
 
 
 @pytest.fixture(scope="module")
-def bundled():
-    from chatcore.models import load_model
-
-    return load_model("chatcore-tiny")
-
-
-@pytest.fixture(scope="module")
 def bundled_reverse():
     return reranking.load_reverse_model("chatcore-tiny-reverse", device="cpu")
 
@@ -108,7 +101,7 @@ def test_combined_score_adds_the_weighted_forward_score():
 # -- scoring -----------------------------------------------------------------------------
 
 
-def test_reranking_picks_the_reply_with_the_highest_reverse_score(bundled, bundled_reverse):
+def test_reranking_picks_the_reply_with_the_highest_reverse_score(bundled_model, bundled_reverse):
     """A constructed case: on-topic replies explain the source far better than generic ones."""
     tokenizer = bundled_reverse.tokenizer
     source = [encode_text(tokenizer, "do you like pizza?")]
@@ -120,7 +113,7 @@ def test_reranking_picks_the_reply_with_the_highest_reverse_score(bundled, bundl
     assert choose(combined_scores([0.0] * len(texts), scores, 0.0), [True] * len(texts)) == best
 
 
-def test_batch_scoring_equals_one_at_a_time(bundled, bundled_reverse):
+def test_batch_scoring_equals_one_at_a_time(bundled_model, bundled_reverse):
     tokenizer = bundled_reverse.tokenizer
     source = [encode_text(tokenizer, "what did you do this weekend?"), encode_text(tokenizer, "hey there")]
     texts = [
@@ -136,24 +129,24 @@ def test_batch_scoring_equals_one_at_a_time(bundled, bundled_reverse):
         assert b.tokens == a.tokens == sum(len(t) + 1 for t in source)
         assert b.total == pytest.approx(a.total, abs=1e-4)
 
-    prompt = encode_text(bundled.tokenizer, "hi, how are you?") + [bundled.eos_token_id]
-    batched = reranking.forward_scores(bundled, prompt, candidates)
-    alone = [reranking.forward_scores(bundled, prompt, [c])[0] for c in candidates]
+    prompt = encode_text(bundled_model.tokenizer, "hi, how are you?") + [bundled_model.eos_token_id]
+    batched = reranking.forward_scores(bundled_model, prompt, candidates)
+    alone = [reranking.forward_scores(bundled_model, prompt, [c])[0] for c in candidates]
     for candidate, b, a in zip(candidates, batched, alone):
         assert b.tokens == a.tokens == len(candidate) + 1
         assert b.total == pytest.approx(a.total, abs=1e-4)
 
 
-def test_forward_score_is_the_models_log_probability(bundled):
+def test_forward_score_is_the_models_log_probability(bundled_model):
     """Cross-check the batched scorer against a plain full-sequence forward pass."""
-    eos = bundled.eos_token_id
-    prompt = encode_text(bundled.tokenizer, "what do you do for fun?") + [eos]
-    reply = encode_text(bundled.tokenizer, "i play the guitar")
+    eos = bundled_model.eos_token_id
+    prompt = encode_text(bundled_model.tokenizer, "what do you do for fun?") + [eos]
+    reply = encode_text(bundled_model.tokenizer, "i play the guitar")
     ids = torch.tensor([prompt + reply + [eos]])
     with torch.inference_mode():
-        log_probs = torch.log_softmax(bundled.model(input_ids=ids).logits[0].float(), dim=-1)
+        log_probs = torch.log_softmax(bundled_model.model(input_ids=ids).logits[0].float(), dim=-1)
     expected = sum(float(log_probs[i - 1, ids[0, i]]) for i in range(len(prompt), ids.size(1)))
-    (score,) = reranking.forward_scores(bundled, prompt, [reply])
+    (score,) = reranking.forward_scores(bundled_model, prompt, [reply])
     assert score.total == pytest.approx(expected, abs=1e-4)
     assert score.mean == pytest.approx(expected / (len(reply) + 1), abs=1e-5)
 
@@ -173,9 +166,9 @@ def test_split_turns_recovers_the_prompt_turns():
     assert reranking.split_turns([4, 0, 7], eos=0) == [[4], [7]]
 
 
-def test_tokenizers_are_compared_by_content(bundled, bundled_reverse, tokenizer):
-    assert bundled.tokenizer is not bundled_reverse.tokenizer
-    assert reranking.same_tokenizer(bundled.tokenizer, bundled_reverse.tokenizer)
+def test_tokenizers_are_compared_by_content(bundled_model, bundled_reverse, tokenizer):
+    assert bundled_model.tokenizer is not bundled_reverse.tokenizer
+    assert reranking.same_tokenizer(bundled_model.tokenizer, bundled_reverse.tokenizer)
     assert not reranking.same_tokenizer(tokenizer, bundled_reverse.tokenizer)
 
 
@@ -250,16 +243,16 @@ def test_sampling_stops_once_the_quorum_of_candidates_has_ended(
     assert len(chosen) == 1 and chosen[0]["scores"]["ended"] == 1.0 and chosen[0]["token_ids"]
 
 
-def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_reverse, mmi_host):
-    engine = Engine(bundled, host=mmi_host)
+def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled_model, bundled_reverse, mmi_host):
+    engine = Engine(bundled_model, host=mmi_host)
     conversation = engine.conversation()
-    conversation.add_user("hi! do you have any pets?")
+    engine.add_user(conversation, "hi! do you have any pets?")
     conversation.add_bot_text("yes, i have two cats")
-    conversation.add_user("what are their names?")
+    engine.add_user(conversation, "what are their names?")
     options = ReplyOptions(
         decoder="mmi", decoder_settings={"candidates": 4, "source_turns": 2}, seed=7, max_new_tokens=24
     )
-    response = conversation.reply(options)
+    response = engine.respond(conversation, options)
     text = response.text()
     provenance = response.provenance
     candidates = provenance["candidates"]
@@ -272,7 +265,7 @@ def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_
     eligible = [c for c in candidates if c["token_ids"] and c["scores"]["ended"]]
     assert eligible and chosen[0]["scores"]["reverse"] == max(c["scores"]["reverse"] for c in eligible)
     # The recorded scores are what the scoring functions give for these candidates.
-    turns = reranking.split_turns(_prompt_ids(conversation, 24), bundled.eos_token_id)
+    turns = reranking.split_turns(_prompt_ids(engine, conversation, 24), bundled_model.eos_token_id)
     source = list(reversed(turns[-2:]))
     ids = [c["token_ids"] for c in candidates]
     for candidate, score in zip(candidates, reranking.reverse_scores(bundled_reverse, ids, source)):
@@ -280,19 +273,19 @@ def test_end_to_end_chosen_candidate_has_the_max_reverse_score(bundled, bundled_
     # Forward scores come from the sampling pass; with no steerer they are the plain model's.
     ended = [c for c in candidates if c["scores"]["ended"]]
     assert ended
-    prompt = _prompt_ids(conversation, 24)
+    prompt = _prompt_ids(engine, conversation, 24)
     for candidate in ended:
-        (score,) = reranking.forward_scores(bundled, prompt, [candidate["token_ids"]])
+        (score,) = reranking.forward_scores(bundled_model, prompt, [candidate["token_ids"]])
         assert candidate["scores"]["forward"] == pytest.approx(score.total, abs=1e-4)
     assert conversation.turns[-1].text == text
 
 
-def _prompt_ids(conversation, max_new_tokens):
+def _prompt_ids(engine, conversation, max_new_tokens):
     """The prompt the reply was made from: every turn but the reply itself."""
     turns = conversation.turns
     conversation.turns = turns[:-1]
     try:
-        return conversation.prompt(max_new_tokens).token_ids
+        return engine.prompt(conversation, max_new_tokens).token_ids
     finally:
         conversation.turns = turns
 

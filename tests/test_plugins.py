@@ -83,7 +83,9 @@ def test_a_raising_hook_is_reported_by_name_and_others_still_register(host):
 def test_engine_works_next_to_a_broken_plugin(loaded, host):
     host.register(RaisingRegistration(), "raiser")
     engine = Engine(loaded, host=host)
-    response = engine.conversation().send("hi", ReplyOptions(decoder="greedy", max_new_tokens=3, min_new_tokens=3))
+    response = engine.send(
+        engine.conversation(), "hi", ReplyOptions(decoder="greedy", max_new_tokens=3, min_new_tokens=3)
+    )
     assert response.text()
     assert len(response.token_ids) == 3
     assert problems_of(host) == [("raiser", "hook register_decoders")]
@@ -184,6 +186,28 @@ def test_built_in_names_are_reserved_and_the_plugin_taking_one_is_named(host):
     assert "'greedy' is a built-in name" in host.problems[0].message
 
 
+def test_a_host_has_one_registry_rebuilt_only_when_its_plugins_change(host):
+    from chatcore.registry import registry_of
+
+    first = registry_of(host)
+    assert registry_of(host) is first  # built once
+
+    class Shadow:
+        @chatcore.hookimpl
+        def register_decoders(self, register):
+            register(OtherGreedy)
+
+    host.register(Shadow(), "shadow")
+    second = registry_of(host)
+    assert second is not first and registry_of(host) is second
+    host.register(object(), "bystander")  # another rebuild finds the same clash: still one problem
+    assert registry_of(host) is not second
+    assert problems_of(host) == [("shadow", "hook register_decoders")]
+    host.unregister("shadow")
+    assert registry_of(host).decoders["greedy"].plugin == "chatcore.plugins.greedy"
+    assert problems_of(host) == []  # the clash went with the plugin
+
+
 @pytest.mark.parametrize("order", [("first", "second"), ("second", "first")])
 def test_a_name_two_plugins_register_is_neither_plugins_and_both_are_reachable_qualified(host, order):
     classes = {
@@ -264,7 +288,7 @@ def test_unknown_names_list_what_is_available(engine):
         engine.make_steerer("pplm")
     assert str(excinfo.value) == "unknown steerer 'pplm' (available: bow-bias)"
     with pytest.raises(UnknownNameError, match="available: greedy, top-k"):
-        engine.conversation().send("hi", ReplyOptions(decoder="Greedy"))
+        engine.send(engine.conversation(), "hi", ReplyOptions(decoder="Greedy"))
 
 
 @pytest.mark.parametrize(
@@ -291,7 +315,7 @@ def test_bad_decoder_settings_raise_option_errors(engine, decoder, settings, nee
         assert needle in message
     assert "\n" not in message
     with pytest.raises(OptionError):
-        engine.conversation().send("hi", ReplyOptions(decoder=decoder, decoder_settings=settings))
+        engine.send(engine.conversation(), "hi", ReplyOptions(decoder=decoder, decoder_settings=settings))
 
 
 @pytest.mark.parametrize(
@@ -432,8 +456,10 @@ def exploding_engine(loaded, host):
 def test_a_steerer_raising_in_its_step_is_a_plugin_error_and_the_engine_recovers(exploding_engine):
     engine = exploding_engine
     conversation = engine.conversation()
-    response = conversation.send(
-        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding", {})], min_new_tokens=10, max_new_tokens=10)
+    response = engine.send(
+        conversation,
+        "hi",
+        ReplyOptions(decoder="greedy", steerers=[("exploding", {})], min_new_tokens=10, max_new_tokens=10),
     )
     with pytest.raises(PluginError) as excinfo:
         response.text()
@@ -449,17 +475,23 @@ def test_a_steerer_raising_in_its_step_is_a_plugin_error_and_the_engine_recovers
     assert response.text() == "" and [turn.role for turn in conversation.turns] == ["user"]
 
     # the same engine, and the same conversation, still reply
-    after = conversation.send("still there?", ReplyOptions(decoder="greedy", min_new_tokens=5, max_new_tokens=5))
+    after = engine.send(
+        conversation, "still there?", ReplyOptions(decoder="greedy", min_new_tokens=5, max_new_tokens=5)
+    )
     after.text()
     assert len(after.token_ids) == 5 and not after.interrupted
-    fresh = engine.conversation().send("hi", ReplyOptions(decoder="top-k", seed=1, min_new_tokens=5, max_new_tokens=5))
+    fresh = engine.send(
+        engine.conversation(), "hi", ReplyOptions(decoder="top-k", seed=1, min_new_tokens=5, max_new_tokens=5)
+    )
     fresh.text()
     assert len(fresh.token_ids) == 5
 
 
 def test_a_steerer_failure_is_blamed_on_the_steerer_plugin_alone(exploding_engine):
-    response = exploding_engine.conversation().send(
-        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding", {})], min_new_tokens=10, max_new_tokens=10)
+    response = exploding_engine.send(
+        exploding_engine.conversation(),
+        "hi",
+        ReplyOptions(decoder="greedy", steerers=[("exploding", {})], min_new_tokens=10, max_new_tokens=10),
     )
     with pytest.raises(PluginError) as excinfo:
         response.text()
@@ -468,8 +500,8 @@ def test_a_steerer_failure_is_blamed_on_the_steerer_plugin_alone(exploding_engin
 
 
 def test_a_steerer_raising_in_prepare_is_a_plugin_error(exploding_engine):
-    response = exploding_engine.conversation().send(
-        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-prepare", {})])
+    response = exploding_engine.send(
+        exploding_engine.conversation(), "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-prepare", {})])
     )
     with pytest.raises(PluginError) as excinfo:
         response.text()
@@ -479,8 +511,8 @@ def test_a_steerer_raising_in_prepare_is_a_plugin_error(exploding_engine):
 
 
 def test_a_steerer_raising_in_wrap_is_blamed_on_the_steerer(exploding_engine):
-    response = exploding_engine.conversation().send(
-        "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-wrap", {})])
+    response = exploding_engine.send(
+        exploding_engine.conversation(), "hi", ReplyOptions(decoder="greedy", steerers=[("exploding-wrap", {})])
     )
     with pytest.raises(PluginError) as excinfo:
         response.text()

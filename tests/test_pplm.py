@@ -53,13 +53,6 @@ def pplm_engine(loaded):
     return Engine(loaded, host=host)
 
 
-@pytest.fixture(scope="module")
-def bundled():
-    from chatcore.models import load_model
-
-    return load_model("chatcore-tiny")
-
-
 class Recorder(Steerer):
     """An inner steerer that records every call PPLM makes through it."""
 
@@ -180,9 +173,9 @@ def test_layer_share_picks_the_top_layers(share, layers, first):
     assert PerturbConfig(layer_share=share).first_perturbed_layer(layers) == first
 
 
-def test_the_default_step_is_spread_over_the_perturbed_layers(bundled):
+def test_the_default_step_is_spread_over_the_perturbed_layers(bundled_model):
     config = PerturbConfig()
-    layers = bundled.model.config.n_layer
+    layers = bundled_model.model.config.n_layer
     perturbed = layers - config.first_perturbed_layer(layers)
     assert config.step_size(perturbed) == 1.0  # chatcore-tiny: the step its defaults were measured with
     assert config.step_size(15) == pytest.approx(0.2) and config.step_size(1) == 3.0
@@ -402,13 +395,13 @@ def test_history_is_never_rewritten(loaded):
         assert torch.allclose(keys, full_keys, atol=1e-4) and torch.allclose(values, full_values, atol=1e-4)
 
 
-def test_a_multi_token_word_list_steers(bundled):
-    tokenizer = bundled.tokenizer
+def test_a_multi_token_word_list_steers(bundled_model):
+    tokenizer = bundled_model.tokenizer
     words = ["hamburger", "banana", "ice cream", "peanut butter"]
     ids = {word: encode_text(tokenizer, " " + word) for word in words}
     assert all(len(i) > 1 for i in ids.values()), ids  # every one of them takes several tokens
-    bag = BagOfWords.from_words(words, tokenizer, bundled.model.config.vocab_size)
-    prompt = prompt_for(bundled, "what do you want to eat?")
+    bag = BagOfWords.from_words(words, tokenizer, bundled_model.model.config.vocab_size)
+    prompt = prompt_for(bundled_model, "what do you want to eat?")
     begun = encode_text(tokenizer, "i really want some")
     for word_ids in ids.values():
         # the first token is a target, and once the reply has begun the word, so is the next
@@ -416,16 +409,16 @@ def test_a_multi_token_word_list_steers(bundled):
         continued = bag.step_targets(torch.tensor([prompt + begun + word_ids[:1]]), len(prompt))
         assert bool(continued[0, word_ids[1]])
     steerer = PPLMSteerer.from_options({"words": ",".join(words), "stepsize": 0.3})
-    steered, plain = first_step(bundled, steerer, prompt + begun, prompt_length=len(prompt))
+    steered, plain = first_step(bundled_model, steerer, prompt + begun, prompt_length=len(prompt))
     targets = bag.step_targets(torch.tensor([prompt + begun]), len(prompt))[0]
     share = lambda logits: float(torch.softmax(logits[0], -1)[targets].sum())  # noqa: E731
     assert share(steered.logits) > 2 * share(plain.logits)
 
 
-def test_used_words_leave_the_bag(bundled):
-    tokenizer = bundled.tokenizer
-    bag = BagOfWords.from_words(["cheese", "dinner"], tokenizer, bundled.model.config.vocab_size)
-    prompt = prompt_for(bundled, "hi")
+def test_used_words_leave_the_bag(bundled_model):
+    tokenizer = bundled_model.tokenizer
+    bag = BagOfWords.from_words(["cheese", "dinner"], tokenizer, bundled_model.model.config.vocab_size)
+    prompt = prompt_for(bundled_model, "hi")
     cheese, dinner = encode_text(tokenizer, " cheese"), encode_text(tokenizer, " dinner")
     assert len(cheese) == len(dinner) == 1
     begun = bag.step_targets(torch.tensor([prompt + encode_text(tokenizer, "i like")]), len(prompt))[0]
@@ -502,10 +495,10 @@ def test_pplm_works_through_the_engine_under_every_decoder(pplm_engine):
         assert response.provenance["details"]["pplm"]["optimised_steps"] >= 1
 
 
-def test_pplm_raises_the_topic_probability_on_the_bundled_model(bundled):
+def test_pplm_raises_the_topic_probability_on_the_bundled_model(bundled_model):
     steerer = PPLMSteerer.from_options({"topic": "food", "stepsize": 0.3})
-    prompt = prompt_for(bundled, "hi! what did you do today?")
-    steered, plain = first_step(bundled, steerer, prompt)
+    prompt = prompt_for(bundled_model, "hi! what did you do today?")
+    steered, plain = first_step(bundled_model, steerer, prompt)
     targets = steerer.perturbation.attribute.start_mask
     share = lambda logits: float(torch.softmax(logits[0], -1)[targets].sum())  # noqa: E731
     assert share(steered.logits) > 2 * share(plain.logits)
@@ -549,10 +542,10 @@ def test_a_mismatched_discriminator_is_refused(loaded, tmp_path, changes, messag
     assert isinstance(error.value, ChatcoreError)
 
 
-def test_the_shipped_sentiment_head_fits_the_bundled_model_only(bundled, loaded):
+def test_the_shipped_sentiment_head_fits_the_bundled_model_only(bundled_model, loaded):
     config = read_head_config(resolve_head("sentiment"))
     assert config.base_model == "chatcore-tiny" and set(config.classes) == {"negative", "positive"}
-    load_head("sentiment", bundled.model, bundled.tokenizer, "chatcore-tiny", "positive")
+    load_head("sentiment", bundled_model.model, bundled_model.tokenizer, "chatcore-tiny", "positive")
     with pytest.raises(DiscriminatorMismatchError, match="hidden size 384"):
         load_head("sentiment", loaded.model, loaded.tokenizer, "tiny", "positive")
 

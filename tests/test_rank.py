@@ -11,13 +11,6 @@ from chatcore.plugins.rank import choose_on_topic
 from chatcore.wordlists import WORDLIST_DIR, read_word_file
 
 
-@pytest.fixture(scope="module")
-def bundled():
-    from chatcore.models import load_model
-
-    return load_model("chatcore-tiny")
-
-
 @pytest.fixture
 def rank_host(host):
     host.load_modules(("chatcore.plugins.rank",))
@@ -35,8 +28,8 @@ def test_choose_prefers_on_topic_then_fluent():
         choose_on_topic([], [], [])
 
 
-def test_the_winner_is_the_most_fluent_usable_candidate_on_topic(bundled, rank_host):
-    engine = Engine(bundled, host=rank_host)
+def test_the_winner_is_the_most_fluent_usable_candidate_on_topic(bundled_model, rank_host):
+    engine = Engine(bundled_model, host=rank_host)
     food = set(read_word_file(WORDLIST_DIR / "food.txt"))
     chosen_on_topic = 0
     for seed in range(4):
@@ -75,6 +68,6 @@ def test_the_winner_is_the_most_fluent_usable_candidate_on_topic(bundled, rank_h
         ({"words": "pizza", "quorum": 2}, "quorum"),
     ],
 )
-def test_bad_settings_are_refused(settings, field, bundled, rank_host):
+def test_bad_settings_are_refused(settings, field, bundled_model, rank_host):
     with pytest.raises(OptionError, match=field):
-        Engine(bundled, host=rank_host).make_decoder("rank", settings)
+        Engine(bundled_model, host=rank_host).make_decoder("rank", settings)

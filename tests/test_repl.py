@@ -129,7 +129,6 @@ def test_every_slash_command(state, store):
     assert "still on: none" in command("/steer off bow-bias").output and state.options.steerers == []
     command("/steer bow-bias topic=food")
     # A steerer that replaces the model step (as CoCon does) could never work after bow-bias: refused now.
-    from chatcore.registry import Registry
 
     @dataclass
     class NoSettings:
@@ -149,7 +148,6 @@ def test_every_slash_command(state, store):
             register(WholeModel)
 
     state.engine.host.register(Plugin(), "whole-model")
-    state.engine.registry = Registry.build(state.engine.host)
     assert_one_line_error(command("/steer whole-model-test"), "'whole-model-test' replaces the model step, so it must")
     assert state.options.steerers == [("bow-bias", {"topic": "food"})]
     assert command("/steer off").output == "steering off" and state.options.steerers == []
@@ -1057,9 +1055,8 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
         term.expect(r"steering: slow delay=0.5")  # ... but run once the reply is done
         term.expect(r"you>")
         term.send("tell me a long story\r")
-        term.expect(r"bot> ")
-        time.sleep(1.6)  # a few slow steps into the reply
-        term.send("\x03")
+        term.expect(r"bot> \S")  # the reply has begun to stream (each further step waits 0.5 s) ...
+        term.send("\x03")  # ... and Ctrl-C cuts it
         term.expect(r"\[interrupted\]")
         term.expect(r"you>")
         term.send("/quit\r")

@@ -9,7 +9,6 @@ import pytest
 from chatcore.engine import ReplyOptions
 from chatcore.errors import PluginError
 from chatcore.prompting import Message
-from chatcore.registry import Registry
 from chatcore.serving import Scheduler, ServerBusy
 
 PROMPTS = [
@@ -129,14 +128,14 @@ def test_a_reader_that_stops_reading_cancels_its_reply(serving_engine):
 
 def test_respond_records_the_reply_in_the_conversation(serving_engine):
     conversation = serving_engine.conversation(system="You are terse.")
-    conversation.add_user("hi there")
+    serving_engine.add_user(conversation, "hi there")
     expected = serving_engine.conversation(system="You are terse.")
-    expected.add_user("hi there")
+    serving_engine.add_user(expected, "hi there")
     options = ReplyOptions(decoder="top-k", seed=1, max_new_tokens=12)
     with Scheduler(serving_engine) as scheduler:
         response = scheduler.respond(conversation, options)
         text = response.text()
-    assert text == expected.reply(options).text()
+    assert text == serving_engine.respond(expected, options).text()
     assert conversation.turns[-1].role == "bot" and conversation.turns[-1].text == text
     assert response.provenance["seed"] == 1 and response.provenance["finish_reason"] in ("stop", "length")
 
@@ -200,9 +199,9 @@ def test_prefix_cache_reuses_earlier_turns_with_the_same_tokens(serving_engine, 
     cached = serving_engine.conversation(system="You like food.")
     with Scheduler(serving_engine) as scheduler:
         for text in user_turns:
-            expected.add_user(text)
-            cached.add_user(text)
-            plain = expected.reply(options)
+            serving_engine.add_user(expected, text)
+            serving_engine.add_user(cached, text)
+            plain = serving_engine.respond(expected, options)
             plain.text()
             reply = scheduler.respond(cached, options)
             reply.text()
@@ -260,42 +259,34 @@ def test_prefix_cache_evicts_the_least_recently_used(loaded):
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
-def chat_engine(request, tmp_path_factory):
-    from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
+def template_engine(request, tiny_chat_model_dir):
+    """An engine on a tiny chat model (chat template, rotary positions) of each architecture."""
+    from chatcore.testing import make_engine
 
-    folder = build_tiny_model(
-        tmp_path_factory.mktemp(request.param),
-        architecture=request.param,
-        chat_template=CHATML_TEMPLATE,
-        layers=2,
-        width=64,
-        heads=4,
-        positions=256,
-    )
-    return make_engine(str(folder), "chatcore.plugins.bow_bias")
+    return make_engine(tiny_chat_model_dir(request.param), "chatcore.plugins.bow_bias")
 
 
-def test_chat_models_batch_and_reuse_prefixes_exactly(chat_engine):
+def test_chat_models_batch_and_reuse_prefixes_exactly(template_engine):
     """Rotary positions, grouped-query attention and a chat template: left padding and cached
     prefixes must not move any row's positions."""
     messages = [[Message("system", "Be brief."), Message("user", p)] for p in PROMPTS[:4]]
     expected = []
     for message_list, options in zip(messages, OPTIONS[:4]):
-        reply = chat_engine.prepare_reply(message_list, options)
-        expected.append(list(chat_engine.reply_tokens(reply)))
-    with Scheduler(chat_engine) as scheduler:
+        reply = template_engine.prepare_reply(message_list, options)
+        expected.append(list(template_engine.reply_tokens(reply)))
+    with Scheduler(template_engine) as scheduler:
         handles = [scheduler.submit(m, o) for m, o in zip(messages, OPTIONS[:4])]
         for handle in handles:
             assert handle.wait(60)
         assert [h.token_ids for h in handles] == expected
         # The next turn of the first conversation starts with what the first reply fed the model.
-        text = chat_engine.tokenizer.decode(handles[0].token_ids)
+        text = template_engine.tokenizer.decode(handles[0].token_ids)
         follow = messages[0] + [Message("assistant", text), Message("user", "and then?")]
         again = scheduler.submit(follow, OPTIONS[0])
         again.wait(60)
-        assert again.token_ids == list(chat_engine.reply_tokens(chat_engine.prepare_reply(follow, OPTIONS[0])))
+        assert again.token_ids == list(template_engine.reply_tokens(template_engine.prepare_reply(follow, OPTIONS[0])))
     # Mistral's sliding-window cache layers cannot be stacked: its replies decode beside the batch.
-    merged = chat_engine.loaded.model.config.model_type == "llama"
+    merged = template_engine.loaded.model.config.model_type == "llama"
     assert scheduler.runner._can_merge is merged
     assert (again.provenance.get("prefix_cached_tokens", 0) > 10) is merged
 
@@ -417,10 +408,9 @@ def test_a_replys_timings_add_up_through_the_scheduler_and_alone(serving_engine)
     """Queued, then the first token, then the whole reply: measured from one moment, whichever
     entry point decoded it (a reply of several rows sends every token at its end)."""
     serving_engine.host.load_modules(("chatcore.plugins.mmi",))
-    serving_engine.registry = Registry.build(serving_engine.host)
     options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 2}, seed=1, max_new_tokens=6)
     conversation = serving_engine.conversation()
-    conversation.add_user("hi there")
+    serving_engine.add_user(conversation, "hi there")
     with Scheduler(serving_engine) as scheduler:
         through_scheduler = scheduler.respond(conversation, options)
         through_scheduler.text()

@@ -54,10 +54,10 @@ def test_greedy_equals_generate_over_a_multi_turn_chat(engine, system):
     assert engine.prompt_format.name == "chat-template"
     conversation = engine.conversation(system=system)
     for text in USER_TURNS[:2]:
-        conversation.add_user(text)
+        engine.add_user(conversation, text)
         prompt, expected = generate_reference(engine, conversation, 24)
-        assert conversation.prompt(24).token_ids == prompt
-        response = conversation.reply(decoder="greedy", max_new_tokens=24)
+        assert engine.prompt(conversation, 24).token_ids == prompt
+        response = engine.respond(conversation, decoder="greedy", max_new_tokens=24)
         response.text()
         assert response.token_ids == expected
 
@@ -68,7 +68,7 @@ def test_no_special_token_in_replies_the_history_or_the_log(logged_engine):
     special_texts = [t for t in engine.tokenizer.all_special_tokens if t]
     conversation = engine.conversation(system=PERSONA)
     for seed, text in enumerate(USER_TURNS):
-        response = conversation.send(text, seed=seed, max_new_tokens=32)
+        response = engine.send(conversation, text, seed=seed, max_new_tokens=32)
         reply = response.text()
         assert not special_ids & set(response.token_ids)
         assert not any(special in reply for special in special_texts)

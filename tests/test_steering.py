@@ -69,7 +69,8 @@ def test_bow_bias_raises_the_share_of_word_tokens(engine, loaded, tokenizer):
     def share(steerers):
         hits = total = 0
         for seed in range(6):
-            response = engine.conversation().send(
+            response = engine.send(
+                engine.conversation(),
                 "what should we talk about?",
                 ReplyOptions(
                     decoder="top-k",
@@ -95,7 +96,8 @@ def test_bow_bias_raises_the_share_of_word_tokens(engine, loaded, tokenizer):
 
 def test_bow_bias_with_a_builtin_topic_steers_greedy_decoding(engine, loaded, tokenizer):
     assert "food" in builtin_topics()
-    response = engine.conversation().send(
+    response = engine.send(
+        engine.conversation(),
         "hi",
         ReplyOptions(
             decoder="greedy",
@@ -218,7 +220,7 @@ def test_the_last_steerer_given_is_the_outermost(force_engine):
         min_new_tokens=3,
         max_new_tokens=3,
     )
-    response = force_engine.conversation().send("hi", options)
+    response = force_engine.send(force_engine.conversation(), "hi", options)
     response.text()
     # the last one edits the logits last, so its token wins
     assert response.token_ids == [7, 7, 7]
@@ -228,7 +230,7 @@ def test_the_last_steerer_given_is_the_outermost(force_engine):
 
     EVENTS.clear()
     options.steerers.reverse()
-    response = force_engine.conversation().send("hi", options)
+    response = force_engine.send(force_engine.conversation(), "hi", options)
     response.text()
     assert response.token_ids == [5, 5, 5]
     assert EVENTS[4:8] == ["in 5", "in 7", "out 7", "out 5"]
@@ -260,7 +262,8 @@ def test_compose_wraps_in_order():
 def test_prepare_is_called_once_per_response(force_engine):
     for n in (1, 6):
         EVENTS.clear()
-        response = force_engine.conversation().send(
+        response = force_engine.send(
+            force_engine.conversation(),
             "hi",
             ReplyOptions(
                 decoder="top-k", seed=n, steerers=[("force", {"token": 9})], min_new_tokens=n, max_new_tokens=n
@@ -309,10 +312,10 @@ def test_steerers_see_the_documented_step_states(loaded, host, tokenizer):
     host.register(SpyPlugin(), "spy-plugin")
     engine = Engine(loaded, host=host)
     conversation = engine.conversation()
-    conversation.add_user("hello")
-    prompt = conversation.prompt(4).token_ids
-    response = conversation.reply(
-        ReplyOptions(decoder="greedy", steerers=[("spy", {})], min_new_tokens=4, max_new_tokens=4)
+    engine.add_user(conversation, "hello")
+    prompt = engine.prompt(conversation, 4).token_ids
+    response = engine.respond(
+        conversation, ReplyOptions(decoder="greedy", steerers=[("spy", {})], min_new_tokens=4, max_new_tokens=4)
     )
     response.text()
     generated = response.token_ids

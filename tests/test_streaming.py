@@ -99,7 +99,8 @@ def test_response_deltas_join_to_its_text(tokenizer, text):
 
 def test_engine_reply_deltas_join_to_its_text(engine, tokenizer):
     for seed in range(4):
-        response = engine.conversation().send(
+        response = engine.send(
+            engine.conversation(),
             "café 😀 日本",
             ReplyOptions(
                 decoder="top-k",

@@ -99,16 +99,16 @@ def test_mmi_with_a_chat_template_model_scores_message_turns(forward_and_reverse
     _, forward, best, _ = forward_and_reverse
     engine = make_engine(str(forward), "chatcore.plugins.mmi")
     conversation = engine.conversation(system="You are terse.")
-    conversation.add_user("hi! do you have any pets?")
+    engine.add_user(conversation, "hi! do you have any pets?")
     conversation.add_bot_text("yes, two cats")
-    conversation.add_user("what are <|im_end|> their names?")  # special-token text stays text
+    engine.add_user(conversation, "what are <|im_end|> their names?")  # special-token text stays text
     options = ReplyOptions(
         decoder="mmi",
         seed=3,
         max_new_tokens=12,
         decoder_settings={"candidates": 4, "source_turns": 2, "reverse_model": str(best)},
     )
-    response = conversation.reply(options)
+    response = engine.respond(conversation, options)
     text = response.text()
     details = response.provenance["details"]["mmi"]
     assert details["source_turns"] == 2 and details["retokenized"] is False

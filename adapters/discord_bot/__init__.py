@@ -1,7 +1,7 @@
 """The Discord adapter: ``chatcore discord`` runs chatcore as a Discord bot.
 
 Modules, each with one job: ``config`` (settings and token), ``worker`` (the thread
-that owns the model), ``conversations`` and ``persistence`` (one conversation per
+that owns the conversation log), ``conversations`` and ``persistence`` (one conversation per
 channel, kept in the conversation log), ``routing`` (which messages, which
 conversation, message text), ``bot`` (the client), ``slash`` (``/chat`` commands),
 ``run`` (start, signals, stop) and ``cli`` (the command). Only ``cli`` is imported

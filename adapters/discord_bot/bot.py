@@ -2,11 +2,13 @@
 
 Every message the bot sends goes out with ``AllowedMentions.none()`` (also set as
 the client's default), so nothing the model writes (``@everyone``, a role, a user id)
-pings anyone. Nothing slow runs on the event loop: a message handler asks the worker
-thread (which owns the conversations and the log) to start the reply, awaits the end
-of its decoding on the serving scheduler (many channels in one batch) with the typing
-indicator on, and asks the worker to record it. Messages of one channel are answered in
-order, one after the other; different channels are answered at once.
+pings anyone. Nothing slow runs on the event loop: a message handler submits the reply
+to the serving scheduler itself (many channels in one batch; a full batch and queue is
+the one "busy" answer), awaits its end with the typing indicator on (the scheduler's
+listener resolves an asyncio future with ``loop.call_soon_threadsafe``), and has the
+worker thread, which owns the conversation log, add the user's turn and record the reply
+(so the log has it before it is shown). Messages of one channel are answered in order,
+one after the other; different channels are answered at once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from chatcore.adapters.discord_bot.config import DiscordSettings
     from chatcore.adapters.discord_bot.conversations import ChatRuntime, PendingReply, ReplyResult
     from chatcore.adapters.discord_bot.worker import InferenceWorker, JobControl
+    from chatcore.conversation import Conversation
     from chatcore.engine import ReplyOptions
 
 logger = logging.getLogger("chatcore.discord")
@@ -115,17 +118,20 @@ class ChannelSetup:
         )
 
 
-def _start_job(
-    key: str,
-    text: str,
-    options: "ReplyOptions",
-    system: str | None,
-    author_id: str,
-    listener: Any,
-    runtime: "ChatRuntime",
-    control: "JobControl",
-) -> "PendingReply":
-    return runtime.start_reply(key, text, options, system, author_id, listener)
+def _open_job(key: str, runtime: "ChatRuntime", control: "JobControl") -> "Conversation":
+    return runtime.conversation(key)
+
+
+def _add_user_job(
+    pending: "PendingReply", text: str, author_id: str, runtime: "ChatRuntime", control: "JobControl"
+) -> None:
+    runtime.add_user(pending, text, author_id)
+
+
+def _log_failure(future: "asyncio.Future[Any]") -> None:
+    """A job nobody awaits (adding a turn) says how it failed, if it did."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("adding a turn failed: %s", future.exception())
 
 
 def _finish_job(
@@ -201,6 +207,7 @@ class ChatBot(discord.Client):
         self.stats = BotStats()
         self.last_provenance: dict[str, dict[str, Any]] = {}
         self.catalog: dict[str, list[str]] = {"decoders": [], "steerers": []}
+        self.runtime: "ChatRuntime | None" = None  # the worker's, once prepared: its scheduler takes replies
         self.closing = False
         self._handler_tasks: set[asyncio.Task[Any]] = set()
         self.in_flight: set[InFlight] = set()
@@ -220,12 +227,12 @@ class ChatBot(discord.Client):
         options = self.options_of(self.default_setup)
         system, max_new_tokens = self.settings.system, self.settings.max_new_tokens
 
-        def check(runtime: "ChatRuntime", control: "JobControl") -> tuple[dict[str, list[str]], str]:
+        def check(runtime: "ChatRuntime", control: "JobControl") -> "tuple[dict[str, list[str]], str, ChatRuntime]":
             runtime.check_options(options)
             runtime.check_system(system, max_new_tokens)
-            return runtime.names(), runtime.prompt_format
+            return runtime.names(), runtime.prompt_format, runtime
 
-        self.catalog, self.prompt_format = await self.worker.submit(check, control=True)
+        self.catalog, self.prompt_format, self.runtime = await self.worker.submit(check, control=True)
 
     async def setup_hook(self) -> None:
         """Sync the slash commands: to the listed guilds (at once), else globally."""
@@ -344,18 +351,30 @@ class ChatBot(discord.Client):
             if isinstance(event, End):
                 loop.call_soon_threadsafe(ended)
 
-        start = functools.partial(
-            _start_job, key, text, self.reply_options(key), system, str(message.author.id), listener
-        )
+        runtime = self.runtime
+        assert runtime is not None, "prepare() first"
         self.in_flight.add(flight)
         try:
             try:
-                flight.pending = await self.worker.submit(start)
-            except (WorkerBusy, ServerBusy):
+                conversation = runtime.open_conversation(key)
+                if conversation is None:  # resumed from the log (or new): storage is the worker's
+                    conversation = await self.worker.submit(functools.partial(_open_job, key), control=True)
+                flight.pending, cleaned = runtime.submit_reply(
+                    key, conversation, text, self.reply_options(key), system, listener
+                )
+                added = self.worker.submit(
+                    functools.partial(_add_user_job, flight.pending, cleaned, str(message.author.id)), control=True
+                )
+                added.add_done_callback(_log_failure)
+            except (ServerBusy, WorkerBusy):  # the batch and its queue are full (WorkerBusy: the worker's cap)
+                if flight.pending is not None:  # submitted, but its turn cannot be added: not answered
+                    flight.pending.handle.cancel()
                 self.stats.busy += 1
                 await self.send_reply(message, BUSY_REPLY)
                 return None
             except WorkerClosed:
+                if flight.pending is not None:
+                    flight.pending.handle.cancel()
                 return None
             except ChatcoreError as error:
                 self.stats.errors += 1

@@ -147,6 +147,7 @@ def discord_command(
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import ReplyOptions, validate_options
     from chatcore.prompting import validate_format_name
+    from chatcore.registry import registry_of
 
     if system is not None and system_file is not None:
         raise ChatcoreError("give --system or --system-file, not both")
@@ -175,7 +176,7 @@ def discord_command(
         },
     )
     # Everything that needs no model is checked before the token is read and the model loads.
-    validate_format_name(settings.prompt_format)
+    validate_format_name(settings.prompt_format, registry_of())
     decoder_name, decoder_settings = parse_spec(settings.decoder)
     steerers = [parse_spec(spec) for spec in settings.steer]
     validate_options(ReplyOptions(decoder=decoder_name, decoder_settings=decoder_settings, steerers=steerers))

@@ -1,26 +1,25 @@
-"""The worker's side of the bot: the engine and one conversation per channel key.
+"""The bot's engine, its scheduler and one conversation per channel key.
 
-A :class:`ChatRuntime` is created on, and used only from, the inference worker's
-thread (see :mod:`chatcore.adapters.discord_bot.worker`): it holds the engine, the
-conversations most recently used (the rest resume from the log when next needed) and
-their persistence. The event loop never touches a Conversation.
-
-Replies are decoded by the serving scheduler (:mod:`chatcore.serving`), many channels in
-one batch: the worker only starts a reply (adds the user's turn, submits it) and, once
-the scheduler has ended it, finishes it (records the reply, which the log writes). Both
-are short jobs, so the worker thread never waits for the model.
+A :class:`ChatRuntime` is created on the inference worker's thread (see
+:mod:`chatcore.adapters.discord_bot.worker`), which owns the conversation log: resuming a
+conversation from it, adding turns (the log writes each one) and recording replies run
+there. The event loop submits each reply to the scheduler itself
+(:meth:`ChatRuntime.submit_reply`: the conversation's messages as they are, plus the
+user's turn) and awaits its end; the scheduler decodes it, many channels in one batch.
+A conversation is plain data; one channel's replies come one after the other, so the
+loop reads a conversation only while no job of the worker changes it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from chatcore.adapters.discord_bot.persistence import ConversationPersistence, LogPersistence, MemoryPersistence
-from chatcore.adapters.discord_bot.worker import WorkerBusy
 
 if TYPE_CHECKING:
     from chatcore.adapters.discord_bot.config import DiscordSettings
@@ -74,13 +73,22 @@ class ChatRuntime:
         self.max_conversations = max_conversations
         self.scheduler: "Scheduler" = Scheduler(engine, max_batch=max_batch, max_waiting=queue_size)
         self._open: OrderedDict[str, "Conversation"] = OrderedDict()
+        self._open_lock = threading.Lock()  # the event loop looks conversations up too
 
     # -- conversations --------------------------------------------------------------
+    def open_conversation(self, key: str) -> "Conversation | None":
+        """The current conversation of ``key`` if it is open (no storage is read: for the event loop)."""
+        with self._open_lock:
+            conversation = self._open.get(key)
+            if conversation is not None:
+                self._open.move_to_end(key)
+            return conversation
+
     def conversation(self, key: str) -> "Conversation":
-        """The current conversation of ``key``: open, resumed from storage, or new."""
-        if key in self._open:
-            self._open.move_to_end(key)
-            return self._open[key]
+        """The current conversation of ``key``: open, resumed from storage, or new (worker thread)."""
+        open_now = self.open_conversation(key)
+        if open_now is not None:
+            return open_now
         conversation = self.persistence.latest(self.engine, key)
         if conversation is not None:
             logger.info("resumed conversation %s of %s (%d turns)", conversation.id[:8], key, len(conversation.turns))
@@ -95,12 +103,46 @@ class ChatRuntime:
         return conversation
 
     def _remember(self, key: str, conversation: "Conversation") -> None:
-        self._open[key] = conversation
-        self._open.move_to_end(key)
-        while len(self._open) > self.max_conversations:
-            self._open.popitem(last=False)
+        with self._open_lock:
+            self._open[key] = conversation
+            self._open.move_to_end(key)
+            while len(self._open) > self.max_conversations:
+                self._open.popitem(last=False)
 
     # -- replies ------------------------------------------------------------------
+    def submit_reply(
+        self,
+        key: str,
+        conversation: "Conversation",
+        text: str,
+        options: "ReplyOptions",
+        system: str | None = None,
+        listener: "Callable[[Event], None] | None" = None,
+    ) -> tuple[PendingReply, str]:
+        """Submit a reply to ``conversation`` (the current one of ``key``) and the user's
+        ``text`` (with the system prompt ``system``: the one in effect for ``key`` now) to the
+        scheduler; the event loop calls this. ``listener`` is called on the scheduler's
+        thread with each event. Returns the pending reply and the text as cleaned, for
+        :meth:`add_user` (the worker's job).
+
+        Raises ServerBusy when the batch and its queue are full, the one busy check, before
+        anything is added; ChatcoreError for a message that cannot be a turn."""
+        from chatcore.text import clean_message
+        from chatcore.values import Message
+
+        text = clean_message(text)
+        conversation.system = system
+        messages = [*conversation.messages(), Message("user", text)]
+        prompt_format = self.engine.format_for(conversation)
+        handle = self.scheduler.submit(messages, options, listener=listener, prompt_format=prompt_format)
+        return PendingReply(key, conversation, handle), text
+
+    def add_user(self, pending: PendingReply, text: str, author_id: str | None = None) -> None:
+        """Add the submitted reply's user turn (by ``author_id``, which the log keeps so that
+        one person's messages can be exported or deleted); the log writes it (worker thread)."""
+        meta = {"author_id": author_id} if author_id is not None else None
+        self.engine.add_user(pending.conversation, text, meta=meta)
+
     def start_reply(
         self,
         key: str,
@@ -110,20 +152,11 @@ class ChatRuntime:
         author_id: str | None = None,
         listener: "Callable[[Event], None] | None" = None,
     ) -> PendingReply:
-        """Add ``text`` as the user's turn (by ``author_id``, which the log keeps so that one
-        person's messages can be exported or deleted) and submit the reply with the system
-        prompt ``system`` (the one in effect for ``key`` now: a change applies from the next
-        reply on). ``listener`` is called on the scheduler's thread with each event.
-
-        Raises WorkerBusy, before the turn is added, when the batch and its queue are full
-        (only this thread submits, so the check cannot go stale before the submit)."""
-        if self.scheduler.full:
-            raise WorkerBusy("every place in the batch and its queue is taken")
-        conversation = self.conversation(key)
-        conversation.system = system
-        conversation.add_user(text, meta={"author_id": author_id} if author_id is not None else None)
-        handle = self.scheduler.submit(conversation, options, listener=listener)
-        return PendingReply(key, conversation, handle)
+        """:meth:`submit_reply` and :meth:`add_user` at once, on the worker's thread (for
+        scripts and tests; the bot submits from its event loop)."""
+        pending, cleaned = self.submit_reply(key, self.conversation(key), text, options, system, listener)
+        self.add_user(pending, cleaned, author_id)
+        return pending
 
     def finish_reply(self, pending: PendingReply, stop_reason: str | None = None) -> ReplyResult:
         """Record the reply the scheduler ended, or the one cut short (``stop_reason`` is
@@ -135,7 +168,7 @@ class ChatRuntime:
         def record(response: Any) -> None:
             if handle.admitted is None:
                 return  # cut while it waited for a place: the model never saw it, no reply to keep
-            conversation._record(response)
+            self.engine.record(conversation, response)
 
         if stop_reason is not None:  # what it has written now, without waiting for its next step
             response = handle.cut(self.engine.tokenizer, finalize=record)

@@ -6,8 +6,8 @@ With the conversation log, the newest logged conversation of a key is resumed af
 a restart and every turn is written by the log's plugin; without it, conversations
 live in memory only.
 
-Every method runs on the inference worker's thread, which owns the engine and (for
-SQLite) the database connection.
+Every method runs on the inference worker's thread, which owns the log's database
+connection.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class LogPersistence:
             conversation_id = self.store.latest_conversation_id(adapter=ADAPTER, channel_key=key)
             if conversation_id is None:
                 return None
-            return self.store.resume(engine, conversation_id)
+            return self.store.resume(conversation_id)
         except ChatcoreError as error:
             # An unavailable log must not silence the bot: start afresh; the log
             # plugin keeps the new turns until the database works again.

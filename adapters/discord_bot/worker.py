@@ -1,17 +1,18 @@
-"""The bot's worker: one thread owns the conversations and the log, and runs short jobs.
+"""The bot's worker: one thread owns the conversation log, and runs short jobs.
 
 The Discord gateway lives on an asyncio event loop that must answer heartbeats, so
 nothing slow runs on it. The worker thread builds its resource (the engine, its serving
-scheduler and the conversations, whose SQLite connection then belongs to that same
-thread) and runs jobs one at a time: starting a reply (the scheduler decodes it, batched
-with other channels' replies, on its own thread), recording it once it has ended, and
-the slash commands' reads and changes. ``submit`` is called on the event loop and gives
-back an asyncio future; the worker hands each result back to the loop with
-``loop.call_soon_threadsafe``.
+scheduler and the conversations, whose log connection then belongs to that same thread)
+and runs jobs one at a time: resuming a conversation from the log, adding a user's turn
+and recording a finished reply (the log writes both), and the slash commands' reads and
+changes. Replies themselves never pass through it: the event loop submits them to the
+scheduler, which decodes them, batched with other channels' replies, on its own thread.
+``submit`` is called on the event loop and gives back an asyncio future; the worker hands
+each result back to the loop with ``loop.call_soon_threadsafe``.
 
-Two lanes: replies wait in a queue of ``queue_size`` (beyond it ``submit`` raises
-:class:`WorkerBusy`, so the bot says it is busy instead of piling work up), and short
-control jobs (slash commands) go ahead of waiting replies without counting against it.
+Two lanes: long jobs wait in a queue of ``queue_size`` (beyond it ``submit`` raises
+:class:`WorkerBusy`), and short control jobs (the bot's turns and slash commands) go
+ahead of them, up to :data:`MAX_CONTROL_JOBS` waiting.
 """
 
 from __future__ import annotations

@@ -145,11 +145,12 @@ def serve(
     from chatcore.engine import Engine
     from chatcore.errors import OptionError
     from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.registry import registry_of
     from chatcore.serving import Scheduler
 
     if api_key is not None and not api_key.strip():
         raise OptionError("`--api-key` is empty")
-    validate_format_name(prompt_format)
+    validate_format_name(prompt_format, registry_of())
     if any(not name.strip() for name in served_model_names):
         raise OptionError("`--served-model-name` is empty")
     system = system_prompt_option(system_text, system_file)

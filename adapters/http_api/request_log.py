@@ -100,9 +100,15 @@ class RequestLog:
             )
             history = exchange.messages[:-1]
             continued = self._threads.pop(thread_key(history), None) if history else None
-            conversation = Conversation(self.engine, id=continued, turns=turns, system=system, adapter=ADAPTER)
+            conversation = Conversation(
+                id=continued,
+                turns=turns,
+                system=system,
+                prompt_format=self.engine.prompt_format.name,
+                adapter=ADAPTER,
+            )
             # A continued conversation has its earlier turns in the log already.
-            self.plugin.log_conversation(conversation, start=len(turns) - 2 if continued else 0)
+            self.plugin.log_conversation(conversation, self.engine.loaded, start=len(turns) - 2 if continued else 0)
             self._remember(thread_key([*exchange.messages, _assistant(exchange.reply)]), conversation.id)
         except Exception:  # the log must never take the server down
             logger.exception("logging an exchange failed")

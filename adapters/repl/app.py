@@ -125,7 +125,7 @@ def build_state(
             scheduler=Scheduler(engine, max_batch=1),
         )
         if store is not None and resume_id is not None:
-            state.switch_to(store.resume(engine, resume_id))
+            state.switch_to(store.resume(resume_id))
         if system is not None:  # given on resuming too: it replaces the logged one
             state.set_system(system)  # one that leaves no room fails here, before the first prompt
         if store is not None:

@@ -76,13 +76,14 @@ def chat(
     from chatcore.adapters.repl.app import ChatConfig, start_chat
     from chatcore.errors import OptionError
     from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.registry import registry_of
 
     # A bad file or format name fails before the log opens and the model loads.
     if conversation_id is not None and not conversation_id.strip():
         raise OptionError("`--cid` is empty: give a conversation id (`chatcore logs list` shows them)")
     if conversation_id is not None and continue_last:
         raise OptionError("give --cid ID or --continue, not both")
-    validate_format_name(prompt_format)
+    validate_format_name(prompt_format, registry_of())
     system = system_prompt_option(system_text, system_file)
     start_chat(
         ChatConfig(

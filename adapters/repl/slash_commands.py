@@ -332,7 +332,7 @@ def conversations_command(state: "ChatState", rest: str) -> Outcome:
 def resume_command(state: "ChatState", rest: str) -> Outcome:
     if not rest:
         return failure("usage: /resume ID (/conversations lists them)")
-    conversation = _store(state).resume(state.engine, rest.split()[0])
+    conversation = _store(state).resume(rest.split()[0])
     state.switch_to(conversation)
     title = one_line(str(conversation.meta.get("title") or ""), 60)
     header = (

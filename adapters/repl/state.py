@@ -102,7 +102,7 @@ class ChatState:
         if self.scheduler is not None:
             response = self.scheduler.respond(self.current, options)
         else:
-            response = self.current.reply(options)
+            response = self.engine.respond(self.current, options)
         if self.next_seed is not None:
             self.next_seed += 1
         self.last_response = response
@@ -110,7 +110,7 @@ class ChatState:
 
     def send(self, text: Any) -> "Response":
         self.retry_log()
-        self.current.add_user(text)
+        self.engine.add_user(self.current, text)
         return self.reply()
 
     def retry_log(self) -> None:

@@ -59,6 +59,7 @@ def generate(
     from chatcore.cpu import use_threads
     from chatcore.engine import Engine, ReplyOptions, validate_options
     from chatcore.prompting import system_prompt_option, validate_format_name
+    from chatcore.registry import registry_of
 
     if turns == ("-",):
         turns = read_turns(sys.stdin.buffer.read())
@@ -73,7 +74,7 @@ def generate(
     for turn in turns:
         clean_message(turn)
     validate_options(options)
-    validate_format_name(prompt_format)
+    validate_format_name(prompt_format, registry_of())
     system = system_prompt_option(system_text, system_file)
     use_threads(threads)
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)

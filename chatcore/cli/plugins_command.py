@@ -21,10 +21,10 @@ def plugins(name: str | None, as_json: bool) -> None:
     values and help (with --json, their JSON schema).
     """
     from chatcore.plugin_manager import get_plugin_host
-    from chatcore.registry import Registry
+    from chatcore.registry import registry_of
 
     host = get_plugin_host()
-    registry = Registry.build(host)
+    registry = registry_of(host)
     if name is not None:
         show_settings(registry, name, as_json)
         return

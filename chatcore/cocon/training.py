@@ -155,9 +155,9 @@ def make_prompt_format(name: str, model: Any, tokenizer: Any, model_name: str) -
     """The prompt format ``name`` (``auto``: the chat template if the tokenizer has one) for the model."""
     from chatcore.plugin_manager import get_plugin_host
     from chatcore.prompting import choose_format
-    from chatcore.registry import Registry
+    from chatcore.registry import registry_of
 
-    cls = choose_format(Registry.build(get_plugin_host()), tokenizer, name)
+    cls = choose_format(registry_of(get_plugin_host()), tokenizer, name)
     return cls(tokenizer, getattr(model, "generation_config", None), model_name)
 
 

@@ -171,17 +171,23 @@ def export_command(
 
     if salvage and (conversation_ids or author_id):
         raise click.UsageError("--salvage exports everything readable; it takes no ID or --author")
-    store = open_store(ctx, db_url)
     problems: list[str] = []
-    records = (
-        store.salvage(problems) if salvage else store.iter_conversations(conversation_ids or None, author_id=author_id)
-    )
+    log_path: Path | None
+    if salvage:
+        from chatcore.log.salvage import salvaged_store
+
+        store, log_path = salvaged_store(ctx, db_url or (ctx.find_object(dict) or {}).get("db_url"), problems)
+        records = store.iter_conversations()
+    else:
+        store = open_store(ctx, db_url)
+        log_path = store.file_path
+        records = store.iter_conversations(conversation_ids or None, author_id=author_id)
     render = formatting.conversation_jsonl if export_format == "jsonl" else formatting.conversation_markdown
     separator = "\n" if export_format == "jsonl" else "\n---\n\n"
     stream: TextIO = sys.stdout
     if output:
         stream, notes = open_export(
-            output, force=force, log_path=store.file_path, journal_folder=user_data_path() / JOURNAL_FOLDER
+            output, force=force, log_path=log_path, journal_folder=user_data_path() / JOURNAL_FOLDER
         )
         for note in notes:
             click.echo(f"note: {note}", err=True)
@@ -205,9 +211,31 @@ def export_command(
             except OSError:
                 pass  # already reported: the data that could not be written is what close would flush
     for problem in problems:
-        click.echo(f"skipped: {formatting.one_line(problem, 200)}", err=True)
+        click.echo(f"salvage: {formatting.one_line(problem, 200)}", err=True)
     if output or salvage:
         click.echo(f"exported {count} conversation(s)" + (f" to {output}" if output else ""), err=True)
+
+
+@logs.command("check")
+@click.option("--repair", is_flag=True, help="Rebuild damaged indexes and the search index from the rows.")
+@db_option
+@click.pass_context
+def check_command(ctx: click.Context, repair: bool, db_url: str | None) -> None:
+    """Check an SQLite log for damage: every page, every index against its table, the search index.
+
+    Damaged indexes and search index are rebuilt with --repair (a chat opening the log
+    does it too). Damaged rows are never written into: `logs export --salvage` recovers them.
+    """
+    from chatcore.log.check import check_report
+    from chatcore.log.errors import LogError
+
+    try:
+        store = open_store(ctx, db_url)
+    except LogError as error:
+        raise click.ClickException(f"{error}; `chatcore logs export --salvage` recovers what it holds") from None
+    code = check_report(store, repair, click.echo)
+    if code:
+        ctx.exit(code)
 
 
 @logs.command("delete")

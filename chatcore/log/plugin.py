@@ -58,6 +58,7 @@ from chatcore.log.private_files import open_private_append
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation, Turn
     from chatcore.log.store import ConversationStore
+    from chatcore.models import LoadedModel
     from chatcore.response import Response
 
 logger = logging.getLogger("chatcore.conversation_log")
@@ -148,6 +149,9 @@ class ConversationLogPlugin:
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._retrier: threading.Thread | None = None
+        # The model of the latest turn written, whose tokenizer counts the user turns' tokens
+        # when a whole conversation is written again (the log file was replaced).
+        self._model: LoadedModel | None = None
         if journal_dir is None:
             from chatcore.log.location import user_data_path
 
@@ -160,6 +164,8 @@ class ConversationLogPlugin:
             return
         # A damaged SQLite file is never written into: every write goes to the journal.
         self.damaged = store.quick_check()
+        if store.repaired is not None:
+            self.notify(store.repaired)
         if self.damaged is not None:
             self.failing = f"the log file is damaged ({self.damaged})"
             self.notify(
@@ -173,9 +179,10 @@ class ConversationLogPlugin:
 
     # -- hooks ----------------------------------------------------------------------
     @chatcore.hookimpl
-    def on_user_message(self, conversation: "Conversation", turn: "Turn") -> None:
-        fields = {"token_count": self._count_tokens(conversation, turn.text)}
-        self._submit(conversation, self._message_write(conversation, "user", turn, fields))
+    def on_user_message(self, conversation: "Conversation", turn: "Turn", model: "LoadedModel") -> None:
+        self._model = model
+        fields = {"token_count": self._count_tokens(model, turn.text)}
+        self._submit(conversation, self._message_write(conversation, "user", turn, fields, model.name))
 
     @chatcore.hookimpl
     def on_response(self, conversation: "Conversation", response: "Response") -> None:
@@ -194,18 +201,21 @@ class ConversationLogPlugin:
             "provenance": provenance,
             "keep_replies": self._replies_kept(conversation),
         }
-        self._submit(conversation, self._message_write(conversation, "bot", turn, fields))
+        write = self._message_write(conversation, "bot", turn, fields, provenance.get("model"))
+        self._submit(conversation, write)
 
-    def log_conversation(self, conversation: "Conversation", start: int = 0) -> None:
+    def log_conversation(self, conversation: "Conversation", model: "LoadedModel", start: int = 0) -> None:
         """Write the turns the conversation holds now from index ``start`` on (all of them
         for a log that became available after the conversation started; the new ones for an
-        adapter that hands whole conversations over); each reply with its provenance."""
+        adapter that hands whole conversations over); each reply with its provenance.
+        ``model``: the model that answers it (its tokenizer counts the user turns' tokens)."""
+        self._model = model
         for turn in conversation.turns[start:]:
-            self._submit(conversation, self._turn_write(conversation, turn))
+            self._submit(conversation, self._turn_write(conversation, turn, model))
 
-    def _turn_write(self, conversation: "Conversation", turn: "Turn") -> Write:
+    def _turn_write(self, conversation: "Conversation", turn: "Turn", model: "LoadedModel | None") -> Write:
         if turn.role == "user":
-            fields: dict[str, Any] = {"token_count": self._count_tokens(conversation, turn.text)}
+            fields: dict[str, Any] = {"token_count": self._count_tokens(model, turn.text)}
         else:
             provenance = json_safe(turn.meta.get("provenance") or {})
             timings = provenance.get("timings") or {}
@@ -220,15 +230,18 @@ class ConversationLogPlugin:
                 "latency_s": timings.get("total_s"),
                 "first_token_s": timings.get("first_token_s"),
             }
-        return self._message_write(conversation, turn.role, turn, fields)
+        model_name = fields.get("provenance", {}).get("model") or (model.name if model is not None else None)
+        return self._message_write(conversation, turn.role, turn, fields, model_name)
 
     # -- what to write ---------------------------------------------------------------
     @staticmethod
-    def _count_tokens(conversation: "Conversation", text: str) -> int | None:
+    def _count_tokens(model: "LoadedModel | None", text: str) -> int | None:
+        if model is None:
+            return None
         try:
             from chatcore.text import encode_text
 
-            return len(encode_text(conversation.engine.tokenizer, text))
+            return len(encode_text(model.tokenizer, text))
         except Exception:  # a count is nice to have; never worth losing the message
             return None
 
@@ -254,7 +267,9 @@ class ConversationLogPlugin:
         digest.update(turn.text.encode("utf-8", "surrogatepass"))
         return digest.hexdigest()[:32]
 
-    def _message_write(self, conversation: "Conversation", role: str, turn: "Turn", fields: dict[str, Any]) -> Write:
+    def _message_write(
+        self, conversation: "Conversation", role: str, turn: "Turn", fields: dict[str, Any], model_name: str | None
+    ) -> Write:
         author_id = turn.meta.get("author_id")
         since = self._since.setdefault(
             conversation.id, max((int(t.meta.get("log_message_id") or 0) for t in conversation.turns), default=0)
@@ -270,7 +285,7 @@ class ConversationLogPlugin:
                     created=turn.created,
                     interrupted=turn.interrupted,
                     author_id=None if author_id is None else str(author_id),
-                    conversation=self._conversation_fields(conversation),
+                    conversation=self._conversation_fields(conversation, model_name),
                     writer=self.writer,
                     writer_since=since,
                 ),
@@ -287,21 +302,18 @@ class ConversationLogPlugin:
         return dict(write, conversation_id=fork, key=key, fields=fields)
 
     @staticmethod
-    def _conversation_fields(conversation: "Conversation") -> dict[str, Any]:
+    def _conversation_fields(conversation: "Conversation", model_name: str | None) -> dict[str, Any]:
         meta = json_safe(conversation.meta)
         columns = {key: meta.pop(key, None) for key in _CONVERSATION_COLUMNS}
         first_user = next((t for t in conversation.turns if t.role == "user"), None)
-        prompt_format = getattr(conversation, "prompt_format", None) or getattr(
-            getattr(conversation.engine, "prompt_format", None), "name", None
-        )
         return {
             "created": conversation.turns[0].created if conversation.turns else None,
             "adapter": columns["adapter"],
             "channel_key": columns["channel_key"],
-            "model": getattr(getattr(conversation.engine, "loaded", None), "name", None),
+            "model": model_name,
             "title": columns["title"] or (title_from(first_user.text) if first_user else None),
             "system": getattr(conversation, "system", None),
-            "prompt_format": prompt_format,
+            "prompt_format": conversation.prompt_format,
             "meta": meta,
         }
 
@@ -353,7 +365,7 @@ class ConversationLogPlugin:
         # Writes still waiting go to the new file; this conversation's are replaced by all its turns.
         self._pending = [w for w in self._pending if w["conversation_id"] != conversation.id]
         for turn in conversation.turns:
-            self._pending.append(self._turn_write(conversation, turn))
+            self._pending.append(self._turn_write(conversation, turn, self._model))
         self._flush()
         return True
 
@@ -422,7 +434,11 @@ class ConversationLogPlugin:
             f"conversation {original[:12]} is being written by another chat as well; this chat goes on in a new "
             f"conversation {fork[:12]}, which holds its turns so far (`chatcore chat --cid {fork[:12]}` resumes it)"
         )
-        copies = [self._turn_write(live, turn) for turn in live.turns] if live is not None else [self._retarget(write)]
+        copies = (
+            [self._turn_write(live, turn, self._model) for turn in live.turns]
+            if live is not None
+            else [self._retarget(write)]
+        )
         for copy in copies:
             if not self._write(copy):
                 self._keep(copy)

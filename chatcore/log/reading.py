@@ -25,7 +25,6 @@ from chatcore.log.records import (
 
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation, Role, Turn
-    from chatcore.engine import Engine
 
 _FTS_MIN_CHARS = 3  # a trigram index cannot answer shorter queries
 
@@ -196,11 +195,11 @@ class StoreReading(StoreConnection):
             turns.append(Turn(role, message.text, message.created, message.interrupted, meta))
         return turns
 
-    def resume(self, engine: "Engine", conversation_id: str) -> "Conversation":
+    def resume(self, conversation_id: str) -> "Conversation":
         """A live Conversation with the logged turns, id and meta; new turns log to the same row."""
         from chatcore.conversation import Conversation
 
         record = self.get_conversation(conversation_id, include_superseded=False)
         meta = dict(record.meta)
         meta.update(adapter=record.adapter, channel_key=record.channel_key, title=record.title)
-        return Conversation(engine, id=record.id, turns=self._turns(record), system=record.system, **meta)
+        return Conversation(id=record.id, turns=self._turns(record), system=record.system, **meta)

@@ -22,8 +22,8 @@ pg_trgm GIN index, and ``LIKE`` otherwise.
 
 from __future__ import annotations
 
+from chatcore.log.check import StoreCheck
 from chatcore.log.errors import LogError, LogUnavailableError, UnknownConversationError
-from chatcore.log.salvage import StoreSalvage
 from chatcore.log.writing import NUL_SYMBOL, REPLACEMENT, StoreWriting, storable
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 
-class ConversationStore(StoreWriting, StoreSalvage):
+class ConversationStore(StoreWriting, StoreCheck):
     """The conversation log's database, opened by SQLAlchemy URL.
 
     ``create=False`` (the read-only ``logs`` commands): a missing SQLite file is an
@@ -49,6 +49,15 @@ class ConversationStore(StoreWriting, StoreSalvage):
     The work is split by job: opening, schema and errors
     (:mod:`~chatcore.log.connection`), writing
     (:mod:`~chatcore.log.writing`), reading, search and resuming
-    (:mod:`~chatcore.log.reading`), damaged files
-    (:mod:`~chatcore.log.salvage`).
+    (:mod:`~chatcore.log.reading`), damage
+    (:mod:`~chatcore.log.check`; salvage: :mod:`~chatcore.log.salvage`).
+
+    An SQLite file opened for writing (``create=True``: a chat, a bot, the server) is
+    checked first (:meth:`check_on_open`): damaged indexes are rebuilt (:attr:`repaired`
+    says so), damaged rows are noted in :attr:`damage` and never written into.
     """
+
+    def __init__(self, url: str, *, timeout_s: float = 3.0, create: bool = True) -> None:
+        super().__init__(url, timeout_s=timeout_s, create=create)
+        if create and self.file_path is not None:
+            self.check_on_open()

@@ -54,7 +54,6 @@ if TYPE_CHECKING:
     import torch
 
     from chatcore.decoding import Decoder, GenerationSession
-    from chatcore.engine import Engine, PreparedReply
     from chatcore.models import LoadedModel
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -611,16 +610,19 @@ class Runner:
         job.sink._end(reason, error)
 
 
-def decode_alone(engine: "Engine", reply: "PreparedReply") -> Iterator[int]:
-    """Decode ``reply`` on the caller's thread, as a runner of its own: its token ids as
-    they come (a failure raises its one-line ChatcoreError; closing the iterator stops it)."""
+def decode_alone(
+    model: "LoadedModel", faults: Faults, session: "GenerationSession", decoder: "Decoder", provenance: dict[str, Any]
+) -> Iterator[int]:
+    """Decode one reply (its started ``session``, ``decoder`` and ``provenance``) on the
+    caller's thread, as a runner of its own: its token ids as they come (a failure raises
+    its one-line ChatcoreError, as ``faults`` words it; closing the iterator stops it)."""
     from chatcore.serving.requests import Handle
 
     handle = Handle()
-    handle.provenance = reply.provenance
+    handle.provenance = provenance
     handle.admitted = handle.submitted  # no queue: it starts at once
-    runner = Runner(engine.loaded, engine, prefill_chunk=None)  # nothing else waits for it
-    runner.add(handle, engine.start_session(reply), reply.decoder, reply.provenance)
+    runner = Runner(model, faults, prefill_chunk=None)  # nothing else waits for it
+    runner.add(handle, session, decoder, provenance)
     sent = 0
     try:
         while runner.jobs:

@@ -123,7 +123,9 @@ class Scheduler:
         """A reply to ``conversation`` decoded here, as a Response recorded in the
         conversation when it ends (the scheduler's counterpart of ``engine.respond``)."""
         handle = self.submit(conversation, options)
-        return handle.response(self.engine.tokenizer, finalize=conversation._record)
+        return handle.response(
+            self.engine.tokenizer, finalize=lambda response: self.engine.record(conversation, response)
+        )
 
     @property
     def full(self) -> bool:

@@ -33,22 +33,26 @@ def test_bad_settings_are_refused_by_name(chatcore_engine, settings, message):
         chatcore_engine.make_steerer("activation-addition", {**FOOD, **settings})
 
 
-def test_a_layer_the_model_lacks_is_refused_before_generating(chatcore_conversation):
+def test_a_layer_the_model_lacks_is_refused_before_generating(chatcore_engine, chatcore_conversation):
     conversation = chatcore_conversation("hi")
     with pytest.raises(OptionError, match="`layer` must be below the model's 2 layers, got 2"):
-        conversation.reply(steerers=[("activation-addition", {**FOOD, "layer": 2})], max_new_tokens=3).text()
+        chatcore_engine.respond(
+            conversation, steerers=[("activation-addition", {**FOOD, "layer": 2})], max_new_tokens=3
+        ).text()
 
 
-def test_the_reply_records_the_layer_it_steered(chatcore_conversation):
+def test_the_reply_records_the_layer_it_steered(chatcore_engine, chatcore_conversation):
     conversation = chatcore_conversation("hi", "hello! how are you?", "hungry. what is for dinner?")
-    response = conversation.reply(decoder="greedy", steerers=[("activation-addition", FOOD)], max_new_tokens=4)
+    response = chatcore_engine.respond(
+        conversation, decoder="greedy", steerers=[("activation-addition", FOOD)], max_new_tokens=4
+    )
     response.text()
     details = response.provenance["details"]["activation-addition"]
     assert details["layer"] == 0  # a third of the tiny model's two layers, rounded down
     assert details["vector_norm"] > 0
 
 
-def test_the_vector_is_computed_once_and_shared_by_every_reply(chatcore_conversation, monkeypatch):
+def test_the_vector_is_computed_once_and_shared_by_every_reply(chatcore_engine, chatcore_conversation, monkeypatch):
     from chatcore_steering_vectors import steerer as steerer_module
 
     calls = []
@@ -56,8 +60,10 @@ def test_the_vector_is_computed_once_and_shared_by_every_reply(chatcore_conversa
     monkeypatch.setattr(steerer_module, "mean_block_output", lambda *a, **k: calls.append(1) or real(*a, **k))
     conversation = chatcore_conversation("hi")
     for _ in range(3):
-        conversation.reply(decoder="greedy", steerers=[("activation-addition", FOOD)], max_new_tokens=2).text()
-        conversation.add_user("and then?")
+        chatcore_engine.respond(
+            conversation, decoder="greedy", steerers=[("activation-addition", FOOD)], max_new_tokens=2
+        ).text()
+        chatcore_engine.add_user(conversation, "and then?")
     assert len(calls) == 2  # positive and negative means, for the first reply only
 
 

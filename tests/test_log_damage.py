@@ -1,0 +1,217 @@
+"""Damaged SQLite logs, made for real in each test: flipped bytes, a cut-off tail, a changed
+index page, randomised search-index blocks. What is found, what is rebuilt, what the
+salvage recovers, and that a file whose rows are damaged is never written into."""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+
+import chatcore.plugin_manager as plugin_manager
+from chatcore.log import ConversationLogPlugin, LogError
+from chatcore.log.location import sqlite_url
+from chatcore.log.models import ConversationRow, MessageRow
+from chatcore.log.salvage import salvage
+from chatcore.log.store import ConversationStore
+
+WORDS = ("pizza", "music", "chess", "rain", "trains", "poetry", "coffee", "films", "cats", "bread")
+
+
+@pytest.fixture
+def logs_cli():
+    from chatcore.cli import build_cli
+
+    host = plugin_manager.PluginHost()
+    host.load_modules(("chatcore.log",))
+    assert host.problems == []
+    plugin_manager.set_plugin_host(host)
+    runner = CliRunner()
+    group = build_cli()
+
+    def invoke(*args):
+        return runner.invoke(group, ["logs", *args], catch_exceptions=False)
+
+    return invoke
+
+
+def conversation_id(number):
+    return f"{number:032x}"
+
+
+def fill(path, conversations, per_conversation):
+    """A log of ``conversations`` x ``per_conversation`` messages, written in bulk, then checkpointed
+    into the file itself (as a chat that ended leaves it), so damage to the file is damage to the log."""
+    start = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    with ConversationStore(sqlite_url(path)) as store, store.db.begin() as connection:
+        connection.execute(
+            sa.insert(ConversationRow),
+            [
+                {
+                    "id": conversation_id(number),
+                    "created": start + timedelta(minutes=number),
+                    "updated": start + timedelta(minutes=number, seconds=per_conversation),
+                    "adapter": "repl",
+                    "title": f"chat {number}",
+                    "meta": {},
+                }
+                for number in range(conversations)
+            ],
+        )
+        connection.execute(
+            sa.insert(MessageRow),
+            [
+                {
+                    "conversation_id": conversation_id(number),
+                    "role": "user" if turn % 2 == 0 else "bot",
+                    "text": f"turn {turn} of chat {number} about {WORDS[(number + turn) % len(WORDS)]}",
+                    "created": start + timedelta(minutes=number, seconds=turn),
+                    "interrupted": False,
+                    "superseded": False,
+                }
+                for number in range(conversations)
+                for turn in range(per_conversation)
+            ],
+        )
+    connection = sqlite3.connect(path)
+    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    connection.close()
+    return conversations * per_conversation
+
+
+def rows(path, sql, *params):
+    connection = sqlite3.connect(path)
+    try:
+        return connection.execute(sql, params).fetchall()
+    finally:
+        connection.close()
+
+
+def salvaged(path, tmp_path):
+    into = ConversationStore(sqlite_url(tmp_path / "salvaged.sqlite3"))
+    report = salvage(path, into)
+    messages = {(m.conversation_id, m.id): m.text for r in into.iter_conversations() for m in r.messages}
+    into.close()
+    return report, messages
+
+
+@pytest.mark.slow
+def test_flipped_bytes_salvage_recovers_all_conversations_and_the_file_is_never_written(logs_cli, engine, tmp_path):
+    path = tmp_path / "log.sqlite3"
+    written = fill(path, conversations=40, per_conversation=100)
+    original = dict(((c, i), t) for c, i, t in rows(path, "SELECT conversation_id, id, text FROM messages"))
+    data = bytearray(path.read_bytes())
+    for position in random.Random(26).sample(range(100, len(data)), 300):  # the header: next test
+        data[position] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    report, messages = salvaged(path, tmp_path)
+    assert {c for c, _ in messages} == {conversation_id(n) for n in range(40)}  # all conversations
+    assert len(messages) >= 0.99 * written
+    intact = sum(messages.get(key) == text for key, text in original.items())
+    assert intact >= 0.98 * written  # a flipped byte inside a message's text changes only that text
+    assert report.messages == len(messages) and report.lines()[0].startswith("recovered 40 conversation(s)")
+
+    exported = logs_cli("export", "--salvage", "--db", str(path))
+    assert exported.exit_code == 0 and "salvage: recovered 40 conversation(s)" in exported.stderr
+    assert sum(len(json.loads(line)["messages"]) for line in exported.stdout.splitlines()) == len(messages)
+
+    checked = logs_cli("check", "--db", str(path))
+    said = checked.stdout + checked.stderr  # rows damaged, or a file SQLite cannot open at all
+    assert checked.exit_code == 1 and "--salvage" in said and "Traceback" not in said
+
+    before = path.read_bytes()
+    told = []
+    try:
+        store = ConversationStore(sqlite_url(path))
+    except LogError:
+        return  # so damaged it does not open: a chat then runs without the log and says so
+    plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
+    engine.host.register(plugin, "conversation-log")
+    engine.conversation().send("hello", decoder="greedy", max_new_tokens=3).text()
+    assert plugin.journaled == 2 and len(told) == 1 and "--salvage" in told[0]
+    assert path.read_bytes() == before
+    store.close()
+
+
+@pytest.mark.slow
+def test_a_damaged_header_and_a_file_cut_in_half_give_back_every_row_before_the_cut(tmp_path):
+    path = tmp_path / "log.sqlite3"
+    fill(path, conversations=30, per_conversation=100)
+    data = path.read_bytes()
+    cut = len(data) // 2 // 4096 * 4096
+    # What the pages before the cut hold, by SQLite's own account of each page.
+    kept = rows(
+        path,
+        "SELECT sum(ncell) FROM dbstat WHERE name = 'messages' AND pagetype = 'leaf' AND pageno <= ?",
+        cut // 4096,
+    )[0][0]
+    assert 0 < kept < rows(path, "SELECT count(*) FROM messages")[0][0]
+    damaged = bytearray(data[:cut])
+    damaged[:16] = b"\x00" * 16  # the header's magic too: SQLite no longer opens it at all
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(LogError):
+        ConversationStore(sqlite_url(path), create=False)
+
+    report, messages = salvaged(path, tmp_path)
+    assert len(messages) == kept
+    assert any("cut short" in line for line in report.lines())
+
+
+def change_index_page(path, index="ix_messages_conversation_id"):
+    """4 changed bytes in the middle of one leaf page of an index: its structure still sound."""
+    pages = [page for (page,) in rows(path, "SELECT pageno FROM dbstat WHERE name = ? AND pagetype = 'leaf'", index)]
+    data = bytearray(path.read_bytes())
+    offset = (pages[len(pages) // 2] - 1) * 4096 + 2000
+    data[offset : offset + 4] = b"\x00\x11\x22\x33"
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_changed_index_page_passes_quick_check_and_is_rebuilt_when_a_chat_opens_the_log(engine, tmp_path):
+    path = tmp_path / "log.sqlite3"
+    written = fill(path, conversations=30, per_conversation=100)
+    change_index_page(path)
+    assert rows(path, "PRAGMA quick_check") == [("ok",)]
+    with ConversationStore(sqlite_url(path), create=False) as reader:
+        try:  # what `logs show` printed: rows missing, silently, or an error, by where the bytes fell
+            shown = sum(len(reader.get_conversation(conversation_id(n)).messages) for n in range(30))
+        except LogError:
+            shown = None
+        assert shown is None or shown < written
+        assert reader.find_damage().indexes == ["ix_messages_conversation_id"]
+
+    told = []
+    store = ConversationStore(sqlite_url(path))
+    plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
+    assert len(told) == 1 and "rebuilt index ix_messages_conversation_id" in told[0]
+    assert sum(len(store.get_conversation(conversation_id(n)).messages) for n in range(30)) == written
+    engine.host.register(plugin, "conversation-log")
+    engine.conversation().send("hello", decoder="greedy", max_new_tokens=3).text()
+    assert plugin.journaled == 0 and store.count_messages() == written + 2  # written into the file again
+    assert not store.find_damage(full=True).found
+    store.close()
+
+
+def test_randomised_search_blocks_are_found_and_rebuilt_by_logs_check_repair(logs_cli, tmp_path):
+    path = tmp_path / "log.sqlite3"
+    fill(path, conversations=20, per_conversation=50)
+    connection = sqlite3.connect(path)
+    connection.execute("UPDATE messages_fts_data SET block = randomblob(length(block)) WHERE id > 1")
+    connection.commit()
+    connection.close()
+    with ConversationStore(sqlite_url(path), create=False) as reader, pytest.raises(LogError):
+        reader.search("chess")
+
+    checked = logs_cli("check", "--db", str(path))
+    assert checked.exit_code == 1 and "search index" in checked.stdout and "--repair" in checked.stdout
+    repaired = logs_cli("check", "--repair", "--db", str(path))
+    assert repaired.exit_code == 0 and "rebuilt the search index" in repaired.stdout
+    with ConversationStore(sqlite_url(path), create=False) as reader:
+        assert len(reader.search("about chess", limit=1000)) == 100  # one message in ten, of 1,000
+    assert logs_cli("check", "--db", str(path)).stdout.startswith("ok: ")
