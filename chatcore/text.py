@@ -77,15 +77,20 @@ def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
 BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
+# Unicode's control characters (category Cc: C0, DEL and C1) but newline and tab, lone
+# surrogates (Cs) and the bidi controls: one regular expression, so a 10 MB text is escaped
+# at C speed.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff" + "".join(sorted(BIDI_CONTROLS)) + "]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def display_safe(text: str) -> str:
     """``text`` with control characters (ESC, BEL, bidi overrides ...) shown as ``\\x1b`` instead of acted on."""
-    out = []
-    for char in text:
-        if char in "\n\t" or (unicodedata.category(char) not in ("Cc", "Cs") and char not in BIDI_CONTROLS):
-            out.append(char)
-        else:
-            out.append(f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}")
-    return "".join(out)
+    return _UNSAFE.sub(_escaped, text)
 
 
 MAX_SHOWN_VALUE = 60  # characters of a refused value an error message repeats

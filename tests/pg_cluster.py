@@ -18,9 +18,12 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -133,6 +136,33 @@ class ThrowawayCluster:
             host=str(self.socket_dir), port=self.port, user=SERVER_USER, dbname="postgres", autocommit=True
         ) as connection:
             connection.execute(statement)
+
+    def server_pids(self) -> list[int]:
+        """The postmaster and every process it started (backends, checkpointer, ...)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        found, waiting = [], [postmaster]
+        while waiting:
+            pid = waiting.pop()
+            found.append(pid)
+            for children in Path(f"/proc/{pid}/task").glob("*/children"):
+                waiting.extend(int(child) for child in children.read_text().split())
+        return found
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The whole server stopped (SIGSTOP) for the block, as a hung machine looks to its clients:
+        connections stay open and nothing answers."""
+        pids = self.server_pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
     def stop(self) -> None:
         try:

@@ -69,8 +69,8 @@ def test_a_new_log_is_wal_with_indexes_and_a_schema_version(store, db_path):
         "ix_conversations_created",
         "ix_messages_conversation_id",
     } <= indexes
-    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(2,)]
-    assert raw_rows(db_path, "SELECT version_num FROM alembic_version") == [("0002",)]
+    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(3,)]
+    assert raw_rows(db_path, "SELECT version_num FROM alembic_version") == [("0003",)]
     plan = " ".join(
         str(row)
         for row in raw_rows(
@@ -166,8 +166,8 @@ def test_a_version_1_log_is_upgraded_in_place(db_path):
         upgraded.add_message("old", "bot", "new pizza reply")
         assert [h.message.text for h in upgraded.search("pizza")] == ["new pizza reply", "an old pizza message"]
         assert upgraded.get_conversation("old").system is None
-    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(2,)]
-    assert raw_rows(db_path, "SELECT version_num FROM alembic_version") == [("0002",)]
+    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(3,)]
+    assert raw_rows(db_path, "SELECT version_num FROM alembic_version") == [("0003",)]
     names = {name for (name,) in raw_rows(db_path, "SELECT name FROM sqlite_master")}
     assert {"messages_fts_insert", "messages_fts_delete", "messages_fts_update", "ux_messages_write_key"} <= names
 
@@ -181,7 +181,7 @@ def test_newer_damaged_and_restored_schema_versions(db_path):
             connection.execute(sql)
         connection.close()
 
-    set_sql("UPDATE chatcore_schema SET version = 3")
+    set_sql("UPDATE chatcore_schema SET version = 4")
     with pytest.raises(LogError, match="newer chatcore"):
         ConversationStore(sqlite_url(db_path))
     set_sql("UPDATE chatcore_schema SET version = 0")
@@ -189,7 +189,7 @@ def test_newer_damaged_and_restored_schema_versions(db_path):
         ConversationStore(sqlite_url(db_path))
     set_sql("DELETE FROM chatcore_schema")
     ConversationStore(sqlite_url(db_path)).close()
-    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(2,)]  # restored
+    assert raw_rows(db_path, "SELECT version FROM chatcore_schema") == [(3,)]  # restored
     set_sql("UPDATE alembic_version SET version_num = '0099'")
     with pytest.raises(LogError, match="newer chatcore"):
         ConversationStore(sqlite_url(db_path))

@@ -54,7 +54,10 @@ def open_log(config: ChatConfig, say: Callable[[str], None]) -> tuple["Conversat
     except LogError as error:
         if config.continue_last or config.conversation_id:
             raise
-        say(f"note: {error}; chatting without the conversation log")
+        say(
+            f"note: {error}; chatting without the conversation log for now: turns are kept in its journal "
+            "and written once it opens"
+        )
         return None, "unavailable"
 
 
@@ -127,8 +130,9 @@ def build_state(
             state.set_system(system)  # one that leaves no room fails here, before the first prompt
         if store is not None:
             state.attach_log(store)
-        elif off_reason == "unavailable":  # tried again before each message: a fault may pass
-            state.log_opener = lambda: ConversationStore(resolve_url(config.db_url))
+        elif off_reason == "unavailable":  # journaled until it opens (tried on each write): a fault may pass
+            url = resolve_url(config.db_url)
+            state.attach_log(None, url=url, opener=lambda: ConversationStore(url))
     except BaseException:
         if store is not None:
             store.close()
@@ -155,6 +159,8 @@ def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
             say(f"note: {lost} write(s) to the conversation log were lost ({failing})")
     if state.store is not None:
         state.store.close()
+    elif state.log_plugin is not None and state.log_plugin.store is not None:
+        state.log_plugin.store.close()  # opened by its plugin after the last turn
 
 
 def banner(state: "ChatState") -> str:

@@ -18,7 +18,6 @@ ADAPTER = "repl"
 
 
 LOG_PLUGIN_NAME = "conversation-log:repl"
-LOG_RETRY_S = 30.0
 
 
 @dataclass
@@ -49,10 +48,6 @@ class ChatState:
     # Decodes the replies when set (the chat command sets one): the next turn then runs only
     # its new tokens, the earlier ones coming from the scheduler's prefix cache.
     scheduler: "Scheduler | None" = None
-    # Opens the log when it could not be opened at the start (a full disk, a folder not yet
-    # there): tried again before a message, at most every LOG_RETRY_S seconds.
-    log_opener: "Callable[[], ConversationStore] | None" = None
-    next_log_try: float = 0.0
 
     def __post_init__(self) -> None:
         if self.conversation is None:
@@ -119,30 +114,28 @@ class ChatState:
         return self.reply()
 
     def retry_log(self) -> None:
-        """Start logging if the log that could not be opened at the start can be now (this
-        conversation's earlier turns are written too)."""
-        import time
-
-        from chatcore.errors import ChatcoreError
-
-        if self.log_plugin is not None or self.log_opener is None or time.monotonic() < self.next_log_try:
+        """Take up the log that could not be opened at the start, once its plugin has opened it
+        (it journals every turn until then and writes them in order when it opens)."""
+        plugin = self.log_plugin
+        if self.store is not None or plugin is None or plugin.store is None:
             return
-        try:
-            store = self.log_opener()
-        except ChatcoreError:
-            self.next_log_try = time.monotonic() + LOG_RETRY_S
-            return
-        self.attach_log(store).log_conversation(self.current, self.engine.loaded)
-        self.log_opener = None
-        self.notify("the conversation log can be written now: this conversation is logged from its first turn")
+        self.store = plugin.store
+        self.log_off_reason = ""
+        self.notify(f"the conversation log {plugin.store.display_url} is open now: every turn since the start is in it")
 
-    def attach_log(self, store: "ConversationStore") -> "ConversationLogPlugin":
-        """Log to ``store`` from now on; returns the plugin that writes to it."""
+    def attach_log(
+        self,
+        store: "ConversationStore | None",
+        url: str | None = None,
+        opener: "Callable[[], ConversationStore] | None" = None,
+    ) -> "ConversationLogPlugin":
+        """Log to ``store`` from now on (or, with ``store`` None, journal every turn until ``opener``
+        opens the log at ``url``); returns the plugin that writes to it."""
         from chatcore.errors import ChatcoreError
         from chatcore.log.plugin import ConversationLogPlugin
 
         self.store = store
-        self.log_plugin = plugin = ConversationLogPlugin(store, notify=self.notify)
+        self.log_plugin = plugin = ConversationLogPlugin(store, notify=self.notify, opener=opener, url=url)
         self.engine.host.unregister(LOG_PLUGIN_NAME)  # a previous chat in this process
         if not self.engine.host.register(plugin, LOG_PLUGIN_NAME):
             raise ChatcoreError("the conversation log plugin could not be registered")
@@ -158,6 +151,8 @@ class ChatState:
 
     @property
     def log_status(self) -> str:
+        if self.store is None and self.log_plugin is not None:
+            return f"not open yet ({self.log_plugin.failing}), {self.log_plugin.pending} write(s) in its journal"
         if self.store is None:
             return f"off ({self.log_off_reason})"
         if self.log_plugin is not None and self.log_plugin.failing is not None:

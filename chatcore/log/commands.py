@@ -107,7 +107,7 @@ def search_command(ctx: click.Context, text: str, limit: int, as_json: bool, db_
     if as_json:
         click.echo(formatting.to_json([hit.to_dict() for hit in hits]))
     elif hits:
-        click.echo(formatting.search_lines(hits))
+        click.echo(formatting.search_lines(hits, text.strip()))
     else:
         click.echo(f"no message contains {text!r}", err=True)
 

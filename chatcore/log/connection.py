@@ -1,7 +1,8 @@
 """The store's connection to its database: the engine, the schema check at opening, errors, sessions.
 
 :class:`StoreConnection` opens the SQLAlchemy engine for a URL (SQLite files in WAL
-mode with transactional DDL; PostgreSQL through psycopg with a connect timeout),
+mode with transactional DDL; PostgreSQL through psycopg with a connect timeout, a statement
+timeout and TCP keepalives),
 creates or upgrades the schema (:mod:`~chatcore.log.schema`),
 notices an SQLite file deleted or replaced under it, and turns database failures into
 :class:`~chatcore.log.errors.LogError` (or
@@ -56,6 +57,35 @@ def _sqlite_connector(synchronous: str) -> Callable[[Any, Any], None]:
 
 
 _WRITE = {"sqlite_begin": "BEGIN IMMEDIATE"}
+WAL_COMPANIONS = ("-wal", "-shm")
+
+LIBPQ_DRIVERS = ("psycopg", "psycopg2")
+POSTGRES_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 3,  # seconds to reach the server and log in (libpq's least is 2)
+    # A dead peer or a cut network found in about 25 s rather than the kernel's two hours (TCP only).
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 20_000,  # ms: data the server never acknowledges fails the connection (TCP only)
+}
+"""libpq settings every PostgreSQL log connection gets, unless its URL sets them
+(``?connect_timeout=10&keepalives_idle=60``)."""
+POSTGRES_STATEMENT_TIMEOUT = "10s"
+"""The server cancels a statement running longer (a lock wait included); ``?options=-c
+statement_timeout=...`` in the URL sets another. A server that stops answering altogether
+(stopped, frozen) cannot cancel anything: the log plugin's write deadline covers that case."""
+
+
+def postgres_connect_args(parsed: sa.URL) -> dict[str, Any]:
+    """:data:`POSTGRES_DEFAULTS` and the statement timeout, for what the URL leaves unset."""
+    given = set(parsed.query)
+    args = {key: value for key, value in POSTGRES_DEFAULTS.items() if key not in given}
+    options = parsed.query.get("options") or ""
+    options = options if isinstance(options, str) else " ".join(options)
+    if "statement_timeout" not in options:
+        args["options"] = f"{options} -c statement_timeout={POSTGRES_STATEMENT_TIMEOUT}".strip()
+    return args
 
 
 def reason(error: BaseException) -> str:
@@ -96,8 +126,8 @@ class StoreConnection:
             # check_same_thread off: adapters may write from a worker thread; the
             # plugin serialises its writes.
             connect_args = {"timeout": timeout_s, "check_same_thread": False}
-        elif self.is_postgres and parsed.get_driver_name() == "psycopg":
-            connect_args = {"connect_timeout": max(1, round(timeout_s))}
+        elif self.is_postgres and parsed.get_driver_name() in LIBPQ_DRIVERS:
+            connect_args = postgres_connect_args(parsed)
         try:
             self.db = sa.create_engine(parsed, connect_args=connect_args, pool_pre_ping=not self.is_sqlite)
         except ImportError as error:
@@ -121,7 +151,8 @@ class StoreConnection:
         except BaseException:
             self.db.dispose()
             raise
-        self._file_identity = self._identity()
+        self._companions: dict[str, tuple[int, int] | None] = {}
+        self._note_identity()
 
     def _sqlite_begin(self, connection: sa.Connection) -> None:
         # Writers take the write lock at BEGIN: they wait their turn (busy timeout)
@@ -145,13 +176,18 @@ class StoreConnection:
         """The SQLite file of this log (None for servers, memory and URI names)."""
         return self._file_path()
 
-    def _identity(self) -> tuple[int, int] | None:
+    def _identity(self, suffix: str = "") -> tuple[int, int] | None:
         path = self._file_path()
         try:
-            found = path.stat() if path is not None else None
+            found = path.with_name(path.name + suffix).stat() if path is not None else None
         except OSError:
             return None
         return (found.st_dev, found.st_ino) if found is not None else None
+
+    def _note_identity(self) -> None:
+        """Remember which files at the path are this log's: the database, its -wal and its -shm."""
+        self._file_identity = self._identity()
+        self._companions = {suffix: self._identity(suffix) for suffix in WAL_COMPANIONS}
 
     def file_gone(self) -> str | None:
         """Why the SQLite file this store opened is no longer the one at its path (deleted,
@@ -160,15 +196,27 @@ class StoreConnection:
             return None
         now = self._identity()
         if now == self._file_identity:
+            self._companions = {suffix: self._identity(suffix) for suffix in WAL_COMPANIONS}
             return None
         return f"the log file {self._file_path()} was {'deleted' if now is None else 'replaced'}"
 
     def reopen(self) -> None:
-        """Open the file at the path afresh (creating it, with its schema, when it is gone)."""
+        """Open the file at the path afresh (creating it, with its schema, when it is gone).
+
+        SQLite leaves the -wal and -shm of a file that was moved or deleted under it where
+        they are, unmerged (it will not checkpoint into a file it no longer finds at its
+        path). Opened beside the new file, that WAL would be applied to it and overwrite its
+        pages with the old file's; so they are removed first, when they are still the very
+        files this log used (a -wal that came with the new file is its own, and kept)."""
         self.db.dispose()
+        path = self._file_path()
+        if path is not None:
+            for suffix, identity in self._companions.items():
+                if identity is not None and self._identity(suffix) == identity:
+                    path.with_name(path.name + suffix).unlink(missing_ok=True)
         self._check_sqlite_location(self._parsed, create=True)
         self._prepare_schema()
-        self._file_identity = self._identity()
+        self._note_identity()
 
     def _take_synchronous(self, parsed: sa.URL) -> sa.URL:
         """Read ``?synchronous=normal|full`` off an SQLite URL (it is not a driver argument)."""

@@ -18,3 +18,7 @@ class UnknownConversationError(LogError, KeyError):
 
 class LogUnavailableError(LogError):
     """The log cannot be reached or written just now (locked, read-only, full, disconnected); a retry may work."""
+
+
+class ConversationTakenError(LogError):
+    """Another chat has written into the conversation since this one last read or wrote it."""

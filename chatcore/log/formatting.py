@@ -4,11 +4,15 @@ Everything shown on a terminal goes through :func:`display_safe` (or :func:`one_
 message text and every other field alike (titles, adapter, model, decoder and steerer
 names, channel keys, system prompts): any of them may hold escape sequences that
 would otherwise drive the terminal, or bidi controls that would reorder what it shows.
+JSON output escapes the same characters (``\\u009b``), and a transcript never lets a
+message's own lines pose as lines of the transcript: each line of a message after its
+first is marked (``logs show``) or kept on the message's line (Markdown).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -27,6 +31,13 @@ if TYPE_CHECKING:
 
 SHORT_ID = 12
 ROLE_LABELS = {"user": "you", "bot": "bot"}
+CONTINUATION = "\n        | "  # a message's later lines: never the time a transcript line starts with
+SEARCH_CONTEXT = 100  # characters of a search hit shown around the match
+# C1 controls, bidi controls, lone surrogates and the line separators: printed raw by
+# ``json.dumps(ensure_ascii=False)``, escaped here (JSON's structure is ASCII, so each
+# of them can only stand inside a string, where ``\\uXXXX`` means the same character).
+_JSON_UNSAFE = re.compile("[\x80-\x9f\ud800-\udfff\u2028\u2029" + "".join(sorted(BIDI_CONTROLS)) + "]")
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]])")
 
 
 def field_text(value: object) -> str:
@@ -96,13 +107,17 @@ def conversation_text(record: "ConversationRecord") -> str:
     for message in record.messages:
         label = ROLE_LABELS.get(message.role) or field_text(message.role)
         stamp = message.created.astimezone().strftime("%H:%M:%S")
-        lines.append(f"{stamp} {label}> {display_safe(message.text)}{message_notes(message)}")
+        text = display_safe(message.text).replace("\n", CONTINUATION)
+        lines.append(f"{stamp} {label}> {text}{message_notes(message)}")
     return "\n".join(lines)
 
 
 def markdown_text(text: str) -> str:
-    # '<' would start an HTML tag in most renderers and hide text such as <|endoftext|>.
-    return display_safe(text).replace("&", "&amp;").replace("<", "&lt;").replace("\n", "  \n")
+    """``text`` as inline Markdown on one line: '<' would start an HTML tag in most renderers
+    (and hide text such as <|endoftext|>); emphasis and code marks are shown, not applied; a
+    newline is a ``<br>``, so no line of a message can pose as the next turn."""
+    escaped = _MARKDOWN_SPECIAL.sub(r"\\\1", display_safe(text).replace("&", "&amp;").replace("<", "&lt;"))
+    return escaped.replace("\n", "<br>")
 
 
 def conversation_markdown(record: "ConversationRecord") -> str:
@@ -130,21 +145,45 @@ def conversation_markdown(record: "ConversationRecord") -> str:
     return "\n".join(lines)
 
 
+def json_safe_text(encoded: str) -> str:
+    """JSON text with the characters that act on a terminal (C1, bidi) as ``\\uXXXX`` escapes."""
+    return _JSON_UNSAFE.sub(lambda match: f"\\u{ord(match.group()):04x}", encoded)
+
+
 def conversation_jsonl(record: "ConversationRecord") -> str:
-    return json.dumps(record.to_dict(), ensure_ascii=False)
+    return json_safe_text(json.dumps(record.to_dict(), ensure_ascii=False))
 
 
-def search_lines(hits: Sequence["SearchHit"]) -> str:
+def around_match(text: str, wanted: str | None, width: int = SEARCH_CONTEXT) -> str:
+    """At most about ``width`` characters of ``text`` around its first match of ``wanted``
+    (ignoring case), cut before anything else is done to it: a 10 MB message costs no more
+    to show than a short one."""
+    start = 0
+    if wanted:
+        lowered = text.lower()
+        if len(lowered) == len(text):  # the usual case: lower() kept every index
+            at = lowered.find(wanted.lower())
+        else:
+            found = re.search(re.escape(wanted), text, re.IGNORECASE)
+            at = -1 if found is None else found.start()
+        if at + len(wanted) > width:
+            start = max(0, at - width // 3)
+    # Twice the width: whitespace runs collapse and escapes grow, then one_line cuts to width.
+    piece = text[start : start + 2 * width]
+    return ("…" if start else "") + piece
+
+
+def search_lines(hits: Sequence["SearchHit"], wanted: str | None = None) -> str:
     lines = []
     for hit in hits:
         message = hit.message
         label = ROLE_LABELS.get(message.role) or field_text(message.role)
         lines.append(
             f"{field_text(hit.conversation_id[:SHORT_ID])}  {local_time(message.created)}  {label}> "
-            f"{one_line(message.text, 100)}"
+            f"{one_line(around_match(message.text, wanted), SEARCH_CONTEXT)}"
         )
     return "\n".join(lines)
 
 
 def to_json(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False)
+    return json_safe_text(json.dumps(value, indent=2, ensure_ascii=False))

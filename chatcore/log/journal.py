@@ -10,7 +10,8 @@ Appends go straight to the file descriptor: a write that fails (a full disk) is 
 back off the file, so no half line is left, and nothing stays buffered for a later
 close to fail on. The file and its folder are private (0600, 0700).
 
-Each file is named after its database (a digest of the URL) and its process, and is
+Each file is named after its database (a digest of :func:`database_identity`, so any
+spelling of the same database's URL finds it) and its process, and is
 held with an exclusive ``flock`` while its process lives; a file nobody holds is an
 orphan and is adopted. Replaying twice is harmless: every write carries a key that
 the store recognises (``messages.write_key``).
@@ -47,6 +48,33 @@ def _decode(value: dict[str, Any]) -> Any:
     return datetime.fromisoformat(value[_DATETIME]) if set(value) == {_DATETIME} else value
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def database_identity(url: str) -> str:
+    """The database a URL reaches, however it is spelled: an SQLite file by its real path
+    (relative, through a symbolic link, with or without ``?synchronous=``); a server by
+    backend, user, host, port and database, the driver and the connection options left out.
+    The journal is named after it, so any spelling of the same log replays it."""
+    import sqlalchemy as sa
+
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa.exc.ArgumentError:
+        return url
+    backend = parsed.get_backend_name()
+    database = parsed.database or ""
+    if backend == "sqlite":
+        if database and database != ":memory:" and not database.startswith("file:"):
+            return f"sqlite:{os.path.realpath(os.path.expanduser(database))}"
+        return url
+    query = {key: value if isinstance(value, str) else value[-1] for key, value in parsed.query.items()}
+    host = (parsed.host or query.get("host") or "").lower()
+    port = parsed.port or query.get("port") or ""
+    return f"{backend}://{parsed.username or ''}@{host}:{port}/{database}"
+
+
 def _lock(stream: IO[str]) -> bool:
     if fcntl is None:
         return True
@@ -62,7 +90,8 @@ class SpillJournal:
 
     def __init__(self, folder: Path, url: str) -> None:
         self.folder = folder
-        self.prefix = hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        self.prefix = _digest(database_identity(url))
+        self._legacy_prefix = _digest(url)  # files named by the URL's spelling, as older versions did
         self.path = folder / f"{self.prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self._own: IO[str] | None = None
         self._adopted: list[tuple[Path, IO[str]]] = []
@@ -74,7 +103,8 @@ class SpillJournal:
         if not self.folder.is_dir():
             return
         held = {path for path, _ in self._adopted} | {self.path}
-        for path in sorted(self.folder.glob(f"{self.prefix}-*.jsonl")):
+        found = {*self.folder.glob(f"{self.prefix}-*.jsonl"), *self.folder.glob(f"{self._legacy_prefix}-*.jsonl")}
+        for path in sorted(found, key=lambda path: path.stat().st_mtime if path.exists() else 0):
             if path in held:
                 continue
             try:

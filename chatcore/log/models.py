@@ -7,7 +7,8 @@
     messages          one row per turn: role, text, created, author, token counts,
                       latency, decoder and steerers with settings, candidates and
                       scores, seed, interrupted and superseded flags, other
-                      provenance, and the key of the write that stored it
+                      provenance, the key of the write that stored it and
+                      the writer (chat) that made it
 
 These classes describe the newest schema for queries; the tables themselves are
 created and changed only by the Alembic revisions in ``migrations/versions``.
@@ -25,7 +26,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The version the newest migration writes into ``chatcore_schema``; revision ``000N`` is version N."""
 
 
@@ -118,6 +119,8 @@ class MessageRow(Base):
     # A write replayed after a fault (or from the spill journal) finds its own row and
     # is not stored twice.
     write_key: Mapped[str | None] = mapped_column(String(32))
+    # The chat (log writer) that stored it: one writer per conversation (see writing.py).
+    writer: Mapped[str | None] = mapped_column(String(32))
 
     conversation: Mapped[ConversationRow] = relationship(back_populates="messages")
 

@@ -37,18 +37,21 @@ Nothing is dropped and nothing breaks referential integrity:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import chatcore
-from chatcore.log.errors import LogError, LogUnavailableError
+from chatcore.log.deadline import DeadlineWorker
+from chatcore.log.errors import ConversationTakenError, LogError, LogUnavailableError
 from chatcore.log.journal import SpillJournal
 from chatcore.log.private_files import open_private_append
 
@@ -65,6 +68,11 @@ RETRY_AFTER_S = 1.0
 RETRY_WAIT_S = 0.02
 MIN_RETRY_INTERVAL_S = 0.05
 MAX_RETRY_INTERVAL_S = 15.0
+# The longest a turn waits for its write (a hung server, a stuck disk): past it the write is
+# journaled and the reply shown. Above the store's SQLite busy timeout (3 s), so a lock held
+# briefly by another process is waited out rather than journaled.
+WRITE_DEADLINE_S = 5.0
+FAILING_WAIT_S = 0.5  # the wait for a write tried while the log fails (each turn, and the timer)
 JOURNAL_FOLDER = "log-journal"  # in the user data folder
 TITLE_CHARS = 80
 _CONVERSATION_COLUMNS = ("adapter", "channel_key", "title")
@@ -92,19 +100,35 @@ class ConversationLogPlugin:
     database cannot take at once are journaled (default: ``log-journal`` in the user
     data folder). ``max_pending``: how many writes may wait in memory when the journal
     cannot be written either; past it they are dropped, and counted in :attr:`dropped`.
+    ``write_deadline_s``: the longest a turn waits for its write (a hung server) before
+    the write is journaled.
+
+    A log that could not be opened when the adapter started (locked, a server down, a
+    read-only folder): ``store=None`` with its ``url`` and an ``opener``; every write is
+    journaled (on the disk, before the reply is shown), and each write, and the retry
+    timer, tries to open it; once open, the journal is written to it, in order.
     """
 
     def __init__(
         self,
-        store: "ConversationStore",
+        store: "ConversationStore | None",
         notify: Callable[[str], None] | None = None,
         retry_after_s: float = RETRY_AFTER_S,
         max_pending: int = MAX_PENDING_WRITES,
         journal_dir: str | Path | None = None,
+        write_deadline_s: float = WRITE_DEADLINE_S,
+        *,
+        opener: "Callable[[], ConversationStore] | None" = None,
+        url: str | None = None,
     ) -> None:
+        if store is None and (opener is None or url is None):
+            raise ValueError("a log that is not open yet (`store` None) needs its `url` and an `opener`")
         if max_pending < 1:
             raise ValueError(f"`max_pending` must be a positive integer, got {max_pending}")
+        if not write_deadline_s > 0:
+            raise ValueError(f"`write_deadline_s` must be a positive number of seconds, got {write_deadline_s}")
         self.store = store
+        self._opener = opener
         self.notify = notify or (lambda message: logger.warning("%s", message))
         self.retry_after_s = retry_after_s
         self.max_pending = max_pending
@@ -115,6 +139,13 @@ class ConversationLogPlugin:
         self._pending: list[Write] = []
         self._unsaved_told = False
         self.dropped = 0  # writes lost because memory, the journal and the database were all full
+        self.writer = uuid.uuid4().hex  # this chat, as the messages' ``writer`` column names it
+        self._since: dict[str, int] = {}  # per conversation: the newest logged message this chat had read
+        self._forks: dict[str, str] = {}  # conversation -> the new one its turns go to (another chat writes it)
+        self._live: weakref.WeakValueDictionary[str, Conversation] = weakref.WeakValueDictionary()
+        self.write_deadline_s = write_deadline_s
+        self.failing_wait_s = min(FAILING_WAIT_S, write_deadline_s)
+        self._writer = DeadlineWorker()
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._retrier: threading.Thread | None = None
@@ -125,7 +156,12 @@ class ConversationLogPlugin:
             from chatcore.log.location import user_data_path
 
             journal_dir = user_data_path() / JOURNAL_FOLDER
-        self.journal = SpillJournal(Path(journal_dir), store.url)
+        self.journal = SpillJournal(Path(journal_dir), store.url if store is not None else str(url))
+        if store is None:  # every write goes to the journal until the log opens (tried on each write)
+            self.damaged: str | None = None
+            self.failing = "the log is not open yet"
+            self._failed_at = time.monotonic()
+            return
         # A damaged SQLite file is never written into: every write goes to the journal.
         self.damaged = store.quick_check()
         if store.repaired is not None:
@@ -223,23 +259,47 @@ class ConversationLogPlugin:
             kept += 1
         return kept
 
+    @staticmethod
+    def write_key(conversation_id: str, turn: "Turn") -> str:
+        """The key of a turn's write: the same for every write of that turn (a hook, a conversation
+        written again into a new file, an adapter handing it over twice), so it is stored once."""
+        digest = hashlib.sha256(f"{conversation_id}\0{turn.role}\0{turn.created.isoformat()}\0".encode())
+        digest.update(turn.text.encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()[:32]
+
     def _message_write(
         self, conversation: "Conversation", role: str, turn: "Turn", fields: dict[str, Any], model_name: str | None
     ) -> Write:
         author_id = turn.meta.get("author_id")
-        return {
-            "key": uuid.uuid4().hex,
-            "conversation_id": conversation.id,
-            "role": role,
-            "text": turn.text,
-            "fields": dict(
-                fields,
-                created=turn.created,
-                interrupted=turn.interrupted,
-                author_id=None if author_id is None else str(author_id),
-                conversation=self._conversation_fields(conversation, model_name),
-            ),
-        }
+        since = self._since.setdefault(
+            conversation.id, max((int(t.meta.get("log_message_id") or 0) for t in conversation.turns), default=0)
+        )
+        return self._retarget(
+            {
+                "key": self.write_key(conversation.id, turn),
+                "conversation_id": conversation.id,
+                "role": role,
+                "text": turn.text,
+                "fields": dict(
+                    fields,
+                    created=turn.created,
+                    interrupted=turn.interrupted,
+                    author_id=None if author_id is None else str(author_id),
+                    conversation=self._conversation_fields(conversation, model_name),
+                    writer=self.writer,
+                    writer_since=since,
+                ),
+            }
+        )
+
+    def _retarget(self, write: Write) -> Write:
+        """The write into the conversation this chat's turns moved to, when another chat writes the original."""
+        fork = self._forks.get(write["conversation_id"])
+        if fork is None:
+            return write
+        key = hashlib.sha256(f"{fork}\0{write['key']}".encode()).hexdigest()[:32]
+        fields = dict(write["fields"], writer_since=0)
+        return dict(write, conversation_id=fork, key=key, fields=fields)
 
     @staticmethod
     def _conversation_fields(conversation: "Conversation", model_name: str | None) -> dict[str, Any]:
@@ -260,6 +320,7 @@ class ConversationLogPlugin:
     # -- writing ----------------------------------------------------------------------
     def _submit(self, conversation: "Conversation", write: Write) -> None:
         with self._lock:
+            self._live[conversation.id] = conversation
             if self.damaged is None and self._reopened_after_loss(conversation):
                 return  # this write was part of the conversation written again
             if self.damaged is not None:
@@ -282,6 +343,8 @@ class ConversationLogPlugin:
         write into the unlinked file, out of sight. Found before a write: say so once,
         open a new file at the path, and write this conversation into it from its first
         turn (the turns of other conversations in the lost file are not recovered)."""
+        if self.store is None:
+            return False
         try:
             gone = self.store.file_gone()
             if gone is None:
@@ -332,10 +395,17 @@ class ConversationLogPlugin:
         While the log fails, a retry waits at most RETRY_WAIT_S for SQLite's lock, so
         retrying on every turn never holds a turn up for the whole busy timeout.
         """
-        self.store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
+        write = self._retarget(write)  # one journaled before its conversation moved
+        store = self.store
+        if store is not None:
+            store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
+        deadline_s = self.failing_wait_s if self.failing is not None else self.write_deadline_s
         try:
-            self.store.add_message(
-                write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
+            self._writer.run(
+                lambda: (store or self._open()).add_message(
+                    write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
+                ),
+                deadline_s,
             )
         except LogUnavailableError as error:
             if self.failing is None:
@@ -347,10 +417,45 @@ class ConversationLogPlugin:
             self._failed_at = time.monotonic()
             self._start_retrying()
             return False
+        except ConversationTakenError:
+            self._fork(write)
         except LogError as error:  # refused for good: set it aside, never block the writes after it
             self.rejected += 1
             self._set_aside(write, error)
         return True
+
+    def _fork(self, write: Write) -> None:
+        """Another chat writes this conversation too (two terminals on one ``--cid``): rather than
+        interleave the two, this chat goes on in a new conversation holding its turns so far."""
+        original = write["conversation_id"]
+        self._forks[original] = fork = uuid.uuid4().hex
+        live = self._live.get(original)
+        self.notify(
+            f"conversation {original[:12]} is being written by another chat as well; this chat goes on in a new "
+            f"conversation {fork[:12]}, which holds its turns so far (`chatcore chat --cid {fork[:12]}` resumes it)"
+        )
+        copies = (
+            [self._turn_write(live, turn, self._model) for turn in live.turns]
+            if live is not None
+            else [self._retarget(write)]
+        )
+        for copy in copies:
+            if not self._write(copy):
+                self._keep(copy)
+
+    def _open(self) -> "ConversationStore":
+        """Open the log that could not be opened at the start (on the writer thread). Any failure
+        may pass (a folder made later, a server started): the writes stay journaled."""
+        assert self._opener is not None
+        try:
+            store = self._opener()
+        except LogUnavailableError:
+            raise
+        except LogError as error:
+            raise LogUnavailableError(str(error)) from error
+        store.write_wait_s = RETRY_WAIT_S
+        self.store = store
+        return store
 
     def _set_aside(self, write: Write, error: LogError) -> None:
         where: Path = self.journal.folder / f"{self.journal.prefix}-rejected.jsonl"
@@ -432,6 +537,10 @@ class ConversationLogPlugin:
         """Writes waiting in the spill journal (this process's file)."""
         return self.journal.count
 
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait for a write that outlived its deadline to end (True when none runs any more)."""
+        return self._writer.wait_idle(timeout_s)
+
     def flush(self) -> bool:
         """Try the waiting writes now, however recently they failed; True when none is left."""
         with self._lock:
@@ -462,4 +571,5 @@ class ConversationLogPlugin:
                 self._pending.pop(0)
             journaled = self.journal.count
             self.journal.close()
+            self._writer.close()
             return journaled

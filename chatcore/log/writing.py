@@ -1,13 +1,13 @@
 """The conversation log's writes: conversations, messages (retry-safe), retried replies, deletions.
 
 Every write is its own transaction, committed before the call returns. Values a
-database cannot hold are replaced where they enter (:func:`storable`), so no message
-is refused for its content.
+database cannot hold are made to fit where they enter, alike on every backend, and the
+change is noted in the row (:mod:`~chatcore.log.normalise`), so no message is refused
+for its content.
 """
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Any, cast
 
@@ -15,29 +15,12 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from chatcore.log.errors import LogError
+from chatcore.log.errors import ConversationTakenError, LogError
 from chatcore.log.models import ConversationRow, MessageRow, utc_now
+from chatcore.log.normalise import NUL_SYMBOL, REPLACEMENT, Normaliser, storable
 from chatcore.log.reading import StoreReading
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-REPLACEMENT = "\ufffd"  # stands for a lone surrogate, which no UTF-8 database can hold
-NUL_SYMBOL = "\u2400"  # stands for NUL where the database refuses it (PostgreSQL)
-
-
-def storable(value: Any, *, nul: bool = True) -> Any:
-    """``value`` with every string made storable: lone surrogates replaced, NUL too unless ``nul``.
-
-    Recurses into the JSON columns' dicts and lists, so nothing a reply carries can
-    make its write fail.
-    """
-    if isinstance(value, str):
-        value = _LONE_SURROGATE.sub(REPLACEMENT, value)
-        return value if nul else value.replace("\x00", NUL_SYMBOL)
-    if isinstance(value, dict):
-        return {storable(key, nul=nul): storable(item, nul=nul) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [storable(item, nul=nul) for item in value]
-    return value
+__all__ = ["NUL_SYMBOL", "REPLACEMENT", "StoreWriting", "storable"]
 
 
 def _rowcount(result: sa.Result[Any]) -> int:
@@ -47,9 +30,6 @@ def _rowcount(result: sa.Result[Any]) -> int:
 
 class StoreWriting(StoreReading):
     """Adding conversations and messages to the log, and deleting them."""
-
-    def _storable(self, value: Any) -> Any:
-        return storable(value, nul=not self.is_postgres)
 
     def ensure_conversation(
         self,
@@ -93,18 +73,20 @@ class StoreWriting(StoreReading):
             return False
         created = fields.get("created") or utc_now()
         title = fields.get("title") or None
+        clean = Normaliser()
         values = dict(
             id=conversation_id,
             created=created,
             updated=created,
-            adapter=self._storable(fields.get("adapter")),
-            channel_key=self._storable(fields.get("channel_key")),
-            model=self._storable(fields.get("model")),
-            title=title and self._storable(title[:255]),
-            system=self._storable(fields.get("system")),
-            prompt_format=fields.get("prompt_format"),
-            meta=self._storable(dict(fields.get("meta") or {})),
+            adapter=clean.text(fields.get("adapter"), "adapter", 64),
+            channel_key=clean.text(fields.get("channel_key"), "channel_key", 255),
+            model=clean.text(fields.get("model"), "model", 255),
+            title=title and clean.text(title[:255], "title"),
+            system=clean.text(fields.get("system"), "system"),
+            prompt_format=clean.text(fields.get("prompt_format"), "prompt_format", 64),
+            meta=clean.json(dict(fields.get("meta") or {}), "meta"),
         )
+        values["meta"] = clean.noted(values["meta"])
         if self.is_sqlite or self.is_postgres:
             if self.is_sqlite:
                 from sqlalchemy.dialects.sqlite import insert
@@ -137,6 +119,8 @@ class StoreWriting(StoreReading):
         keep_replies: int | None = None,
         write_key: str | None = None,
         conversation: dict[str, Any] | None = None,
+        writer: str | None = None,
+        writer_since: int = 0,
     ) -> int:
         """Append one message and commit; returns its id.
 
@@ -149,48 +133,127 @@ class StoreWriting(StoreReading):
         ``conversation``: :meth:`ensure_conversation`'s fields; the conversation's row
         is added in the same transaction if missing, so a message never depends on an
         earlier write having got through.
+
+        ``writer``: who writes (one id per chat); with it, a message written into the
+        conversation by another writer after message id ``writer_since`` (the newest one
+        this writer has read) raises :class:`ConversationTakenError` instead of
+        interleaving two chats, and a retried reply supersedes only this writer's replies.
         """
-        created = created or utc_now()
-        with self._session("add a message", write=True) as session:
-            if write_key is not None:
-                stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
-                if stored is not None:
-                    return int(stored)
-            if conversation is not None:
-                self._ensure(session, conversation_id, conversation)
-            if keep_replies is not None:
-                self._supersede_replies(session, conversation_id, keep_replies)
-            clean = self._storable
-            row = MessageRow(
-                conversation_id=conversation_id,
-                role=role,
-                text=clean(text),
-                created=created,
+        try:
+            return self._insert_message(
+                conversation_id,
+                role,
+                text,
+                created=created or utc_now(),
                 author_id=author_id,
                 token_count=token_count,
                 prompt_tokens=prompt_tokens,
                 latency_s=latency_s,
                 first_token_s=first_token_s,
-                decoder=clean(decoder),
-                steerers=clean(steerers),
-                candidates=clean(candidates),
+                decoder=decoder,
+                steerers=steerers,
+                candidates=candidates,
                 seed=seed,
                 interrupted=interrupted,
-                superseded=False,
-                provenance=clean(provenance),
+                provenance=provenance,
+                keep_replies=keep_replies,
                 write_key=write_key,
+                conversation=conversation,
+                writer=writer,
+                writer_since=writer_since,
             )
+        except LogError as error:
+            # The same write committed by another attempt meanwhile (one that outlived its
+            # deadline, then finished): it is stored, once.
+            if write_key is not None and isinstance(error.__cause__, IntegrityError):
+                with self._session("add a message") as session:
+                    stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
+                if stored is not None:
+                    return int(stored)
+            raise
+
+    def _insert_message(
+        self,
+        conversation_id: str,
+        role: str,
+        text: str,
+        *,
+        created: datetime,
+        author_id: str | None,
+        token_count: int | None,
+        prompt_tokens: int | None,
+        latency_s: float | None,
+        first_token_s: float | None,
+        decoder: dict[str, Any] | None,
+        steerers: list[Any] | None,
+        candidates: list[Any] | None,
+        seed: int | None,
+        interrupted: bool,
+        provenance: dict[str, Any] | None,
+        keep_replies: int | None,
+        write_key: str | None,
+        conversation: dict[str, Any] | None,
+        writer: str | None,
+        writer_since: int,
+    ) -> int:
+        with self._session("add a message", write=True) as session:
+            if write_key is not None:
+                stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
+                if stored is not None:
+                    return int(stored)
+            if writer is not None:
+                other = session.scalar(
+                    sa.select(MessageRow.writer)
+                    .where(
+                        MessageRow.conversation_id == conversation_id,
+                        MessageRow.id > writer_since,
+                        MessageRow.writer.is_not(None),
+                        MessageRow.writer != writer,
+                    )
+                    .limit(1)
+                )
+                if other is not None:
+                    raise ConversationTakenError(
+                        f"conversation {conversation_id} is being written by another chat as well"
+                    )
+            if conversation is not None:
+                self._ensure(session, conversation_id, conversation)
+            if keep_replies is not None:
+                self._supersede_replies(session, conversation_id, keep_replies, writer)
+            clean = Normaliser()
+            row = MessageRow(
+                conversation_id=conversation_id,
+                role=role,
+                text=clean.text(text, "text"),
+                created=created,
+                author_id=clean.text(author_id, "author_id", 64),
+                token_count=clean.integer(token_count, "token_count"),
+                prompt_tokens=clean.integer(prompt_tokens, "prompt_tokens"),
+                latency_s=clean.real(latency_s, "latency_s"),
+                first_token_s=clean.real(first_token_s, "first_token_s"),
+                decoder=clean.json(decoder, "decoder"),
+                steerers=clean.json(steerers, "steerers"),
+                candidates=clean.json(candidates, "candidates"),
+                seed=clean.integer(seed, "seed"),
+                interrupted=interrupted,
+                superseded=False,
+                provenance=clean.json(provenance, "provenance"),
+                write_key=write_key,
+                writer=writer,
+            )
+            row.provenance = clean.noted(row.provenance)
             session.add(row)
             session.flush()
             current: dict[str, Any] = {"updated": created}
             if conversation is not None:  # a system prompt or format changed mid-conversation is kept as it is now
                 current.update(
-                    system=clean(conversation.get("system")), prompt_format=conversation.get("prompt_format")
+                    system=clean.text(conversation.get("system"), "system"),
+                    prompt_format=clean.text(conversation.get("prompt_format"), "prompt_format", 64),
                 )
             session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
             return row.id
 
-    def _supersede_replies(self, session: Session, conversation_id: str, keep: int) -> None:
+    def _supersede_replies(self, session: Session, conversation_id: str, keep: int, writer: str | None) -> None:
         newest_user = (
             sa.select(sa.func.max(MessageRow.id))
             .where(MessageRow.conversation_id == conversation_id, MessageRow.role == "user")
@@ -203,6 +266,8 @@ class StoreWriting(StoreReading):
                 MessageRow.role == "bot",
                 MessageRow.superseded.is_(False),
                 MessageRow.id > sa.func.coalesce(newest_user, 0),
+                # Only this chat's own replies: another chat's are never taken for retried ones.
+                sa.true() if writer is None else sa.or_(MessageRow.writer.is_(None), MessageRow.writer == writer),
             )
             .order_by(MessageRow.id)
         ).all()
