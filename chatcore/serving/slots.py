@@ -150,7 +150,8 @@ class SlotCache(Cache):
     """Key/values of the shared batch's rows, a slot each (see the module's docstring)."""
 
     def __init__(self, layers: int) -> None:
-        super().__init__(layers=[SlotLayer(self) for _ in range(layers)])
+        self.slots = [SlotLayer(self) for _ in range(layers)]
+        super().__init__(layers=list(self.slots))
         self.lengths: list[int] = []  # tokens cached per row
         self.step_rows: Any = None
         self.step_columns: Any = None
@@ -165,7 +166,7 @@ class SlotCache(Cache):
         ``like``: a (1, H, T, D) tensor pair per layer, for the shapes of a first allocation."""
         import torch
 
-        first = self.layers[0].keys
+        first = self.slots[0].keys
         slots, capacity = (first.shape[0], first.shape[2]) if first is not None else (0, 0)
         if slots >= rows and capacity >= columns:
             return
@@ -174,7 +175,7 @@ class SlotCache(Cache):
         if capacity < columns:
             capacity = max(columns, 2 * capacity, 64)
         used = max(self.lengths, default=0)
-        for layer, (keys, _) in zip(self.layers, like):
+        for layer, (keys, _) in zip(self.slots, like):
             for name in ("keys", "values"):
                 old = getattr(layer, name)
                 _, heads, _, dim = keys.shape
@@ -194,7 +195,7 @@ class SlotCache(Cache):
         length = layers[0][0].shape[2]
         start = self.rows
         self._reserve(start + rows, length + 1, layers)
-        for layer, (keys, values) in zip(self.layers, layers):
+        for layer, (keys, values) in zip(self.slots, layers):
             assert layer.keys is not None and layer.values is not None
             layer.keys[start : start + rows, :, :length] = keys
             layer.values[start : start + rows, :, :length] = values
@@ -212,7 +213,7 @@ class SlotCache(Cache):
         after = self.lengths[end:]
         if after:
             used = max(after)
-            for layer in self.layers:
+            for layer in self.slots:
                 assert layer.keys is not None and layer.values is not None
                 moved = slice(start, start + len(after))
                 layer.keys[moved, :, :used] = layer.keys[end : end + len(after), :, :used].clone()
@@ -224,7 +225,7 @@ class SlotCache(Cache):
         length = self.lengths[index]
         return [
             (layer.keys[index : index + 1, :, :length], layer.values[index : index + 1, :, :length])  # type: ignore[index]
-            for layer in self.layers
+            for layer in self.slots
         ]
 
     def begin_step(self, device: Any) -> tuple["torch.Tensor", "torch.Tensor", RaggedPlan]:
@@ -233,9 +234,9 @@ class SlotCache(Cache):
 
         lengths = self.lengths
         width = max(lengths) + 1
-        first = self.layers[0].keys
+        first = self.slots[0].keys
         assert first is not None
-        self._reserve(self.rows, width, [(layer.keys, layer.values) for layer in self.layers])  # type: ignore[misc]
+        self._reserve(self.rows, width, [(layer.keys, layer.values) for layer in self.slots])  # type: ignore[misc]
         self.step_rows = torch.arange(self.rows, device=device)
         self.step_columns = torch.tensor(lengths, dtype=torch.long, device=device)
         self.step_width = width
