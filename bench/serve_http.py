@@ -6,9 +6,7 @@
 same requests are sent one after another (the peer). Prints p50/p99 time to the first
 content chunk and to the end, total throughput and its ratio to the one-after-another
 run, and checks that every request was answered exactly once with its whole reply.
-The server (uvicorn on a thread) and the clients share this process and its cores; with
---client-processes the concurrent clients run in processes of their own (as remote
-clients would), so they share the cores but not the server's interpreter lock.
+The server (uvicorn on a thread) and the clients share this process and its cores.
 Then it scrapes GET /metrics, checks its reply and token counts against what the clients
 received, and prints the scrape (with --metrics, the histograms' buckets too).
 """
@@ -17,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import functools
-import multiprocessing
 import statistics
 import time
 import urllib.request
@@ -31,44 +27,6 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
-def import_client(_: int) -> None:
-    import openai  # noqa: F401
-
-
-def ask_once(url: str, model: str, tokens: int, index: int) -> dict:
-    """One streaming request (a new client per call: it may run in another process)."""
-    import openai
-
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-    start = time.perf_counter()
-    first = None
-    text, ids, usage = [], set(), None
-    stream = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": f"hi, I am client {index}. how are you?"}],
-        max_tokens=tokens,
-        seed=index,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    for chunk in stream:
-        ids.add(chunk.id)
-        if chunk.usage is not None:
-            usage = chunk.usage
-        if chunk.choices and chunk.choices[0].delta.content:
-            if first is None:
-                first = time.perf_counter() - start
-            text.append(chunk.choices[0].delta.content)
-    return {
-        "index": index,
-        "first": first,
-        "total": time.perf_counter() - start,
-        "ids": ids,
-        "tokens": usage.completion_tokens if usage else 0,
-        "text": "".join(text),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
@@ -76,11 +34,6 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--metrics", action="store_true", help="Print the whole /metrics scrape.")
-    parser.add_argument(
-        "--client-processes",
-        action="store_true",
-        help="Run the concurrent clients in processes of their own, not threads of the server's process.",
-    )
     args = parser.parse_args()
 
     import openai
@@ -100,19 +53,39 @@ def main() -> None:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
 
-        ask = functools.partial(ask_once, server.url, model, args.tokens)
+        def ask(index: int) -> dict:
+            start = time.perf_counter()
+            first = None
+            text, ids, usage = [], set(), None
+            stream = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": f"hi, I am client {index}. how are you?"}],
+                max_tokens=args.tokens,
+                seed=index,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                ids.add(chunk.id)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if first is None:
+                        first = time.perf_counter() - start
+                    text.append(chunk.choices[0].delta.content)
+            return {
+                "index": index,
+                "first": first,
+                "total": time.perf_counter() - start,
+                "ids": ids,
+                "tokens": usage.completion_tokens if usage else 0,
+                "text": "".join(text),
+            }
 
         try:
             warm_up = ask(0)
-            if args.client_processes:
-                pool: concurrent.futures.Executor = concurrent.futures.ProcessPoolExecutor(
-                    args.clients, mp_context=multiprocessing.get_context("spawn")
-                )
-                list(pool.map(import_client, range(args.clients)))  # started and warm before the clock
-            else:
-                pool = concurrent.futures.ThreadPoolExecutor(args.clients)
             start = time.perf_counter()
-            with pool:
+            with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
                 results = list(pool.map(ask, range(args.clients)))
             together = time.perf_counter() - start
             start = time.perf_counter()
