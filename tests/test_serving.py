@@ -451,3 +451,19 @@ def test_a_replys_timings_add_up_through_the_scheduler_and_alone(serving_engine)
     for response in (through_scheduler, alone):
         timings = response.provenance["timings"]
         assert 0 <= timings["queued_s"] <= timings["first_token_s"] <= timings["total_s"], timings
+
+
+@pytest.mark.parametrize(
+    "lengths, width, long_rows",
+    [
+        ([12] * 8 + [400], 12, ((8, 400),)),  # one long history: it attends alone over its own columns
+        ([30, 31, 29, 30], 31, ()),  # alike: one call over the longest
+        ([5, 300, 7, 310], 7, ((1, 300), (3, 310))),
+        ([100, 140], 140, ()),  # a second call would cost more than the padding it saves
+    ],
+)
+def test_a_steps_attention_is_split_where_it_reads_fewer_columns(lengths, width, long_rows):
+    from chatcore.serving.slots import ragged_plan
+
+    plan = ragged_plan(lengths)
+    assert (plan.width, plan.long_rows) == (width, long_rows)
