@@ -77,7 +77,6 @@ def main() -> None:
         "(with another last message) against a short request's.",
     )
     args = parser.parse_args()
-    args.repeats_shared = 5
 
     import openai
     import torch
@@ -127,7 +126,7 @@ def main() -> None:
 
         if args.shared_history:
             try:
-                shared_history(client, model, args.shared_history, args.repeats_shared)
+                shared_history(client, model, args.shared_history, repeats=5)
             finally:
                 server.stop()
             return
