@@ -6,6 +6,14 @@ Both decode exactly --tokens new tokens (EOS banned until then) after a conversa
 whose prompt is about --history tokens; the median of --repeats alternating runs is
 reported as tokens per second, with the cost per token of cocon relative to plain
 (cocon seconds per token / plain seconds per token; the target is at most 1.5x).
+
+    python bench/cocon_speed.py --train [--batch 16] [--history 32] [--continuation 24] [--repeats 5]
+
+With --train: the cost of one CoCon training step (every loss on: self, null, cycle with
+its 8 soft-generated tokens, adversarial; forward and backward, no optimizer step) against
+a plain forward and backward of the same model (all its weights trainable, next-token
+loss) on the same batch of windows; medians of --repeats alternating runs and their ratio
+(the target is at most 3x), then the share of the CoCon step each part takes.
 """
 
 from __future__ import annotations
@@ -25,7 +33,13 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=200, help="prompt length in tokens (about)")
     parser.add_argument("--tokens", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--train", action="store_true", help="Time a training step instead (see above).")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--continuation", type=int, default=24)
     args = parser.parse_args()
+    if args.train:
+        train_step(args)
+        return
 
     import torch
     import transformers
@@ -87,6 +101,89 @@ def main() -> None:
     for label, seconds in medians.items():
         if label != plain_label:
             print(f"cost per token, {label} / {plain_label}: {seconds / medians[plain_label]:.2f}x")
+
+
+def train_step(args) -> None:
+    import torch
+    from torch.nn import functional as F
+
+    from chatcore.cocon.block import CoconBlock, CoconConfig
+    from chatcore.cocon.losses import CoconLosses, HiddenDiscriminator
+    from chatcore.cocon.model_split import SplitModel
+    from chatcore.cocon.pipeline import CoconPipeline
+    from chatcore.cocon.training import CoconTrainConfig, default_split_layer, norm_epsilon
+    from chatcore.cocon.windows import WindowSampler
+    from chatcore.training.corpus import load_corpus
+    from chatcore.training.data import encode_dialogues
+
+    engine = load_engine(args)
+    model, tokenizer = engine.loaded.model, engine.loaded.tokenizer
+    config = CoconTrainConfig(
+        out_dir="unused",
+        model=args.model,
+        batch_size=args.batch,
+        history_tokens=args.history,
+        continuation_tokens=args.continuation,
+        cycle_from_step=0,
+        adv_from_step=0,
+        no_history_share=0.0,
+    )
+    model.eval()
+    model.requires_grad_(False)
+    split = SplitModel(model, default_split_layer(SplitModel(model, 1).n_layer))
+    block = CoconBlock(
+        CoconConfig(
+            n_embd=split.n_embd,
+            n_head=split.n_head,
+            split_layer=split.split_layer,
+            layer_norm_epsilon=norm_epsilon(model.config),
+        )
+    )
+    losses_fn = CoconLosses(CoconPipeline(split, block), config)
+    discriminator = HiddenDiscriminator(split.n_embd)
+    stream = encode_dialogues(load_corpus("chitchat")[:2000], tokenizer)
+    sampler = WindowSampler(stream, engine.eos_token_id, args.history, args.continuation, 0.75, None)
+    windows = sampler.sample(args.batch, torch.Generator().manual_seed(0))
+
+    def cocon() -> float:
+        start = time.perf_counter()
+        batch = losses_fn(windows, torch.Generator().manual_seed(1), True, True)
+        fake = batch.fake
+        assert fake is not None
+        adv = F.binary_cross_entropy_with_logits(discriminator(fake).float(), torch.ones(fake.size(0)))
+        total = sum(batch.losses.values()) + 0.2 * adv
+        total.backward()
+        block.zero_grad(set_to_none=True)
+        discriminator.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    def plain() -> float:
+        model.requires_grad_(True)
+        start = time.perf_counter()
+        logits = model(input_ids=windows[:, :-1]).logits
+        F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).backward()
+        elapsed = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        model.requires_grad_(False)
+        return elapsed
+
+    cocon(), plain()  # warm-up
+    times: dict[str, list[float]] = {"cocon": [], "plain": []}
+    for _ in range(args.repeats):
+        times["cocon"].append(cocon())
+        times["plain"].append(plain())
+    cocon_s, plain_s = statistics.median(times["cocon"]), statistics.median(times["plain"])
+    print(
+        f"model {args.model}, threads {torch.get_num_threads()}, batch {args.batch} x "
+        f"{args.history + args.continuation} tokens (history {args.history}), block after layer {split.split_layer}"
+    )
+    print(
+        f"training step: cocon (self, null, cycle, adversarial) {cocon_s * 1000:.1f} ms   plain forward+backward "
+        f"{plain_s * 1000:.1f} ms   ratio {cocon_s / plain_s:.2f}x"
+    )
+    with torch.profiler.profile() as profile:
+        cocon()
+    print(profile.key_averages().table(sort_by="cpu_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

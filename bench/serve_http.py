@@ -7,7 +7,9 @@ same requests are sent one after another (the peer). Prints p50/p99 time to the 
 content chunk and to the end, total throughput and its ratio to the one-after-another
 run, and checks that every request was answered exactly once with its whole reply.
 The server (uvicorn on a thread) and the clients share this process and its cores.
-Then it scrapes GET /metrics, checks its reply and token counts against what the clients
+With --shared-history N it only times the first token of a request whose N-turn history an
+earlier request sent (with another last message) against a short request's.
+Otherwise it then scrapes GET /metrics, checks its reply and token counts against what the clients
 received, and prints the scrape (with --metrics, the histograms' buckets too).
 """
 
@@ -27,6 +29,39 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
+def shared_history(client, model: str, turns: int, repeats: int) -> None:
+    """First token of a request whose ``turns``-turn history an earlier request sent (with
+    another last message) against a short request's, medians of ``repeats``."""
+    lines = ("i went hiking with my friends last weekend and it was a lot of fun", "that sounds great, where to?")
+
+    def first_token(messages: list[dict]) -> float:
+        start = time.perf_counter()
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=4, seed=0, stream=True)
+        first = None
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - start
+        return first if first is not None else time.perf_counter() - start
+
+    shared, short = [], []
+    for repeat in range(repeats + 1):
+        history = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"{lines[i % 2]} ({repeat})"}
+            for i in range(turns)
+        ]
+        first_token([*history, {"role": "user", "content": "what did you eat there?"}])  # fills the prefix cache
+        seconds = first_token([*history, {"role": "user", "content": "and who drove?"}])
+        alone = first_token([{"role": "user", "content": f"hi, how are you? ({repeat})"}])
+        if repeat:  # the first round warms up
+            shared.append(seconds)
+            short.append(alone)
+    s, a = statistics.median(shared), statistics.median(short)
+    print(
+        f"first token, {turns}-turn history another request sent: {s * 1000:.1f} ms   "
+        f"a short request: {a * 1000:.1f} ms   ratio {s / a:.2f}x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
@@ -34,6 +69,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--metrics", action="store_true", help="Print the whole /metrics scrape.")
+    parser.add_argument(
+        "--shared-history",
+        type=int,
+        default=0,
+        help="Only time the first token of a request whose N-turn history another request sent before "
+        "(with another last message) against a short request's.",
+    )
     args = parser.parse_args()
 
     import openai
@@ -82,6 +124,12 @@ def main() -> None:
                 "text": "".join(text),
             }
 
+        if args.shared_history:
+            try:
+                shared_history(client, model, args.shared_history, repeats=5)
+            finally:
+                server.stop()
+            return
         try:
             warm_up = ask(0)
             start = time.perf_counter()

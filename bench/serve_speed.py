@@ -12,7 +12,12 @@
    key/values are reused) vs without (the whole prompt is run) vs
    ``transformers.generate`` on the whole prompt. Medians of --repeats runs, and each
    one's ratio to its own time at the shortest history.
-3. With --compare-threads: the batched throughput of part 1 at each thread count in turn
+3. A long row's cost to the others (``--only long-row``): --conversations short
+   conversations decode --tokens tokens each, alone in the batch, then beside one row
+   whose history is --long-history tokens (admitted first; its prompt has been read
+   before the short ones start). Prints the short rows' time per token both ways and
+   the ratio (rows padded to the longest made it about 3.5x; the target is 1.3x).
+4. With --compare-threads: the batched throughput of part 1 at each thread count in turn
    (``torch``: torch's own default, one per core; ``default``: chatcore's, see chatcore.cpu),
    alternated within one process for --repeats rounds, so that every count sees the same
    load on a shared machine; medians in tokens/s for each --conversations count.
@@ -45,7 +50,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--histories", default="0,200,400", help="History lengths in tokens, comma-separated.")
-    parser.add_argument("--only", choices=["throughput", "first-token"], default=None, help="Run one part.")
+    parser.add_argument("--long-history", type=int, default=1544, help="The long row's history in tokens (long-row).")
+    parser.add_argument("--only", choices=["throughput", "first-token", "long-row"], default=None, help="Run one part.")
     parser.add_argument("--compare-threads", default=None, help="Thread counts to alternate: torch, default or N.")
     args = parser.parse_args()
     if args.compare_threads:
@@ -66,6 +72,65 @@ def main() -> None:
         throughput(engine, args)
     if args.only in (None, "first-token"):
         first_token(engine, args, Scheduler)
+    if args.only in (None, "long-row"):
+        long_row(engine, args)
+
+
+def long_row(engine, args) -> None:
+    """The short rows' time per token without and with one long-history row beside them."""
+    from chatcore.engine import ReplyOptions
+    from chatcore.serving import Scheduler
+    from chatcore.serving.requests import End
+
+    n, tokens = int(args.conversations), args.tokens
+    shorts = []
+    for index in range(n):
+        conversation = engine.conversation()
+        conversation.add_user(f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
+        shorts.append(conversation)
+    budget = min(args.long_history, engine.loaded.max_positions - 4 * tokens - 8)
+    long = long_conversation(engine, budget, 4 * tokens)
+    history = len(long.prompt(4 * tokens).token_ids)
+    options = [ReplyOptions(decoder="greedy", max_new_tokens=tokens, min_new_tokens=tokens) for _ in range(n)]
+    long_options = ReplyOptions(decoder="greedy", max_new_tokens=4 * tokens, min_new_tokens=4 * tokens)
+
+    def per_token(scheduler: Scheduler, beside_long: bool) -> float:
+        """Seconds per token of the short rows, from their first token to their end."""
+        long_handle = None
+        if beside_long:
+            long_handle = scheduler.submit(long, long_options)
+            long_tokens = long_handle.tokens()  # held: dropping the iterator would cancel the reply
+            next(long_tokens)  # its prompt has been read: it decodes from here on
+        ends: dict[int, float] = {}
+        handles = []
+        for index, (conversation, option) in enumerate(zip(shorts, options)):
+
+            def ended(event, index=index) -> None:
+                if isinstance(event, End):
+                    ends[index] = time.perf_counter()
+
+            handles.append(scheduler.submit(conversation.messages(), option, listener=ended))
+        for handle in handles:
+            handle.wait()
+            assert handle.error is None and len(handle.token_ids) == tokens, handle.error
+        if long_handle is not None:
+            assert not long_handle.finished.is_set(), "the long row ended before the short ones"
+            long_handle.cancel()
+            long_handle.wait()
+        return statistics.median((ends[i] - h.first_token) / (tokens - 1) for i, h in enumerate(handles))
+
+    with Scheduler(engine, max_batch=n + 1, max_waiting=n + 1, prefix_cache_bytes=0) as scheduler:
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for round_ in range(args.repeats + 1):
+            for beside in (False, True):
+                seconds = per_token(scheduler, beside)
+                if round_:  # the first round warms up
+                    times[beside].append(seconds)
+    alone, beside = statistics.median(times[False]), statistics.median(times[True])
+    print(
+        f"long row: {n} short rows x {tokens} tokens, ms per token alone {alone * 1000:.1f}   beside a "
+        f"{history}-token history {beside * 1000:.1f}   ratio {beside / alone:.2f}x"
+    )
 
 
 def throughput(engine, args) -> None:

@@ -71,6 +71,28 @@ def test_replies_join_a_running_batch_between_steps(serving_engine):
     assert [h.token_ids for h in later] == expected
 
 
+def test_a_long_history_row_beside_short_ones_keeps_every_reply(serving_engine):
+    """Rows are not padded to the longest: the long row's attention runs on its own columns
+    (the step is split), and every reply equals the same reply decoded alone."""
+    history = []
+    for index in range(12):
+        history.append(Message("user" if index % 2 == 0 else "assistant", PROMPTS[1]))
+    history.append(Message("user", "and what else?"))
+    long = ReplyOptions(decoder="greedy", max_new_tokens=24, min_new_tokens=24)
+    expected_long = list(alone_messages(serving_engine, history, long))
+    expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS, OPTIONS)]
+    with Scheduler(serving_engine, max_batch=8) as scheduler:
+        first = scheduler.submit(history, long)
+        tokens = first.tokens()
+        next(tokens)  # the long row decodes before the short ones join
+        handles = [scheduler.submit([Message("user", p)], o) for p, o in zip(PROMPTS, OPTIONS)]
+        assert [next(tokens), *tokens] == expected_long[1:]
+        for handle in handles:
+            assert handle.wait(60) and handle.error is None
+    assert [h.token_ids for h in handles] == expected
+    assert scheduler.runner.batch.split_steps > 0
+
+
 def test_a_failing_steerer_fails_its_row_alone(serving_engine):
     options = ReplyOptions(decoder="greedy", max_new_tokens=10, min_new_tokens=10)
     expected = alone(serving_engine, PROMPTS[0], options)
@@ -419,3 +441,19 @@ def test_a_replys_timings_add_up_through_the_scheduler_and_alone(serving_engine)
     for response in (through_scheduler, alone):
         timings = response.provenance["timings"]
         assert 0 <= timings["queued_s"] <= timings["first_token_s"] <= timings["total_s"], timings
+
+
+@pytest.mark.parametrize(
+    "lengths, width, long_rows",
+    [
+        ([12] * 8 + [400], 12, ((8, 400),)),  # one long history: it attends alone over its own columns
+        ([30, 31, 29, 30], 31, ()),  # alike: one call over the longest
+        ([5, 300, 7, 310], 7, ((1, 300), (3, 310))),
+        ([100, 140], 140, ()),  # a second call would cost more than the padding it saves
+    ],
+)
+def test_a_steps_attention_is_split_where_it_reads_fewer_columns(lengths, width, long_rows):
+    from chatcore.serving.slots import ragged_plan
+
+    plan = ragged_plan(lengths)
+    assert (plan.width, plan.long_rows) == (width, long_rows)

@@ -122,13 +122,12 @@ class Job:
 
 
 class SharedBatch:
-    """The rows of the shared replies and their merged key/value cache.
+    """The rows of the shared replies and their key/value cache, a slot per row.
 
-    columns:  [ left padding | a reply's cached tokens ]      (B, H, T, D) per layer
-
-    Every reply's cached tokens stay right-aligned, since each step appends one column to
-    every row; the attention mask hides the padding and positions count each row's own
-    tokens. A reply that ends leaves at once, and columns no row uses any more are cut.
+    Every row keeps its own tokens from column 0 (:class:`chatcore.serving.slots.SlotCache`):
+    rows are not padded to the longest, a step writes one column per row in place, and its
+    attention reads each row's own columns (a long history costs the other rows next to
+    nothing). A reply that ends leaves at once.
     """
 
     def __init__(self, model: Any, device: Any) -> None:
@@ -136,8 +135,8 @@ class SharedBatch:
         self.device = device
         self.cache_argument = cache_keyword(model)
         self.jobs: list[Job] = []
-        self.cache: Any = None
-        self.width = 0  # columns of the cache
+        self.cache: Any = None  # a SlotCache once a reply has joined
+        self.split_steps = 0  # steps whose attention was split by row length (for tests and benchmarks)
 
     def __contains__(self, job: Job) -> bool:
         return job in self.jobs
@@ -153,79 +152,46 @@ class SharedBatch:
 
     def join(self, job: Job, cache: Any) -> None:
         """Add a job whose prompt has run, with its cache of one row (every row shares the prompt)."""
-        import torch
-        import torch.nn.functional as F
+        from chatcore.serving.slots import SlotCache
 
-        for layer in cache.layers:
-            layer.keys = layer.keys.expand(job.rows, -1, -1, -1)
-            layer.values = layer.values.expand(job.rows, -1, -1, -1)
         if self.cache is None:
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
-            self.cache, self.width = cache, job.cached
-            self.jobs.append(job)
-            return
-        width = max(self.width, job.cached)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            for name in ("keys", "values"):
-                old, new = getattr(mine, name), getattr(theirs, name)  # (B, H, T, D)
-                old = F.pad(old, (0, 0, width - old.shape[2], 0))
-                new = F.pad(new, (0, 0, width - new.shape[2], 0))
-                setattr(mine, name, torch.cat([old, new], dim=0))
-        self.width = width
+            self.cache = SlotCache(len(cache.layers))
+        self.cache.append([(layer.keys, layer.values) for layer in cache.layers], job.rows)
         self.jobs.append(job)
 
     def leave(self, job: Job) -> None:
-        """Remove ``job``'s rows and cut the columns no remaining row uses."""
-        import torch
-
+        """Remove ``job``'s rows (the rows after them move up)."""
         if job not in self.jobs:
             return
-        start = self.offset(job)
-        keep = [i for i in range(sum(j.rows for j in self.jobs)) if not start <= i < start + job.rows]
+        self.cache.remove(self.offset(job), job.rows)
         self.jobs.remove(job)
         if not self.jobs:
-            self.cache, self.width = None, 0
-            return
-        width = max(j.cached for j in self.jobs)
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, self.width - width :]
-            layer.values = layer.values[index, :, self.width - width :]
-        self.width = width
+            self.cache = None  # its buffers go with it
 
     def layers_of(self, job: Job) -> Layers:
         """The key/values of every token ``job``'s first row has fed the model: (1, H, cached, D) per layer."""
-        row = self.offset(job)
-        start = self.width - job.cached
-        return [
-            (layer.keys[row : row + 1, :, start:], layer.values[row : row + 1, :, start:])
-            for layer in self.cache.layers
-        ]
+        return self.cache.row(self.offset(job))
 
     def forward(self) -> "torch.Tensor":
         """One forward pass for every row's newest token: (B, V) logits."""
         import torch
 
+        from chatcore.serving.slots import ragged_pass
+
         last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
-        rows = last.size(0)
-        attention = torch.zeros((rows, self.width + 1), dtype=torch.long, device=self.device)
-        positions = torch.empty((rows, 1), dtype=torch.long, device=self.device)
-        offset = 0
-        for job in self.jobs:
-            attention[offset : offset + job.rows, self.width - job.cached :] = 1
-            positions[offset : offset + job.rows] = job.cached
-            offset += job.rows
-        output = self.model(
-            input_ids=last,
-            attention_mask=attention,
-            position_ids=positions,
-            **{self.cache_argument: self.cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self.cache = output_cache(output)
-        self.width += 1
+        positions, mask, plan = self.cache.begin_step(self.device)
+        with ragged_pass(self.model, plan) as extra:
+            self.split_steps += bool(extra)
+            output = self.model(
+                input_ids=last,
+                attention_mask=mask,
+                position_ids=positions,
+                **{self.cache_argument: self.cache},
+                use_cache=True,
+                logits_to_keep=1,
+                **extra,
+            )
+        self.cache.end_step()
         for job in self.jobs:
             job.cached += 1
         return output.logits[:, -1, :].float()
@@ -611,9 +577,11 @@ class Runner:
                 self.prefix_cache.store(job.sequences[0, : job.cached].tolist(), layers)
             except Exception:  # a cache that cannot be kept costs the next turn a prefill, nothing more
                 pass
-        self.batch.leave(job)
-        job.cache = job.shared_logits = None
-        job.sink._end(reason, error)
+        try:
+            self.batch.leave(job)
+        finally:  # whatever happens, the caller learns that the reply is over
+            job.cache = job.shared_logits = None
+            job.sink._end(reason, error)
 
 
 def decode_alone(

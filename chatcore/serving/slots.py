@@ -1,0 +1,251 @@
+"""The shared batch's key/value cache: a slot per row, no padding to the longest row.
+
+Each row of the shared batch owns a slot of a preallocated buffer per layer,
+
+    keys, values: (slots, H, capacity, D)    row r's tokens in columns [0, lengths[r])
+
+so a decoding step writes one column per row in place (no copy of the whole cache, as a
+growing ``DynamicCache`` makes at every step) and a row that leaves frees its slot by
+moving the rows after it up. The model sees an ordinary transformers ``Cache``; the step
+passes a 4-D mask that hides each row's unused columns, so any attention implementation
+reads the right keys.
+
+Rows of very different lengths (one long history beside short chats) would still make
+every row attend over the longest one's columns. :func:`ragged_plan` splits the step's
+attention: one SDPA call for every row over the first ``width`` columns (the short rows'
+longest), and one call per longer row over its own columns only. With the model's
+attention implementation ``sdpa`` the batch's step swaps in :func:`ragged_attention` for
+its own pass (:func:`ragged_pass`); any other implementation reads the padded columns,
+masked, and gets the same result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+if TYPE_CHECKING:
+    import torch
+
+RAGGED = "chatcore_ragged"
+# One extra attention call per long row costs about as much as attending over this many
+# more columns for every row (measured on the CPU: bench/serve_speed.py --only long-row).
+CALL_COST_COLUMNS = 64
+
+
+@dataclass(frozen=True)
+class RaggedPlan:
+    """How one step's attention is split: every row over ``width`` columns, then each of
+    ``long_rows`` (row, length) over its own ``length`` columns."""
+
+    width: int
+    long_rows: tuple[tuple[int, int], ...]
+
+
+def ragged_plan(lengths: list[int]) -> RaggedPlan:
+    """The cheapest split for rows of these lengths (columns each attends over, its new token included):
+    minimise rows x width + the long rows' own lengths (+ a call's cost each)."""
+    rows = len(lengths)
+    best_cost, best_width = rows * max(lengths), max(lengths)
+    for width in sorted(set(lengths)):
+        longer = [length for length in lengths if length > width]
+        cost = rows * width + sum(longer) + CALL_COST_COLUMNS * len(longer)
+        if cost < best_cost:
+            best_cost, best_width = cost, width
+    long_rows = tuple((row, length) for row, length in enumerate(lengths) if length > best_width)
+    return RaggedPlan(best_width, long_rows)
+
+
+def ragged_attention(
+    module: Any,
+    query: "torch.Tensor",
+    key: "torch.Tensor",
+    value: "torch.Tensor",
+    attention_mask: "torch.Tensor | None",
+    **kwargs: Any,
+) -> tuple["torch.Tensor", None]:
+    """SDPA split by the step's :class:`RaggedPlan` (passed as ``chatcore_ragged``); plain
+    SDPA without one (the model called from elsewhere meanwhile)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plan: RaggedPlan | None = kwargs.pop(RAGGED, None)
+    if plan is None or query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    width = plan.width
+    mask = attention_mask[..., :width] if attention_mask is not None else None
+    output, _ = sdpa_attention_forward(module, query, key[:, :, :width], value[:, :, :width], mask, **kwargs)
+    for row, length in plan.long_rows:  # (B, 1, H, D) outputs
+        keys, values = key[row : row + 1, :, :length], value[row : row + 1, :, :length]
+        alone, _ = sdpa_attention_forward(module, query[row : row + 1], keys, values, None, **kwargs)
+        output[row : row + 1] = alone
+    return output, None
+
+
+_REGISTERED = False
+
+
+@contextlib.contextmanager
+def ragged_pass(model: Any, plan: RaggedPlan) -> Iterator[dict[str, Any]]:
+    """For one forward pass of ``model``: the keyword arguments that carry ``plan`` to its
+    attention, with :func:`ragged_attention` swapped in when the model uses ``sdpa``
+    (otherwise nothing changes: the mask alone keeps the result right)."""
+    global _REGISTERED
+    config = model.config
+    if not plan.long_rows or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield {}
+        return
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(RAGGED, ragged_attention)
+        _REGISTERED = True
+    # The internal field, not the property: its setter would walk and validate sub-configs at every step.
+    config._attn_implementation_internal = RAGGED
+    try:
+        yield {RAGGED: plan}
+    finally:
+        config._attn_implementation_internal = "sdpa"
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's slots: (slots, H, capacity, D) keys and values, written one column per row per step."""
+
+    is_sliding = False
+
+    def __init__(self, owner: "SlotCache") -> None:
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: "torch.Tensor", value_states: "torch.Tensor") -> None:
+        pass
+
+    def update(
+        self, key_states: "torch.Tensor", value_states: "torch.Tensor", *args: Any, **kwargs: Any
+    ) -> tuple["torch.Tensor", "torch.Tensor"]:
+        owner = self.owner
+        assert key_states.shape[2] == 1, "the shared batch is fed one token per row"
+        assert self.keys is not None and self.values is not None
+        rows, columns = owner.step_rows, owner.step_columns
+        self.keys[rows, :, columns] = key_states[:, :, 0]  # (B, H, D) into each row's next column
+        self.values[rows, :, columns] = value_states[:, :, 0]
+        count, width = owner.rows, owner.step_width
+        return self.keys[:count, :, :width], self.values[:count, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.step_width, 0
+
+    def get_seq_length(self) -> int:
+        return max(self.owner.lengths, default=0)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotCache(Cache):
+    """Key/values of the shared batch's rows, a slot each (see the module's docstring)."""
+
+    def __init__(self, layers: int) -> None:
+        self.slots = [SlotLayer(self) for _ in range(layers)]
+        super().__init__(layers=list(self.slots))
+        self.lengths: list[int] = []  # tokens cached per row
+        self.step_rows: Any = None
+        self.step_columns: Any = None
+        self.step_width = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def _reserve(self, rows: int, columns: int, like: list[tuple["torch.Tensor", "torch.Tensor"]]) -> None:
+        """Room for ``rows`` rows of ``columns`` tokens, grown by doubling so that steps seldom copy;
+        ``like``: a (1, H, T, D) tensor pair per layer, for the shapes of a first allocation."""
+        import torch
+
+        first = self.slots[0].keys
+        slots, capacity = (first.shape[0], first.shape[2]) if first is not None else (0, 0)
+        if slots >= rows and capacity >= columns:
+            return
+        if slots < rows:
+            slots = max(rows, 2 * slots)
+        if capacity < columns:
+            capacity = max(columns, 2 * capacity, 64)
+        used = max(self.lengths, default=0)
+        for layer, (keys, _) in zip(self.slots, like):
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                _, heads, _, dim = keys.shape
+                new = torch.zeros((slots, heads, capacity, dim), dtype=keys.dtype, device=keys.device)
+                if old is not None:
+                    new[: self.rows, :, :used] = old[: self.rows, :, :used]
+                setattr(layer, name, new)
+
+    def append(self, layers: list[tuple["torch.Tensor", "torch.Tensor"]], rows: int) -> None:
+        """Add ``rows`` rows that share one prompt's key/values ((1, H, T, D) per layer)."""
+        import torch
+
+        with torch.inference_mode():  # the buffers are inference tensors, as every pass over them
+            self._append(layers, rows)
+
+    def _append(self, layers: list[tuple["torch.Tensor", "torch.Tensor"]], rows: int) -> None:
+        length = layers[0][0].shape[2]
+        start = self.rows
+        self._reserve(start + rows, length + 1, layers)
+        for layer, (keys, values) in zip(self.slots, layers):
+            assert layer.keys is not None and layer.values is not None
+            layer.keys[start : start + rows, :, :length] = keys
+            layer.values[start : start + rows, :, :length] = values
+        self.lengths.extend([length] * rows)
+
+    def remove(self, start: int, count: int) -> None:
+        """Free rows [start, start + count): the rows after them move up."""
+        import torch
+
+        with torch.inference_mode():
+            self._remove(start, count)
+
+    def _remove(self, start: int, count: int) -> None:
+        end = start + count
+        after = self.lengths[end:]
+        if after:
+            used = max(after)
+            for layer in self.slots:
+                assert layer.keys is not None and layer.values is not None
+                moved = slice(start, start + len(after))
+                layer.keys[moved, :, :used] = layer.keys[end : end + len(after), :, :used].clone()
+                layer.values[moved, :, :used] = layer.values[end : end + len(after), :, :used].clone()
+        del self.lengths[start:end]
+
+    def row(self, index: int) -> list[tuple["torch.Tensor", "torch.Tensor"]]:
+        """Row ``index``'s key/values: (1, H, length, D) views per layer."""
+        length = self.lengths[index]
+        return [
+            (layer.keys[index : index + 1, :, :length], layer.values[index : index + 1, :, :length])  # type: ignore[index]
+            for layer in self.slots
+        ]
+
+    def begin_step(self, device: Any) -> tuple["torch.Tensor", "torch.Tensor", RaggedPlan]:
+        """Before a step: each row's position (B, 1), the (B, 1, 1, width) additive mask, and the attention's split."""
+        import torch
+
+        lengths = self.lengths
+        width = max(lengths) + 1
+        first = self.slots[0].keys
+        assert first is not None
+        self._reserve(self.rows, width, [(layer.keys, layer.values) for layer in self.slots])  # type: ignore[misc]
+        self.step_rows = torch.arange(self.rows, device=device)
+        self.step_columns = torch.tensor(lengths, dtype=torch.long, device=device)
+        self.step_width = width
+        dtype = first.dtype
+        visible = torch.arange(width, device=device)[None, :] <= self.step_columns[:, None]  # (B, width)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        plan = ragged_plan([length + 1 for length in lengths])
+        return self.step_columns[:, None], mask[:, None, None, :], plan
+
+    def end_step(self) -> None:
+        self.lengths = [length + 1 for length in self.lengths]
