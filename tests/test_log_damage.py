@@ -133,7 +133,7 @@ def test_flipped_bytes_salvage_recovers_all_conversations_and_the_file_is_never_
         return  # so damaged it does not open: a chat then runs without the log and says so
     plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
     engine.host.register(plugin, "conversation-log")
-    engine.conversation().send("hello", decoder="greedy", max_new_tokens=3).text()
+    engine.send(engine.conversation(), "hello", decoder="greedy", max_new_tokens=3).text()
     assert plugin.journaled == 2 and len(told) == 1 and "--salvage" in told[0]
     assert path.read_bytes() == before
     store.close()
@@ -192,7 +192,7 @@ def test_a_changed_index_page_passes_quick_check_and_is_rebuilt_when_a_chat_open
     assert len(told) == 1 and "rebuilt index ix_messages_conversation_id" in told[0]
     assert sum(len(store.get_conversation(conversation_id(n)).messages) for n in range(30)) == written
     engine.host.register(plugin, "conversation-log")
-    engine.conversation().send("hello", decoder="greedy", max_new_tokens=3).text()
+    engine.send(engine.conversation(), "hello", decoder="greedy", max_new_tokens=3).text()
     assert plugin.journaled == 0 and store.count_messages() == written + 2  # written into the file again
     assert not store.find_damage(full=True).found
     store.close()

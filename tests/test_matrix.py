@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,9 @@ def repl_script(cells: list[Cell]) -> str:
     return "\n".join(lines) + "\n/quit\n"
 
 
+BUDGET_MARK = re.compile(r" ?\[cut at \d+ tokens?: /max to raise\]$")
+
+
 def repl_outcome(segment: str) -> Outcome:
     """One cell's part of the transcript: the commands' output, then ``bot> `` and the reply
     (and an ``error:`` line if it failed while generating)."""
@@ -226,6 +230,8 @@ def repl_outcome(segment: str) -> Outcome:
     if not found:
         return Outcome("error", f"no reply in {segment!r}")
     reply = reply.removesuffix("\n")
+    # The REPL marks a reply that used its whole budget; the mark is the terminal's, not the reply's.
+    reply = BUDGET_MARK.sub("", reply)
     text, newline, last = reply.rpartition("\n")
     if newline and last.startswith("error: "):  # the reply began: whatever stopped it, it was not refused
         return Outcome("error", last.removeprefix("error: "))

@@ -302,6 +302,15 @@ class StoreConnection:
             raise LogError(message) from error
         except (ValueError, TypeError) as error:  # a value the driver cannot send
             raise LogError(f"conversation log {self.display_url}: cannot {action}: {error}") from error
+        except MemoryError as error:
+            if not self.is_sqlite:
+                raise
+            # SQLite reports SQLITE_NOMEM when a damaged page (a search-index block, a record
+            # header) asks it for an absurd allocation: the file's damage, not the process's memory.
+            raise LogError(
+                f"conversation log {self.display_url}: cannot {action}: SQLite ran out of memory reading the file"
+                " (damaged? `chatcore logs check` finds out)"
+            ) from error
 
     @contextmanager
     def _session(self, action: str, write: bool = False) -> Iterator[Session]:
