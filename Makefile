@@ -40,8 +40,11 @@ lint: $(STAMP)
 
 # The example plugin's own tests run inside the suite, as its author runs them
 # (tests/test_example_plugin.py), so they are not run a second time here.
+# The suite runs on pytest-xdist workers (one per core, at most 4), one torch thread each:
+# on a small machine that is about twice as fast as one process with torch's threads.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS)
 	$(MAKE) test-floor
 
 # The oldest transformers release pyproject.toml allows, installed beside the venv's
@@ -52,7 +55,7 @@ test-floor: $(STAMP)
 		$(PY) -m pip install --quiet --target .floor "transformers==$(TRANSFORMERS_FLOOR)" && \
 		touch .floor/.transformers-$(TRANSFORMERS_FLOOR); }
 	PYTHONPATH=.floor $(PY) -c "import transformers; assert transformers.__version__ == '$(TRANSFORMERS_FLOOR)'"
-	PYTHONPATH=.floor $(PY) -m pytest -q -m "not slow"
+	PYTHONPATH=.floor OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(WORKERS) -m "not slow"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
