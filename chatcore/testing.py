@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from chatcore.models import LoadedModel
     from chatcore.processors import ScoreProcessor
 
-BASE_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k")
+# chatcore's own decoders every test host gets, by their entry-point names.
+BASE_PLUGINS = ("greedy", "top_k")
 
 
 # A ChatML chat template (the format of SmolLM2, Qwen2 and others), for tiny chat models.
@@ -117,7 +118,7 @@ def plugin_host(*plugins: Any) -> PluginHost:
     Raises PluginError if a plugin is refused (an import error, a misspelled hook).
     """
     host = PluginHost()
-    host.load_modules(BASE_PLUGINS)
+    host.load_builtins(BASE_PLUGINS)
     for plugin in plugins:
         if isinstance(plugin, str):
             host.load_modules((plugin,))
@@ -244,7 +245,7 @@ def compare_to_baseline(
     if not seed_list:
         raise ValueError("`seeds` must hold at least one seed, got none")
     if isinstance(vocabulary, str):
-        from chatcore.plugins.eval_commands import load_vocabulary
+        from chatcore.evaluation.commands import load_vocabulary
 
         words: set[str] | None = load_vocabulary(vocabulary)
     else:

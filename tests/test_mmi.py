@@ -1,4 +1,4 @@
-"""The ``mmi`` decoder and chatcore.reranking: batched candidates, reverse scores, selection."""
+"""The ``mmi`` decoder and chatcore.plugins.mmi.reranking: batched candidates, reverse scores, selection."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import chatcore
-from chatcore import reranking
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import ModelLoadError, OptionError
-from chatcore.plugins.mmi import MMIDecoder, choose, combined_scores
+from chatcore.plugins.mmi import reranking
+from chatcore.plugins.mmi.plugin import MMIDecoder, choose, combined_scores
 from chatcore.steering import Steerer
 from chatcore.step import Step, StepState
 from chatcore.text import encode_text
@@ -20,7 +20,7 @@ from chatcore.text import encode_text
 
 @pytest.fixture
 def mmi_host(host):
-    host.load_modules(("chatcore.plugins.mmi",))
+    host.load_modules(("chatcore.plugins.mmi.plugin",))
     assert host.problems == []
     return host
 

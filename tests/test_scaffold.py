@@ -22,7 +22,7 @@ from chatcore.testing import plugin_host
 def new_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Runs `chatcore new-plugin ARGS...` in tmp_path with the scaffold command registered."""
     host = plugin_manager.PluginHost()
-    host.load_modules(("chatcore.plugins.scaffold_command",))
+    host.load_modules(("chatcore.scaffold_command",))
     assert host.problems == []
     plugin_manager.set_plugin_host(host)
     monkeypatch.chdir(tmp_path)

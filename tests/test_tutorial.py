@@ -113,7 +113,7 @@ def example_host(monkeypatch: pytest.MonkeyPatch) -> plugin_manager.PluginHost:
     host = plugin_manager.PluginHost()
     host.load_entry_points()
     if host.pm.get_plugin("scaffold_command") is None:
-        host.load_modules(("chatcore.plugins.scaffold_command",))
+        host.load_modules(("chatcore.scaffold_command",))
     import chatcore_steering_vectors
 
     assert host.register(chatcore_steering_vectors, PLUGIN_NAME)

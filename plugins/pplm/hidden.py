@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chatcore.pplm.kv import select_rows
+from .kv import select_rows
 
 if TYPE_CHECKING:
-    from chatcore.pplm.attribute import AttributeModel
-    from chatcore.pplm.kv import Past
-    from chatcore.pplm.passes import PassOutput, PassRunner
-    from chatcore.step import StepOutput, StepState
+    from chatcore.api import StepOutput, StepState
+
+    from .attribute import AttributeModel
+    from .kv import Past
+    from .passes import PassOutput, PassRunner
 
 
 @dataclass

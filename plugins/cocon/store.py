@@ -1,7 +1,7 @@
 """Saving and loading trained CoCon blocks, and refusing a block on the wrong model.
 
 A block folder holds ``cocon_block.safetensors`` (the weights) and ``cocon_config.json``:
-the block's :class:`~chatcore.cocon.block.CoconConfig`, the fingerprint of the base
+the block's :class:`~chatcore.plugins.cocon.block.CoconConfig`, the fingerprint of the base
 model it was trained on, and training notes. The fingerprint is what makes a block
 usable: the model type, depth, width, heads, vocabulary size and a hash of the
 tokenizer's vocabulary must all match the model it is loaded for.
@@ -13,13 +13,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatcore.errors import ChatcoreError, ModelLoadError
-from chatcore.text import vocabulary_sha256
+from chatcore.api import ChatcoreError, ModelLoadError, vocabulary_sha256
 
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.cocon.block import CoconBlock
+    from .block import CoconBlock
 
 BLOCK_FILE = "cocon_block.safetensors"
 CONFIG_FILE = "cocon_config.json"
@@ -31,7 +30,7 @@ class BlockMismatchError(ChatcoreError):
 
 
 def bundled_dir() -> Path:
-    from chatcore.models import BUNDLED_DIR
+    from chatcore.api import BUNDLED_DIR
 
     return BUNDLED_DIR
 
@@ -148,7 +147,7 @@ def load_block(
     import torch
     from safetensors.torch import load_file
 
-    from chatcore.cocon.block import CoconBlock, CoconConfig
+    from .block import CoconBlock, CoconConfig
 
     directory = Path(directory).resolve()
     dtype = dtype or torch.float32

@@ -26,9 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import NonNegativeInt, PositiveInt, model_validator
 
-from chatcore.errors import ChatcoreError, OptionError
-from chatcore.options import Settings
-from chatcore.text import vocabulary_sha256
+from chatcore.api import ChatcoreError, OptionError, Settings, vocabulary_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +114,7 @@ class BagOfWords(AttributeModel):
     def from_words(cls, words: Iterable[str], tokenizer: Any, vocab_size: int, device: Any = "cpu") -> "BagOfWords":
         import torch
 
-        from chatcore.text import encode_text
+        from chatcore.api import encode_text
 
         words = [w.strip() for w in words if w.strip()]
         start: set[int] = set()

@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chatcore.anatomy import FULL_ATTENTION, anatomy_of
-from chatcore.pplm.attention import SingleQueryAttention
-from chatcore.pplm.deltas import LowRankDeltas
-from chatcore.pplm.layers import ACTIVATIONS, GPT2Layer, Layer, Projections, RotaryLayer
+from chatcore.api import FULL_ATTENTION, anatomy_of
+
+from .attention import SingleQueryAttention
+from .deltas import LowRankDeltas
+from .layers import ACTIVATIONS, GPT2Layer, Layer, Projections, RotaryLayer
 
 if TYPE_CHECKING:
-    from chatcore.pplm.kv import Past
+    from .kv import Past
 
 __all__ = ["LowRankDeltas", "RunOutput", "Runner", "Start", "supports", "unsupported_reason"]
 
@@ -60,7 +61,7 @@ def unsupported_reason(model: Any) -> str | None:
         return None
     if model_type not in ROTARY_FAMILIES:
         return f"model type {model_type!r} (the runner knows gpt2, {', '.join(ROTARY_FAMILIES)})"
-    from chatcore.anatomy import UnsupportedModelError
+    from chatcore.api import UnsupportedModelError
 
     try:
         anatomy = anatomy_of(model)
@@ -132,7 +133,7 @@ class Runner:
     def __init__(self, model: Any) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
-            from chatcore.anatomy import UnsupportedModelError
+            from chatcore.api import UnsupportedModelError
 
             raise UnsupportedModelError(f"PPLM's runner cannot run {type(model).__name__}: {reason}")
         self.model = model

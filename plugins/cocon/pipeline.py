@@ -9,7 +9,7 @@ reads it. This is the paper's training setup (history hidden states pass through
 unchanged, the transformed sequence starts at the last history position).
 
 Caches (in :class:`CoconCache`): the model's ``DynamicCache`` (alpha's layers and
-beta's layers, see chatcore.cocon.model_split), and the block's keys/values: the
+beta's layers, see chatcore.plugins.cocon.model_split), and the block's keys/values: the
 content's (computed once per reply) followed by one entry per sequence position.
 Each step feeds only the new tokens; nothing re-runs the sequence.
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from chatcore.cocon.block import CoconBlock
-from chatcore.cocon.model_split import SplitModel
+from .block import CoconBlock
+from .model_split import SplitModel
 
 
 @dataclass

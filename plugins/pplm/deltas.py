@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from chatcore.pplm.kv import Past
+    from .kv import Past
 
 
 def apply_deltas(past: Past, deltas: list[torch.Tensor] | None, first_layer: int = 0) -> Past:

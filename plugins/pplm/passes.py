@@ -1,13 +1,13 @@
 """What PPLM's optimisation loop needs from a way of running the model: the runner interface.
 
-One decoding step (:class:`chatcore.pplm.perturb.Perturbation`) and its gradient
-iterations (:class:`chatcore.pplm.loop.Optimiser`) are written once, over a
+One decoding step (:class:`chatcore.plugins.pplm.perturb.Perturbation`) and its gradient
+iterations (:class:`chatcore.plugins.pplm.loop.Optimiser`) are written once, over a
 :class:`PassRunner`; two runners implement it:
 
-- :class:`chatcore.pplm.model_passes.ModelPasses`: every pass through the inner step
+- :class:`chatcore.plugins.pplm.model_passes.ModelPasses`: every pass through the inner step
   (transformers' forward, and any steerer inside PPLM) on a fresh cache, with dense deltas;
-- :class:`chatcore.pplm.lean_passes.LeanPasses`: the passes through
-  :class:`chatcore.pplm.runner.Runner`, from the past as tensors, with low-rank deltas.
+- :class:`chatcore.plugins.pplm.lean_passes.LeanPasses`: the passes through
+  :class:`chatcore.plugins.pplm.runner.Runner`, from the past as tensors, with low-rank deltas.
 
 A runner's deltas (``DeltasT``) are opaque to the loop: it starts them with
 :meth:`PassRunner.zero_deltas` (None stands for zeros), asks for the gradients of the
@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.pplm.kv import GrowingPast, Past
-    from chatcore.pplm.loop import Setup
-    from chatcore.step import Step, StepOutput, StepState
+    from chatcore.api import Step, StepOutput, StepState
+
+    from .kv import GrowingPast, Past
+    from .loop import Setup
 
 DeltasT = TypeVar("DeltasT")
 OutputT = TypeVar("OutputT", bound="PassOutput")

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from chatcore.options import Settings
+from chatcore.api import Settings
 
 # The default step, summed over the perturbed layers (PerturbConfig.step_size): chatcore-tiny's
 # measured 1.0 per layer on its top 3 layers.

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from chatcore.errors import ChatcoreError
+from chatcore.api import ChatcoreError
 
 # -- data ------------------------------------------------------------------------------
 
@@ -62,7 +62,7 @@ def render_dialogues(dialogues: Any, prompt_format: Any) -> tuple[torch.Tensor, 
     a window's history is the prompt chat would give the model, and its continuation the
     reply and the format's end-of-turn token.
     """
-    from chatcore.prompting import Message
+    from chatcore.api import Message
 
     stream: list[int] = []
     starts: list[int] = []

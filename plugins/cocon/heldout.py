@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn import functional as F
 
-from chatcore.cocon.losses import lm_loss, plain_logits, self_token_bias
-from chatcore.cocon.pipeline import CoconPipeline
+from .losses import lm_loss, plain_logits, self_token_bias
+from .pipeline import CoconPipeline
 
 if TYPE_CHECKING:
-    from chatcore.cocon.training import CoconTrainConfig
+    from .training import CoconTrainConfig
 
 
 def heldout_losses(

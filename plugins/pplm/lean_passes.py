@@ -1,7 +1,7 @@
 """PPLM's passes through the lean runner (GPT-2 and Llama-family models, PPLM innermost).
 
-The passes run through :class:`chatcore.pplm.runner.Runner` from the past as tensors,
-and the deltas are kept as low-rank factors (:class:`chatcore.pplm.deltas.LowRankDeltas`):
+The passes run through :class:`chatcore.plugins.pplm.runner.Runner` from the past as tensors,
+and the deltas are kept as low-rank factors (:class:`chatcore.plugins.pplm.deltas.LowRankDeltas`):
 with one query per row and head the gradient w.r.t. a layer's deltas is a sum of outer
 products (one per query head of a key/value head), recovered from the gradients of two
 small probes, so neither the deltas nor their gradients are built at full size. When the
@@ -18,17 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chatcore.pplm.deltas import LowRankDeltas
-from chatcore.pplm.kv import GrowingPast, past_of
-from chatcore.pplm.passes import key_mask_of, plain_pass
-from chatcore.step import StepOutput
+from chatcore.api import StepOutput
+
+from .deltas import LowRankDeltas
+from .kv import GrowingPast, past_of
+from .passes import key_mask_of, plain_pass
 
 if TYPE_CHECKING:
-    from chatcore.pplm.config import PerturbConfig
-    from chatcore.pplm.kv import Past
-    from chatcore.pplm.loop import Setup
-    from chatcore.pplm.runner import Runner, RunOutput, Start
-    from chatcore.step import Step, StepState
+    from chatcore.api import Step, StepState
+
+    from .config import PerturbConfig
+    from .kv import Past
+    from .loop import Setup
+    from .runner import Runner, RunOutput, Start
 
 
 def _squared_norm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -67,7 +69,7 @@ class LowRankGradient:
 
 
 class LeanPasses:
-    """:class:`chatcore.pplm.passes.PassRunner` through the lean runner, for one decoding
+    """:class:`chatcore.plugins.pplm.passes.PassRunner` through the lean runner, for one decoding
     step (``state``: the step's state, whose decoder cache the plain pass advances)."""
 
     def __init__(

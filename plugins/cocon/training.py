@@ -44,11 +44,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from chatcore.errors import ChatcoreError
-from chatcore.options import Settings
+from chatcore.api import ChatcoreError, Settings
 
 if TYPE_CHECKING:
-    from chatcore.cocon.block import CoconBlock
+    from .block import CoconBlock
 
 BLOCK_DIR = "block"
 
@@ -151,16 +150,6 @@ class CoconTrainResult:
     block_dir: str
 
 
-def make_prompt_format(name: str, model: Any, tokenizer: Any, model_name: str) -> Any:
-    """The prompt format ``name`` (``auto``: the chat template if the tokenizer has one) for the model."""
-    from chatcore.plugin_manager import get_plugin_host
-    from chatcore.prompting import choose_format
-    from chatcore.registry import Registry
-
-    cls = choose_format(Registry.build(get_plugin_host()), tokenizer, name)
-    return cls(tokenizer, getattr(model, "generation_config", None), model_name)
-
-
 def norm_epsilon(model_config: Any) -> float:
     """The base model's norm epsilon (GPT-2's layer norm, the Llama family's RMSNorm), for
     the block's own layer norms."""
@@ -182,7 +171,7 @@ def default_split_layer(n_layer: int) -> int:
 def _init_from_block(block: CoconBlock, name: str, model: Any, tokenizer: Any, model_name: str) -> dict[str, Any]:
     """Copy the weights of block ``name`` (trained for this very model) into ``block``;
     returns that block's training record (its config's ``training``)."""
-    from chatcore.cocon.store import check_compatible, load_block, model_fingerprint, resolve_block
+    from .store import check_compatible, load_block, model_fingerprint, resolve_block
 
     fingerprint = model_fingerprint(model, tokenizer)
     folder = resolve_block(name, fingerprint, model_name)
@@ -210,15 +199,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     from torch.nn import functional as F
     from tqdm.auto import tqdm
 
-    from chatcore.anatomy import anatomy_of
-    from chatcore.cocon.block import CoconBlock, CoconConfig
-    from chatcore.cocon.heldout import heldout_losses
-    from chatcore.cocon.losses import CoconLosses, HiddenDiscriminator
-    from chatcore.cocon.model_split import SplitModel
-    from chatcore.cocon.pipeline import CoconPipeline
-    from chatcore.cocon.store import model_fingerprint, save_block
-    from chatcore.cocon.windows import WindowSampler, render_dialogues
-    from chatcore.models import load_model
+    from chatcore.api import anatomy_of, load_model
     from chatcore.training.accelerated import (
         CHECKPOINT_DIR,
         Progress,
@@ -231,7 +212,16 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     )
     from chatcore.training.corpus import load_corpus, split_heldout
     from chatcore.training.data import encode_dialogues
+    from chatcore.training.formats import prompt_format_for
     from chatcore.training.schedule import move_schedule, warmup_cosine
+
+    from .block import CoconBlock, CoconConfig
+    from .heldout import heldout_losses
+    from .losses import CoconLosses, HiddenDiscriminator
+    from .model_split import SplitModel
+    from .pipeline import CoconPipeline
+    from .store import model_fingerprint, save_block
+    from .windows import WindowSampler, render_dialogues
 
     if distributed_context().enabled:
         raise ChatcoreError("chatcore train cocon runs in one process: start it without torchrun")
@@ -279,7 +269,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     if not train_set:
         raise ChatcoreError("the training split is empty: lower the held-out fraction or add dialogues")
     eos = loaded.eos_token_id
-    prompt_format = make_prompt_format(config.prompt_format, model, tokenizer, config.model)
+    prompt_format = prompt_format_for(config.prompt_format, model, tokenizer, config.model)
     if prompt_format.name == "dialogpt":  # turns joined by EOS: every turn start is a reply start
         train_stream, train_starts = encode_dialogues(train_set, tokenizer), None
         heldout_stream, heldout_starts = (

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from chatcore.cocon.model_split import SplitModel
-from chatcore.cocon.pipeline import CoconPipeline
+from .model_split import SplitModel
+from .pipeline import CoconPipeline
 
 if TYPE_CHECKING:
-    from chatcore.cocon.training import CoconTrainConfig
+    from .training import CoconTrainConfig
 
 # -- the discriminator -------------------------------------------------------------------
 
@@ -220,7 +220,7 @@ class CoconLosses:
         same cached steps as in chat.
 
         Returns (soft token embeddings (B, tokens, C), the block's outputs (B, tokens, C))."""
-        from chatcore.cocon.pipeline import ContentMemory
+        from .pipeline import ContentMemory
 
         B, hs = history.shape
         device = history.device

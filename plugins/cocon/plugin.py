@@ -20,17 +20,13 @@ import click
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 import chatcore
-from chatcore.errors import ChatcoreError, OptionError
-from chatcore.options import Settings
-from chatcore.steering import Steerer
-from chatcore.step import Step, StepOutput, StepState
-from chatcore.text import encode_text
+from chatcore.api import ChatcoreError, OptionError, Settings, Steerer, Step, StepOutput, StepState, encode_text
 
 if TYPE_CHECKING:
-    from chatcore.cocon.pipeline import CoconPipeline, ContentMemory
-    from chatcore.cocon.training import CoconPrecision
-    from chatcore.decoding import GenerationSession
-    from chatcore.models import LoadedModel
+    from chatcore.api import GenerationSession, LoadedModel
+
+    from .pipeline import CoconPipeline, ContentMemory
+    from .training import CoconPrecision
 
 TAU_LIMIT = 50.0
 
@@ -109,7 +105,7 @@ class CoconSteerer(Steerer):
     def setup(cls, model: "LoadedModel", settings: CoconSettings) -> tuple[Any, Any, dict[str, Any]]:
         """The block (its folder, the loaded block, its info), found and checked against the
         model once per engine: a model no block fits is refused when cocon is chosen."""
-        from chatcore.cocon.store import check_compatible, load_block, model_fingerprint, resolve_block
+        from .store import check_compatible, load_block, model_fingerprint, resolve_block
 
         fingerprint = model_fingerprint(model.model, model.tokenizer)
         folder = resolve_block(settings.block, fingerprint, model.name)
@@ -120,8 +116,8 @@ class CoconSteerer(Steerer):
     def prepare(self, session: "GenerationSession") -> None:
         import torch
 
-        from chatcore.cocon.model_split import SplitModel
-        from chatcore.cocon.pipeline import CoconPipeline
+        from .model_split import SplitModel
+        from .pipeline import CoconPipeline
 
         steerers = list(session.steerers)
         if not steerers or steerers[0] is not self:
@@ -158,7 +154,7 @@ class CoconSteerer(Steerer):
     def wrap(self, step: Step) -> Step:
         # ``step`` is the model's own step (prepare() made sure cocon is innermost); the
         # CoCon pipeline runs the same model, split in two, in its place.
-        from chatcore.cocon.pipeline import CoconCache
+        from .pipeline import CoconCache
 
         pipeline, content = self.pipeline, self.content
         if pipeline is None:
@@ -384,8 +380,9 @@ def cocon_command(
     and adversarial from --cycle-from-step / --adv-from-step. Load the result with
     --steer "cocon content=WORD block=OUT/block".
     """
-    from chatcore.cocon.training import CoconTrainConfig, train_cocon
-    from chatcore.prompting import validate_format_name
+    from chatcore.api import validate_format_name
+
+    from .training import CoconTrainConfig, train_cocon
 
     validate_format_name(prompt_format)  # an unknown name fails before the model loads
     try:
@@ -435,6 +432,6 @@ def cocon_command(
 
 @chatcore.hookimpl(trylast=True)
 def register_commands(cli: Any) -> None:
-    from chatcore.cli.train import train_group
+    from chatcore.api import train_group
 
     train_group(cli).add_command(cocon_command)

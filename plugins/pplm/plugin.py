@@ -2,7 +2,7 @@
 
 A bag of words (``topic=``, ``words=``, ``file=``) or a discriminator head
 (``discriminator=`` + ``class_label=``) sets the goal; gradient steps on the cache move
-the model towards it, one token at a time (see chatcore.pplm.perturb and docs/pplm.md).
+the model towards it, one token at a time (see chatcore.plugins.pplm.perturb and docs/pplm.md).
 Also registers ``chatcore train discriminator``.
 """
 
@@ -15,15 +15,14 @@ import click
 from pydantic import model_validator
 
 import chatcore
-from chatcore.errors import OptionError
-from chatcore.pplm.config import PerturbConfig
-from chatcore.steering import Steerer
-from chatcore.step import Step
-from chatcore.wordlists import builtin_topics, check_word_sources, collect_words
+from chatcore.api import OptionError, Steerer, Step, builtin_topics, check_word_sources, collect_words
+
+from .config import PerturbConfig
 
 if TYPE_CHECKING:
-    from chatcore.decoding import GenerationSession
-    from chatcore.pplm.perturb import Perturbation
+    from chatcore.api import GenerationSession
+
+    from .perturb import Perturbation
 
 
 class PPLMSettings(PerturbConfig):
@@ -46,7 +45,7 @@ class PPLMSettings(PerturbConfig):
         check_word_sources(self.topic, self.file)
         has_words = bool(self.topic or self.file or any(w.strip() for w in self.words))
         if self.discriminator is not None:
-            from chatcore.pplm.attribute import read_head_config, resolve_head
+            from .attribute import read_head_config, resolve_head
 
             if has_words:
                 raise ValueError("give either words (`topic`, `words`, `file`) or a `discriminator`, not both")
@@ -84,8 +83,8 @@ class PPLMSteerer(Steerer):
         self.perturbation: "Perturbation | None" = None
 
     def prepare(self, session: "GenerationSession") -> None:
-        from chatcore.pplm.attribute import AttributeModel, BagOfWords, load_head
-        from chatcore.pplm.perturb import Perturbation
+        from .attribute import AttributeModel, BagOfWords, load_head
+        from .perturb import Perturbation
 
         loaded = session.model
         settings: PPLMSettings = self.settings
@@ -115,10 +114,10 @@ class PPLMSteerer(Steerer):
 
     def _runner(self, session: "GenerationSession") -> Any:
         """The lean forward for the perturbed passes, if it computes what the inner step
-        does: a GPT-2 or Llama-family model (:func:`chatcore.pplm.runner.supports`), and no
+        does: a GPT-2 or Llama-family model (:func:`chatcore.plugins.pplm.runner.supports`), and no
         other steerer between PPLM and the model (steerers listed before this one are inside
         it, and their edits must take part)."""
-        from chatcore.pplm import runner
+        from . import runner
 
         steerers = list(session.steerers)
         innermost = bool(steerers) and steerers[0] is self
@@ -182,8 +181,9 @@ def train_discriminator_command(
     it is saved with the model's hidden size, layer count and tokenizer fingerprint, and
     `pplm discriminator=FILE class_label=LABEL` refuses it on any other model.
     """
-    from chatcore.models import load_model
-    from chatcore.pplm.train_discriminator import (
+    from chatcore.api import load_model
+
+    from .train_discriminator import (
         TrainSettings,
         read_labelled_file,
         sentiment_examples,
@@ -213,6 +213,6 @@ def register_steerers(register: Callable[[type], None]) -> None:
 
 @chatcore.hookimpl(trylast=True)
 def register_commands(cli: click.Group) -> None:
-    from chatcore.cli.train import train_group
+    from chatcore.api import train_group
 
     train_group(cli).add_command(train_discriminator_command)

@@ -25,14 +25,19 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import Field, PositiveInt, StringConstraints
 
 import chatcore
-from chatcore.decoding import Candidate, GenerationSession, Sampled
-from chatcore.models import DEFAULT_REVERSE_MODEL
-from chatcore.sampling import CandidateDecoder, CandidateSettings
+from chatcore.api import (
+    DEFAULT_REVERSE_MODEL,
+    Candidate,
+    CandidateDecoder,
+    CandidateSettings,
+    GenerationSession,
+    Sampled,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.models import LoadedModel
+    from chatcore.api import LoadedModel
 
 
 class MMISettings(CandidateSettings):
@@ -96,7 +101,7 @@ class MMIDecoder(CandidateDecoder):
     @classmethod
     def setup(cls, model: "LoadedModel", settings: MMISettings) -> "LoadedModel":
         """The reverse model, loaded once per engine (and kept with its other setups)."""
-        from chatcore import reranking
+        from . import reranking
 
         return reranking.load_reverse_model(settings.reverse_model, device=model.device)
 
@@ -104,7 +109,7 @@ class MMIDecoder(CandidateDecoder):
         self.sampling_started = time.perf_counter()
 
     def choose(self, session: GenerationSession, rows: Sequence[Sampled]) -> int:
-        from chatcore import reranking
+        from . import reranking
 
         settings = self.settings
         forward_model = session.model

@@ -19,17 +19,17 @@ For every new token the wrapped step does (B rows at once; x = the token fed now
    geometric mixture p~^gm * p^(1-gm) as unnormalised log-probabilities. A zero
    perturbation gives back the plain logits bit for bit.
 
-The step is written once over a runner of its passes (:mod:`chatcore.pplm.passes`), and
-its gradient iterations in :mod:`chatcore.pplm.loop`. Two runners, with the same results
+The step is written once over a runner of its passes (:mod:`chatcore.plugins.pplm.passes`), and
+its gradient iterations in :mod:`chatcore.plugins.pplm.loop`. Two runners, with the same results
 (tests/test_pplm_runner.py):
 
-- **lean** (:mod:`chatcore.pplm.lean_passes`; GPT-2 and Llama-family models, PPLM the
-  innermost steerer): the passes run through :class:`chatcore.pplm.runner.Runner` from
-  the past as tensors, with low-rank deltas (:class:`chatcore.pplm.deltas.LowRankDeltas`)
+- **lean** (:mod:`chatcore.plugins.pplm.lean_passes`; GPT-2 and Llama-family models, PPLM the
+  innermost steerer): the passes run through :class:`chatcore.plugins.pplm.runner.Runner` from
+  the past as tensors, with low-rank deltas (:class:`chatcore.plugins.pplm.deltas.LowRankDeltas`)
   whose gradients come from two small probes. When the perturbation starts from the
   plain past (no carried perturbation, every row writing) the plain pass is the first
   iteration's forward.
-- **model** (:mod:`chatcore.pplm.model_passes`; any other model, or other steerers inside
+- **model** (:mod:`chatcore.plugins.pplm.model_passes`; any other model, or other steerers inside
   PPLM, whose edits must take part): every pass is the inner step on a fresh
   ``DynamicCache`` built from past + dense deltas, and ``torch.autograd.grad`` gives the
   gradients w.r.t. the dense deltas.
@@ -57,20 +57,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chatcore.pplm.deltas import apply_deltas
-from chatcore.pplm.hidden import ReplyHidden
-from chatcore.pplm.kv import GrowingPast, Past, normal
-from chatcore.pplm.lean_passes import LeanPasses
-from chatcore.pplm.loop import MIN_LOG_PROB, NORM_EPSILON, Optimiser, fuse, kl_divergence, window_weights
-from chatcore.pplm.model_passes import ModelPasses
-from chatcore.pplm.passes import key_mask_of, plain_pass
-from chatcore.step import Step, StepOutput, StepState
+from chatcore.api import Step, StepOutput, StepState
+
+from .deltas import apply_deltas
+from .hidden import ReplyHidden
+from .kv import GrowingPast, Past, normal
+from .lean_passes import LeanPasses
+from .loop import MIN_LOG_PROB, NORM_EPSILON, Optimiser, fuse, kl_divergence, window_weights
+from .model_passes import ModelPasses
+from .passes import key_mask_of, plain_pass
 
 if TYPE_CHECKING:
-    from chatcore.pplm.attribute import AttributeModel
-    from chatcore.pplm.config import PerturbConfig
-    from chatcore.pplm.passes import PassRunner
-    from chatcore.pplm.runner import Runner
+    from .attribute import AttributeModel
+    from .config import PerturbConfig
+    from .passes import PassRunner
+    from .runner import Runner
 
 __all__ = [
     "MIN_LOG_PROB",
@@ -87,7 +88,7 @@ __all__ = [
 class Perturbation:
     """PPLM's state for one response, and the wrapped step (see the module docstring).
 
-    ``runner``: a :class:`chatcore.pplm.runner.Runner` for the model, used for the
+    ``runner``: a :class:`chatcore.plugins.pplm.runner.Runner` for the model, used for the
     perturbed passes when the inner step is the model's own (no other steerer inside
     PPLM); without it every pass goes through the inner step with a fresh cache.
 

@@ -34,7 +34,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from torch import nn
 from torch.nn import functional as F
 
-from chatcore.options import Settings
+from chatcore.api import Settings
 
 
 class CoconConfig(Settings):

@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chatcore.models import cache_keyword, output_cache
-from chatcore.pplm.deltas import apply_deltas
-from chatcore.pplm.kv import fresh_cache, past_of
-from chatcore.pplm.passes import plain_pass
-from chatcore.step import StepOutput
+from chatcore.api import StepOutput, cache_keyword, output_cache
+
+from .deltas import apply_deltas
+from .kv import fresh_cache, past_of
+from .passes import plain_pass
 
 if TYPE_CHECKING:
-    from chatcore.pplm.config import PerturbConfig
-    from chatcore.pplm.kv import GrowingPast, Past
-    from chatcore.pplm.loop import Setup
-    from chatcore.step import Step, StepState
+    from chatcore.api import Step, StepState
+
+    from .config import PerturbConfig
+    from .kv import GrowingPast, Past
+    from .loop import Setup
 
 
 @dataclass
@@ -43,7 +44,7 @@ class DenseGradient:
 
 
 class ModelPasses:
-    """:class:`chatcore.pplm.passes.PassRunner` through the inner step, with dense deltas:
+    """:class:`chatcore.plugins.pplm.passes.PassRunner` through the inner step, with dense deltas:
     one (2 * perturbed layers, b, H, W, D) float32 leaf for all layers' key and value deltas
     (one gradient tensor, one update)."""
 

@@ -26,13 +26,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
-from chatcore.errors import CorpusError, OptionError
-from chatcore.options import Settings
+from chatcore.api import CorpusError, OptionError, Settings
 
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.models import LoadedModel
+    from chatcore.api import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -190,9 +189,10 @@ def extract_features(
     closes its context (or a lone EOS) and its text's tokens."""
     import torch
 
-    from chatcore.conversation import build_prompt
-    from chatcore.pplm.attribute import model_shape
-    from chatcore.text import encode_text
+    from chatcore.api import encode_text
+    from chatcore.training.formats import build_prompt
+
+    from .attribute import model_shape
 
     eos = loaded.eos_token_id
     sequences: list[tuple[list[int], int]] = []  # (ids, index of the EOS where the reply starts)
@@ -269,7 +269,7 @@ def train_discriminator(
     """Fit a head on ``loaded``'s frozen features of ``examples`` and save it to ``out``."""
     import torch
 
-    from chatcore.pplm.attribute import HeadConfig, model_shape, save_head, tokenizer_fingerprint
+    from .attribute import HeadConfig, model_shape, save_head, tokenizer_fingerprint
 
     settings = settings or TrainSettings()
     say = progress or (lambda message: None)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from chatcore.anatomy import BlockInputs, UnsupportedModelError, anatomy_of
+from chatcore.api import BlockInputs, UnsupportedModelError, anatomy_of
 
 __all__ = ["SplitModel", "UnsupportedModelError"]
 

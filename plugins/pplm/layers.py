@@ -1,4 +1,4 @@
-"""The transformer blocks of :class:`chatcore.pplm.runner.Runner`, one new position per row.
+"""The transformer blocks of :class:`chatcore.plugins.pplm.runner.Runner`, one new position per row.
 
 A block is split in two around its attention: ``project`` (the block input's query, key
 and value) and ``finish`` (the output projection, the residual additions and the MLP),
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from torch import nn
 
-    from chatcore.anatomy import Anatomy
+    from chatcore.api import Anatomy
 
 # transformers' names for the GELU variants GPT-2 checkpoints use, as torch functions.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

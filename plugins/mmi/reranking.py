@@ -19,25 +19,17 @@ import hashlib
 import json
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from chatcore.errors import ModelLoadError
-from chatcore.models import DEFAULT_REVERSE_MODEL, LoadedModel, load_model
-from chatcore.prompting import Message
-from chatcore.text import encode_text
-
-
-@dataclass
-class ContinuationScore:
-    """Log-probability of a target given a prefix: the sum over target tokens and their count."""
-
-    total: float
-    tokens: int
-
-    @property
-    def mean(self) -> float:
-        return self.total / self.tokens if self.tokens else 0.0
+from chatcore.api import (
+    DEFAULT_REVERSE_MODEL,
+    ContinuationScore,
+    LoadedModel,
+    Message,
+    ModelLoadError,
+    encode_text,
+    load_model,
+)
 
 
 def score_continuations(

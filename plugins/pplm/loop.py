@@ -7,7 +7,7 @@ step ``delta -= step * w * g / n ** gamma``, with ``step`` from
 :meth:`PerturbConfig.step_size`, ``w`` the window's (decay) weights and ``n`` the largest
 norm of ``w * g`` so far in the reply, per row and layer (keys and values together).
 How the passes run and what the deltas are (dense, low-rank) is the runner's
-(:class:`chatcore.pplm.passes.PassRunner`); the rest is here, written once.
+(:class:`chatcore.plugins.pplm.passes.PassRunner`); the rest is here, written once.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from chatcore.pplm.attribute import AttributeInputs
-from chatcore.pplm.kv import past_length, past_of, select_rows
+from .attribute import AttributeInputs
+from .kv import past_length, past_of, select_rows
 
 if TYPE_CHECKING:
-    from chatcore.pplm.attribute import AttributeModel
-    from chatcore.pplm.config import PerturbConfig
-    from chatcore.pplm.hidden import HiddenContext, ReplyHidden
-    from chatcore.pplm.kv import Past
-    from chatcore.pplm.passes import PassOutput, PassRunner
-    from chatcore.step import StepOutput, StepState
+    from chatcore.api import StepOutput, StepState
+
+    from .attribute import AttributeModel
+    from .config import PerturbConfig
+    from .hidden import HiddenContext, ReplyHidden
+    from .kv import Past
+    from .passes import PassOutput, PassRunner
 
 # Probabilities below this count as this in the KL term (as the paper's code does), so a
 # token one distribution rules out does not make the loss infinite.
