@@ -31,6 +31,7 @@ from chatcore.api import (
     CandidateDecoder,
     CandidateSettings,
     GenerationSession,
+    OptionError,
     Sampled,
 )
 
@@ -59,6 +60,10 @@ class MMISettings(CandidateSettings):
     selection_temperature: Annotated[float, Field(ge=1e-100)] = 1.0
     """The temperature of `selection=sample`. At least 1e-100: the scores divided by it
     stay far inside float64 (see `weight`)."""
+    allow_retokenize: bool = False
+    """Rerank with a reverse model whose tokenizer differs from the model's, by re-encoding
+    the candidates as text (off: such a reverse model is refused, as it was trained on
+    other text and judges another model's replies poorly)."""
 
 
 def combined_scores(forward: Sequence[float], reverse: Sequence[float], weight: float) -> list[float]:
@@ -93,6 +98,15 @@ def choose(
     return pool[int(draw)]
 
 
+def mismatch_message(reverse_model: str, model: str) -> str:
+    """The one line that refuses a reverse model with another tokenizer than ``model``'s."""
+    return (
+        f"the MMI reverse model {reverse_model!r} uses another tokenizer than {model!r}: train one that "
+        f"matches with `chatcore train model --reverse --init-from {model} --out DIR` and give "
+        f"`reverse_model=DIR`, or rerank through text with `allow_retokenize=true`"
+    )
+
+
 class MMIDecoder(CandidateDecoder):
     name = "mmi"
     description = "samples N replies in one batch and keeps the one the reverse model finds most specific"
@@ -100,10 +114,17 @@ class MMIDecoder(CandidateDecoder):
 
     @classmethod
     def setup(cls, model: "LoadedModel", settings: MMISettings) -> "LoadedModel":
-        """The reverse model, loaded once per engine (and kept with its other setups)."""
+        """The reverse model, loaded once per engine (and kept with its other setups).
+
+        A reverse model with another tokenizer than the model's is refused here, when the
+        decoder is configured, unless ``allow_retokenize`` is set.
+        """
         from . import reranking
 
-        return reranking.load_reverse_model(settings.reverse_model, device=model.device)
+        reverse = reranking.load_reverse_model(settings.reverse_model, device=model.device)
+        if not settings.allow_retokenize and not reranking.same_tokenizer(model.tokenizer, reverse.tokenizer):
+            raise OptionError(mismatch_message(settings.reverse_model, model.name))
+        return reverse
 
     def prepare(self, session: GenerationSession) -> None:
         self.sampling_started = time.perf_counter()
@@ -167,10 +188,10 @@ class MMIDecoder(CandidateDecoder):
             )
         session.details["mmi"] = {
             "reverse_model": reverse_model.name,
+            "retokenized": retokenized,  # early: /why shortens this line to 200 characters
             "source_turns": len(source),
             "ended": sum(ended),
             "quorum": settings.quorum_rows(),
-            "retokenized": retokenized,
             "forward_score": "log P(reply EOS | prompt) under the model and its steerers, before sampling filters",
             "reverse_score": "log P(source | reply) under the reverse model",
             "timings": {key: round(value, 4) for key, value in timings.items()},
