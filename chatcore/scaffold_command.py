@@ -1,4 +1,4 @@
-"""``chatcore new-plugin NAME``: write the skeleton of a steering plugin package."""
+"""``chatcore new-plugin NAME [--decoder]``: write the skeleton of a steerer or decoder plugin package."""
 
 from __future__ import annotations
 
@@ -18,15 +18,18 @@ import chatcore
     default=Path("."),
     help="Where to create the package folder (default: the current folder).",
 )
-def new_plugin(name: str, parent: Path) -> None:
-    """Create chatcore-NAME/, a steering plugin package: pyproject.toml with the
-    chatcore entry point, a Steerer named NAME with its hookimpl, and a test that uses
-    chatcore's pytest fixtures. An existing folder is never overwritten."""
+@click.option("--decoder", "decoder", is_flag=True, help="A decoder plugin (default: a steerer).")
+def new_plugin(name: str, parent: Path, decoder: bool) -> None:
+    """Create chatcore-NAME/, a plugin package: pyproject.toml with the chatcore entry
+    point, a Steerer (or, with --decoder, a TokenDecoder) named NAME with its hookimpl,
+    and tests that use chatcore's pytest fixtures. An existing folder is never
+    overwritten."""
     from chatcore.scaffold import PluginNames, render, write_plugin
 
-    folder = write_plugin(name, parent)
+    kind = "decoder" if decoder else "steerer"
+    folder = write_plugin(name, parent, kind)
     click.echo(f"created {folder}/")
-    for relative in render(PluginNames.from_name(name)):
+    for relative in render(PluginNames.from_name(name), kind):
         click.echo(f"  {relative}")
     click.echo(f"\nnext:\n  cd {folder}\n  pip install -e .\n  chatcore plugins\n  pytest")
 
