@@ -24,9 +24,9 @@ def new_plugin(name: str, parent: Path, decoder: bool) -> None:
     point, a Steerer (or, with --decoder, a TokenDecoder) named NAME with its hookimpl,
     and tests that use chatcore's pytest fixtures. An existing folder is never
     overwritten."""
-    from chatcore.scaffold import PluginNames, render, write_plugin
+    from chatcore.scaffold import Kind, PluginNames, render, write_plugin
 
-    kind = "decoder" if decoder else "steerer"
+    kind: Kind = "decoder" if decoder else "steerer"
     folder = write_plugin(name, parent, kind)
     click.echo(f"created {folder}/")
     for relative in render(PluginNames.from_name(name), kind):

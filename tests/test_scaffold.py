@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import chatcore.plugin_manager as plugin_manager
 from chatcore.cli import build_cli
 from chatcore.errors import ChatcoreError, OptionError
-from chatcore.scaffold import PluginNames, render, write_plugin
+from chatcore.scaffold import Kind, PluginNames, render, write_plugin
 from chatcore.testing import plugin_host
 
 
@@ -178,8 +178,8 @@ def test_the_generated_decoder_replies_on_the_tiny_model(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["steerer", "decoder"])
-def test_the_generated_tests_pass_with_chatcores_fixtures(tmp_path: Path, kind: str) -> None:
-    package = write_plugin("brevity-test", tmp_path, kind)  # type: ignore[arg-type]
+def test_the_generated_tests_pass_with_chatcores_fixtures(tmp_path: Path, kind: Kind) -> None:
+    package = write_plugin("brevity-test", tmp_path, kind)
     env = dict(os.environ)
     # Stands in for `pip install -e .`: the package imports from its folder.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package / "src"), env.get("PYTHONPATH")]))
