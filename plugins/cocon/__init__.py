@@ -4,8 +4,8 @@ CoCon (Chan et al., ICLR 2021) routes the hidden states after layer ``alpha`` th
 small transformer block that attends to the encoded content as well as to the text, then
 lets the rest of the model run on. This package holds the plugin and everything it needs:
 
-- :mod:`chatcore.plugins.cocon.plugin`       the ``cocon`` steerer, its settings and the
-  ``chatcore train cocon`` command;
+- :mod:`chatcore.plugins.cocon.plugin`       the ``cocon`` steerer and its settings;
+- :mod:`chatcore.plugins.cocon.commands`     ``chatcore train cocon``;
 - :mod:`chatcore.plugins.cocon.block`        the CoCon block and its config;
 - :mod:`chatcore.plugins.cocon.model_split`  a model cut at the block's layer (any architecture
   the anatomy module knows);

@@ -19,7 +19,8 @@ of one-token forward (and backward) passes, whatever the history's length.
 - :mod:`chatcore.plugins.pplm.kv`         key/value caches as plain tensors and back, a growing past;
 - :mod:`chatcore.plugins.pplm.train_discriminator`  training a head on a frozen model.
 
-The steerer, its settings and the ``chatcore train discriminator`` command are the plugin
-module, :mod:`chatcore.plugins.pplm.plugin`; its bundled heads are package data (``heads/``).
+The steerer and its settings are the plugin module, :mod:`chatcore.plugins.pplm.plugin`;
+``chatcore train discriminator`` is :mod:`chatcore.plugins.pplm.commands`; the bundled
+heads are package data (``heads/``).
 See docs/pplm.md.
 """
