@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.chatcore-installed
 
-.PHONY: chat test test-fast test-floor lint bench venv clean
+.PHONY: chat test test-fast test-floor lint lint-imports bench venv clean
 
 venv: $(STAMP)
 
@@ -36,7 +36,19 @@ LINTED := chatcore plugins adapters bench tests examples
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(MAKE) lint-imports
 	$(VENV)/bin/mypy
+
+# The import-linter contracts ([tool.importlinter] in pyproject.toml) on the packages laid
+# out as they install: plugins/ and adapters/ as chatcore.plugins and chatcore.adapters.
+IMPORT_GRAPH := .import-graph
+lint-imports: $(STAMP)
+	rm -rf $(IMPORT_GRAPH) && mkdir -p $(IMPORT_GRAPH)
+	cp -R chatcore $(IMPORT_GRAPH)/chatcore
+	cp -R plugins $(IMPORT_GRAPH)/chatcore/plugins
+	cp -R adapters $(IMPORT_GRAPH)/chatcore/adapters
+	cd $(IMPORT_GRAPH) && $(abspath $(VENV))/bin/lint-imports --config $(CURDIR)/pyproject.toml --no-cache
+	rm -rf $(IMPORT_GRAPH)
 
 # The example plugin's own tests run inside the suite, as its author runs them
 # (tests/test_example_plugin.py), so they are not run a second time here.
@@ -65,7 +77,7 @@ bench: $(STAMP)
 	$(PY) bench/decode_speed.py
 
 clean:
-	rm -rf $(VENV) .floor build dist *.egg-info
+	rm -rf $(VENV) .floor .import-graph build dist *.egg-info
 
 # The conversation log's tests start a throwaway PostgreSQL cluster: the server from the
 # distribution's packages (installed here when missing and we are root), the driver from

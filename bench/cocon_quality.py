@@ -65,9 +65,9 @@ def main() -> None:
         (
             "chatcore.plugins.greedy",
             "chatcore.plugins.top_k",
-            "chatcore.plugins.mmi",
+            "chatcore.plugins.mmi.plugin",
             "chatcore.plugins.rank",
-            "chatcore.plugins.cocon",
+            "chatcore.plugins.cocon.plugin",
         )
     )
     engine = Engine(args.model, host=host)

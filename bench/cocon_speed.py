@@ -46,7 +46,7 @@ def main() -> None:
 
     from chatcore.engine import ReplyOptions
 
-    engine = load_engine(args, "chatcore.plugins.cocon")
+    engine = load_engine(args, "chatcore.plugins.cocon.plugin")
     device = engine.loaded.device
     n = args.tokens
 

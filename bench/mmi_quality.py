@@ -42,17 +42,17 @@ def main() -> None:
 
     import torch
 
-    from chatcore import reranking
     from chatcore.engine import Engine, ReplyOptions
     from chatcore.evaluation.runner import EvalReport, evaluate
     from chatcore.options import parse_key_values
     from chatcore.plugin_manager import PluginHost
+    from chatcore.plugins.mmi import reranking
     from chatcore.text import encode_text
 
     if args.threads:
         torch.set_num_threads(args.threads)
     host = PluginHost()
-    host.load_modules(("chatcore.plugins.top_k", "chatcore.plugins.mmi", "chatcore.plugins.eval_commands"))
+    host.load_modules(("chatcore.plugins.top_k", "chatcore.plugins.mmi.plugin", "chatcore.evaluation.commands"))
     engine = Engine(args.model, host=host)
     reverse = reranking.load_reverse_model(args.reverse_model, device=engine.loaded.device)
     contexts = engine.registry.prompt_set(args.prompts)()[: args.limit]

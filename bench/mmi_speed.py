@@ -58,7 +58,7 @@ def main() -> None:
     from chatcore.plugin_manager import PluginHost
 
     host = PluginHost()
-    host.load_modules(("chatcore.plugins.top_k", "chatcore.plugins.mmi"))
+    host.load_modules(("chatcore.plugins.top_k", "chatcore.plugins.mmi.plugin"))
     engine = Engine(args.model, device=args.device, host=host)
     n = args.candidates
     sampling = {"top_k": 40, "temperature": 0.8}

@@ -65,9 +65,9 @@ def main() -> None:
             "chatcore.plugins.greedy",
             "chatcore.plugins.top_k",
             "chatcore.plugins.bow_bias",
-            "chatcore.plugins.mmi",
+            "chatcore.plugins.mmi.plugin",
             "chatcore.plugins.rank",
-            "chatcore.plugins.pplm",
+            "chatcore.plugins.pplm.plugin",
         )
     )
     engine = Engine(args.model, host=host, prompt_format=args.prompt_format)

@@ -42,7 +42,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     host = PluginHost()
-    host.load_modules(("chatcore.plugins.top_k", "chatcore.plugins.pplm"))
+    host.load_modules(("chatcore.plugins.top_k", "chatcore.plugins.pplm.plugin"))
     engine = Engine(args.model, device=args.device, host=host)
     device = engine.loaded.device
     parameters = sum(p.numel() for p in engine.loaded.model.parameters())

@@ -86,11 +86,11 @@ def long_row(engine, args) -> None:
     shorts = []
     for index in range(n):
         conversation = engine.conversation()
-        conversation.add_user(f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
+        engine.add_user(conversation, f"hi, I am number {index}. {QUESTIONS[index % len(QUESTIONS)]}")
         shorts.append(conversation)
     budget = min(args.long_history, engine.loaded.max_positions - 4 * tokens - 8)
     long = long_conversation(engine, budget, 4 * tokens)
-    history = len(long.prompt(4 * tokens).token_ids)
+    history = len(engine.prompt(long, 4 * tokens).token_ids)
     options = [ReplyOptions(decoder="greedy", max_new_tokens=tokens, min_new_tokens=tokens) for _ in range(n)]
     long_options = ReplyOptions(decoder="greedy", max_new_tokens=4 * tokens, min_new_tokens=4 * tokens)
 

@@ -39,7 +39,7 @@ from chatcore.values import Message, PromptPlan, Turn
 
 DEFAULT_DECODER = "top-k"
 DEFAULT_MAX_NEW_TOKENS = 64
-BUILTIN_FORMATS = "chatcore.plugins.prompt_formats"
+BUILTIN_FORMATS = "prompt_formats"  # the entry point of chatcore's own prompt formats
 MAX_SHARED_SETUPS = 32  # setup results (decoders and steerers) kept per engine
 
 
@@ -141,7 +141,7 @@ class Engine:
         if not self.registry.prompt_formats:
             # Every engine needs a prompt format: a host assembled by hand (tests, embedding
             # programs) gets the built-in ones, as the entry-point host always has them.
-            self.host.load_modules((BUILTIN_FORMATS,))
+            self.host.load_builtins((BUILTIN_FORMATS,))
         validate_format_name(prompt_format, self.registry)  # an unknown name fails before the model loads
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.sampling_defaults = sampling_defaults(self.loaded)

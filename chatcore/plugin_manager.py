@@ -165,6 +165,26 @@ class PluginHost:
             self.register(plugin, name, info)
         self.check_pending()
 
+    def load_builtins(self, names: tuple[str, ...]) -> None:
+        """Register some of chatcore's own plugins, by their entry-point names ("greedy",
+        "prompt_formats"), for a host assembled by hand (tests, embedding programs).
+
+        They are found through the ``chatcore`` entry points as every plugin is, and named by
+        their modules as :meth:`load_modules` names them; a name chatcore does not ship is
+        reported like a plugin that fails to import.
+        """
+        shipped = {
+            entry_point.name: entry_point.value
+            for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP)
+            if entry_point.dist is not None
+            and _normalise(entry_point.dist.name) == "chatcore"
+            and entry_point.value.startswith(BUILTIN_PREFIX)
+        }
+        for name in names:
+            if name not in shipped:
+                self.report(name, "import", f"chatcore ships no plugin named {name!r}")
+        self.load_modules(tuple(shipped[name] for name in names if name in shipped))
+
     def load_modules(self, modules: tuple[str, ...]) -> None:
         """Register plugins by module name (for tests and embedding)."""
         for module_name in modules:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field, NonNegativeInt, PositiveInt
@@ -19,8 +20,6 @@ from chatcore.processors import MAX_TEMPERATURE, MIN_SCORE_DIVISOR, ScoreProcess
 
 if TYPE_CHECKING:
     import torch
-
-    from chatcore.reranking import ContinuationScore
 
 
 class TopKSettings(RepetitionSettings):
@@ -58,6 +57,18 @@ class TopKDecoder(TokenDecoder):
 
         probabilities = torch.softmax(scores, dim=-1)
         return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(1)
+
+
+@dataclass
+class ContinuationScore:
+    """Log-probability of a target given a prefix: the sum over target tokens and their count."""
+
+    total: float
+    tokens: int
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.tokens if self.tokens else 0.0
 
 
 # One batch holds every candidate: beyond this a reply would take minutes and
@@ -125,8 +136,6 @@ class CandidateDecoder(Decoder):
         return sum(done and length > 1 for done, length in zip(ended, lengths)) >= self.settings.quorum_rows()
 
     @staticmethod
-    def forward_scores(rows: Sequence[Sampled]) -> "list[ContinuationScore]":
-        """Each row's forward log-probability as a :class:`~chatcore.reranking.ContinuationScore`."""
-        from chatcore.reranking import ContinuationScore
-
+    def forward_scores(rows: Sequence[Sampled]) -> list[ContinuationScore]:
+        """Each row's forward log-probability as a :class:`ContinuationScore`."""
         return [ContinuationScore(row.forward, row.tokens) for row in rows]

@@ -1,10 +1,12 @@
-"""``chatcore new-plugin NAME``: the skeleton of a steering plugin package.
+"""``chatcore new-plugin NAME [--decoder]``: the skeleton of a steerer or decoder plugin package.
 
-The package is what docs/writing-plugins.md builds by hand: a pyproject.toml whose
-``chatcore`` entry point makes the plugin discoverable once installed, a module with
-a Steerer subclass and its ``register_steerers`` hookimpl, and a test that uses
-chatcore's pytest fixtures. The skeleton steerer works as generated (it adds
-``strength`` to the end-of-turn score), so its test passes before any edit.
+The package is what docs/writing-plugins.md describes: a pyproject.toml whose
+``chatcore`` entry point makes the plugin discoverable once installed, a module with a
+Steerer (or, with ``--decoder``, a TokenDecoder) subclass and its registration hookimpl,
+importing only chatcore's public API (:mod:`chatcore.api`), and a test that uses
+chatcore's pytest fixtures. The skeleton works as generated (the steerer adds
+``strength`` to the end-of-turn score; the decoder samples at a ``temperature``), so its
+tests pass before any edit.
 """
 
 from __future__ import annotations
@@ -14,17 +16,20 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
+from typing import Literal
 
 from chatcore.errors import ChatcoreError, OptionError
 
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
+KINDS = ("steerer", "decoder")
+Kind = Literal["steerer", "decoder"]
 
 
 @dataclass(frozen=True)
 class PluginNames:
-    """Every name derived from the steerer's name, e.g. ``shout-louder``."""
+    """Every name derived from the plugin's name, e.g. ``shout-louder``."""
 
-    steerer: str  # shout-louder: what users type after --steer
+    name: str  # shout-louder: what users type after --steer (or --decoder)
     distribution: str  # chatcore-shout-louder: the folder and the pip name
     package: str  # chatcore_shout_louder: the import name
     entry_point: str  # shout_louder: the key in [project.entry-points.chatcore]
@@ -39,7 +44,7 @@ class PluginNames:
             )
         snake = name.replace("-", "_")
         return cls(
-            steerer=name,
+            name=name,
             distribution=f"chatcore-{name}",
             package=f"chatcore_{snake}",
             entry_point=snake,
@@ -55,7 +60,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "$distribution"
 version = "0.1.0"
-description = "The $steerer steerer for chatcore."
+description = "The $name $kind for chatcore."
 readme = "README.md"
 requires-python = ">=3.10"
 dependencies = ["chatcore", "pydantic>=2.11"]
@@ -81,7 +86,7 @@ markers = ["slow: takes more than a few seconds"]
 """)
 
 MODULE = Template('''\
-"""The $steerer steerer for chatcore.
+"""The $name steerer for chatcore.
 
 A steerer wraps one decoding step: it receives the inner step (the model, and any
 steerer listed before it) and returns a new step. This skeleton edits the scores: it
@@ -97,16 +102,14 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import Field
 
 import chatcore
-from chatcore.options import Settings
-from chatcore.steering import Steerer
-from chatcore.step import Step, StepOutput, StepState
+from chatcore.api import Settings, Steerer, Step, StepOutput, StepState
 
 if TYPE_CHECKING:
-    from chatcore.decoding import GenerationSession
+    from chatcore.api import GenerationSession
 
 
 class ${class_name}Settings(Settings):
-    """What `--steer "$steerer strength=4"` sets: a pydantic model, so values arrive
+    """What `--steer "$name strength=4"` sets: a pydantic model, so values arrive
     converted and checked, and the docstring under a field is its help text."""
 
     strength: Annotated[float, Field(ge=-100, le=100)] = 2.0
@@ -114,7 +117,7 @@ class ${class_name}Settings(Settings):
 
 
 class $class_name(Steerer):
-    name = "$steerer"
+    name = "$name"
     description = "adds `strength` to the end-of-turn score (shorter or longer replies)"
     Settings = ${class_name}Settings
 
@@ -153,55 +156,135 @@ def chatcore_plugins():
 TEST = Template("""\
 import pytest
 
-from chatcore.errors import OptionError
+from chatcore.api import OptionError
 from chatcore.testing import compare_to_baseline
 
 
 def test_the_steerer_is_registered(chatcore_engine):
-    assert "$steerer" in chatcore_engine.registry.steerers
+    assert "$name" in chatcore_engine.registry.steerers
 
 
 def test_bad_settings_name_the_setting(chatcore_engine):
     with pytest.raises(OptionError, match="strength"):
-        chatcore_engine.make_steerer("$steerer", {"strength": "1000"})
+        chatcore_engine.make_steerer("$name", {"strength": "1000"})
 
 
 def test_a_strong_end_of_turn_bias_shortens_replies(chatcore_engine):
     comparison = compare_to_baseline(
-        chatcore_engine, "$steerer", {"strength": 50},
+        chatcore_engine, "$name", {"strength": 50},
         contexts=["hi, how are you?", "what do you do for fun?"], seeds=[0, 1], max_new_tokens=12,
     )
     assert comparison.steered.mean_length < comparison.baseline.mean_length
 """)
 
+DECODER_MODULE = Template('''\
+"""The $name decoder for chatcore.
+
+A token decoder chooses each next token of a reply: chatcore's one decoding loop runs the
+model (and any steerer) and hands the decoder each step's scores, (rows, V), after the
+decoder's score processors. This skeleton divides the scores by `temperature` and draws
+from them. Replace `processors` and `select` with your method; a decoder never runs the
+model or a loop of its own (see docs/hooks.md, "Decoders").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field
+
+import chatcore
+from chatcore.api import RepetitionSettings, ScoreProcessor, TokenDecoder, temperature
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ${class_name}Settings(RepetitionSettings):
+    """What `--decoder "$name temperature=0.5"` sets (with the repetition controls every
+    token decoder has): a pydantic model, so values arrive converted and checked."""
+
+    temperature: Annotated[float, Field(ge=0.01, le=100)] = 0.7
+    """Divide the scores by this before drawing (lower: more predictable)."""
+
+
+class $class_name(TokenDecoder):
+    name = "$name"
+    description = "draws each token from the scores divided by `temperature`"
+    Settings = ${class_name}Settings
+
+    def processors(self) -> list[ScoreProcessor]:
+        # Applied to each step's scores in this order; the repetition controls first.
+        return [*self.repetition_processors(), temperature(self.settings.temperature)]
+
+    def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
+        import torch
+
+        probabilities = torch.softmax(scores, dim=-1)  # (rows, V)
+        return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(1)  # (rows,)
+
+
+@chatcore.hookimpl
+def register_decoders(register: Callable[[type], None]) -> None:
+    register($class_name)
+''')
+
+DECODER_TEST = Template("""\
+import pytest
+
+from chatcore.api import OptionError
+
+
+def test_the_decoder_is_registered(chatcore_engine):
+    assert "$name" in chatcore_engine.registry.decoders
+
+
+def test_bad_settings_name_the_setting(chatcore_engine):
+    with pytest.raises(OptionError, match="temperature"):
+        chatcore_engine.make_decoder("$name", {"temperature": "0"})
+
+
+def test_it_replies_and_the_same_seed_gives_the_same_reply(chatcore_conversation):
+    first = chatcore_conversation("hi, how are you?").reply(decoder="$name", seed=3, max_new_tokens=8)
+    again = chatcore_conversation("hi, how are you?").reply(decoder="$name", seed=3, max_new_tokens=8)
+    assert first.text() == again.text()
+    assert first.provenance["decoder"]["name"] == "$name"
+""")
+
 README = Template("""\
 # $distribution
 
-The `$steerer` steerer for [chatcore](https://pypi.org/project/chatcore/).
+The `$name` $kind for [chatcore](https://pypi.org/project/chatcore/).
 
 ```sh
 pip install -e .
 chatcore plugins                                  # lists $distribution:$entry_point
-chatcore generate --steer "$steerer strength=4" "hi, how are you?"
+chatcore generate $example "hi, how are you?"
 pytest
 ```
 """)
 
 
-def render(names: PluginNames) -> dict[str, str]:
-    """Relative path -> text of every file in the package."""
-    values = dataclasses.asdict(names)
+def render(names: PluginNames, kind: Kind = "steerer") -> dict[str, str]:
+    """Relative path -> text of every file in the package of a ``kind`` plugin."""
+    if kind not in KINDS:
+        raise ValueError(f"`kind` must be one of {', '.join(KINDS)}, got {kind!r}")
+    example = f'--decoder "{names.name} temperature=0.5"' if kind == "decoder" else f'--steer "{names.name} strength=4"'
+    values = {**dataclasses.asdict(names), "kind": kind, "example": example}
+    module, test = (DECODER_MODULE, DECODER_TEST) if kind == "decoder" else (MODULE, TEST)
     return {
         "pyproject.toml": PYPROJECT.substitute(values),
         "README.md": README.substitute(values),
-        f"src/{names.package}/__init__.py": MODULE.substitute(values),
+        f"src/{names.package}/__init__.py": module.substitute(values),
         "tests/conftest.py": CONFTEST.substitute(values),
-        f"tests/test_{names.entry_point}.py": TEST.substitute(values),
+        f"tests/test_{names.entry_point}.py": test.substitute(values),
     }
 
 
-def write_plugin(name: str, parent: str | Path = ".") -> Path:
-    """Create ``parent/chatcore-NAME/`` with the skeleton; never touches an existing folder."""
+def write_plugin(name: str, parent: str | Path = ".", kind: Kind = "steerer") -> Path:
+    """Create ``parent/chatcore-NAME/`` with the skeleton of a ``kind`` plugin; never
+    touches an existing folder."""
     names = PluginNames.from_name(name)
     taken = installed_as(names)
     if taken is not None:
@@ -216,7 +299,7 @@ def write_plugin(name: str, parent: str | Path = ".") -> Path:
         raise ChatcoreError(f"{folder} already exists; remove it or choose another name") from None
     except OSError as error:
         raise ChatcoreError(f"cannot create {folder}: {error.strerror}") from None
-    for relative, text in render(names).items():
+    for relative, text in render(names, kind).items():
         path = folder / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")

@@ -8,6 +8,7 @@ chatcore's pytest plugin (:mod:`chatcore.pytest_plugin`) wraps these as fixtures
     make_engine(model, *plugins)         an Engine on that host
     build_conversation(engine, *turns)   a conversation with scripted turns
     compare_to_baseline(engine, ...)     eval metrics of a steerer vs no steering
+    openers()                            the 30 chat openers `chatcore eval --prompts openers` uses
 
 and ``decode_steps(session, select)`` runs a hand-made GenerationSession through the
 runner that decodes every reply, yielding each step's chosen tokens.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatcore.decoding import Decoder, Select
 from chatcore.errors import ChatcoreError, PluginError
+from chatcore.evaluation import prompts
 from chatcore.evaluation.prompts import EvalContext
 from chatcore.evaluation.runner import EvalReport, EvalRow
 from chatcore.models import DEFAULT_MODEL, resolve_model_path
@@ -37,7 +39,8 @@ if TYPE_CHECKING:
     from chatcore.models import LoadedModel
     from chatcore.processors import ScoreProcessor
 
-BASE_PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k")
+# chatcore's own decoders every test host gets, by their entry-point names.
+BASE_PLUGINS = ("greedy", "top_k")
 
 
 # A ChatML chat template (the format of SmolLM2, Qwen2 and others), for tiny chat models.
@@ -117,7 +120,7 @@ def plugin_host(*plugins: Any) -> PluginHost:
     Raises PluginError if a plugin is refused (an import error, a misspelled hook).
     """
     host = PluginHost()
-    host.load_modules(BASE_PLUGINS)
+    host.load_builtins(BASE_PLUGINS)
     for plugin in plugins:
         if isinstance(plugin, str):
             host.load_modules((plugin,))
@@ -151,6 +154,12 @@ def build_conversation(engine: "Engine", *turns: str) -> "Conversation":
     """A conversation whose turns alternate so that the last one is the user's (the
     same rule, and the same cleaning of each turn, as ``Engine.reply_to``)."""
     return engine.scripted(turns)
+
+
+def openers() -> list[EvalContext]:
+    """The 30 chat openers (``chatcore eval --prompts openers``): contexts for
+    :func:`compare_to_baseline`."""
+    return prompts.openers()
 
 
 @dataclass
@@ -244,7 +253,7 @@ def compare_to_baseline(
     if not seed_list:
         raise ValueError("`seeds` must hold at least one seed, got none")
     if isinstance(vocabulary, str):
-        from chatcore.plugins.eval_commands import load_vocabulary
+        from chatcore.evaluation.commands import load_vocabulary
 
         words: set[str] | None = load_vocabulary(vocabulary)
     else:

@@ -14,19 +14,25 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import Field, model_validator
 
 import chatcore
-from chatcore.errors import OptionError
-from chatcore.options import Settings
-from chatcore.steering import Steerer
-from chatcore.step import Step, StepOutput, StepState
-from chatcore.text import encode_text
-from chatcore.wordlists import builtin_topics, check_word_sources, collect_words
+from chatcore.api import (
+    OptionError,
+    Settings,
+    Steerer,
+    Step,
+    StepOutput,
+    StepState,
+    builtin_topics,
+    check_word_sources,
+    collect_words,
+    encode_text,
+)
 
 __all__ = ["BowBiasSettings", "BowBiasSteerer", "builtin_topics", "word_variants"]
 
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.decoding import GenerationSession
+    from chatcore.api import GenerationSession
 
 
 def word_variants(word: str) -> set[str]:

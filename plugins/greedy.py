@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import chatcore
-from chatcore.decoding import RepetitionSettings, TokenDecoder
+from chatcore.api import RepetitionSettings, TokenDecoder
 
 if TYPE_CHECKING:
     import torch

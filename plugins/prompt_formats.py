@@ -21,8 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import chatcore
-from chatcore.errors import ChatcoreError
-from chatcore.prompting import Message, PromptFormat, special_token_texts
+from chatcore.api import ChatcoreError, Message, PromptFormat, special_token_texts
 
 # Stand-ins for message text while the template renders: private-use characters that no
 # template edits (``trim`` and friends leave them be) and no user text contains after

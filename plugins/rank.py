@@ -20,9 +20,15 @@ from collections.abc import Callable, Sequence
 from pydantic import model_validator
 
 import chatcore
-from chatcore.decoding import Candidate, GenerationSession, Sampled
-from chatcore.sampling import CandidateDecoder, CandidateSettings
-from chatcore.wordlists import check_word_sources, collect_words
+from chatcore.api import (
+    Candidate,
+    CandidateDecoder,
+    CandidateSettings,
+    GenerationSession,
+    Sampled,
+    check_word_sources,
+    collect_words,
+)
 
 
 class RankSettings(CandidateSettings):
@@ -62,7 +68,7 @@ class RankDecoder(CandidateDecoder):
     Settings = RankSettings
 
     def choose(self, session: GenerationSession, rows: Sequence[Sampled]) -> int:
-        from chatcore.evaluation.metrics import contains_any, is_degenerate
+        from chatcore.api import contains_any, is_degenerate
 
         vocabulary = set(self.settings.all_words())
         token_ids = [row.token_ids for row in rows]

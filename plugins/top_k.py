@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import chatcore
-from chatcore.sampling import TopKDecoder, TopKSettings
+from chatcore.api import TopKDecoder, TopKSettings
 
 __all__ = ["TopKDecoder", "TopKSettings"]
 

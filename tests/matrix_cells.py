@@ -21,11 +21,12 @@ if TYPE_CHECKING:
 PROMPT = "what should we eat tonight?"
 SEED = 7
 MAX_NEW_TOKENS = 6
-# Cheap settings: two candidates, one gradient step, words the bundled lists have.
+# Cheap settings: two candidates, one gradient step, words the bundled lists have. The
+# bundled reverse model reads the tiny Llama's chat-template replies through text.
 DECODERS = {
     "greedy": "greedy",
     "top-k": "top-k",
-    "mmi": "mmi candidates=2",
+    "mmi": "mmi candidates=2 allow_retokenize=true",
     "rank": "rank candidates=2 topic=food",
 }
 STEERERS = {

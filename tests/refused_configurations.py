@@ -7,11 +7,11 @@ from __future__ import annotations
 PLUGIN_MODULES = (
     "chatcore.plugins.greedy",
     "chatcore.plugins.top_k",
-    "chatcore.plugins.mmi",
+    "chatcore.plugins.mmi.plugin",
     "chatcore.plugins.rank",
     "chatcore.plugins.bow_bias",
-    "chatcore.plugins.pplm",
-    "chatcore.plugins.cocon",
+    "chatcore.plugins.pplm.plugin",
+    "chatcore.plugins.cocon.plugin",
 )
 
 # (steerer specs in the order given, the line that refuses them)

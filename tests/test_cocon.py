@@ -8,10 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatcore.cocon.block import CoconBlock, CoconConfig
-from chatcore.cocon.model_split import SplitModel, UnsupportedModelError
-from chatcore.cocon.pipeline import CoconPipeline
-from chatcore.cocon.store import (
+from chatcore.decoding import GenerationSession
+from chatcore.engine import Engine, ReplyOptions
+from chatcore.errors import OptionError
+from chatcore.models import cache_keyword
+from chatcore.plugins.bow_bias import word_variants
+from chatcore.plugins.cocon.block import CoconBlock, CoconConfig
+from chatcore.plugins.cocon.model_split import SplitModel, UnsupportedModelError
+from chatcore.plugins.cocon.pipeline import CoconPipeline
+from chatcore.plugins.cocon.store import (
     BlockMismatchError,
     check_compatible,
     load_block,
@@ -19,11 +24,6 @@ from chatcore.cocon.store import (
     read_info,
     save_block,
 )
-from chatcore.decoding import GenerationSession
-from chatcore.engine import Engine, ReplyOptions
-from chatcore.errors import OptionError
-from chatcore.models import cache_keyword
-from chatcore.plugins.bow_bias import word_variants
 from chatcore.testing import decode_steps
 from chatcore.text import encode_text
 
@@ -31,7 +31,7 @@ COCON_PLUGINS = (
     "chatcore.plugins.greedy",
     "chatcore.plugins.top_k",
     "chatcore.plugins.bow_bias",
-    "chatcore.plugins.cocon",
+    "chatcore.plugins.cocon.plugin",
 )
 
 
@@ -277,7 +277,7 @@ def test_tau_defaults_to_the_blocks_own(cocon_engine, tiny_block_dir, tmp_path):
 
 
 def test_the_bundled_block_names_its_default_tau():
-    from chatcore.cocon.store import resolve_block
+    from chatcore.plugins.cocon.store import resolve_block
 
     folder = resolve_block("cocon-chatcore-tiny", {}, "chatcore-tiny")
     value = read_info(folder)["default_tau"]
@@ -381,8 +381,8 @@ def test_a_block_for_one_model_is_refused_on_another(loaded, tiny_block_dir, coc
 
 @pytest.fixture(scope="module")
 def bundled_pipeline():
-    from chatcore.cocon.store import bundled_blocks, check_compatible, resolve_block
     from chatcore.models import load_model
+    from chatcore.plugins.cocon.store import bundled_blocks, check_compatible, resolve_block
 
     if not bundled_blocks():
         pytest.skip("no bundled CoCon block")
@@ -504,7 +504,7 @@ TINY_RUN = dict(
 
 
 def test_training_writes_a_loadable_block_and_resumes(loaded, tiny_model_dir, tmp_path):
-    from chatcore.cocon.training import CoconTrainConfig, train_cocon
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
 
     corpus = tmp_path / "dialogues.jsonl"
     lines = [
@@ -550,8 +550,8 @@ def test_an_interrupted_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatc
     and the random state (the block's dropout draws from it)."""
     from safetensors.torch import load_file
 
-    from chatcore.cocon.losses import CoconLosses
-    from chatcore.cocon.training import CoconTrainConfig, train_cocon
+    from chatcore.plugins.cocon.losses import CoconLosses
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
     from chatcore.training.accelerated import read_progress
 
     corpus = tmp_path / "dialogues.jsonl"
@@ -605,7 +605,7 @@ def test_an_interrupted_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatc
 
 
 def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_block_dir, tmp_path):
-    from chatcore.cocon.training import CoconTrainConfig, train_cocon
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
 
     corpus = tmp_path / "dialogues.jsonl"
     lines = [
@@ -654,7 +654,7 @@ def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_bl
 
 
 def test_the_span_weight_weighs_the_content_positions():
-    from chatcore.cocon.losses import lm_loss, weighted_lm_loss
+    from chatcore.plugins.cocon.losses import lm_loss, weighted_lm_loss
 
     torch.manual_seed(0)
     logits, targets = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
@@ -667,7 +667,7 @@ def test_the_span_weight_weighs_the_content_positions():
 
 
 def test_the_plain_target_mixes_the_text_with_the_plain_models_distribution():
-    from chatcore.cocon.losses import mixed_lm_loss, weighted_lm_loss
+    from chatcore.plugins.cocon.losses import mixed_lm_loss, weighted_lm_loss
 
     torch.manual_seed(0)
     logits, targets = torch.randn(2, 5, 11, requires_grad=True), torch.randint(0, 11, (2, 5))
@@ -689,8 +689,8 @@ def test_the_plain_target_mixes_the_text_with_the_plain_models_distribution():
 
 
 def test_history_lengths_are_drawn_between_the_bounds(loaded, tiny_block_dir):
-    from chatcore.cocon.losses import CoconLosses
-    from chatcore.cocon.training import CoconTrainConfig
+    from chatcore.plugins.cocon.losses import CoconLosses
+    from chatcore.plugins.cocon.training import CoconTrainConfig
 
     block, _ = load_block(tiny_block_dir)
     pipeline = CoconPipeline(SplitModel(loaded.model, block.config.split_layer), block.float())
@@ -712,7 +712,7 @@ def test_train_cocon_command_is_registered():
     from click.testing import CliRunner
 
     from chatcore.cli.train import train
-    from chatcore.plugins import cocon
+    from chatcore.plugins.cocon import plugin as cocon
 
     cli = click.Group()
     cocon.register_commands(cli)  # on its own: the train group comes with it
@@ -733,7 +733,7 @@ def test_train_cocon_command_is_registered():
 
 # -- Llama-family models ------------------------------------------------------------------------
 
-ARCHITECTURE_PLUGINS = COCON_PLUGINS + ("chatcore.plugins.mmi",)
+ARCHITECTURE_PLUGINS = COCON_PLUGINS + ("chatcore.plugins.mmi.plugin",)
 
 
 @pytest.fixture(scope="module", params=("gpt2", "llama", "qwen2", "gemma"))
@@ -827,7 +827,9 @@ def test_cocon_replies_on_every_family_under_greedy_top_k_and_mmi(family_model, 
     engine = make_engine(family_model, *ARCHITECTURE_PLUGINS[2:])
     cocon = ("cocon", {"content": "pizza", "tau": "2", "block": str(family_block_dir)})
     replies = {}
-    for decoder, settings in (("greedy", {}), ("top-k", {}), ("mmi", {"candidates": 2})):
+    # The bundled reverse model reads the chat-template families' replies through text.
+    mmi = {"candidates": 2, "allow_retokenize": True}
+    for decoder, settings in (("greedy", {}), ("top-k", {}), ("mmi", mmi)):
         for steerers in ([], [cocon]):
             response = engine.send(
                 engine.conversation(),
@@ -856,7 +858,7 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
 
     from chatcore.cli.train import train
     from chatcore.models import load_model
-    from chatcore.plugins import cocon
+    from chatcore.plugins.cocon import plugin as cocon
     from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
 
     folder = build_tiny_model(
@@ -932,16 +934,16 @@ def test_train_cocon_on_a_tiny_llama_runs_the_command_the_reply_error_names(tmp_
 
 
 def test_dialogues_are_rendered_as_chat_prompts_with_the_reply_starts(tmp_path):
-    from chatcore.cocon.training import make_prompt_format
-    from chatcore.cocon.windows import CONVERSATION_TURNS, render_dialogues
     from chatcore.models import load_model
+    from chatcore.plugins.cocon.windows import CONVERSATION_TURNS, render_dialogues
     from chatcore.prompting import scripted_messages
     from chatcore.testing import CHATML_TEMPLATE, build_tiny_model
     from chatcore.training.corpus import Dialogue
+    from chatcore.training.formats import prompt_format_for
 
     folder = build_tiny_model(tmp_path / "qwen2", architecture="qwen2", chat_template=CHATML_TEMPLATE)
     loaded = load_model(str(folder), device="cpu")
-    prompt_format = make_prompt_format("auto", loaded.model, loaded.tokenizer, "tiny")
+    prompt_format = prompt_format_for("auto", loaded.model, loaded.tokenizer, "tiny")
     assert prompt_format.name == "chat-template"
     turns = [f"turn number {index} <|im_start|>" for index in range(9)]
     stream, starts = render_dialogues([Dialogue(id="d", turns=turns)], prompt_format)

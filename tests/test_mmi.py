@@ -1,4 +1,4 @@
-"""The ``mmi`` decoder and chatcore.reranking: batched candidates, reverse scores, selection."""
+"""The ``mmi`` decoder and chatcore.plugins.mmi.reranking: batched candidates, reverse scores, selection."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import chatcore
-from chatcore import reranking
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import ModelLoadError, OptionError
-from chatcore.plugins.mmi import MMIDecoder, choose, combined_scores
+from chatcore.explain import explain
+from chatcore.plugins.mmi import reranking
+from chatcore.plugins.mmi.plugin import MMIDecoder, choose, combined_scores
 from chatcore.steering import Steerer
 from chatcore.step import Step, StepState
 from chatcore.text import encode_text
@@ -20,7 +21,7 @@ from chatcore.text import encode_text
 
 @pytest.fixture
 def mmi_host(host):
-    host.load_modules(("chatcore.plugins.mmi",))
+    host.load_modules(("chatcore.plugins.mmi.plugin",))
     assert host.problems == []
     return host
 
@@ -174,12 +175,13 @@ def test_tokenizers_are_compared_by_content(bundled_model, bundled_reverse, toke
 
 def test_reverse_model_is_loaded_once_per_engine_and_settings(loaded, mmi_host):
     engine = Engine(loaded, host=mmi_host)
-    first = engine.make_decoder("mmi", {"candidates": 2})
-    again = engine.make_decoder("mmi", {"candidates": 2})
-    other = engine.make_decoder("mmi", {"candidates": 3})
+    retokenize = {"allow_retokenize": True}  # the bundled reverse model, beside the test model's tokenizer
+    first = engine.make_decoder("mmi", {"candidates": 2, **retokenize})
+    again = engine.make_decoder("mmi", {"candidates": 2, **retokenize})
+    other = engine.make_decoder("mmi", {"candidates": 3, **retokenize})
     assert first.shared is again.shared and first.shared.name == "chatcore-tiny-reverse"
     assert other.shared is not first.shared  # other settings: its own setup, kept beside
-    assert Engine(loaded, host=mmi_host).make_decoder("mmi", {"candidates": 2}).shared is not first.shared
+    assert Engine(loaded, host=mmi_host).make_decoder("mmi", {"candidates": 2, **retokenize}).shared is not first.shared
 
 
 # -- the decoder -------------------------------------------------------------------------
@@ -290,12 +292,24 @@ def _prompt_ids(engine, conversation, max_new_tokens):
         conversation.turns = turns
 
 
-def test_candidates_are_retokenized_for_a_reverse_model_with_another_tokenizer(loaded, bundled_reverse, mmi_host):
+def test_a_reverse_model_with_another_tokenizer_is_refused_when_configured(loaded, mmi_host):
     engine = Engine(loaded, host=mmi_host)  # the tiny test model's tokenizer is not the bundled one
     options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 3}, seed=1, max_new_tokens=8)
+    with pytest.raises(OptionError) as refused:
+        engine.check_options(options)
+    message = str(refused.value)
+    assert "\n" not in message and "uses another tokenizer than" in message
+    assert f"chatcore train model --reverse --init-from {loaded.name}" in message and "allow_retokenize=true" in message
+
+
+def test_candidates_are_retokenized_for_a_reverse_model_with_another_tokenizer(loaded, bundled_reverse, mmi_host):
+    engine = Engine(loaded, host=mmi_host)  # the tiny test model's tokenizer is not the bundled one
+    settings = {"candidates": 3, "allow_retokenize": True}
+    options = ReplyOptions(decoder="mmi", decoder_settings=settings, seed=1, max_new_tokens=8)
     response = engine.reply_to(["what is your favorite food?"], options)
     response.text()
     assert response.provenance["details"]["mmi"]["retokenized"] is True
+    assert any("'retokenized': True" in line for line in explain(response.provenance))  # what /why shows
     candidates = response.provenance["candidates"]
     reverse_tokenizer = bundled_reverse.tokenizer
     ids = [encode_text(reverse_tokenizer, loaded.tokenizer.decode(c["token_ids"])) for c in candidates]

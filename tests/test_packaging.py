@@ -70,7 +70,7 @@ def test_wheel_imports_every_builtin_and_has_no_bare_packages(tmp_path: Path) ->
         "chatcore/bundled/chatcore-tiny/config.json",
         "chatcore/bundled/wordlists/food.txt",
         "chatcore/bundled/cocon-chatcore-tiny/cocon_block.safetensors",
-        "chatcore/pplm/heads/sentiment.safetensors",
+        "chatcore/plugins/pplm/heads/sentiment.safetensors",
     ):
         assert data in names, f"{data} is missing from the wheel"
     assert any(name.startswith("chatcore/bundled/") for name in names)

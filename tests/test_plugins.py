@@ -729,24 +729,6 @@ def test_a_setting_of_a_type_chatcore_cannot_convert_is_refused_at_registration(
     assert "setting `when` of OddSettings: chatcore cannot convert" in host.problems[0].message
 
 
-def test_no_built_in_plugin_imports_another():
-    """Built-ins use the core's public API only: shared pieces live in chatcore/, never in a plugin."""
-    import ast
-
-    plugins_dir = Path(__file__).resolve().parents[1] / "plugins"
-    offenders = []
-    for path in sorted(plugins_dir.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            if any(name == "chatcore.plugins" or name.startswith("chatcore.plugins.") for name in names):
-                offenders.append(f"{path.name}:{node.lineno}")
-    assert offenders == []
-
-
 def test_a_hook_wrapper_is_refused_loudly_not_skipped(host):
     class Wrapping:
         @chatcore.hookimpl(wrapper=True)

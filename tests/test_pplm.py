@@ -14,9 +14,8 @@ from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.models import output_cache
 from chatcore.plugin_manager import PluginHost
-from chatcore.plugins import pplm as pplm_plugin
-from chatcore.plugins.pplm import PPLMSteerer
-from chatcore.pplm.attribute import (
+from chatcore.plugins.pplm import plugin as pplm_plugin
+from chatcore.plugins.pplm.attribute import (
     BagOfWords,
     DiscriminatorMismatchError,
     HeadConfig,
@@ -27,10 +26,11 @@ from chatcore.pplm.attribute import (
     save_head,
     tokenizer_fingerprint,
 )
-from chatcore.pplm.config import PerturbConfig
-from chatcore.pplm.kv import past_of
-from chatcore.pplm.perturb import apply_deltas, fuse, kl_divergence, window_weights
-from chatcore.pplm.train_discriminator import (
+from chatcore.plugins.pplm.config import PerturbConfig
+from chatcore.plugins.pplm.kv import past_of
+from chatcore.plugins.pplm.perturb import apply_deltas, fuse, kl_divergence, window_weights
+from chatcore.plugins.pplm.plugin import PPLMSteerer
+from chatcore.plugins.pplm.train_discriminator import (
     LabelledText,
     TrainSettings,
     read_labelled_file,
@@ -41,7 +41,7 @@ from chatcore.step import StepOutput, StepState, model_step
 from chatcore.testing import decode_steps
 from chatcore.text import encode_text
 
-PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.pplm")
+PLUGINS = ("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.pplm.plugin")
 FOOD = ("pizza", "cheese", "dinner", "hungry", "delicious", "hamburger", "spaghetti")
 
 
@@ -696,7 +696,7 @@ def test_pplm_steers_llama_family_models_under_every_decoder(llama_family, decod
     reranked by a reverse model) and changes the reply's scores."""
     folder, loaded = llama_family
     host = PluginHost()
-    host.load_modules(PLUGINS + ("chatcore.plugins.mmi",))
+    host.load_modules(PLUGINS + ("chatcore.plugins.mmi.plugin",))
     engine = Engine(loaded, host=host)
     settings = {"candidates": 3, "reverse_model": str(folder)} if decoder == "mmi" else {}
 

@@ -9,12 +9,12 @@ import torch
 
 from chatcore.decoding import GenerationSession
 from chatcore.models import cache_keyword, output_cache
-from chatcore.plugins.pplm import PPLMSteerer
-from chatcore.pplm.kv import GrowingPast, fresh_cache, past_of
-from chatcore.pplm.lean_passes import LowRankGradient
-from chatcore.pplm.model_passes import DenseGradient
-from chatcore.pplm.perturb import apply_deltas
-from chatcore.pplm.runner import LowRankDeltas, Runner, supports
+from chatcore.plugins.pplm.kv import GrowingPast, fresh_cache, past_of
+from chatcore.plugins.pplm.lean_passes import LowRankGradient
+from chatcore.plugins.pplm.model_passes import DenseGradient
+from chatcore.plugins.pplm.perturb import apply_deltas
+from chatcore.plugins.pplm.plugin import PPLMSteerer
+from chatcore.plugins.pplm.runner import LowRankDeltas, Runner, supports
 from chatcore.steering import Steerer
 from chatcore.step import StepOutput, StepState
 from chatcore.testing import build_tiny_model, decode_steps
@@ -392,7 +392,7 @@ def test_the_plain_pass_is_the_first_iteration_without_carry(loaded):
 
 
 def test_the_lean_path_agrees_for_a_discriminator(loaded, tmp_path):
-    from chatcore.pplm.attribute import HeadConfig, model_shape, save_head, tokenizer_fingerprint
+    from chatcore.plugins.pplm.attribute import HeadConfig, model_shape, save_head, tokenizer_fingerprint
 
     hidden, layers = model_shape(loaded.model)
     config = HeadConfig(

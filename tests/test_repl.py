@@ -423,7 +423,7 @@ def test_chat_refuses_a_configuration_that_cannot_reply_before_the_log_opens(rep
 
     from chatcore.errors import OptionError
 
-    repl_host.load_modules(("chatcore.plugins.pplm", "chatcore.plugins.cocon"))
+    repl_host.load_modules(("chatcore.plugins.pplm.plugin", "chatcore.plugins.cocon.plugin"))
     db = tmp_path / "chat.sqlite3"
     for steers, decoder, line in [(specs, "greedy", line) for specs, line in IMPOSSIBLE_STEERERS] + [
         ((), spec, line) for spec, line in NON_DECODABLE_DECODERS if spec.startswith(("top-k", "greedy"))
@@ -540,7 +540,7 @@ def test_completion_offers_the_values_a_setting_takes(loaded):
     from chatcore.plugins.bow_bias import builtin_topics
     from chatcore.testing import plugin_host
 
-    host = plugin_host("chatcore.plugins.bow_bias", "chatcore.plugins.pplm", "chatcore.plugins.mmi")
+    host = plugin_host("chatcore.plugins.bow_bias", "chatcore.plugins.pplm.plugin", "chatcore.plugins.mmi.plugin")
     state = ChatState(Engine(loaded, host=host), ReplyOptions(decoder="greedy"))
     topics = builtin_topics()
     assert "food" in topics and len(topics) > 1

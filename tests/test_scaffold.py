@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import chatcore.plugin_manager as plugin_manager
 from chatcore.cli import build_cli
 from chatcore.errors import ChatcoreError, OptionError
-from chatcore.scaffold import PluginNames, render, write_plugin
+from chatcore.scaffold import Kind, PluginNames, render, write_plugin
 from chatcore.testing import plugin_host
 
 
@@ -22,7 +22,7 @@ from chatcore.testing import plugin_host
 def new_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Runs `chatcore new-plugin ARGS...` in tmp_path with the scaffold command registered."""
     host = plugin_manager.PluginHost()
-    host.load_modules(("chatcore.plugins.scaffold_command",))
+    host.load_modules(("chatcore.scaffold_command",))
     assert host.problems == []
     plugin_manager.set_plugin_host(host)
     monkeypatch.chdir(tmp_path)
@@ -33,10 +33,10 @@ def new_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return run
 
 
-def test_names_follow_from_the_steerer_name() -> None:
+def test_names_follow_from_the_plugin_name() -> None:
     names = PluginNames.from_name("shout-louder")
     assert names == PluginNames(
-        steerer="shout-louder",
+        name="shout-louder",
         distribution="chatcore-shout-louder",
         package="chatcore_shout_louder",
         entry_point="shout_louder",
@@ -146,9 +146,40 @@ def test_the_generated_steerer_edits_only_the_end_of_turn_score(
         sys.modules.pop("chatcore_brevity_test", None)
 
 
+def test_the_decoder_command_writes_a_decoder_package(new_plugin) -> None:
+    result, folder = new_plugin("tally", "--decoder")
+    assert result.exit_code == 0, result.output
+    module = (folder / "chatcore-tally" / "src" / "chatcore_tally" / "__init__.py").read_text()
+    assert "class Tally(TokenDecoder):" in module and "def register_decoders(" in module
+    assert "from chatcore.api import" in module and "from chatcore." not in module.replace("from chatcore.api", "")
+
+
+def test_the_generated_decoder_replies_on_the_tiny_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine
+) -> None:
+    from chatcore.engine import ReplyOptions
+    from chatcore.testing import make_engine
+
+    package = write_plugin("tally-test", tmp_path, "decoder")
+    monkeypatch.syspath_prepend(str(package / "src"))
+    try:
+        with_decoder = make_engine(engine.loaded, "chatcore_tally_test")
+        assert with_decoder.registry.decoders["tally-test"].plugin == "chatcore_tally_test"
+        with pytest.raises(OptionError, match="`temperature` must be between 0.01 and 100, got 0.0"):
+            with_decoder.make_decoder("tally-test", {"temperature": "0"})
+        options = ReplyOptions(decoder="tally-test", seed=3, max_new_tokens=6)
+        replies = [with_decoder.reply_to(["hi, how are you?"], options) for _ in range(2)]
+        texts = [reply.text() for reply in replies]
+        assert texts[0] == texts[1] and replies[0].provenance["decoder"]["name"] == "tally-test"
+        assert replies[0].provenance["timings"]["new_tokens"] >= 1
+    finally:
+        sys.modules.pop("chatcore_tally_test", None)
+
+
 @pytest.mark.slow
-def test_the_generated_tests_pass_with_chatcores_fixtures(tmp_path: Path) -> None:
-    package = write_plugin("brevity-test", tmp_path)
+@pytest.mark.parametrize("kind", ["steerer", "decoder"])
+def test_the_generated_tests_pass_with_chatcores_fixtures(tmp_path: Path, kind: Kind) -> None:
+    package = write_plugin("brevity-test", tmp_path, kind)
     env = dict(os.environ)
     # Stands in for `pip install -e .`: the package imports from its folder.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package / "src"), env.get("PYTHONPATH")]))

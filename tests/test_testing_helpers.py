@@ -17,7 +17,6 @@ from chatcore.errors import ChatcoreError, PluginError
 from chatcore.evaluation.runner import EvalRow
 from chatcore.steering import Steerer
 from chatcore.testing import (
-    BASE_PLUGINS,
     build_conversation,
     build_tiny_model,
     compare_to_baseline,
@@ -81,7 +80,7 @@ def test_build_tiny_model_is_small_and_uses_the_bundled_tokenizer(tiny) -> None:
 def test_plugin_host_holds_the_base_decoders_and_the_plugins_given_only() -> None:
     host = plugin_host("chatcore.plugins.bow_bias")
     registered = sorted(name for name, _ in host.pm.list_name_plugin())
-    assert registered == sorted((*BASE_PLUGINS, "chatcore.plugins.bow_bias"))
+    assert registered == ["chatcore.plugins.bow_bias", "chatcore.plugins.greedy", "chatcore.plugins.top_k"]
 
 
 @pytest.mark.parametrize(

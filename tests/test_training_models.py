@@ -9,11 +9,11 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from chatcore import reranking
 from chatcore.cli import build_cli
 from chatcore.engine import ReplyOptions
 from chatcore.errors import ChatcoreError
 from chatcore.models import load_model
+from chatcore.plugins.mmi import reranking
 from chatcore.testing import CHATML_TEMPLATE, build_tiny_model, make_engine
 from chatcore.training.corpus import load_chitchat
 from chatcore.training.pipeline import train_model_command
@@ -97,7 +97,7 @@ def test_reverse_training_fine_tunes_any_causal_lm(forward_and_reverse):
 @pytest.mark.slow
 def test_mmi_with_a_chat_template_model_scores_message_turns(forward_and_reverse):
     _, forward, best, _ = forward_and_reverse
-    engine = make_engine(str(forward), "chatcore.plugins.mmi")
+    engine = make_engine(str(forward), "chatcore.plugins.mmi.plugin")
     conversation = engine.conversation(system="You are terse.")
     engine.add_user(conversation, "hi! do you have any pets?")
     conversation.add_bot_text("yes, two cats")

@@ -6,11 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatcore.decoding import GenerationSession
-from chatcore.steering import Steerer
-from chatcore.step import StepState, model_step
+from chatcore.api import GenerationSession, Steerer, StepState, encode_text, model_step
 from chatcore.testing import decode_steps
-from chatcore.text import encode_text
 from chatcore_steering_vectors.residual import find_blocks
 from chatcore_steering_vectors.steerer import split_prompts
 
@@ -176,7 +173,7 @@ def test_batched_cached_decoding_matches_a_full_forward_per_row(chatcore_engine,
 def test_llama_style_models_are_steered_at_their_decoder_layers(chatcore_tiny_model) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from chatcore.models import LoadedModel
+    from chatcore.api import LoadedModel
     from chatcore_steering_vectors import ActivationAddition
 
     torch.manual_seed(0)
@@ -208,7 +205,7 @@ def test_llama_style_models_are_steered_at_their_decoder_layers(chatcore_tiny_mo
 
 
 def test_a_model_without_recognisable_blocks_is_reported() -> None:
-    from chatcore.errors import ChatcoreError
+    from chatcore.api import ChatcoreError
 
     class Odd(torch.nn.Module):
         def __init__(self) -> None:

@@ -2,9 +2,8 @@
 
 import pytest
 
-from chatcore.errors import OptionError
-from chatcore.evaluation.prompts import openers
-from chatcore.testing import compare_to_baseline
+from chatcore.api import OptionError
+from chatcore.testing import compare_to_baseline, openers
 
 FOOD = {
     "positive": "I love cooking dinner|let us talk about food|pizza and pasta are delicious"

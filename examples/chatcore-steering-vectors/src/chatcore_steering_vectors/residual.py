@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from chatcore.errors import ChatcoreError
+from chatcore.api import ChatcoreError
 
 if TYPE_CHECKING:
     import torch

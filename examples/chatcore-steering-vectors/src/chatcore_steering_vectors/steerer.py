@@ -12,18 +12,13 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, NonNegativeInt, ValidationInfo, field_validator
 
-from chatcore.errors import OptionError
-from chatcore.options import Settings
-from chatcore.steering import Steerer
-from chatcore.step import Step, StepOutput, StepState
-from chatcore.text import encode_text
+from chatcore.api import OptionError, Settings, Steerer, Step, StepOutput, StepState, encode_text
 from chatcore_steering_vectors.residual import Pool, add_to_output, find_blocks, mean_block_output
 
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.decoding import GenerationSession
-    from chatcore.models import LoadedModel
+    from chatcore.api import GenerationSession, LoadedModel
 
 PROMPT_SEPARATOR = "|"
 

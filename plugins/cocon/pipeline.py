@@ -1,0 +1,205 @@
+"""LM-alpha -> CoCon block -> LM-beta, with a cache for each, one step at a time.
+
+Which positions the block rewrites (the same in training and in chat): every position
+from the last prompt token on, that is the one that predicts the reply's first token
+and every reply token after it. Earlier prompt positions reach LM-beta as LM-alpha
+left them, but still give the block their keys and values, so the reply is steered
+with the whole history in view while the history itself is read as the plain model
+reads it. This is the paper's training setup (history hidden states pass through
+unchanged, the transformed sequence starts at the last history position).
+
+Caches (in :class:`CoconCache`): the model's ``DynamicCache`` (alpha's layers and
+beta's layers, see chatcore.plugins.cocon.model_split), and the block's keys/values: the
+content's (computed once per reply) followed by one entry per sequence position.
+Each step feeds only the new tokens; nothing re-runs the sequence.
+
+Shapes: B rows, T new positions, P cached positions, S content positions, C width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .block import CoconBlock
+from .model_split import SplitModel
+
+
+@dataclass
+class ContentMemory:
+    """The content's block keys/values and its attention bias, ready for every step.
+
+    keys, values: (1 or B, H, S, D); bias: (1 or B, 1, S), tau at each content position.
+    lengths: the token count of each content input, in order.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    lengths: tuple[int, ...]
+
+    @property
+    def length(self) -> int:
+        return int(self.keys.size(2))
+
+
+@dataclass
+class CoconCache:
+    """Everything a CoCon step caches.
+
+    model:        the base model's DynamicCache (alpha layers [0, split), beta layers [split, n)).
+    block_keys:   (B, H, S + P, D) the content's keys, then one per cached sequence position.
+    block_values: (B, H, S + P, D)
+    content_length: S.
+    """
+
+    model: Any
+    block_keys: torch.Tensor
+    block_values: torch.Tensor
+    content_length: int
+
+    @property
+    def length(self) -> int:
+        """P: sequence positions cached."""
+        return int(self.block_keys.size(2)) - self.content_length
+
+
+@dataclass
+class CoconOutput:
+    logits: torch.Tensor  # (B, V) for the last position, or (B, Tq, V) with all_logits
+    cache: CoconCache | None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    steered: torch.Tensor | None = None  # (B, Tq, C) the block's outputs (for training)
+
+
+class CoconPipeline:
+    def __init__(self, split: SplitModel, block: CoconBlock) -> None:
+        assert block.config.n_embd == split.n_embd, "block and model widths differ"
+        self.split = split
+        self.block = block
+
+    # -- content ------------------------------------------------------------------------
+    def encode_content(self, contents: Sequence[Sequence[int]], taus: Sequence[float]) -> ContentMemory | None:
+        """Run each content text (token ids) through LM-alpha alone, positions from 0, and
+        project it to block keys/values; tau[i] biases the positions of content i.
+        None when there is no content (the block then attends over the sequence only)."""
+        assert len(contents) == len(taus), "one tau per content"
+        device = self.split.device
+        keys, values, biases, lengths = [], [], [], []
+        for ids, tau in zip(contents, taus):
+            if not ids:
+                continue
+            tokens = torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, S_i)
+            hidden = self.split.hidden_at_split(tokens)  # (1, S_i, C)
+            k, v = self.block.content_keys_values(hidden)
+            keys.append(k)
+            values.append(v)
+            biases.append(torch.full((len(ids),), float(tau), device=device))
+            lengths.append(len(ids))
+        if not keys:
+            return None
+        bias = torch.cat(biases).view(1, 1, -1).to(self.split.dtype)
+        return ContentMemory(torch.cat(keys, dim=2), torch.cat(values, dim=2), bias, tuple(lengths))
+
+    # -- one step -----------------------------------------------------------------------
+    def forward(
+        self,
+        key_valid: torch.Tensor,
+        position_ids: torch.Tensor,
+        prompt_length: int,
+        content: ContentMemory | None,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        cache: CoconCache | None = None,
+        use_cache: bool = True,
+        content_bias: torch.Tensor | None = None,
+        all_logits: bool = False,
+        output_hidden_states: bool = False,
+    ) -> CoconOutput:
+        """Feed T new positions (token ids or embeddings) after the cached ones.
+
+        key_valid:     (B, P + T) 1 for real tokens, 0 for left padding (the whole sequence so far).
+        position_ids:  (B, T) positions of the new tokens.
+        prompt_length: positions before ``prompt_length - 1`` pass the block unchanged.
+        content_bias:  (B, Tq, S) replaces the content's tau bias (training's self-token mask).
+        all_logits:    logits for every rewritten new position (B, Tq, V), else the last (B, V).
+        """
+        split, block = self.split, self.block
+        embeddings = split.embed(position_ids, input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, T, C)
+        B, T, _ = embeddings.shape
+        past = cache.length if cache is not None else 0
+        assert key_valid.shape == (B, past + T), f"key_valid {tuple(key_valid.shape)} != {(B, past + T)}"
+        model_cache = cache.model if cache is not None else (split.new_cache() if use_cache else None)
+        inputs = split.pass_inputs(embeddings, position_ids, key_valid, model_cache)  # masks, rotary: both halves
+        collect: list[torch.Tensor] | None = [embeddings] if output_hidden_states else None
+
+        hidden = split.alpha(embeddings, inputs, collect)  # (B, T, C)
+
+        past_keys: torch.Tensor | None
+        past_values: torch.Tensor | None
+        if cache is not None:
+            past_keys, past_values, content_length = cache.block_keys, cache.block_values, cache.content_length
+        elif content is not None:
+            past_keys = content.keys.expand(B, -1, -1, -1)
+            past_values = content.values.expand(B, -1, -1, -1)
+            content_length = content.length
+        else:
+            past_keys = past_values = None
+            content_length = 0
+        if content_bias is None and content is not None and content_length:
+            content_bias = content.bias
+        steer_from = min(max(prompt_length - 1 - past, 0), T)
+        steered, keys, values = block(
+            hidden, key_valid.bool(), past_keys, past_values, content_length, content_bias, queries_from=steer_from
+        )  # (B, Tq, C)
+        beta_input = torch.cat([hidden[:, :steer_from], steered], dim=1) if steer_from else steered
+        if collect is not None:
+            collect[-1] = beta_input  # the residual stream the upper layers actually read
+
+        final = split.beta(beta_input, inputs, collect)  # (B, T, C)
+        if all_logits:
+            logits = split.head(final[:, steer_from:]).float()  # (B, Tq, V)
+        else:
+            logits = split.head(final[:, -1]).float()  # (B, V)
+        new_cache = CoconCache(model_cache, keys, values, content_length) if use_cache else None
+        return CoconOutput(logits, new_cache, tuple(collect) if collect is not None else None, steered)
+
+    # -- whole sequences (training, and the reference the cached steps are tested against) --
+    def full_forward(
+        self,
+        alpha_hidden: torch.Tensor,
+        history_length: int,
+        content_keys: torch.Tensor | None = None,
+        content_values: torch.Tensor | None = None,
+        content_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits for every rewritten position of whole, unpadded sequences, no cache.
+
+        alpha_hidden:  (B, L, C) LM-alpha's hidden states of the input tokens (positions from 0).
+        history_length: hs. With hs >= 1, positions [hs - 1, L) are rewritten (Tq = L - hs + 1);
+                       with hs = 0 the learned start vector stands in for the history and
+                       the block reads [start, h_0 .. h_{L-2}] (Tq = L), so that output q
+                       always predicts continuation token q.
+        content_keys/values: (B, H, S, D) from ``block.content_keys_values``; None for no content.
+        content_bias:  (B or 1, Tq or 1, S), e.g. the self-token mask.
+
+        Returns (logits (B, Tq, V) float32, steered (B, Tq, C)).
+        """
+        split, block = self.split, self.block
+        B, L, _ = alpha_hidden.shape
+        if history_length == 0:
+            sequence = torch.cat([block.start_vector(B).to(alpha_hidden.dtype), alpha_hidden[:, :-1]], dim=1)
+            queries_from = 0
+        else:
+            sequence = alpha_hidden
+            queries_from = history_length - 1
+        T = sequence.size(1)
+        key_valid = torch.ones(B, T, dtype=torch.bool, device=sequence.device)
+        S = content_keys.size(2) if content_keys is not None else 0
+        steered, _, _ = block(sequence, key_valid, content_keys, content_values, S, content_bias, queries_from)
+        beta_input = torch.cat([sequence[:, :queries_from], steered], dim=1) if queries_from else steered
+        final = split.beta(beta_input, split.pass_inputs(beta_input))
+        return split.head(final[:, queries_from:]).float(), steered
