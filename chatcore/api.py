@@ -26,13 +26,15 @@ The names, by what a plugin author does with them:
 - text and words: :func:`encode_text` (never parses special tokens), word lists;
 - prompts: :class:`Message`, :class:`PromptFormat`, :func:`choose_format`;
 - commands: :func:`train_group`, the ``chatcore train`` group a plugin adds its training
-  command to (from its ``register_commands`` hook);
+  command to (from its ``register_commands`` hook); :func:`options_from_model`, click
+  options generated from a :class:`Settings` model's fields (default, bounds, help);
 - errors: :class:`ChatcoreError` and its kinds, shown to the user in one line.
 """
 
 from __future__ import annotations
 
 from chatcore.anatomy import FULL_ATTENTION, Anatomy, BlockInputs, UnsupportedModelError, anatomy_of
+from chatcore.cli.options import options_from_model
 from chatcore.cli.train import train_group
 from chatcore.decoding import Candidate, Decoder, GenerationSession, RepetitionSettings, Sampled, TokenDecoder
 from chatcore.errors import ChatcoreError, CorpusError, ModelLoadError, OptionError
@@ -67,6 +69,7 @@ from chatcore.wordlists import WORDLIST_DIR, builtin_topics, check_word_sources,
 
 __all__ = [
     "registry_of",
+    "options_from_model",
     "AUTO",
     "Anatomy",
     "BUNDLED_DIR",

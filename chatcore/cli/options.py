@@ -5,7 +5,7 @@ Only click is imported here, so ``--help`` stays instant.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -157,3 +157,31 @@ persona_option = click.option(
     metavar="NAME",
     help="Use a saved system prompt (`chatcore personas` lists them; instead of --system).",
 )
+
+
+def options_from_model(
+    model: type[Any],
+    names: Sequence[str],
+    renames: Mapping[str, str | tuple[str, ...]] | None = None,
+    helps: Mapping[str, str] | None = None,
+) -> Callable[[F], F]:
+    """Click options for the fields ``names`` of the pydantic ``model``, in that order: each
+    takes the field's default, its bounds (``ge``/``le``/``gt``/``lt``: a click range, shown
+    in the help) and its help (the docstring under the field; ``helps`` for a command's own
+    wording). The flag is ``--field-name`` unless ``renames`` gives it (``"--lr"``, or
+    ``("-m", "--model")``); the value arrives under the field's name, so the command builds
+    the model from what it collected and the field is its one source.
+
+    Only pydantic is read (no torch), so ``--help`` stays instant."""
+    from chatcore.cli.model_options import field_option
+
+    renames = renames or {}
+    helps = helps or {}
+    options = [field_option(model, name, renames.get(name), helps.get(name)) for name in names]
+
+    def apply(f: F) -> F:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply

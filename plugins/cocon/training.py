@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from chatcore.api import ChatcoreError, Settings
 
@@ -53,6 +53,7 @@ BLOCK_DIR = "block"
 
 
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
+Tokens = Annotated[int, Field(ge=1, le=8192)]
 CoconPrecision = Literal["auto", "fp32", "bf16"]
 
 
@@ -61,32 +62,39 @@ class CoconTrainConfig(Settings):
 
     out_dir: str
     model: str = "chatcore-tiny"
+    """The frozen base model (bundled name, folder or hub id; GPT-2 or Llama family)."""
     corpus: str = "chitchat"
-    heldout: Share = 0.05
+    """"chitchat" or a JSONL file of dialogues."""
+    heldout: Annotated[float, Field(ge=0.0, le=0.5)] = 0.05
+    """Share of the dialogues held out for evaluation."""
     prompt_format: str = "auto"
-    """The prompt format the windows are rendered in, as chat renders prompts."""
-    split_layer: PositiveInt | None = None
-    """The layer the block sits at (default: n_layer // 3, at least 1)."""
-    steps: PositiveInt = 2000
-    batch_size: PositiveInt = 16
-    history_tokens: PositiveInt = 32
-    """The longest history."""
-    min_history_tokens: PositiveInt | None = None
-    """The shortest history (default: history_tokens, every history as long)."""
-    continuation_tokens: Annotated[int, Field(ge=2)] = 24
-    content_max_tokens: PositiveInt | None = None
-    """The longest content (default: the whole continuation)."""
+    """Prompt format the dialogues are rendered in, as chat renders prompts: auto (the model's chat
+    template if it has one), chat-template, dialogpt, ..."""
+    split_layer: Annotated[int, Field(ge=1, le=1000)] | None = None
+    """The layer the block sits at: LM-alpha is blocks [0, split). Default: a third of the depth."""
+    steps: Annotated[int, Field(ge=1, le=10**9)] = 2000
+    batch_size: Annotated[int, Field(ge=1, le=65536)] = 16
+    history_tokens: Tokens = 32
+    """The longest history (prompt) before a continuation."""
+    min_history_tokens: Tokens | None = None
+    """Draw each batch's history length log-uniformly from [this, history_tokens] (default:
+    every history history_tokens long)."""
+    continuation_tokens: Annotated[int, Field(ge=2, le=8192)] = 24
+    content_max_tokens: Tokens | None = None
+    """Longest content (default: the whole continuation)."""
     short_content_share: Share = 0.5
-    """Share of batches whose content is a short span."""
-    short_content_max_tokens: PositiveInt = 4
+    """Share of batches whose content is a short span (a word, a phrase) of the continuation."""
+    short_content_max_tokens: Tokens = 4
+    """Longest short content span."""
     span_rarity: NonNegativeFloat = 1.0
     """Short spans start at token t with weight count(t) ** -span_rarity."""
     span_weight: NonNegativeFloat = 1.0
-    """Self loss weight, relative to the rest, at the positions a short content holds."""
+    """Weight, relative to the other positions, of the self loss at the positions a short content holds."""
     plain_target: Share = 0.0
-    """Share of the target taken from the plain model where no content token is due."""
+    """Share of the target taken from the plain model's next-token distribution instead of the text,
+    where no content token is due (the null loss; outside a short content's span)."""
     init_block: str | None = None
-    """Start from this block's weights (a folder or bundled name): fine-tuning."""
+    """Start from this block's weights (a block folder or bundled name for the same model): fine-tune it."""
     turn_start_share: Share = 0.75
     """Share of windows whose continuation starts a turn."""
     no_history_share: Share = 0.05
@@ -95,27 +103,37 @@ class CoconTrainConfig(Settings):
     """Content hidden states replaced by the mask vector."""
     self_token_mask: bool = True
     self_weight: NonNegativeFloat = 1.0
+    """Weight of the self-reconstruction loss."""
     null_weight: NonNegativeFloat = 1.0
+    """Weight of the null-content (plain LM) loss."""
     cycle_weight: NonNegativeFloat = 1.0
+    """Weight of the cycle-reconstruction loss."""
     adv_weight: NonNegativeFloat = 0.2
+    """Weight of the adversarial loss."""
     cycle_from_step: NonNegativeInt = 500
     adv_from_step: NonNegativeInt = 500
-    cycle_tokens: PositiveInt = 8
+    cycle_tokens: Annotated[int, Field(ge=1, le=512)] = 8
+    """Tokens generated for the cycle and adversarial losses."""
     cycle_batch_size: PositiveInt = 8
     disc_every: PositiveInt = 5
-    learning_rate: PositiveFloat = 5e-4
+    learning_rate: Annotated[float, Field(ge=1e-8, le=1.0)] = 5e-4
     min_lr_ratio: float = 0.1
     warmup_steps: NonNegativeInt = 100
     weight_decay: NonNegativeFloat = 0.01
     grad_clip: float = 1.0
     dropout: float = 0.1
     eval_every: PositiveInt = 200
+    """Steps between held-out evaluations (each also writes the checkpoint and the block)."""
     eval_windows: PositiveInt = 128
+    """Held-out windows each evaluation scores."""
     seed: int = 1234
     device: str | None = None
+    """cpu, cuda ... (default: cuda when present)."""
     precision: CoconPrecision = "auto"
+    """auto: bf16 autocast on CUDA, fp32 elsewhere."""
     save_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
-    threads: int | None = None
+    threads: Annotated[int, Field(ge=1, le=1024)] | None = None
+    """torch CPU threads (default: torch's own choice)."""
 
     # Built once per run and never assigned afterwards, so the validator below may fill in
     # the defaults that follow other settings without running itself again.
