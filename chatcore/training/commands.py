@@ -8,12 +8,31 @@ from typing import TYPE_CHECKING, Any
 import click
 
 import chatcore
+from chatcore.cli.options import options_from_model
 from chatcore.cli.train import train, train_group
+from chatcore.training.trainer import ModelShape, TrainConfig
 
 if TYPE_CHECKING:
     from chatcore.training.filtering import FilterConfig, FilterReport
-    from chatcore.training.trainer import Precision
 
+
+# What `train model` sets of the model's shape and of its training, in the order --help
+# lists them; each option's default, bounds and help come from the model's field.
+SHAPE_OPTIONS = ("n_layer", "n_embd", "n_head", "n_positions", "dropout")
+TRAIN_OPTIONS = (
+    "epochs",
+    "batch_size",
+    "grad_accum",
+    "block_size",
+    "learning_rate",
+    "warmup_steps",
+    "eval_every",
+    "eval_blocks",
+    "seed",
+    "device",
+    "precision",
+    "save_dtype",
+)
 
 corpus_option = click.option("--corpus", default="chitchat", show_default=True, help='"chitchat" or a JSONL file.')
 heldout_option = click.option(
@@ -186,42 +205,8 @@ def train_filter(
 @click.option("--tokenizer", "tokenizer_path", default=None, help="Tokenizer folder (default: train one).")
 @click.option("--init-from", default=None, help="Fine-tune this model (bundled name, folder or hub id).")
 @click.option("--vocab-size", type=click.IntRange(300, 1_000_000), default=8192, show_default=True)
-@click.option("--n-layer", type=click.IntRange(1, 96), default=6, show_default=True)
-@click.option("--n-embd", type=click.IntRange(8, 8192), default=384, show_default=True)
-@click.option("--n-head", type=click.IntRange(1, 128), default=6, show_default=True)
-@click.option("--n-positions", type=click.IntRange(16, 8192), default=512, show_default=True)
-@click.option("--dropout", type=click.FloatRange(0, 0.9), default=0.1, show_default=True)
-@click.option("--epochs", type=click.FloatRange(0.001, 10_000), default=10.0, show_default=True)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(1, 65536),
-    default=32,
-    show_default=True,
-    help="Blocks per device per micro-batch.",
-)
-@click.option(
-    "--grad-accum",
-    type=click.IntRange(1, 65536),
-    default=1,
-    show_default=True,
-    help="Micro-batches per optimizer step (gradient accumulation).",
-)
-@click.option("--block-size", type=click.IntRange(8, 8192), default=256, show_default=True)
-@click.option("--lr", "learning_rate", type=click.FloatRange(1e-8, 1.0), default=1e-3, show_default=True)
-@click.option("--warmup-steps", type=click.IntRange(0, 10**9), default=100, show_default=True)
-@click.option("--eval-every", type=click.IntRange(1, 10**9), default=200, show_default=True)
-@click.option(
-    "--eval-blocks",
-    type=click.IntRange(1, 10**9),
-    default=None,
-    help="Evaluate only the first N held-out blocks (default: all).",
-)
-@click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--device", default=None, help="cpu, cuda ... (default: cuda when present).")
-@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True)
-@click.option(
-    "--save-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float16", show_default=True
-)
+@options_from_model(ModelShape, SHAPE_OPTIONS)
+@options_from_model(TrainConfig, TRAIN_OPTIONS, {"learning_rate": "--lr"})
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint/.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @filter_options(with_switch=True)
@@ -233,23 +218,6 @@ def train_model(
     tokenizer_path: str | None,
     init_from: str | None,
     vocab_size: int,
-    n_layer: int,
-    n_embd: int,
-    n_head: int,
-    n_positions: int,
-    dropout: float,
-    epochs: float,
-    batch_size: int,
-    grad_accum: int,
-    block_size: int,
-    learning_rate: float,
-    warmup_steps: int,
-    eval_every: int,
-    eval_blocks: int | None,
-    seed: int,
-    device: str | None,
-    precision: "Precision",
-    save_dtype: str,
     resume: bool,
     quiet: bool,
     no_filter: bool,
@@ -257,6 +225,7 @@ def train_model(
     filter_disable: str,
     filter_set: tuple[str, ...],
     filter_report: str | None,
+    **settings: Any,
 ) -> None:
     """Train a GPT-2-architecture dialogue model from scratch, or fine-tune any causal LM
     (--init-from: GPT-2, Llama, Qwen2, Gemma ..., a folder, GGUF file or known name).
@@ -268,25 +237,11 @@ def train_model(
     """
     from chatcore.errors import OptionError
     from chatcore.training.pipeline import train_model_command
-    from chatcore.training.trainer import ModelShape, TrainConfig, distributed_context
+    from chatcore.training.trainer import distributed_context
 
     try:
-        shape = ModelShape(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, dropout=dropout)
-        config = TrainConfig(
-            out_dir=out_dir,
-            epochs=epochs,
-            batch_size=batch_size,
-            block_size=block_size,
-            learning_rate=learning_rate,
-            warmup_steps=warmup_steps,
-            eval_every=eval_every,
-            eval_blocks=eval_blocks,
-            seed=seed,
-            device=device,
-            precision=precision,
-            save_dtype=save_dtype,
-            grad_accum=grad_accum,
-        )
+        shape = ModelShape(**{name: settings.pop(name) for name in SHAPE_OPTIONS})
+        config = TrainConfig(out_dir=out_dir, **settings)
     except ValueError as error:
         raise OptionError(str(error)) from None
     filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, NonNegativeFloat, model_validator
 
 from chatcore.errors import ChatcoreError
 from chatcore.options import Settings
@@ -59,11 +59,11 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 class ModelShape(Settings):
     """The shape of a GPT-2-architecture model trained from scratch."""
 
-    n_layer: PositiveInt = 6
-    n_embd: PositiveInt = 384
-    n_head: PositiveInt = 6
-    n_positions: PositiveInt = 512
-    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.1
+    n_layer: Annotated[int, Field(ge=1, le=96)] = 6
+    n_embd: Annotated[int, Field(ge=8, le=8192)] = 384
+    n_head: Annotated[int, Field(ge=1, le=128)] = 6
+    n_positions: Annotated[int, Field(ge=16, le=8192)] = 512
+    dropout: Annotated[float, Field(ge=0.0, le=0.9)] = 0.1
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelShape:
@@ -76,25 +76,29 @@ class TrainConfig(Settings):
     """How a chat model is trained (`chatcore train model`)."""
 
     out_dir: str
-    epochs: PositiveFloat = 10.0
-    batch_size: PositiveInt = 32
-    block_size: PositiveInt = 256
-    learning_rate: PositiveFloat = 1e-3
+    epochs: Annotated[float, Field(ge=0.001, le=10_000)] = 10.0
+    batch_size: Annotated[int, Field(ge=1, le=65536)] = 32
+    """Blocks per device per micro-batch."""
+    block_size: Annotated[int, Field(ge=8, le=8192)] = 256
+    learning_rate: Annotated[float, Field(ge=1e-8, le=1.0)] = 1e-3
     min_lr_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
-    warmup_steps: NonNegativeInt = 100
+    warmup_steps: Annotated[int, Field(ge=0, le=10**9)] = 100
     weight_decay: NonNegativeFloat = 0.1
     grad_clip: NonNegativeFloat = 1.0
-    eval_every: PositiveInt = 200
+    eval_every: Annotated[int, Field(ge=1, le=10**9)] = 200
     seed: int = 1234
     device: str | None = None
+    """cpu, cuda ... (default: cuda when present)."""
     precision: Precision = "auto"
-    grad_accum: PositiveInt = 1
-    save_dtype: str = "float16"
+    grad_accum: Annotated[int, Field(ge=1, le=65536)] = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+    save_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
     max_shard_size: str = "15MB"
-    eval_blocks: PositiveInt | None = None
-    """Held-out blocks evaluated (None: all). A 100M-parameter model on a CPU reads about 300
-    tokens/s, so the full held-out split of a corpus can take longer than the steps between
-    two evaluations; the first N blocks are the same at every evaluation."""
+    eval_blocks: Annotated[int, Field(ge=1, le=10**9)] | None = None
+    """Evaluate only the first N held-out blocks (default: all)."""
+    # A 100M-parameter model on a CPU reads about 300 tokens/s, so the full held-out split of
+    # a corpus can take longer than the steps between two evaluations; the first N blocks
+    # are the same at every evaluation.
     extra: dict[str, Any] = {}
 
 

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
-from chatcore.api import OptionError
+from chatcore.api import OptionError, options_from_model
+
+from .train_discriminator import TrainSettings
 
 
 @click.command("discriminator")
@@ -22,35 +26,15 @@ from chatcore.api import OptionError
 @click.option(
     "--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Head file to write (.safetensors)."
 )
-@click.option(
-    "--layer",
-    type=int,
-    default=-1,
-    show_default=True,
-    help="Hidden-state layer the head reads (-1: the last, after the final norm).",
-)
-@click.option(
-    "--per-class",
-    type=click.IntRange(10, 10**7),
-    default=3000,
-    show_default=True,
-    help="At most this many examples per class (classes are balanced).",
-)
-@click.option("--epochs", type=click.IntRange(1, 100_000), default=300, show_default=True)
-@click.option("--lr", "learning_rate", type=click.FloatRange(1e-6, 10.0), default=0.01, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@options_from_model(TrainSettings, ("layer", "per_class", "epochs", "learning_rate", "seed"), {"learning_rate": "--lr"})
 @click.option("--device", default=None)
 def train_discriminator_command(
     model: str,
     data: str | None,
     builtin: str | None,
     out_path: str,
-    layer: int,
-    per_class: int,
-    epochs: int,
-    learning_rate: float,
-    seed: int,
     device: str | None,
+    **settings: Any,
 ) -> None:
     """Train a PPLM discriminator head on a frozen model.
 
@@ -61,7 +45,6 @@ def train_discriminator_command(
     from chatcore.api import load_model
 
     from .train_discriminator import (
-        TrainSettings,
         read_labelled_file,
         sentiment_examples,
         train_discriminator,
@@ -69,14 +52,14 @@ def train_discriminator_command(
 
     if (data is None) == (builtin is None):
         raise OptionError("give exactly one of --data FILE and --builtin sentiment")
+    training = TrainSettings(**settings)  # out-of-range values fail before the model loads
     examples = read_labelled_file(data) if data is not None else sentiment_examples()
     loaded = load_model(model, device=device)
-    settings = TrainSettings(layer=layer, per_class=per_class, epochs=epochs, learning_rate=learning_rate, seed=seed)
     result = train_discriminator(
         loaded,
         examples,
         out_path,
-        settings,
+        training,
         source=data if data is not None else f"builtin:{builtin}",
         progress=lambda message: click.echo(message, err=True),
     )

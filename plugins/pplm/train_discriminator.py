@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import Field, NonNegativeFloat, PositiveInt
 
 from chatcore.api import CorpusError, OptionError, Settings
 
@@ -45,11 +45,11 @@ class TrainSettings(Settings):
     """How a discriminator head is trained (`chatcore train discriminator`)."""
 
     layer: int = -1
-    """Index into hidden_states; negative counts from the end."""
-    per_class: Annotated[int, Field(ge=2)] = 3000
+    """Hidden-state layer the head reads (-1: the last, after the final norm; negative counts from the end)."""
+    per_class: Annotated[int, Field(ge=2, le=10**7)] = 3000
     """At most this many examples per class (classes are balanced)."""
-    epochs: PositiveInt = 300
-    learning_rate: PositiveFloat = 0.01
+    epochs: Annotated[int, Field(ge=1, le=100_000)] = 300
+    learning_rate: Annotated[float, Field(ge=1e-6, le=10.0)] = 0.01
     weight_decay: NonNegativeFloat = 1e-3
     validation_share: Annotated[float, Field(ge=0.0, lt=0.9)] = 0.1
     batch_size: PositiveInt = 64
