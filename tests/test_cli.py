@@ -301,3 +301,70 @@ def test_configurations_that_cannot_reply_are_refused_before_anything_starts(run
         assert_clean_failure(result)
         assert error_lines(result) == [f"Error: {line}"]
     assert list(tmp_path.iterdir()) == []
+
+
+def _bounds_of(model, name):
+    """The ge/le bounds of ``model``'s field ``name``, read from the model itself."""
+    bounds = {}
+    for item in model.model_fields[name].metadata:
+        for key in ("ge", "le"):
+            if hasattr(item, key):
+                bounds[key] = getattr(item, key)
+    return bounds
+
+
+def test_a_generated_option_shows_the_model_default_and_bounds(run):
+    from chatcore.training.trainer import TrainConfig
+
+    field = TrainConfig.model_fields["block_size"]
+    bounds = _bounds_of(TrainConfig, "block_size")
+    result = run("train", "model", "--help")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    shown = f"[default: {field.default}; {bounds['ge']}<=x<={bounds['le']}]"
+    assert f"--block-size INTEGER RANGE {shown}" in text, text
+
+
+def test_a_value_outside_the_model_bounds_is_refused_in_one_line_naming_the_option(run, tmp_path):
+    from chatcore.training.trainer import TrainConfig
+
+    bounds = _bounds_of(TrainConfig, "block_size")
+    low, high = bounds["ge"], bounds["le"]
+    result = run("train", "model", "--out", str(tmp_path / "run"), "--block-size", str(low - 1))
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output and result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == [f"Error: Invalid value for '--block-size': {low - 1} is not in the range {low}<=x<={high}."]
+    assert not (tmp_path / "run").exists()
+
+
+def test_options_from_model_reads_exclusive_bounds_optional_fields_and_flags():
+    from typing import Annotated, Literal
+
+    import click
+    from click.testing import CliRunner
+    from pydantic import Field, PositiveInt
+
+    from chatcore.cli.options import options_from_model
+    from chatcore.options import Settings
+
+    class Example(Settings):
+        count: PositiveInt = 3
+        """How many."""
+        share: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+        mode: Literal["fast", "slow"] = "fast"
+        verbose: bool = False
+
+    @click.command()
+    @options_from_model(Example, ("count", "share", "mode", "verbose"), {"count": ("-c", "--count")})
+    def command(**values):
+        click.echo(repr(Example(**values)))
+
+    help_text = " ".join(CliRunner().invoke(command, ["--help"]).output.split())
+    assert "-c, --count INTEGER RANGE How many. [default: 3; x>=1]" in help_text
+    assert "--share FLOAT RANGE [0.0<=x<1.0]" in help_text
+    assert "--mode [fast|slow] [default: fast]" in help_text
+    assert "--verbose / --no-verbose [default: no-verbose]" in help_text
+    result = CliRunner().invoke(command, ["-c", "5", "--share", "0.5", "--mode", "slow", "--verbose"])
+    assert result.output.strip() == "Example(count=5, share=0.5, mode='slow', verbose=True)"
+    assert "is not in the range" in CliRunner().invoke(command, ["--share", "1"]).output

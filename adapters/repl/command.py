@@ -6,35 +6,17 @@ from pathlib import Path
 
 import click
 
-from chatcore.cli.options import (
-    max_new_tokens_option,
-    model_option,
-    persona_option,
-    plugin_options,
-    prompt_options,
-    sampling_options,
-    threads_option,
-)
+from chatcore.cli.options import reply_options
 from chatcore.log.commands import DB_HELP
 
 
 @click.command("chat")
-@model_option
-@plugin_options
-@sampling_options
-@prompt_options("System prompt (persona) of the conversation.")
-@persona_option
+@reply_options("System prompt (persona) of the conversation.")
 @click.option(
     "--seed",
     type=click.IntRange(0, 2**63 - 1),
     default=None,
     help="Seed of the first reply; each later reply uses the next number.",
-)
-@max_new_tokens_option(64, per_model=True)
-@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
-@threads_option
-@click.option(
-    "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
 )
 @click.option(
     "-c",

@@ -9,15 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from chatcore.cli.options import (
-    max_new_tokens_option,
-    model_option,
-    persona_option,
-    plugin_options,
-    prompt_options,
-    sampling_options,
-    threads_option,
-)
+from chatcore.cli.options import reply_options
 from chatcore.cli.specs import parse_spec
 
 if TYPE_CHECKING:
@@ -58,18 +50,8 @@ def budget_note(response: "Response") -> str | None:
 
 @click.command()
 @click.argument("turns", nargs=-1, required=True)
-@model_option
-@plugin_options
-@sampling_options
-@prompt_options("System prompt (persona) for the reply.")
-@persona_option
+@reply_options("System prompt (persona) for the reply.")
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
-@max_new_tokens_option(64, per_model=True)
-@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
-@threads_option
-@click.option(
-    "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
-)
 @click.option("--json", "as_json", is_flag=True, help="Print the reply with its provenance as JSON.")
 @click.option(
     "-c",

@@ -185,3 +185,35 @@ def options_from_model(
         return f
 
     return apply
+
+
+device_option = click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+
+dtype_option = click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
+)
+
+
+def reply_options(system_help: str) -> Callable[[F], F]:
+    """The options of a command that loads a model and replies (``chat``, ``generate``):
+    ``--model``, ``--decoder``/``--steer``, ``--temperature``/``--top-p``, ``--system``,
+    ``--system-file``, ``--format``, ``--persona``, ``-n``, ``--device``, ``--threads`` and
+    ``--dtype``, in that order; ``system_help`` says whose system prompt it is."""
+    block = (
+        model_option,
+        plugin_options,
+        sampling_options,
+        prompt_options(system_help),
+        persona_option,
+        max_new_tokens_option(64, per_model=True),
+        device_option,
+        threads_option,
+        dtype_option,
+    )
+
+    def apply(f: F) -> F:
+        for option in reversed(block):
+            f = option(f)
+        return f
+
+    return apply
