@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from pydantic import Field, NonNegativeInt
+from pydantic import NonNegativeInt
 
 from chatcore.options import Configurable, Settings
 from chatcore.processors import (
-    MIN_SCORE_DIVISOR,
+    LogitBiasValue,
+    OccurrencePenaltyValue,
+    RepetitionPenalty,
     ScoreProcessor,
     logit_bias,
     no_repeat_ngram,
@@ -150,14 +152,14 @@ class RepetitionSettings(Settings):
 
     no_repeat_ngram_size: NonNegativeInt = 0
     """Never repeat an n-gram of this many tokens (0: off)."""
-    repetition_penalty: Annotated[float, Field(ge=MIN_SCORE_DIVISOR)] = 1.0
+    repetition_penalty: RepetitionPenalty = 1.0
     """Penalise tokens already in the sequence by this factor, as transformers' repetition
     penalty does (1.0: off). Below 1e-15 the seen tokens' float32 scores could overflow to
     infinity, where they can no longer be told apart and no probability can be computed
     (see chatcore.processors)."""
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    presence_penalty: OccurrencePenaltyValue = 0.0
     """Subtract this from the score of every token the reply already holds (OpenAI's; 0: off)."""
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: OccurrencePenaltyValue = 0.0
     """Subtract this times its count in the reply from each token's score (OpenAI's; 0: off)."""
-    logit_bias: dict[NonNegativeInt, Annotated[float, Field(ge=-100, le=100)]] = {}
+    logit_bias: dict[NonNegativeInt, LogitBiasValue] = {}
     """Token id -> a bias added to its score, as OpenAI's ``logit_bias`` (-100 bans the token)."""

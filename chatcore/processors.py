@@ -14,8 +14,11 @@ documented order, after the steerers have run, as one ``LogitsProcessorList``:
 7. ``top_p``
 8. ``min_p``                keeps tokens at least ``min_p`` times as likely as the best
 
-The builders check their arguments and raise ``ValueError`` naming the setting (the
-message a user sees), then return transformers' processor; transformers is imported
+Each range is written once, here, as a field type (:data:`Temperature`, :data:`TopP`,
+...) that the decoders' settings declare their fields with; pydantic checks a setting
+there. The builders are public API, called with or without settings, so they check their
+argument against the same constants and raise ``ValueError`` naming it, then return
+transformers' processor; transformers is imported
 only when one is built. transformers has no presence or frequency penalty (its
 repetition penalty is multiplicative and counts the prompt too), so
 :class:`OccurrencePenalty` is chatcore's own.
@@ -24,7 +27,9 @@ repetition penalty is multiplicative and counts the prompt too), so
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Annotated, Protocol, cast
+
+from pydantic import Field
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +45,17 @@ MIN_SCORE_DIVISOR = 1e-15
 # A temperature beyond float32's largest value is infinite there, and a banned token's
 # -inf score divided by it is nan.
 MAX_TEMPERATURE = 1e38
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # and for logit_bias values: [-100, 100]
+
+# The ranges above as field types: the decoders' settings declare their fields with these,
+# so a bound is written once, here, and the settings, their --help and JSON schema, and
+# the builders below (public API, callable without settings) all read it.
+Temperature = Annotated[float, Field(ge=MIN_SCORE_DIVISOR, le=MAX_TEMPERATURE)]
+RepetitionPenalty = Annotated[float, Field(ge=MIN_SCORE_DIVISOR)]
+OccurrencePenaltyValue = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+LogitBiasValue = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+TopP = Annotated[float, Field(gt=0, le=1)]
 
 
 def _out_of_range(name: str, value: float, low: float, high: float | None = None) -> ValueError:
@@ -60,10 +76,6 @@ def repetition_penalty(penalty: float) -> ScoreProcessor:
     if not penalty >= MIN_SCORE_DIVISOR:
         raise _out_of_range("repetition_penalty", penalty, MIN_SCORE_DIVISOR)
     return RepetitionPenaltyLogitsProcessor(float(penalty))
-
-
-MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
-MAX_LOGIT_BIAS = 100.0  # and for logit_bias values: [-100, 100]
 
 
 class OccurrencePenalty:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import Field, NonNegativeInt, PositiveInt
 
 from chatcore.decoding import Decoder, RepetitionSettings, Sampled, TokenDecoder
-from chatcore.processors import MAX_TEMPERATURE, MIN_SCORE_DIVISOR, ScoreProcessor, min_p, temperature, top_k, top_p
+from chatcore.processors import ScoreProcessor, Temperature, TopP, min_p, temperature, top_k, top_p
 
 if TYPE_CHECKING:
     import torch
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 class TopKSettings(RepetitionSettings):
     top_k: PositiveInt = 40
     """Sample from this many best tokens."""
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_p: TopP = 1.0
     """Nucleus sampling: keep the best tokens whose probabilities add up to this share (1.0: off)."""
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     """Keep only the tokens at least this share as likely as the best one (0.0: off)."""
-    temperature: Annotated[float, Field(ge=MIN_SCORE_DIVISOR, le=MAX_TEMPERATURE)] = 0.8
+    temperature: Temperature = 0.8
     """Divide the scores by this before sampling (lower: more predictable). Below 1e-15 the
     float32 scores divided by it could overflow, above 1e38 it is infinite in float32, and
     either way no probability could be computed (see chatcore.processors)."""
