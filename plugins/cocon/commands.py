@@ -46,7 +46,11 @@ OPTIONS = (
     "precision",
     "threads",
 )
-RENAMES = {"model": ("-m", "--model"), "prompt_format": "--format", "learning_rate": "--lr"}
+RENAMES: dict[str, str | tuple[str, ...]] = {
+    "model": ("-m", "--model"),
+    "prompt_format": "--format",
+    "learning_rate": "--lr",
+}
 
 
 @click.command("cocon")
