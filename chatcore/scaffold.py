@@ -245,9 +245,10 @@ def test_bad_settings_name_the_setting(chatcore_engine):
         chatcore_engine.make_decoder("$name", {"temperature": "0"})
 
 
-def test_it_replies_and_the_same_seed_gives_the_same_reply(chatcore_conversation):
-    first = chatcore_conversation("hi, how are you?").reply(decoder="$name", seed=3, max_new_tokens=8)
-    again = chatcore_conversation("hi, how are you?").reply(decoder="$name", seed=3, max_new_tokens=8)
+def test_it_replies_and_the_same_seed_gives_the_same_reply(chatcore_engine, chatcore_conversation):
+    settings = {"decoder": "$name", "seed": 3, "max_new_tokens": 8}
+    first = chatcore_engine.respond(chatcore_conversation("hi, how are you?"), **settings)
+    again = chatcore_engine.respond(chatcore_conversation("hi, how are you?"), **settings)
     assert first.text() == again.text()
     assert first.provenance["decoder"]["name"] == "$name"
 """)

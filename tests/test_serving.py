@@ -430,7 +430,9 @@ def test_a_replys_timings_add_up_through_the_scheduler_and_alone(serving_engine)
     """Queued, then the first token, then the whole reply: measured from one moment, whichever
     entry point decoded it (a reply of several rows sends every token at its end)."""
     serving_engine.host.load_modules(("chatcore.plugins.mmi.plugin",))
-    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 2}, seed=1, max_new_tokens=6)
+    options = ReplyOptions(
+        decoder="mmi", decoder_settings={"candidates": 2, "allow_retokenize": True}, seed=1, max_new_tokens=6
+    )
     conversation = serving_engine.conversation()
     serving_engine.add_user(conversation, "hi there")
     with Scheduler(serving_engine) as scheduler:
