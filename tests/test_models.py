@@ -39,8 +39,9 @@ def rotary_interleave(weight, heads: int):
     )
 
 
-def write_llama_gguf(folder: Path, out: Path) -> Path:
-    """Write a Hugging Face Llama folder as an unquantized (float32) GGUF file, as llama.cpp's converter does."""
+def write_llama_gguf(folder: Path, out: Path, half: bool = False) -> Path:
+    """Write a Hugging Face Llama folder as an unquantized GGUF file, as llama.cpp's converter does:
+    float32, or with ``half`` its matrices in float16 (norms stay float32, as llama.cpp keeps them)."""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,7 +49,10 @@ def write_llama_gguf(folder: Path, out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     config = model.config
-    state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    state = {
+        name: (tensor.half() if half and tensor.dim() == 2 else tensor).numpy()
+        for name, tensor in model.state_dict().items()
+    }
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -131,7 +135,9 @@ def test_gguf_converts_once_then_loads_the_cached_folder(llama_folder, llama_ggu
     assert "converting" not in capfd.readouterr().err
     assert first.path == second.path
     assert Path(first.path).parent == cache_home
-    assert sorted(path.name for path in cache_home.iterdir()) == [Path(first.path).name]  # no staging left
+    assert [path.name for path in cache_home.iterdir() if path.is_dir()] == [Path(first.path).name]  # no staging
+    source = json.loads((Path(first.path) / gguf_files.SOURCE_FILE).read_text())
+    assert source["dtype"] == "float32"  # a float32 file keeps its precision
 
     ids = chat_ids(original, "hi there, how are you?")
     assert chat_ids(second, "hi there, how are you?").tolist() == ids.tolist()
@@ -144,12 +150,51 @@ def test_gguf_converts_once_then_loads_the_cached_folder(llama_folder, llama_ggu
         assert torch.equal(second.model(ids).logits, expected)
 
 
-def test_a_rewritten_gguf_file_is_converted_anew(llama_gguf, cache_home):
+def test_the_cache_is_keyed_by_content_so_a_copy_reuses_it_and_a_rewrite_does_not(llama_gguf, cache_home, tmp_path):
     before = gguf_files.cached_folder(llama_gguf)
-    stat = llama_gguf.stat()
-    os.utime(llama_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert gguf_files.cached_folder(llama_gguf) != before
-    assert gguf_files.cached_folder(llama_gguf).parent == cache_home
+    assert before.parent == cache_home
+    before.mkdir(parents=True)
+    (before / gguf_files.COMPLETE_MARKER).write_text("{}")  # as if converted
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(llama_gguf.read_bytes())
+    assert gguf_files.cached_folder(copy) == before  # another name and place, the same content
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert gguf_files.cached_folder(copy) == before  # touched, not changed
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1
+    copy.write_bytes(bytes(data))
+    assert gguf_files.cache_key(copy) != gguf_files.cache_key(llama_gguf)  # rewritten: converted anew
+    assert gguf_files.cached_folder(copy).name.startswith("renamed-")
+    remembered = json.loads((cache_home / gguf_files.HASHES_FILE).read_text())
+    assert set(remembered) == {str(llama_gguf.resolve()), str(copy.resolve())}
+
+
+@pytest.mark.slow
+def test_a_half_precision_gguf_is_kept_in_bfloat16_exactly_as_its_weights_rounded(llama_folder, tmp_path, cache_home):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path = write_llama_gguf(llama_folder, tmp_path / "tiny-llama.F16.gguf", half=True)
+    converted = load_model(str(path), device="cpu", dtype="bfloat16")
+    folder = Path(converted.path)
+    assert json.loads((folder / gguf_files.SOURCE_FILE).read_text())["dtype"] == "bfloat16"
+    with safe_open(str(folder / "model.safetensors"), "pt") as stored:
+        assert {stored.get_tensor(name).dtype for name in stored.keys()} == {torch.bfloat16}
+    # The float32 de-quantized model that the conversion read, its weights rounded to bfloat16
+    # by hand (buffers such as the rotary frequencies stay as loading makes them).
+    rounded = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    for parameter in rounded.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    ids = chat_ids(converted, "hi there, how are you?")
+    with torch.no_grad():
+        assert torch.equal(converted.model(ids).logits, rounded(ids).logits)
+    # Read in float32 (chatcore's CPU default), the stored weights are those same values.
+    widened = load_model(str(path), device="cpu", dtype="float32")
+    for name, weight in widened.model.state_dict().items():
+        assert torch.equal(weight, rounded.state_dict()[name].float()), name
 
 
 def test_a_finished_conversion_is_kept_when_another_lands_second(tmp_path):
@@ -329,7 +374,7 @@ def test_two_processes_converting_at_once_end_with_one_complete_folder(llama_ggu
     assert [process.returncode for process in processes] == [0, 0], [err for _, err in outputs]
     paths = {out.strip() for out, _ in outputs}
     assert paths == {str(gguf_files.cached_folder(llama_gguf))}
-    assert [path.name for path in cache_home.iterdir()] == [Path(paths.pop()).name]
+    assert [path.name for path in cache_home.iterdir() if path.is_dir()] == [Path(paths.pop()).name]
 
 
 def test_a_models_recommended_sampling_is_the_decoders_default(tmp_path):
