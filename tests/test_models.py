@@ -395,3 +395,47 @@ def test_a_models_recommended_sampling_is_the_decoders_default(tmp_path):
     assert engine.make_decoder("top-k", {"temperature": 1.1}).describe()["settings"]["temperature"] == 1.1
     assert "temperature" not in engine.make_decoder("greedy").describe()["settings"]
     assert KNOWN_MODELS["smollm2"].sampling == {"temperature": 0.2, "top_p": 0.9}
+
+
+def fake_conversion(folder: Path, source: str, version: str = gguf_files.CONVERSION_VERSION) -> Path:
+    """A finished converted folder as the conversion leaves it (without running one)."""
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"\0" * 4096)
+    (folder / gguf_files.SOURCE_FILE).write_text(json.dumps({"file": source, "dtype": "bfloat16", "version": version}))
+    (folder / gguf_files.COMPLETE_MARKER).write_text("{}")
+    return folder
+
+
+def test_models_lists_bundled_known_and_converted_models_with_sizes(llama_gguf, cache_home):
+    converted = fake_conversion(gguf_files.cached_folder(llama_gguf), llama_gguf.name)
+    fake_conversion(cache_home / "old-0123456789abcdef", "?", version="1")
+    (cache_home / ".half-finished-staging").mkdir()
+    result = CliRunner().invoke(build_cli(), ["models"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.split()[0] == "chatcore-tiny" and "MiB" in line for line in lines)
+    assert any(line.split()[0] == "smollm2" for line in lines)  # installed, or how to install it
+    listed = next(line for line in lines if line.split()[0] == converted.name)
+    assert "bfloat16, from tiny-llama.F32.gguf" in listed and "KiB" in listed
+    assert "an older chatcore's layout" in next(line for line in lines if "old-0123456789abcdef" in line)
+    assert ".half-finished-staging" not in result.output
+
+
+def test_models_rm_removes_a_converted_folder_only_when_confirmed(llama_gguf, cache_home, tmp_path):
+    converted = fake_conversion(gguf_files.cached_folder(llama_gguf), llama_gguf.name)
+    cli, runner = build_cli(), CliRunner()
+    refused = runner.invoke(cli, ["models", "rm", converted.name])  # nobody to answer
+    assert refused.exit_code != 0 and "Aborted" in refused.output
+    declined = runner.invoke(cli, ["models", "rm", converted.name], input="n\n")
+    assert declined.exit_code != 0 and converted.is_dir()
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    for target in (str(outside), str(cache_home.parent), "../precious"):
+        result = runner.invoke(cli, ["models", "rm", target, "--yes"])
+        assert result.exit_code != 0 and "is not a converted model" in result.output, result.output
+        assert result.output.count("\n") == 1
+    assert outside.is_dir()
+    removed = runner.invoke(cli, ["models", "rm", str(llama_gguf), "--yes"])  # named by its GGUF file
+    assert removed.exit_code == 0, removed.output
+    assert "removed 1 folder(s)" in removed.output and not converted.exists()
+    assert llama_gguf.is_file()  # the GGUF file itself is kept
