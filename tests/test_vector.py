@@ -158,3 +158,23 @@ def test_train_vector_input_errors_are_one_line(tiny_model_dir, tmp_path):
         )
         assert result.exit_code != 0
         assert message in result.output and result.output.count("\n") == 1, result.output
+
+
+@pytest.mark.slow
+def test_generate_steers_with_a_saved_vector_as_the_python_api_does(
+    vector_engine, tiny_model_dir, contrast_files, tmp_path
+):
+    """The command line (a solo reply) gives the Python API's reply; the REPL, Discord and HTTP
+    submit to the scheduler, whose result the scheduler test above checks."""
+    assert train(tiny_model_dir, contrast_files, tmp_path / "food").exit_code == 0
+    steerers = [("vector", {"path": str(tmp_path / "food"), "strength": 12})]
+    options = ReplyOptions(decoder="top-k", seed=7, max_new_tokens=6, steerers=steerers)
+    expected = reply_ids(vector_engine, options)
+    result = CliRunner().invoke(
+        build_cli(),
+        ["generate", "--model", str(tiny_model_dir), "--steer", f"vector path={tmp_path / 'food'} strength=12"]
+        + ["--decoder", "top-k", "--seed", "7", "-n", "6", "--json", PROMPT],
+    )
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert shown["token_ids"] == expected
