@@ -104,12 +104,12 @@ def models(context: click.Context) -> None:
             click.echo(f"  {name:24s} {'-':>9s}  not installed: {known.install}")
             continue
         click.echo(f"  {name:24s} {human_size(gguf_file.stat().st_size):>9s}  {gguf_file}")
-        folder = converted_of(gguf_file)
-        if folder is None:
+        converted = converted_of(gguf_file)
+        if converted is None:
             click.echo(f"  {'':24s} {'':>9s}  not converted yet (the first use converts it)")
         else:
-            in_use[folder] = name
-            click.echo(f"  {'':24s} {human_size(folder_size(folder)):>9s}  converted: {folder}")
+            in_use[converted] = name
+            click.echo(f"  {'':24s} {human_size(folder_size(converted)):>9s}  converted: {converted}")
     folders = converted_folders()
     click.echo(f"converted GGUF folders ({cache_root()}):")
     if not folders:

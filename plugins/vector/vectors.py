@@ -82,9 +82,11 @@ def model_hash(loaded: "LoadedModel") -> str:
     shape = [type(loaded.model).__name__, anatomy.n_layer, anatomy.width, anatomy.vocab_size]
     digest.update(json.dumps(shape).encode())
     digest.update(vocabulary_sha256(loaded.tokenizer).encode())
-    pieces = [anatomy.token_embedding.weight[:HASHED_EMBEDDING_ROWS]]
-    if anatomy.final_norm is not None and getattr(anatomy.final_norm, "weight", None) is not None:
-        pieces.append(anatomy.final_norm.weight)  # type: ignore[arg-type]
+    embedding: torch.Tensor = anatomy.token_embedding.get_parameter("weight")
+    pieces = [embedding[:HASHED_EMBEDDING_ROWS]]
+    norm_weight = getattr(anatomy.final_norm, "weight", None)
+    if isinstance(norm_weight, torch.Tensor):
+        pieces.append(norm_weight)
     for piece in pieces:
         rounded = piece.detach().to("cpu", torch.bfloat16).view(torch.int16)
         digest.update(rounded.numpy().tobytes())
