@@ -114,15 +114,16 @@ def models(context: click.Context) -> None:
     click.echo(f"converted GGUF folders ({cache_root()}):")
     if not folders:
         click.echo("  none")
+    width = max([40, *(len(entry.folder.name) for entry in folders)])
     for entry in folders:
         notes = [entry.dtype, f"from {entry.source}"]
         if entry.folder in in_use:
             notes.append(f"= {in_use[entry.folder]}")
         if not entry.current:
             notes.append("an older chatcore's layout, which this version does not load")
-        click.echo(f"  {entry.folder.name:40s} {human_size(entry.size):>9s}  {', '.join(notes)}")
+        click.echo(f"  {entry.folder.name:{width}s} {human_size(entry.size):>9s}  {', '.join(notes)}")
     if folders:
-        click.echo(f"  {'total':40s} {human_size(sum(entry.size for entry in folders)):>9s}")
+        click.echo(f"  {'total':{width}s} {human_size(sum(entry.size for entry in folders)):>9s}")
 
 
 def resolve_removal(target: str) -> list[Path]:
