@@ -2,10 +2,18 @@
 
 transformers reads a GGUF file by de-quantizing every tensor into a float model, which
 takes about 20 s for a 135M-parameter model on a CPU. Doing that on every start would
-make GGUF models slow to open, so the first load saves the converted model (float32
-safetensors, tokenizer, generation config) under the user's cache folder and every later
-load reads that folder like any other. The cache entry is named after the file's name,
-size and modification time, so replacing the file converts it anew.
+make GGUF models slow to open, so the first load saves the converted model (safetensors,
+tokenizer, generation config) under the user's cache folder and every later load reads
+that folder like any other.
+
+The cache entry is keyed by the file's content (its sha256, computed once per path, size
+and modification time and remembered in ``hashes.json``), so a copy or a move of a file
+reuses its conversion and a rewritten file is converted anew.
+
+Weights are stored in bfloat16 when the file's weights are quantized or 16-bit (half the
+disk of float32): each is the de-quantized float32 value rounded to bfloat16, which is
+exactly what loading the float32 folder with ``--dtype bfloat16`` gave. A file whose
+weights are all float32 keeps float32, since its author chose full precision.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import sys
@@ -26,7 +35,13 @@ from chatcore.errors import ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
 # Bumped when the layout of a converted folder changes, so old entries are not reused.
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "2"
+# Written into every converted folder: the source file, its sha256, the stored dtype.
+SOURCE_FILE = "chatcore_source.json"
+# Remembers each GGUF file's sha256 by path, size and modification time.
+HASHES_FILE = "hashes.json"
+# GGUF tensor types whose values float32 holds and bfloat16 would round.
+FULL_PRECISION_TYPES = frozenset({"F32", "F64"})
 # Every converted folder holds this file; it is written last, inside the temporary folder.
 COMPLETE_MARKER = "config.json"
 # A staging folder this old belongs to a conversion that was killed; a live one is younger.
@@ -44,20 +59,76 @@ def cache_root() -> Path:
     return Path(user_cache_dir("chatcore")) / "gguf"
 
 
-def cache_key(path: Path) -> str:
-    """Changes whenever the file is replaced or rewritten: its size and modification time, hashed."""
+def content_sha256(path: Path) -> str:
+    """The sha256 of the file's bytes, read once per path, size and modification time (a
+    100 MB file takes about a second) and remembered in the cache's ``hashes.json``."""
     stat = path.stat()
-    identity = f"{CONVERSION_VERSION}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    resolved = str(path.resolve())
+    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    known = _read_hashes()
+    entry = known.get(resolved)
+    if isinstance(entry, dict) and all(entry.get(key) == value for key, value in stamp.items()):
+        digest = entry.get("sha256")
+        if isinstance(digest, str) and len(digest) == 64:
+            return digest
+    sha = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            sha.update(chunk)
+    digest = sha.hexdigest()
+    known = {name: entry for name, entry in _read_hashes().items() if name != resolved and Path(name).exists()}
+    known[resolved] = {**stamp, "sha256": digest}
+    _write_hashes(known)
+    return digest
+
+
+def _read_hashes() -> dict[str, Any]:
+    try:
+        found = json.loads((cache_root() / HASHES_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _write_hashes(known: dict[str, Any]) -> None:
+    """Replace ``hashes.json`` atomically; a cache that cannot be written only costs a re-read."""
+    root = cache_root()
+    with contextlib.suppress(OSError):
+        root.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{HASHES_FILE}-", dir=root)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            json.dump(known, file, indent=1)
+        os.replace(temporary, root / HASHES_FILE)
+
+
+def cache_key(path: Path) -> str:
+    """The file's content (and the conversion's layout version), hashed: the same for a copy
+    or a move of the file, new when its bytes change."""
+    identity = f"{CONVERSION_VERSION}:{content_sha256(path)}"
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def cached_folder(path: Path) -> Path:
-    """The folder the converted model of ``path`` lives in (whether or not it exists yet)."""
-    return cache_root() / f"{path.stem}-{cache_key(path)}"
+    """The folder the converted model of ``path`` lives in (whether or not it exists yet):
+    an existing conversion of the same content under another file name, else one named
+    after this file."""
+    key = cache_key(path)
+    root = cache_root()
+    if root.is_dir():
+        for folder in sorted(root.glob(f"*-{key}")):
+            if (folder / COMPLETE_MARKER).is_file():
+                return folder
+    return root / f"{path.stem}-{key}"
 
 
-def read_architecture(path: Path) -> str:
-    """The file's ``general.architecture``, reading the whole index so that a truncated file fails here."""
+def storage_dtype(tensor_types: set[str]) -> str:
+    """``float32`` for a file whose weights are all full precision, else ``bfloat16``."""
+    return "float32" if tensor_types <= FULL_PRECISION_TYPES else "bfloat16"
+
+
+def read_architecture(path: Path) -> tuple[str, set[str]]:
+    """The file's ``general.architecture`` and the types of its tensors (``Q4_1``, ``F32`` ...),
+    reading the whole index so that a truncated file fails here."""
     try:
         from gguf import GGUFReader
     except ImportError as error:  # pragma: no cover - a declared dependency
@@ -66,13 +137,14 @@ def read_architecture(path: Path) -> str:
         reader = GGUFReader(str(path))
         field = reader.get_field("general.architecture")
         architecture = field.contents() if field is not None else None
+        tensor_types = {tensor.tensor_type.name for tensor in reader.tensors}
     except Exception as error:  # the reader raises ValueError, struct.error, IndexError...
         raise ModelLoadError(
             f"GGUF file {str(path)!r} cannot be read (truncated or not a GGUF file): {error}"
         ) from error
     if not isinstance(architecture, str) or not architecture:
         raise ModelLoadError(f"GGUF file {str(path)!r} names no architecture (general.architecture)")
-    return architecture
+    return architecture, tensor_types
 
 
 def converted_model_folder(path: Path) -> Path:
@@ -82,22 +154,33 @@ def converted_model_folder(path: Path) -> Path:
     folder = cached_folder(path)
     if (folder / COMPLETE_MARKER).is_file():
         return folder
-    architecture = read_architecture(path)
+    architecture, tensor_types = read_architecture(path)
+    dtype = storage_dtype(tensor_types)
     print(f"converting {path.name} into a Hugging Face folder once (cached in {folder.parent})", file=sys.stderr)
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(folder)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         with _quiet_conversion():
-            _convert(path, staging, architecture)
+            _convert(path, staging, architecture, dtype)
+        source = {
+            "file": path.name,
+            "path": str(path.resolve()),
+            "sha256": content_sha256(path),
+            "size": path.stat().st_size,
+            "dtype": dtype,
+            "version": CONVERSION_VERSION,
+        }
+        (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
         _publish(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
-def _convert(path: Path, out: Path, architecture: str) -> None:
-    """De-quantize the file through transformers and save it as an ordinary float32 folder."""
+def _convert(path: Path, out: Path, architecture: str, dtype: str = "float32") -> None:
+    """De-quantize the file through transformers (to float32) and save it as an ordinary folder
+    with weights in ``dtype`` (each rounded once from the de-quantized float32 value)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -118,6 +201,8 @@ def _convert(path: Path, out: Path, architecture: str) -> None:
     cast(Any, model).hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    if dtype != "float32":
+        model.to(getattr(torch, dtype))
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
 

@@ -39,8 +39,9 @@ def rotary_interleave(weight, heads: int):
     )
 
 
-def write_llama_gguf(folder: Path, out: Path) -> Path:
-    """Write a Hugging Face Llama folder as an unquantized (float32) GGUF file, as llama.cpp's converter does."""
+def write_llama_gguf(folder: Path, out: Path, half: bool = False) -> Path:
+    """Write a Hugging Face Llama folder as an unquantized GGUF file, as llama.cpp's converter does:
+    float32, or with ``half`` its matrices in float16 (norms stay float32, as llama.cpp keeps them)."""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,7 +49,10 @@ def write_llama_gguf(folder: Path, out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     config = model.config
-    state = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    state = {
+        name: (tensor.half() if half and tensor.dim() == 2 else tensor).numpy()
+        for name, tensor in model.state_dict().items()
+    }
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -131,7 +135,9 @@ def test_gguf_converts_once_then_loads_the_cached_folder(llama_folder, llama_ggu
     assert "converting" not in capfd.readouterr().err
     assert first.path == second.path
     assert Path(first.path).parent == cache_home
-    assert sorted(path.name for path in cache_home.iterdir()) == [Path(first.path).name]  # no staging left
+    assert [path.name for path in cache_home.iterdir() if path.is_dir()] == [Path(first.path).name]  # no staging
+    source = json.loads((Path(first.path) / gguf_files.SOURCE_FILE).read_text())
+    assert source["dtype"] == "float32"  # a float32 file keeps its precision
 
     ids = chat_ids(original, "hi there, how are you?")
     assert chat_ids(second, "hi there, how are you?").tolist() == ids.tolist()
@@ -144,12 +150,51 @@ def test_gguf_converts_once_then_loads_the_cached_folder(llama_folder, llama_ggu
         assert torch.equal(second.model(ids).logits, expected)
 
 
-def test_a_rewritten_gguf_file_is_converted_anew(llama_gguf, cache_home):
+def test_the_cache_is_keyed_by_content_so_a_copy_reuses_it_and_a_rewrite_does_not(llama_gguf, cache_home, tmp_path):
     before = gguf_files.cached_folder(llama_gguf)
-    stat = llama_gguf.stat()
-    os.utime(llama_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    assert gguf_files.cached_folder(llama_gguf) != before
-    assert gguf_files.cached_folder(llama_gguf).parent == cache_home
+    assert before.parent == cache_home
+    before.mkdir(parents=True)
+    (before / gguf_files.COMPLETE_MARKER).write_text("{}")  # as if converted
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(llama_gguf.read_bytes())
+    assert gguf_files.cached_folder(copy) == before  # another name and place, the same content
+    stat = copy.stat()
+    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert gguf_files.cached_folder(copy) == before  # touched, not changed
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1
+    copy.write_bytes(bytes(data))
+    assert gguf_files.cache_key(copy) != gguf_files.cache_key(llama_gguf)  # rewritten: converted anew
+    assert gguf_files.cached_folder(copy).name.startswith("renamed-")
+    remembered = json.loads((cache_home / gguf_files.HASHES_FILE).read_text())
+    assert set(remembered) == {str(llama_gguf.resolve()), str(copy.resolve())}
+
+
+@pytest.mark.slow
+def test_a_half_precision_gguf_is_kept_in_bfloat16_exactly_as_its_weights_rounded(llama_folder, tmp_path, cache_home):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path = write_llama_gguf(llama_folder, tmp_path / "tiny-llama.F16.gguf", half=True)
+    converted = load_model(str(path), device="cpu", dtype="bfloat16")
+    folder = Path(converted.path)
+    assert json.loads((folder / gguf_files.SOURCE_FILE).read_text())["dtype"] == "bfloat16"
+    with safe_open(str(folder / "model.safetensors"), "pt") as stored:
+        assert {stored.get_tensor(name).dtype for name in stored.keys()} == {torch.bfloat16}
+    # The float32 de-quantized model that the conversion read, its weights rounded to bfloat16
+    # by hand (buffers such as the rotary frequencies stay as loading makes them).
+    rounded = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    for parameter in rounded.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    ids = chat_ids(converted, "hi there, how are you?")
+    with torch.no_grad():
+        assert torch.equal(converted.model(ids).logits, rounded(ids).logits)
+    # Read in float32 (chatcore's CPU default), the stored weights are those same values.
+    widened = load_model(str(path), device="cpu", dtype="float32")
+    for name, weight in widened.model.state_dict().items():
+        assert torch.equal(weight, rounded.state_dict()[name].float()), name
 
 
 def test_a_finished_conversion_is_kept_when_another_lands_second(tmp_path):
@@ -169,7 +214,7 @@ def test_a_truncated_gguf_file_is_one_line(llama_gguf, tmp_path, cache_home):
     with pytest.raises(ModelLoadError, match=r"cut\.gguf' cannot be read \(truncated or not a GGUF file\)") as caught:
         load_model(str(truncated), device="cpu")
     assert "\n" not in str(caught.value)
-    assert not cache_home.exists() or list(cache_home.iterdir()) == []
+    assert not cache_home.exists() or [path for path in cache_home.iterdir() if path.is_dir()] == []
 
 
 def test_a_gguf_of_an_unreadable_architecture_is_one_line(tmp_path, cache_home):
@@ -187,7 +232,7 @@ def test_a_gguf_of_an_unreadable_architecture_is_one_line(tmp_path, cache_home):
     with pytest.raises(ModelLoadError, match="transformers cannot read its 'made-up-arch' architecture") as caught:
         load_model(str(path), device="cpu")
     assert "\n" not in str(caught.value)
-    assert list(cache_home.iterdir()) == []  # the failed conversion left no folder behind
+    assert [path for path in cache_home.iterdir() if path.is_dir()] == []  # the failed conversion left no folder
 
 
 @pytest.mark.parametrize(
@@ -329,7 +374,7 @@ def test_two_processes_converting_at_once_end_with_one_complete_folder(llama_ggu
     assert [process.returncode for process in processes] == [0, 0], [err for _, err in outputs]
     paths = {out.strip() for out, _ in outputs}
     assert paths == {str(gguf_files.cached_folder(llama_gguf))}
-    assert [path.name for path in cache_home.iterdir()] == [Path(paths.pop()).name]
+    assert [path.name for path in cache_home.iterdir() if path.is_dir()] == [Path(paths.pop()).name]
 
 
 def test_a_models_recommended_sampling_is_the_decoders_default(tmp_path):
@@ -350,3 +395,47 @@ def test_a_models_recommended_sampling_is_the_decoders_default(tmp_path):
     assert engine.make_decoder("top-k", {"temperature": 1.1}).describe()["settings"]["temperature"] == 1.1
     assert "temperature" not in engine.make_decoder("greedy").describe()["settings"]
     assert KNOWN_MODELS["smollm2"].sampling == {"temperature": 0.2, "top_p": 0.9}
+
+
+def fake_conversion(folder: Path, source: str, version: str = gguf_files.CONVERSION_VERSION) -> Path:
+    """A finished converted folder as the conversion leaves it (without running one)."""
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"\0" * 4096)
+    (folder / gguf_files.SOURCE_FILE).write_text(json.dumps({"file": source, "dtype": "bfloat16", "version": version}))
+    (folder / gguf_files.COMPLETE_MARKER).write_text("{}")
+    return folder
+
+
+def test_models_lists_bundled_known_and_converted_models_with_sizes(llama_gguf, cache_home):
+    converted = fake_conversion(gguf_files.cached_folder(llama_gguf), llama_gguf.name)
+    fake_conversion(cache_home / "old-0123456789abcdef", "?", version="1")
+    (cache_home / ".half-finished-staging").mkdir()
+    result = CliRunner().invoke(build_cli(), ["models"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.split()[0] == "chatcore-tiny" and "MiB" in line for line in lines)
+    assert any(line.split()[0] == "smollm2" for line in lines)  # installed, or how to install it
+    listed = next(line for line in lines if line.split()[0] == converted.name)
+    assert "bfloat16, from tiny-llama.F32.gguf" in listed and "KiB" in listed
+    assert "an older chatcore's layout" in next(line for line in lines if "old-0123456789abcdef" in line)
+    assert ".half-finished-staging" not in result.output
+
+
+def test_models_rm_removes_a_converted_folder_only_when_confirmed(llama_gguf, cache_home, tmp_path):
+    converted = fake_conversion(gguf_files.cached_folder(llama_gguf), llama_gguf.name)
+    cli, runner = build_cli(), CliRunner()
+    refused = runner.invoke(cli, ["models", "rm", converted.name])  # nobody to answer
+    assert refused.exit_code != 0 and "Aborted" in refused.output
+    declined = runner.invoke(cli, ["models", "rm", converted.name], input="n\n")
+    assert declined.exit_code != 0 and converted.is_dir()
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    for target in (str(outside), str(cache_home.parent), "../precious"):
+        result = runner.invoke(cli, ["models", "rm", target, "--yes"])
+        assert result.exit_code != 0 and "is not a converted model" in result.output, result.output
+        assert result.output.count("\n") == 1
+    assert outside.is_dir()
+    removed = runner.invoke(cli, ["models", "rm", str(llama_gguf), "--yes"])  # named by its GGUF file
+    assert removed.exit_code == 0, removed.output
+    assert "removed 1 folder(s)" in removed.output and not converted.exists()
+    assert llama_gguf.is_file()  # the GGUF file itself is kept

@@ -71,6 +71,7 @@ def test_wheel_imports_every_builtin_and_has_no_bare_packages(tmp_path: Path) ->
         "chatcore/bundled/wordlists/food.txt",
         "chatcore/bundled/cocon-chatcore-tiny/cocon_block.safetensors",
         "chatcore/plugins/pplm/heads/sentiment.safetensors",
+        "chatcore/plugins/vector/pairs/food.txt",
     ):
         assert data in names, f"{data} is missing from the wheel"
     assert any(name.startswith("chatcore/bundled/") for name in names)

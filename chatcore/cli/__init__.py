@@ -66,12 +66,13 @@ def cli() -> None:
 
 
 def build_cli() -> click.Group:
-    from chatcore.cli import generate, personas_command, plugins_command
+    from chatcore.cli import generate, models_command, personas_command, plugins_command
     from chatcore.plugin_manager import get_plugin_host
 
     cli.add_command(generate.generate)
     cli.add_command(personas_command.personas)
     cli.add_command(plugins_command.plugins)
+    cli.add_command(models_command.models)
     host = get_plugin_host()
     host.call_each("register_commands", cli=cli)
     return cli

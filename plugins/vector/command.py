@@ -1,0 +1,82 @@
+"""``chatcore train vector``: a steering vector from two files of contrast texts."""
+
+from __future__ import annotations
+
+import click
+
+from .vectors import BUILTIN_PAIRS
+
+
+@click.command("vector")
+@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="The model to read activations from.")
+@click.option(
+    "--positive",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Texts to steer towards, one per line.",
+)
+@click.option(
+    "--negative",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Texts to steer away from, one per line (ideally each the partner of the same line in --positive).",
+)
+@click.option(
+    "--pairs",
+    type=click.Choice(sorted(BUILTIN_PAIRS)),
+    default=None,
+    help="A built-in contrast set instead of --positive/--negative.",
+)
+@click.option(
+    "--layer",
+    type=click.IntRange(0, None),
+    default=None,
+    help="The block whose output is read (default: a third of the way up).",
+)
+@click.option(
+    "--out",
+    "out_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the vector: OUT.safetensors and OUT.json.",
+)
+@click.option("--device", default=None, help="auto, cpu, cuda, cuda:N or mps.")
+def train_vector_command(
+    model: str,
+    positive: str | None,
+    negative: str | None,
+    pairs: str | None,
+    layer: int | None,
+    out_path: str,
+    device: str | None,
+) -> None:
+    """Make a steering vector: the mean residual activation of the --positive texts minus that of
+    the --negative texts after block --layer (contrastive activation addition).
+
+    The vector is saved with the model's hash; `--steer "vector path=OUT strength=4"` refuses it
+    on any other model.
+    """
+    from chatcore.errors import OptionError
+    from chatcore.models import load_model
+
+    from .vectors import build_vector, builtin_pair_files, read_texts, save_vector
+
+    if pairs is not None:
+        if positive is not None or negative is not None:
+            raise OptionError("give either --pairs or --positive and --negative, not both")
+        positive_file, negative_file = (str(path) for path in builtin_pair_files(pairs))
+    elif positive is None or negative is None:
+        raise OptionError("give --positive FILE and --negative FILE (or --pairs NAME)")
+    else:
+        positive_file, negative_file = positive, negative
+    towards, away = read_texts(positive_file), read_texts(negative_file)
+    loaded = load_model(model, device=device)
+    found = build_vector(
+        loaded, towards, away, layer, (positive_file, negative_file), progress=lambda line: click.echo(line, err=True)
+    )
+    tensors, meta = save_vector(found, out_path)
+    info = found.info
+    click.echo(
+        f"wrote {tensors} and {meta.name}: layer {info.layer}, norm {info.norm:.4g} "
+        f"(residual norm there {info.residual_norm:.4g}), model {info.model_name} hash {info.model_hash}"
+    )

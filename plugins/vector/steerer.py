@@ -1,0 +1,142 @@
+"""The ``vector`` steerer: adds ``strength`` times a steering vector to the residual stream.
+
+The vector comes from a file (``path=``, made by ``chatcore train vector``) or from a
+built-in contrast set read on the model when first used (``pairs=happy``, ``pairs=food``).
+It is added after block ``layer`` at every position the reply's passes feed (the prompt,
+then each new token), so every later block reads the steered stream.
+
+It is a step steerer, not a score steerer: the edit happens inside the model's forward pass,
+so its replies decode beside the shared batch with a cache of their own. Sharing the batch
+would need the shared pass to add a different vector to each reply's rows, and the prefix
+cache would then hold steered keys and values under plain token ids and hand them to
+unsteered replies; a reply of its own keeps both exact. Its rows (a decoder's candidates)
+still run together, one pass per step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import Field, model_validator
+
+from chatcore.anatomy import anatomy_of
+from chatcore.options import Settings
+from chatcore.steering import Steerer
+from chatcore.step import Step, StepOutput, StepState
+
+from .vectors import BUILTIN_PAIRS, build_vector, builtin_pair_files, check_layer, check_model, load_vector, read_texts
+
+if TYPE_CHECKING:
+    import torch
+
+    from chatcore.decoding import GenerationSession
+    from chatcore.models import LoadedModel
+
+MAX_STRENGTH = 32.0
+
+
+class VectorSettings(Settings):
+    path: str | None = None
+    """A vector from `chatcore train vector` (NAME, NAME.safetensors or NAME.json)."""
+    pairs: str | None = None
+    """A built-in contrast set, read on the model when first used: happy (happy - sad), food (food - plain)."""
+    strength: Annotated[float, Field(ge=-MAX_STRENGTH, le=MAX_STRENGTH)] = 4.0
+    """How many times the vector is added (negative steers away)."""
+    layer: Annotated[int, Field(ge=0, le=1023)] | None = None
+    """The block after which the vector is added (default: the layer it was read at)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> VectorSettings:
+        if (self.path is None) == (self.pairs is None):
+            raise ValueError(
+                f"vector needs one source: `path=FILE` (chatcore train vector) or `pairs=NAME` "
+                f"({', '.join(sorted(BUILTIN_PAIRS))})"
+            )
+        if self.pairs is not None and self.pairs not in BUILTIN_PAIRS:
+            raise ValueError(f"`pairs` must be one of {', '.join(sorted(BUILTIN_PAIRS))}, got {self.pairs!r}")
+        return self
+
+
+class Prepared:
+    """What :meth:`VectorSteerer.setup` keeps per model and settings."""
+
+    def __init__(self, layer: int, vector: "torch.Tensor", source: str, norm: float) -> None:
+        self.layer = layer
+        self.vector = vector  # (C,) on the model's device, in its dtype
+        self.source = source
+        self.norm = norm
+
+
+class VectorSteerer(Steerer):
+    name = "vector"
+    description = "adds strength x a steering vector (contrast pairs' mean difference) to the residual stream"
+    Settings = VectorSettings
+
+    @classmethod
+    def setting_choices(cls, name: str) -> list[str]:
+        return sorted(BUILTIN_PAIRS) if name == "pairs" else super().setting_choices(name)
+
+    def __init__(self, settings: VectorSettings | None = None) -> None:
+        super().__init__(settings)
+        self.addition: "torch.Tensor | None" = None  # (C,) strength * vector
+        self.layer = 0
+        self.model: Any = None
+
+    @classmethod
+    def setup(cls, model: "LoadedModel", settings: VectorSettings) -> Prepared:
+        """Read the vector (refused in one line if it was made for another model) or build it from
+        the built-in pairs; check the layer against the model."""
+        n_layer = anatomy_of(model.model).n_layer
+        if settings.path is not None:
+            found = load_vector(settings.path)
+            check_model(found, model, settings.path)
+            source = settings.path
+        else:
+            assert settings.pairs is not None
+            positive, negative = builtin_pair_files(settings.pairs)
+            found = build_vector(
+                model, read_texts(positive), read_texts(negative), settings.layer, (positive.name, negative.name)
+            )
+            source = f"pairs:{settings.pairs}"
+        layer = found.info.layer if settings.layer is None else settings.layer
+        check_layer(layer, n_layer)
+        vector = found.vector.to(model.device, model.dtype)
+        return Prepared(layer, vector, source, found.info.norm)
+
+    def prepare(self, session: "GenerationSession") -> None:
+        prepared = self.shared if isinstance(self.shared, Prepared) else self.setup(session.model, self.settings)
+        self.shared = prepared
+        self.layer = prepared.layer
+        self.model = session.model.model
+        self.addition = self.settings.strength * prepared.vector
+        self.note(
+            session,
+            {
+                "layer": prepared.layer,
+                "strength": self.settings.strength,
+                "source": prepared.source,
+                "vector_norm": round(prepared.norm, 4),
+            },
+        )
+
+    def wrap(self, step: Step) -> Step:
+        if self.addition is None:
+            from chatcore.errors import OptionError
+
+            raise OptionError("steerer 'vector' was used before prepare(session)")
+        addition, layer, anatomy = self.addition, self.layer, anatomy_of(self.model)
+
+        def steered(state: StepState) -> StepOutput:
+            owner = threading.get_ident()
+
+            def add(hidden: "torch.Tensor") -> "torch.Tensor | None":  # (B, T, C)
+                # Only this step's passes: another thread may be decoding with the same model.
+                return hidden + addition if threading.get_ident() == owner else None
+
+            # The hook lives only while this step runs, so the model is never left steered,
+            # even when the inner step raises.
+            with anatomy.residual_hook(layer, add):
+                return step(state)
+
+        return steered

@@ -1,0 +1,180 @@
+"""The built-in ``vector`` steerer and ``chatcore train vector`` on tiny real models (GPT-2 and Llama)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from chatcore.cli import build_cli
+from chatcore.engine import Engine, ReplyOptions
+from chatcore.errors import ChatcoreError
+from chatcore.prompting import Message
+from chatcore.serving import Scheduler
+
+POSITIVE = "i love pizza and pasta\nthe soup was delicious\nlet us cook dinner\n"
+NEGATIVE = "i fixed the printer\nthe meeting was long\nlet us send the report\n"
+PROMPT = "what did you do today?"
+
+
+@pytest.fixture
+def vector_engine(loaded, host):
+    host.load_modules(("chatcore.plugins.vector",))
+    return Engine(loaded, host=host)
+
+
+@pytest.fixture
+def contrast_files(tmp_path):
+    positive, negative = tmp_path / "food.txt", tmp_path / "plain.txt"
+    positive.write_text(POSITIVE)
+    negative.write_text(NEGATIVE)
+    return positive, negative
+
+
+def train(model_path, contrast_files, out, *extra: str):
+    positive, negative = contrast_files
+    arguments = ["train", "vector", "--model", str(model_path), "--positive", str(positive)]
+    arguments += ["--negative", str(negative), "--out", str(out), *extra]
+    return CliRunner().invoke(build_cli(), arguments)
+
+
+def reply(engine, steerers, seed=3, max_new_tokens=10):
+    options = ReplyOptions(decoder="top-k", seed=seed, max_new_tokens=max_new_tokens, steerers=steerers)
+    response = engine.reply_to([PROMPT], options)
+    response.text()
+    return response
+
+
+def test_train_vector_writes_the_mean_difference_with_the_models_hash(loaded, tiny_model_dir, contrast_files, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from chatcore.anatomy import anatomy_of
+    from chatcore.plugins.vector.vectors import mean_activation, model_hash
+
+    result = train(tiny_model_dir, contrast_files, tmp_path / "food", "--layer", "1")
+    assert result.exit_code == 0, result.output
+    info = json.loads((tmp_path / "food.json").read_text())
+    assert info["layer"] == 1 and info["width"] == anatomy_of(loaded.model).width
+    assert info["model_hash"] == model_hash(loaded)
+    assert (info["count_positive"], info["count_negative"]) == (3, 3)
+    towards, _ = mean_activation(loaded, 1, POSITIVE.splitlines())
+    away, _ = mean_activation(loaded, 1, NEGATIVE.splitlines())
+    assert torch.allclose(load_file(str(tmp_path / "food.safetensors"))["vector"], towards - away)
+
+
+def test_strength_zero_is_the_plain_reply_and_a_strong_vector_changes_it(
+    vector_engine, tiny_model_dir, contrast_files, tmp_path
+):
+    assert train(tiny_model_dir, contrast_files, tmp_path / "food").exit_code == 0
+    plain = reply(vector_engine, [])
+    zero = reply(vector_engine, [("vector", {"path": str(tmp_path / "food"), "strength": 0})])
+    assert zero.token_ids == plain.token_ids
+    steered = reply(vector_engine, [("vector", {"path": str(tmp_path / "food.json"), "strength": 30})])
+    assert steered.token_ids != plain.token_ids
+    details = steered.provenance["details"]["vector"]
+    assert details["strength"] == 30 and details["layer"] == 0  # a third of 2 layers
+    # The hook lives only while a step runs: the model is left as it was.
+    from chatcore.anatomy import anatomy_of
+
+    assert all(not block._forward_hooks for block in anatomy_of(vector_engine.loaded.model).blocks)
+
+
+@pytest.mark.slow
+def test_a_steered_reply_beside_plain_ones_in_the_scheduler_equals_each_alone(vector_engine):
+    """The steered reply runs eagerly beside the shared batch: its edit never reaches the other rows."""
+    steered = ReplyOptions(
+        decoder="top-k", seed=5, max_new_tokens=8, steerers=[("vector", {"pairs": "food", "strength": 20})]
+    )
+    plain = ReplyOptions(decoder="top-k", seed=5, max_new_tokens=8)
+    expected = [reply_ids(vector_engine, options) for options in (steered, plain, plain)]
+    with Scheduler(vector_engine, max_batch=4) as scheduler:
+        handles = [scheduler.submit([Message("user", PROMPT)], options) for options in (steered, plain, plain)]
+        for handle in handles:
+            assert handle.wait(60)
+    assert [handle.token_ids for handle in handles] == expected
+    assert expected[0] != expected[1]
+
+
+def reply_ids(engine, options):
+    response = engine.reply_to([PROMPT], options)
+    response.text()
+    return response.token_ids
+
+
+def test_a_vector_made_for_another_model_is_refused_in_one_line(
+    tiny_llama, tiny_model_dir, contrast_files, tmp_path, host
+):
+    assert train(tiny_model_dir, contrast_files, tmp_path / "gpt2-food").exit_code == 0
+    host.load_modules(("chatcore.plugins.vector",))
+    engine = Engine(tiny_llama, host=host)
+    options = ReplyOptions(steerers=[("vector", {"path": str(tmp_path / "gpt2-food")})])
+    with pytest.raises(ChatcoreError, match="was made for model .* not for .*chatcore train vector --model") as caught:
+        engine.check_options(options)
+    assert "\n" not in str(caught.value)
+
+
+def test_built_in_pairs_steer_a_llama_family_model(tiny_llama, host):
+    """The same steerer on a rotary, grouped-query Llama: the anatomy module finds its blocks."""
+    host.load_modules(("chatcore.plugins.vector",))
+    engine = Engine(tiny_llama, host=host)
+    plain = reply(engine, [])
+    steered = reply(engine, [("vector", {"pairs": "happy", "strength": 30, "layer": 1})])
+    assert steered.token_ids != plain.token_ids
+    assert steered.provenance["details"]["vector"]["source"] == "pairs:happy"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({}, "vector needs one source"),
+        ({"pairs": "food", "path": "x"}, "vector needs one source"),
+        ({"pairs": "weather"}, "`pairs` must be one of food, happy"),
+        ({"pairs": "food", "strength": 100}, "strength"),
+        ({"pairs": "food", "layer": 7}, "`layer` must be between 0 and 1 on this model, got 7"),
+        ({"path": "/no/such/vector"}, "vector.safetensors does not exist"),
+    ],
+)
+def test_bad_settings_are_refused_when_chosen_in_one_line(vector_engine, settings, message):
+    with pytest.raises(ChatcoreError, match=message) as caught:
+        vector_engine.check_options(ReplyOptions(steerers=[("vector", settings)]))
+    assert "\n" not in str(caught.value)
+
+
+def test_train_vector_input_errors_are_one_line(tiny_model_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# only a comment\n\n")
+    cli = build_cli()
+    runner = CliRunner()
+    for arguments, message in [
+        (["--positive", str(empty), "--negative", str(empty)], "holds no text"),
+        (["--positive", str(tmp_path / "missing.txt"), "--negative", str(empty)], "does not exist"),
+        (["--positive", str(empty)], "give --positive FILE and --negative FILE"),
+        (["--pairs", "food", "--layer", "9"], "`layer` must be between 0 and 1"),
+    ]:
+        result = runner.invoke(
+            cli, ["train", "vector", "--model", str(tiny_model_dir), "--out", str(tmp_path / "v"), *arguments]
+        )
+        assert result.exit_code != 0
+        assert message in result.output and result.output.count("\n") == 1, result.output
+
+
+@pytest.mark.slow
+def test_generate_steers_with_a_saved_vector_as_the_python_api_does(
+    vector_engine, tiny_model_dir, contrast_files, tmp_path
+):
+    """The command line (a solo reply) gives the Python API's reply; the REPL, Discord and HTTP
+    submit to the scheduler, whose result the scheduler test above checks."""
+    assert train(tiny_model_dir, contrast_files, tmp_path / "food").exit_code == 0
+    steerers = [("vector", {"path": str(tmp_path / "food"), "strength": 12})]
+    options = ReplyOptions(decoder="top-k", seed=7, max_new_tokens=6, steerers=steerers)
+    expected = reply_ids(vector_engine, options)
+    result = CliRunner().invoke(
+        build_cli(),
+        ["generate", "--model", str(tiny_model_dir), "--steer", f"vector path={tmp_path / 'food'} strength=12"]
+        + ["--decoder", "top-k", "--seed", "7", "-n", "6", "--json", PROMPT],
+    )
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert shown["token_ids"] == expected
