@@ -24,7 +24,7 @@ def register_steerers(register: Callable[[type], None]) -> None:
 
 @chatcore.hookimpl(trylast=True)
 def register_commands(cli: click.Group) -> None:
-    from chatcore.cli.train import train_group
+    from chatcore.api import train_group
 
     from .command import train_vector_command
 

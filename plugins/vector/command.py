@@ -56,8 +56,7 @@ def train_vector_command(
     The vector is saved with the model's hash; `--steer "vector path=OUT strength=4"` refuses it
     on any other model.
     """
-    from chatcore.errors import OptionError
-    from chatcore.models import load_model
+    from chatcore.api import OptionError, load_model
 
     from .vectors import build_vector, builtin_pair_files, read_texts, save_vector
 

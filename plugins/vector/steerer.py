@@ -20,18 +20,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, model_validator
 
-from chatcore.anatomy import anatomy_of
-from chatcore.options import Settings
-from chatcore.steering import Steerer
-from chatcore.step import Step, StepOutput, StepState
+from chatcore.api import Settings, Steerer, Step, StepOutput, StepState, anatomy_of
 
 from .vectors import BUILTIN_PAIRS, build_vector, builtin_pair_files, check_layer, check_model, load_vector, read_texts
 
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.decoding import GenerationSession
-    from chatcore.models import LoadedModel
+    from chatcore.api import GenerationSession, LoadedModel
 
 MAX_STRENGTH = 32.0
 
@@ -122,7 +118,7 @@ class VectorSteerer(Steerer):
 
     def wrap(self, step: Step) -> Step:
         if self.addition is None:
-            from chatcore.errors import OptionError
+            from chatcore.api import OptionError
 
             raise OptionError("steerer 'vector' was used before prepare(session)")
         addition, layer, anatomy = self.addition, self.layer, anatomy_of(self.model)

@@ -20,14 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatcore.anatomy import anatomy_of
-from chatcore.errors import OptionError
-from chatcore.text import encode_text, vocabulary_sha256
+from chatcore.api import OptionError, anatomy_of, encode_text, vocabulary_sha256
 
 if TYPE_CHECKING:
     import torch
 
-    from chatcore.models import LoadedModel
+    from chatcore.api import LoadedModel
 
 PAIRS_DIR = Path(__file__).with_name("pairs")
 # Built-in contrast sets: name -> (positive file, negative file) in PAIRS_DIR. Each line of
