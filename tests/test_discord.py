@@ -856,6 +856,12 @@ async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log
         )
     )
 
+    def streamed() -> str:  # what the admitted reply has decoded so far
+        handles = [f.pending.handle for f in harness.bot.in_flight if f.pending and f.pending.handle.admitted]
+        return engine.tokenizer.decode(list(handles[0].token_ids)) if handles else ""
+
+    await wait_until(lambda: "word1" in streamed())  # its first word is whole before the grace starts
+
     harness.bot.ws = None  # dpytest's fake gateway has no socket to close
     await harness.bot.shutdown()
     asked, _ = await asyncio.gather(in_flight, queued)

@@ -67,6 +67,10 @@ def test_train_vector_writes_the_mean_difference_with_the_models_hash(loaded, ti
 def test_strength_zero_is_the_plain_reply_and_a_strong_vector_changes_it(
     vector_engine, tiny_model_dir, contrast_files, tmp_path
 ):
+    from chatcore.anatomy import anatomy_of
+
+    blocks = anatomy_of(vector_engine.loaded.model).blocks
+    hooks_before = [list(block._forward_hooks) for block in blocks]  # the shared model's own, if any
     assert train(tiny_model_dir, contrast_files, tmp_path / "food").exit_code == 0
     plain = reply(vector_engine, [])
     zero = reply(vector_engine, [("vector", {"path": str(tmp_path / "food"), "strength": 0})])
@@ -76,9 +80,7 @@ def test_strength_zero_is_the_plain_reply_and_a_strong_vector_changes_it(
     details = steered.provenance["details"]["vector"]
     assert details["strength"] == 30 and details["layer"] == 0  # a third of 2 layers
     # The hook lives only while a step runs: the model is left as it was.
-    from chatcore.anatomy import anatomy_of
-
-    assert all(not block._forward_hooks for block in anatomy_of(vector_engine.loaded.model).blocks)
+    assert [list(block._forward_hooks) for block in blocks] == hooks_before
 
 
 @pytest.mark.slow
