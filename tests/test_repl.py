@@ -1058,7 +1058,7 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
         term.expect(r"steering: slow delay=0.5")  # ... but run once the reply is done
         term.expect(r"you>")
         term.send("tell me a long story\r")
-        term.expect(r"bot> \S")  # the reply has begun to stream (each further step waits 0.5 s) ...
+        term.expect(r"bot> \S+ \S")  # two words of the reply have streamed (each further step waits 0.5 s) ...
         term.send("\x03")  # ... and Ctrl-C cuts it
         term.expect(r"\[interrupted\]")
         term.expect(r"you>")
