@@ -343,7 +343,7 @@ def test_smollm2_loads_offline_by_name(smollm2, monkeypatch):
 @pytest.mark.slow
 def test_a_killed_conversions_staging_folder_is_never_loaded_and_is_cleared_when_stale(llama_gguf, cache_home):
     folder = gguf_files.cached_folder(llama_gguf)
-    cache_home.mkdir(parents=True)
+    cache_home.mkdir(parents=True, exist_ok=True)  # reading the file's hash may have made it
     stale = cache_home / f".{folder.name}-killed"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"half")
