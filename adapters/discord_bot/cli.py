@@ -15,6 +15,7 @@ import click
 from chatcore.adapters.discord_bot.config import TOKEN_ENV
 from chatcore.cli.options import (
     MODEL_DEFAULT_HELP,
+    device_option,
     max_new_tokens_option,
     persona_option,
     sampling_options,
@@ -77,7 +78,7 @@ def parse_shard_ids(text: str | None) -> tuple[int, ...] | None:
 @click.option(
     "-m", "--model", default=None, help=f"Bundled name, smollm2, GGUF file, folder or hub id [{MODEL_DEFAULT_HELP}]."
 )
-@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@device_option
 @threads_option
 @click.option("-d", "--decoder", default=None, help='Decoder and settings, e.g. "top-k top_k=20" [top-k].')
 @click.option("-s", "--steer", "steer", multiple=True, help="Steerer and settings. Repeatable; applied in order.")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from chatcore.cli.options import (
+    device_option,
     max_new_tokens_option,
     model_option,
     persona_option,
@@ -119,7 +120,7 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     help="Keep the conversations served in the conversation log [off; on when --db is given].",
 )
 @click.option("--db", default=None, help="Conversation log: SQLAlchemy URL or SQLite file [$CHATCORE_DB or user data].")
-@click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+@device_option
 @threads_option
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True
