@@ -10,10 +10,10 @@ The cache entry is keyed by the file's content (its sha256, computed once per pa
 and modification time and remembered in ``hashes.json``), so a copy or a move of a file
 reuses its conversion and a rewritten file is converted anew.
 
-Weights are stored in bfloat16 when the file's weights are quantized or 16-bit (half the
-disk of float32): each is the de-quantized float32 value rounded to bfloat16, which is
-exactly what loading the float32 folder with ``--dtype bfloat16`` gave. A file whose
-weights are all float32 keeps float32, since its author chose full precision.
+The weights are stored in the file's own quantized blocks (``chatcore.gguf_packed``), so a
+load gives exactly the model transformers de-quantizes from the file, in less disk than the
+GGUF file itself takes; tensors that cannot stay packed are stored in bfloat16 or float16
+where that holds them exactly, float32 otherwise.
 """
 
 from __future__ import annotations
@@ -29,19 +29,17 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from chatcore.errors import ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
 # Bumped when the layout of a converted folder changes, so old entries are not reused.
-CONVERSION_VERSION = "2"
+CONVERSION_VERSION = "3"
 # Written into every converted folder: the source file, its sha256, the stored dtype.
 SOURCE_FILE = "chatcore_source.json"
 # Remembers each GGUF file's sha256 by path, size and modification time.
 HASHES_FILE = "hashes.json"
-# GGUF tensor types whose values float32 holds and bfloat16 would round.
-FULL_PRECISION_TYPES = frozenset({"F32", "F64"})
 # Every converted folder holds this file; it is written last, inside the temporary folder.
 COMPLETE_MARKER = "config.json"
 # A staging folder this old belongs to a conversion that was killed; a live one is younger.
@@ -121,11 +119,6 @@ def cached_folder(path: Path) -> Path:
     return root / f"{path.stem}-{key}"
 
 
-def storage_dtype(tensor_types: set[str]) -> str:
-    """``float32`` for a file whose weights are all full precision, else ``bfloat16``."""
-    return "float32" if tensor_types <= FULL_PRECISION_TYPES else "bfloat16"
-
-
 def read_architecture(path: Path) -> tuple[str, set[str]]:
     """The file's ``general.architecture`` and the types of its tensors (``Q4_1``, ``F32`` ...),
     reading the whole index so that a truncated file fails here."""
@@ -154,21 +147,21 @@ def converted_model_folder(path: Path) -> Path:
     folder = cached_folder(path)
     if (folder / COMPLETE_MARKER).is_file():
         return folder
-    architecture, tensor_types = read_architecture(path)
-    dtype = storage_dtype(tensor_types)
+    architecture, _tensor_types = read_architecture(path)
     print(f"converting {path.name} into a Hugging Face folder once (cached in {folder.parent})", file=sys.stderr)
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(folder)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         with _quiet_conversion():
-            _convert(path, staging, architecture, dtype)
+            stored = _convert(path, staging, architecture)
         source = {
             "file": path.name,
             "path": str(path.resolve()),
             "sha256": content_sha256(path),
             "size": path.stat().st_size,
-            "dtype": dtype,
+            "dtype": "+".join(sorted(stored, key=lambda kind: -stored[kind])),
+            "tensors": stored,
             "version": CONVERSION_VERSION,
         }
         (staging / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
@@ -178,9 +171,9 @@ def converted_model_folder(path: Path) -> Path:
     return folder
 
 
-def _convert(path: Path, out: Path, architecture: str, dtype: str = "float32") -> None:
-    """De-quantize the file through transformers (to float32) and save it as an ordinary folder
-    with weights in ``dtype`` (each rounded once from the de-quantized float32 value)."""
+def _convert(path: Path, out: Path, architecture: str) -> dict[str, int]:
+    """De-quantize the file through transformers (to float32) and save its config, tokenizer and
+    packed weights (how many tensors were stored packed, in bfloat16 and in float32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -195,16 +188,17 @@ def _convert(path: Path, out: Path, architecture: str, dtype: str = "float32") -
         raise ModelLoadError(f"GGUF file {str(path)!r} cannot be converted: {error}") from error
     except (OSError, KeyError, TypeError) as error:
         raise ModelLoadError(f"GGUF file {str(path)!r} cannot be converted: {error}") from error
-    # The weights are already de-quantized floats; the GGUF "quantizer" only marks the model
-    # as quantized, which makes save_pretrained refuse. (transformers sets it on the instance
-    # at loading; torch's types take an undeclared module attribute for a tensor or module.)
-    cast(Any, model).hf_quantizer = None
+    from chatcore.gguf_packed import write_packed
+
+    # The weights are de-quantized floats; the GGUF "quantizer" only marks the model as quantized.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    if dtype != "float32":
-        model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out))
+    stored = write_packed(path, model, out)
     tokenizer.save_pretrained(str(out))
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(out))
+    model.config.save_pretrained(str(out))  # config.json last: the folder's completion mark
+    return stored
 
 
 def _publish(staging: Path, folder: Path) -> None:

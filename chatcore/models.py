@@ -217,12 +217,12 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
     path = resolve_model_path(name)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     try:
         with quiet_loading():
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+            model = load_causal_lm(path, torch_dtype)
     except (OSError, ValueError) as error:
         if Path(path).exists():
             raise ModelLoadError(f"cannot load model {name!r}: {error}") from error
@@ -231,9 +231,20 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
         raise ModelLoadError(f"model {name!r}: its tokenizer has no EOS token, which separates turns")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.to(device)  # type: ignore[arg-type]  # a device string is what torch takes here
+    model.to(device)
     model.eval()
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype)
+
+
+def load_causal_lm(path: str, dtype: Any) -> Any:
+    """The causal LM in a folder or hub id (a converted GGUF folder keeps its packed weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from chatcore.gguf_packed import is_packed_folder, load_packed_model
+
+    if is_packed_folder(path):
+        return load_packed_model(path, dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
 def hub_failure(name: str, error: BaseException) -> str:

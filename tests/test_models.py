@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -39,9 +40,10 @@ def rotary_interleave(weight, heads: int):
     )
 
 
-def write_llama_gguf(folder: Path, out: Path, half: bool = False) -> Path:
-    """Write a Hugging Face Llama folder as an unquantized GGUF file, as llama.cpp's converter does:
-    float32, or with ``half`` its matrices in float16 (norms stay float32, as llama.cpp keeps them)."""
+def write_llama_gguf(folder: Path, out: Path, half: bool = False, quantize: str | None = None) -> Path:
+    """Write a Hugging Face Llama folder as a GGUF file, as llama.cpp's converter does: float32,
+    with ``half`` its matrices in float16, with ``quantize`` (``Q8_0``, ``Q4_1`` ...) its matrices
+    in that block type (norms stay float32, as llama.cpp keeps them)."""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -53,6 +55,14 @@ def write_llama_gguf(folder: Path, out: Path, half: bool = False) -> Path:
         name: (tensor.half() if half and tensor.dim() == 2 else tensor).numpy()
         for name, tensor in model.state_dict().items()
     }
+    kind = gguf.GGMLQuantizationType[quantize] if quantize else None
+
+    def add(name: str, weight: Any) -> None:
+        if kind is None or weight.ndim != 2:
+            writer.add_tensor(name, weight)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(weight, kind), raw_dtype=kind)
+
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -80,7 +90,7 @@ def write_llama_gguf(folder: Path, out: Path, half: bool = False) -> Path:
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_chat_template(tokenizer.chat_template)
 
-    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    add("token_embd.weight", state["model.embed_tokens.weight"])
     for layer in range(config.num_hidden_layers):
         for hf_name, gguf_name in GGUF_BLOCK_TENSORS.items():
             weight = state[f"model.layers.{layer}.{hf_name}.weight"]
@@ -88,7 +98,7 @@ def write_llama_gguf(folder: Path, out: Path, half: bool = False) -> Path:
                 weight = rotary_interleave(weight, config.num_attention_heads)
             elif gguf_name == "attn_k":
                 weight = rotary_interleave(weight, config.num_key_value_heads)
-            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", weight)
+            add(f"blk.{layer}.{gguf_name}.weight", weight)
     writer.add_tensor("output_norm.weight", state["model.norm.weight"])  # the head is tied to the embedding
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -137,7 +147,8 @@ def test_gguf_converts_once_then_loads_the_cached_folder(llama_folder, llama_ggu
     assert Path(first.path).parent == cache_home
     assert [path.name for path in cache_home.iterdir() if path.is_dir()] == [Path(first.path).name]  # no staging
     source = json.loads((Path(first.path) / gguf_files.SOURCE_FILE).read_text())
-    assert source["dtype"] == "float32"  # a float32 file keeps its precision
+    # A float32 file keeps its precision: only tensors that a narrower type holds exactly (norms of ones) narrow.
+    assert set(source["tensors"]) <= {"float32", "bfloat16"} and "float32" in source["tensors"]
 
     ids = chat_ids(original, "hi there, how are you?")
     assert chat_ids(second, "hi there, how are you?").tolist() == ids.tolist()
@@ -172,29 +183,40 @@ def test_the_cache_is_keyed_by_content_so_a_copy_reuses_it_and_a_rewrite_does_no
 
 
 @pytest.mark.slow
-def test_a_half_precision_gguf_is_kept_in_bfloat16_exactly_as_its_weights_rounded(llama_folder, tmp_path, cache_home):
+@pytest.mark.parametrize(("kind", "stored"), [("F16", {"float16"}), ("Q8_0", {"Q8_0"}), ("Q4_1", {"Q4_1"})])
+def test_a_converted_gguf_loads_exactly_the_weights_transformers_dequantizes(
+    llama_folder, tmp_path, cache_home, kind, stored
+):
     import torch
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    path = write_llama_gguf(llama_folder, tmp_path / "tiny-llama.F16.gguf", half=True)
-    converted = load_model(str(path), device="cpu", dtype="bfloat16")
+    path = write_llama_gguf(
+        llama_folder, tmp_path / f"tiny-llama.{kind}.gguf", half=kind == "F16", quantize=None if kind == "F16" else kind
+    )
+    converted = load_model(str(path), device="cpu", dtype="float32")
     folder = Path(converted.path)
-    assert json.loads((folder / gguf_files.SOURCE_FILE).read_text())["dtype"] == "bfloat16"
-    with safe_open(str(folder / "model.safetensors"), "pt") as stored:
-        assert {stored.get_tensor(name).dtype for name in stored.keys()} == {torch.bfloat16}
-    # The float32 de-quantized model that the conversion read, its weights rounded to bfloat16
-    # by hand (buffers such as the rotary frequencies stay as loading makes them).
-    rounded = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
-    for parameter in rounded.parameters():
-        parameter.data = parameter.data.to(torch.bfloat16)
+    source = json.loads((folder / gguf_files.SOURCE_FILE).read_text())
+    matrices = {kind_name for kind_name in source["tensors"] if kind_name not in {"float32", "bfloat16"}}
+    assert matrices == stored, source  # the matrices kept in the file's own form, nothing widened
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    expected = reference.state_dict()
+    assert set(converted.model.state_dict()) == set(expected)
+    for name, weight in converted.model.state_dict().items():
+        assert torch.equal(weight, expected[name]), name
     ids = chat_ids(converted, "hi there, how are you?")
     with torch.no_grad():
-        assert torch.equal(converted.model(ids).logits, rounded(ids).logits)
-    # Read in float32 (chatcore's CPU default), the stored weights are those same values.
-    widened = load_model(str(path), device="cpu", dtype="float32")
-    for name, weight in widened.model.state_dict().items():
-        assert torch.equal(weight, rounded.state_dict()[name].float()), name
+        assert torch.equal(converted.model(ids).logits, reference(ids).logits)
+    stored_bytes = (folder / "packed.safetensors").stat().st_size
+    float32_bytes = sum(weight.numel() * 4 for weight in gguf_files_unique(expected))
+    assert stored_bytes < float32_bytes * (0.55 if kind == "F16" else 0.35)
+
+
+def gguf_files_unique(state: dict[str, Any]) -> list[Any]:
+    """Each stored tensor once (a tied head shares the embedding's storage)."""
+    seen: dict[int, Any] = {}
+    for tensor in state.values():
+        seen.setdefault(tensor.data_ptr(), tensor)
+    return list(seen.values())
 
 
 def test_a_finished_conversion_is_kept_when_another_lands_second(tmp_path):

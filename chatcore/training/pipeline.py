@@ -116,15 +116,13 @@ def train_model_command(
             (out_path / "filter_report.json").write_text(json.dumps(report.to_dict(), indent=2))
     model: nn.Module
     if init_from:
-        from transformers import AutoModelForCausalLM
-
-        from chatcore.models import quiet_loading, resolve_model_path
+        from chatcore.models import load_causal_lm, quiet_loading, resolve_model_path
 
         source = resolve_model_path(init_from)
         tokenizer = _load_tokenizer(tokenizer_path or source)
         try:
             with quiet_loading():
-                model = AutoModelForCausalLM.from_pretrained(source, dtype="float32")
+                model = load_causal_lm(source, "float32")
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"cannot load {init_from!r} to fine-tune: {error}") from error
     else:
