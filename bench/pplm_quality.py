@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--format", dest="prompt_format", default="auto", help="the prompt format")
     parser.add_argument("--topics", default="food,weather,music")
     parser.add_argument("--limit", type=int, default=100)
+    parser.add_argument("--offset", type=int, default=0, help="skip this many held-out contexts first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--decoder", default="top-k", help='a decoder spec, e.g. "top-k top_k=20"')
@@ -71,7 +72,7 @@ def main() -> None:
         )
     )
     engine = Engine(args.model, host=host, prompt_format=args.prompt_format)
-    contexts = chitchat_heldout()[: args.limit]
+    contexts = chitchat_heldout()[args.offset : args.offset + args.limit]
     decoder, decoder_settings = parse_spec(args.decoder)
     base = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, max_new_tokens=args.max_new_tokens)
     extra = parse_key_values(args.pplm.split())
@@ -95,7 +96,8 @@ def main() -> None:
     plain_row = plain.rows[0]
     last_seed = args.seed + len(contexts) - 1
     print(
-        f"model {args.model}, prompt format {engine.prompt_format.name}, {len(contexts)} held-out contexts, "
+        f"model {args.model}, prompt format {engine.prompt_format.name}, {len(contexts)} held-out contexts "
+        f"(from {args.offset}), "
         f"decoder {args.decoder}, seeds {args.seed}..{last_seed}"
     )
     header = f"{'configuration':38s} {'attr':>6s} {'ppl':>7s} {'dist-2':>7s} {'degen':>6s} {'tok/s':>6s}"

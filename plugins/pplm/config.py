@@ -8,9 +8,11 @@ from pydantic import Field
 
 from chatcore.api import Settings
 
-# The default step, summed over the perturbed layers (PerturbConfig.step_size): chatcore-tiny's
-# measured 1.0 per layer on its top 3 layers.
-LAYER_STEPS = 3.0
+# The default step (``stepsize`` unset), summed over the perturbed layers, as a share of the
+# size of one position's keys and values in each layer's past (PerturbConfig.relative_step).
+# 0.14 is what chatcore-tiny's measured default (a step of 1.0 on each of its top 3 layers)
+# made its first steps on average; as a share of the past it carries to any model's scale.
+RELATIVE_STEPS = 0.14
 
 
 def _between(low: float, high: float) -> Any:
@@ -28,7 +30,8 @@ class PerturbConfig(Settings):
     # the same topic share.
     stepsize: Annotated[float, _between(0.0, 10.0)] | None = None
     """Size of each normalised gradient step on the past of each perturbed layer (0 = no
-    steering); unset: 3 divided by the number of perturbed layers."""
+    steering); unset: sized by each layer's past, the same share of it on every model
+    (``relative_step``)."""
     num_iterations: Annotated[int, _between(0, 100)] = 3
     """Gradient steps per token."""
     window_length: Annotated[int, _between(0, 1_000_000)] = 0
@@ -64,20 +67,24 @@ class PerturbConfig(Settings):
         return layers - perturbed
 
     def step_size(self, perturbed_layers: int) -> float:
-        """The step size for a perturbation of ``perturbed_layers`` layers: ``stepsize`` if set,
-        else ``LAYER_STEPS / perturbed_layers``.
+        """The fixed step of each perturbed layer when ``stepsize`` is set (the paper's rule:
+        step = stepsize * g / n ** gamma); unset, steps are relative (``relative_step``)."""
+        return self.stepsize if self.stepsize is not None else self.relative_step(perturbed_layers)
 
-        Every perturbed layer takes its own normalised step, and their effects on the next
-        token add up: a model with five times the perturbed layers moves five times as far
-        for the same step per layer. On SmolLM2-135M (15 perturbed layers of 30) a step of
-        1.0 per layer overshoots (the attribute loss and the KL term swing from one iteration
-        to the next); a total of 3 spread over the layers makes its iterations go down as
-        1.0 on each of chatcore-tiny's 3 perturbed layers does there (docs/pplm.md,
-        "Across models").
+    def relative_step(self, perturbed_layers: int) -> float:
+        """With ``stepsize`` unset, the size of each layer's step as a share of that layer's past:
+        ``RELATIVE_STEPS / perturbed_layers`` times the root-mean-square norm of one position's
+        keys and values there (the gradient's direction; smaller as the gradient falls below
+        its largest norm so far).
+
+        A fixed step (``stepsize``) moves models of other widths and depths by different
+        amounts: the same 1.0 per layer that steers chatcore-tiny is fourteen times smaller,
+        relative to its keys and values, on SmolLM2-135M, whose 15 perturbed layers also add
+        up five times as many steps. Sizing each step by the past it perturbs, and spreading
+        the total over the layers, gives every model the step chatcore-tiny was tuned with
+        (docs/pplm.md, "Across models").
         """
-        if self.stepsize is not None:
-            return self.stepsize
-        return LAYER_STEPS / max(1, perturbed_layers)
+        return RELATIVE_STEPS / max(1, perturbed_layers)
 
     def optimises(self, step: int) -> bool:
         """Whether the perturbation is optimised at decoding step ``step`` (0 = first reply token)."""
