@@ -733,7 +733,8 @@ class SlowTextPlugin:
         register(SlowTextDecoder)
 
 
-async def wait_until(condition: Any, timeout_s: float = 5.0) -> None:
+async def wait_until(condition: Any, timeout_s: float = 120.0) -> None:
+    """Poll the event loop until ``condition()``; the timeout only ends a test that would hang."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "timed out"

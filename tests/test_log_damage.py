@@ -215,3 +215,54 @@ def test_randomised_search_blocks_are_found_and_rebuilt_by_logs_check_repair(log
     with ConversationStore(sqlite_url(path), create=False) as reader:
         assert len(reader.search("about chess", limit=1000)) == 100  # one message in ten, of 1,000
     assert logs_cli("check", "--db", str(path)).stdout.startswith("ok: ")
+
+
+class HeldCheckStore(ConversationStore):
+    """A real store whose check on open starts only when the test lets it, so the turns sent
+    before are known to arrive while it runs."""
+
+    def __init__(self, *args, **kwargs):
+        self.go = __import__("threading").Event()
+        super().__init__(*args, **kwargs)
+
+    def check_on_open(self):
+        assert self.go.wait(120)
+        super().check_on_open()
+
+
+@pytest.mark.slow
+def test_the_check_on_open_runs_in_the_background_while_the_first_turns_go_to_the_journal(engine, tmp_path):
+    path = tmp_path / "log.sqlite3"
+    written = fill(path, conversations=30, per_conversation=100)
+    change_index_page(path)
+    told = []
+    store = HeldCheckStore(sqlite_url(path), defer_check=True)
+    plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "journal")
+    engine.host.register(plugin, "conversation-log")
+    try:
+        engine.send(engine.conversation(), "hello", decoder="greedy", max_new_tokens=3).text()
+        assert plugin.checking and plugin.journaled == 2 and told == []  # held in the journal, not yet checked
+        store.go.set()
+        assert plugin.checked.wait(120)
+        assert len(told) == 1 and "rebuilt index ix_messages_conversation_id" in told[0]
+        assert plugin.journaled == 0 and store.count_messages() == written + 2  # written once it passed
+        assert not store.find_damage(full=True).found
+    finally:
+        engine.host.unregister("conversation-log")
+        plugin.close()
+        store.close()
+
+
+def test_a_plugin_that_does_not_wait_hands_out_a_future_that_resolves_once_the_turn_is_held(engine, tmp_path):
+    store = ConversationStore(sqlite_url(tmp_path / "log.sqlite3"))
+    plugin = ConversationLogPlugin(store, notify=lambda message: None, journal_dir=tmp_path / "journal", wait=False)
+    engine.host.register(plugin, "conversation-log")
+    try:
+        conversation = engine.conversation()
+        engine.send(conversation, "hello", decoder="greedy", max_new_tokens=3).text()
+        assert plugin.held(conversation.id).result(timeout=120) is None
+        assert store.count_messages() == 2
+    finally:
+        engine.host.unregister("conversation-log")
+        plugin.close()
+        store.close()

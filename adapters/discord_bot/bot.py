@@ -5,9 +5,11 @@ the client's default), so nothing the model writes (``@everyone``, a role, a use
 pings anyone. Nothing slow runs on the event loop: a message handler submits the reply
 to the serving scheduler itself (many channels in one batch; a full batch and queue is
 the one "busy" answer), awaits its end with the typing indicator on (the scheduler's
-listener resolves an asyncio future with ``loop.call_soon_threadsafe``), and has the
-worker thread, which owns the conversation log, add the user's turn and record the reply
-(so the log has it before it is shown). Messages of one channel are answered in order,
+listener resolves an asyncio future with ``loop.call_soon_threadsafe``), adds the user's
+turn and records the reply on the loop (the log's hooks only queue the turns on the log's
+own thread), and awaits the log's acknowledgement (``asyncio.wrap_future``) before it
+sends the reply, so the log holds it before it is shown. Only a conversation not open
+yet is read from the log on the worker thread. Messages of one channel are answered in order,
 one after the other; different channels are answered at once.
 """
 
@@ -120,24 +122,6 @@ class ChannelSetup:
 
 def _open_job(key: str, runtime: "ChatRuntime", control: "JobControl") -> "Conversation":
     return runtime.conversation(key)
-
-
-def _add_user_job(
-    pending: "PendingReply", text: str, author_id: str, runtime: "ChatRuntime", control: "JobControl"
-) -> None:
-    runtime.add_user(pending, text, author_id)
-
-
-def _log_failure(future: "asyncio.Future[Any]") -> None:
-    """A job nobody awaits (adding a turn) says how it failed, if it did."""
-    if not future.cancelled() and future.exception() is not None:
-        logger.error("adding a turn failed: %s", future.exception())
-
-
-def _finish_job(
-    pending: "PendingReply", stop_reason: str | None, runtime: "ChatRuntime", control: "JobControl"
-) -> "ReplyResult":
-    return runtime.finish_reply(pending, stop_reason)
 
 
 @dataclass(eq=False)
@@ -362,10 +346,7 @@ class ChatBot(discord.Client):
                 flight.pending, cleaned = runtime.submit_reply(
                     key, conversation, text, self.reply_options(key), system, listener
                 )
-                added = self.worker.submit(
-                    functools.partial(_add_user_job, flight.pending, cleaned, str(message.author.id)), control=True
-                )
-                added.add_done_callback(_log_failure)
+                runtime.add_user(flight.pending, cleaned, str(message.author.id))
             except (ServerBusy, WorkerBusy):  # the batch and its queue are full (WorkerBusy: the worker's cap)
                 if flight.pending is not None:  # submitted, but its turn cannot be added: not answered
                     flight.pending.handle.cancel()
@@ -377,6 +358,8 @@ class ChatBot(discord.Client):
                     flight.pending.handle.cancel()
                 return None
             except ChatcoreError as error:
+                if flight.pending is not None:
+                    flight.pending.handle.cancel()
                 self.stats.errors += 1
                 await self.send_reply(message, f"Sorry, I can't answer that: {error}")
                 return None
@@ -393,8 +376,7 @@ class ChatBot(discord.Client):
         pending = flight.pending
         if flight.stop_reason is not None and pending.handle.admitted is None:
             # Cut while it waited for a place in the batch: the model never saw it.
-            with contextlib.suppress(WorkerClosed):
-                await self.worker.submit(functools.partial(_finish_job, pending, flight.stop_reason), control=True)
+            runtime.finish_reply(pending, flight.stop_reason)
             if flight.stop_reason == "shutdown":
                 await self.send_reply(message, RESTARTING_REPLY)
             else:
@@ -402,9 +384,11 @@ class ChatBot(discord.Client):
                 await self.send_reply(message, BUSY_REPLY)
             return None
         try:
-            return await self.worker.submit(functools.partial(_finish_job, pending, flight.stop_reason), control=True)
-        except WorkerClosed:
-            await self.send_reply(message, RESTARTING_REPLY)
+            result = runtime.finish_reply(pending, flight.stop_reason)
+            held = runtime.held(pending.conversation.id)
+            if held is not None:  # the log holds the reply (committed or journaled) before it is shown
+                await asyncio.wrap_future(held)
+            return result
         except ChatcoreError as error:
             self.stats.errors += 1
             await self.send_reply(message, f"Sorry, I can't answer that: {error}")

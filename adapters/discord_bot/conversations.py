@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from chatcore.adapters.discord_bot.persistence import ConversationPersistence, LogPersistence, MemoryPersistence
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from chatcore.adapters.discord_bot.config import DiscordSettings
     from chatcore.conversation import Conversation
     from chatcore.engine import Engine, ReplyOptions
@@ -139,9 +141,14 @@ class ChatRuntime:
 
     def add_user(self, pending: PendingReply, text: str, author_id: str | None = None) -> None:
         """Add the submitted reply's user turn (by ``author_id``, which the log keeps so that
-        one person's messages can be exported or deleted); the log writes it (worker thread)."""
+        one person's messages can be exported or deleted); the log queues it on its own thread
+        (the event loop calls this)."""
         meta = {"author_id": author_id} if author_id is not None else None
         self.engine.add_user(pending.conversation, text, meta=meta)
+
+    def held(self, conversation_id: str) -> "Future[None] | None":
+        """A future resolved once the conversation's newest turn is held by the log (None without one)."""
+        return self.persistence.held(conversation_id)
 
     def start_reply(
         self,
@@ -162,7 +169,8 @@ class ChatRuntime:
         """Record the reply the scheduler ended, or the one cut short (``stop_reason`` is
         "timeout", "cancelled" or "shutdown"): what it had written is kept, cut back to its
         last whole word and marked interrupted; with no whole word, no reply is recorded and
-        the text is empty."""
+        the text is empty. Called on the event loop once the reply has ended: it only reads
+        what was decoded, and the log's hook queues the reply (await :meth:`held`)."""
         handle, conversation = pending.handle, pending.conversation
 
         def record(response: Any) -> None:
@@ -189,7 +197,11 @@ class ChatRuntime:
         """Start a reply and wait for it (for scripts and tests; the bot awaits it instead)."""
         pending = self.start_reply(key, text, options, system, author_id)
         pending.handle.wait()
-        return self.finish_reply(pending)
+        result = self.finish_reply(pending)
+        held = self.held(result.conversation_id)
+        if held is not None:
+            held.result()
+        return result
 
     def last_provenance(self, key: str) -> dict[str, Any] | None:
         """The provenance of the newest reply in ``key``'s conversation (resumed ones too)."""

@@ -6,8 +6,9 @@ With the conversation log, the newest logged conversation of a key is resumed af
 a restart and every turn is written by the log's plugin; without it, conversations
 live in memory only.
 
-Every method runs on the inference worker's thread, which owns the log's database
-connection.
+``latest`` and ``create`` read or write the database, so they run on the inference
+worker's thread; turns are written by the log's plugin on the log's own thread, and
+:meth:`held` gives the event loop a future to await before it shows a reply.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from chatcore.conversation import Conversation
     from chatcore.engine import Engine
 
@@ -31,6 +34,10 @@ class ConversationPersistence(Protocol):
 
     def create(self, engine: "Engine", key: str, replacing: bool = False) -> "Conversation":
         """A new, empty conversation for ``key``; ``replacing``: it supersedes the current one."""
+
+    def held(self, conversation_id: str) -> "Future[None] | None":
+        """A future that resolves once the conversation's newest turn is held by the storage
+        (None: nothing to wait for)."""
 
     def close(self) -> None:
         """Write what is pending and release the storage."""
@@ -49,6 +56,9 @@ class MemoryPersistence:
     def create(self, engine: "Engine", key: str, replacing: bool = False) -> "Conversation":
         return new_conversation(engine, key)
 
+    def held(self, conversation_id: str) -> "Future[None] | None":
+        return None
+
     def close(self) -> None:
         pass
 
@@ -65,8 +75,12 @@ class LogPersistence:
         from chatcore.log.plugin import ConversationLogPlugin
         from chatcore.log.store import ConversationStore
 
-        self.store = ConversationStore(resolve_url(db))
-        self.plugin = ConversationLogPlugin(self.store, notify=lambda message: logger.warning("%s", message))
+        # The check on open runs in the background (turns are journaled until it passes), and the
+        # hooks only queue their turns: the event loop awaits :meth:`held` instead.
+        self.store = ConversationStore(resolve_url(db), defer_check=True)
+        self.plugin = ConversationLogPlugin(
+            self.store, notify=lambda message: logger.warning("%s", message), wait=False
+        )
         self.host = engine.host
         if not self.host.register(self.plugin, LOG_PLUGIN_NAME):
             self.store.close()
@@ -102,6 +116,9 @@ class LogPersistence:
             except ChatcoreError as error:
                 logger.warning("cannot record the reset of %s: %s", key, error)
         return conversation
+
+    def held(self, conversation_id: str) -> "Future[None] | None":
+        return self.plugin.held(conversation_id)
 
     def close(self) -> None:
         try:

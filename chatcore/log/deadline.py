@@ -9,6 +9,10 @@ goes on in the background (its write carries a key, so finishing later stores no
 twice), and while it does every later call is refused at once, so calls never run side
 by side and their order holds.
 
+The same worker, without a deadline (:meth:`submit`), is the log's turn queue: a hook
+hands it a turn and gets a future that resolves once the turn is held (committed or
+journaled), so an event loop can await it instead of blocking.
+
 The worker is a daemon thread: a call still blocked at exit never holds the process up.
 """
 
@@ -47,16 +51,22 @@ class DeadlineWorker:
         ``timeout_s`` (it goes on in the background) or an earlier call is still running."""
         if self.busy:
             raise LogUnavailableError("the database has not answered an earlier write yet")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
-            self._thread.start()
-        future: Future[T] = Future()
+        future = self.submit(call)
         self._current = future
-        self._calls.put((call, future))
         try:
             return future.result(timeout=timeout_s)
         except FutureTimeout:
             raise LogUnavailableError(f"the database did not answer within {timeout_s:g} s") from None
+
+    def submit(self, call: Callable[[], T]) -> "Future[T]":
+        """Queue ``call`` behind the calls before it and return its future at once (no deadline:
+        the caller decides how long to wait, e.g. with ``asyncio.wrap_future`` on an event loop)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+            self._thread.start()
+        future: Future[T] = Future()
+        self._calls.put((call, future))
+        return future
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait for a call that outlived its deadline to end; False if it is still running after ``timeout_s``."""

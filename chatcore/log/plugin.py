@@ -10,9 +10,17 @@ that holds its own store::
 store). One-shot commands such as ``generate`` and ``eval`` register none, so they
 leave no trace in the log.
 
+The writes go out on the log's own thread, in order. A hook waits for its turn to be
+held (committed, or fsynced into the journal) unless the plugin was made with
+``wait=False``: then the adapter awaits :meth:`ConversationLogPlugin.held` (a
+``concurrent.futures.Future``; ``asyncio.wrap_future`` on an event loop) before it shows
+the reply. A store opened with ``defer_check=True`` is checked in the background (the
+integrity check takes seconds on a large file); the turns go to the journal until it
+passes, and are written then (or kept there, with a notice, when the file is damaged).
+
 A database that is unavailable, locked, read-only, full or disconnected never stops
 the chat: the write goes at once to a journal on the local disk
-(:mod:`~chatcore.log.journal`; fsynced before the hook returns,
+(:mod:`~chatcore.log.journal`; fsynced before the turn is acknowledged as held,
 so before the reply is shown), ``notify`` is called once with the reason, and the
 journaled writes go out, in order and each once, when the database works again: the
 store reconnects on every failure; every later write retries first (waiting at most
@@ -46,6 +54,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +129,7 @@ class ConversationLogPlugin:
         *,
         opener: "Callable[[], ConversationStore] | None" = None,
         url: str | None = None,
+        wait: bool = True,
     ) -> None:
         if store is None and (opener is None or url is None):
             raise ValueError("a log that is not open yet (`store` None) needs its `url` and an `opener`")
@@ -145,7 +155,17 @@ class ConversationLogPlugin:
         self._live: weakref.WeakValueDictionary[str, Conversation] = weakref.WeakValueDictionary()
         self.write_deadline_s = write_deadline_s
         self.failing_wait_s = min(FAILING_WAIT_S, write_deadline_s)
-        self._writer = DeadlineWorker()
+        self._writer = DeadlineWorker()  # the one thread that calls the database, each call with a deadline
+        # The turns, in order, on a thread of their own: a hook queues its turn and gets a future that
+        # resolves once the turn is held (committed, or fsynced into the journal). ``wait``: the hook
+        # waits for it (the REPL, ``generate``); else the adapter awaits :meth:`held` before it shows
+        # the reply (an event loop, with ``asyncio.wrap_future``).
+        self.wait = wait
+        self._turns = DeadlineWorker("conversation-log")
+        self._held: dict[str, Future[None]] = {}
+        self._held_lock = threading.Lock()
+        self.checking = False  # the check on open runs: turns go to the journal until it passes
+        self.checked = threading.Event()  # set once the check on open has ended (at once when there is none)
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._retrier: threading.Thread | None = None
@@ -157,32 +177,64 @@ class ConversationLogPlugin:
 
             journal_dir = user_data_path() / JOURNAL_FOLDER
         self.journal = SpillJournal(Path(journal_dir), store.url if store is not None else str(url))
+        self.damaged: str | None = None
         if store is None:  # every write goes to the journal until the log opens (tried on each write)
-            self.damaged: str | None = None
             self.failing = "the log is not open yet"
             self._failed_at = time.monotonic()
+            self.checked.set()
             return
-        # A damaged SQLite file is never written into: every write goes to the journal.
-        self.damaged = store.quick_check()
-        if store.repaired is not None:
-            self.notify(store.repaired)
-        if self.damaged is not None:
-            self.failing = f"the log file is damaged ({self.damaged})"
-            self.notify(
-                f"conversation log {store.display_url} is damaged ({self.damaged}); nothing is written "
-                f"into it: turns are kept in {self.journal.folder}. `chatcore logs export --salvage` "
-                "recovers the conversations it holds"
-            )
-        elif len(self.journal):  # writes left by a process that ended before the database came back
-            with self._lock:
-                self._flush()
+        if getattr(store, "check_deferred", False) and store.damage is None:
+            # The check on open (seconds on a large file) runs on the database's thread while the
+            # first turns go to the journal; they are written once it passes.
+            self.checking = True
+            check = self._writer.submit(store.check_on_open)
+            check.add_done_callback(lambda done: self._turns.submit(lambda: self._checked(done)))
+            return
+        self._checked(None)
+
+    def _checked(self, check: "Future[None] | None") -> None:
+        """The check on open has ended (``check``: its future, when it ran in the background)."""
+        store = self.store
+        assert store is not None
+        with self._lock:
+            self.checking = False
+            try:
+                if self._closing.is_set():
+                    return  # closed first: the turns stay journaled for the next start
+                if check is not None and isinstance(check.exception(), LogError):
+                    error = check.exception()
+                    self.failing = str(error)
+                    self._failed_at = time.monotonic()
+                    self.notify(
+                        f"conversation log {store.display_url} could not be checked ({error}); turns are kept "
+                        "in its journal and written when it works again"
+                    )
+                    self._start_retrying()
+                    return
+                if check is not None:
+                    check.result()  # anything else is a bug: raised
+                # A damaged SQLite file is never written into: every write goes to the journal.
+                self.damaged = store.quick_check()
+                if store.repaired is not None:
+                    self.notify(store.repaired)
+                if self.damaged is not None:
+                    self.failing = f"the log file is damaged ({self.damaged})"
+                    self.notify(
+                        f"conversation log {store.display_url} is damaged ({self.damaged}); nothing is written "
+                        f"into it: turns are kept in {self.journal.folder}. `chatcore logs export --salvage` "
+                        "recovers the conversations it holds"
+                    )
+                elif len(self.journal):  # turns kept during the check, or left by a process that ended
+                    self._flush()
+            finally:
+                self.checked.set()
 
     # -- hooks ----------------------------------------------------------------------
     @chatcore.hookimpl
     def on_user_message(self, conversation: "Conversation", turn: "Turn", model: "LoadedModel") -> None:
         self._model = model
         fields = {"token_count": self._count_tokens(model, turn.text)}
-        self._submit(conversation, self._message_write(conversation, "user", turn, fields, model.name))
+        self._hold(conversation, self._message_write(conversation, "user", turn, fields, model.name))
 
     @chatcore.hookimpl
     def on_response(self, conversation: "Conversation", response: "Response") -> None:
@@ -202,7 +254,7 @@ class ConversationLogPlugin:
             "keep_replies": self._replies_kept(conversation),
         }
         write = self._message_write(conversation, "bot", turn, fields, provenance.get("model"))
-        self._submit(conversation, write)
+        self._hold(conversation, write)
 
     def log_conversation(self, conversation: "Conversation", model: "LoadedModel", start: int = 0) -> None:
         """Write the turns the conversation holds now from index ``start`` on (all of them
@@ -211,7 +263,35 @@ class ConversationLogPlugin:
         ``model``: the model that answers it (its tokenizer counts the user turns' tokens)."""
         self._model = model
         for turn in conversation.turns[start:]:
-            self._submit(conversation, self._turn_write(conversation, turn, model))
+            self._hold(conversation, self._turn_write(conversation, turn, model))
+
+    def held(self, conversation_id: str) -> "Future[None]":
+        """The future of the newest turn of ``conversation_id`` handed to the log: done once that
+        turn (and every one before it) is committed or journaled. Show a reply after it resolves."""
+        with self._held_lock:
+            future = self._held.get(conversation_id)
+        if future is None:
+            future = Future()
+            future.set_result(None)
+        return future
+
+    def _hold(self, conversation: "Conversation", write: Write) -> None:
+        """Queue a turn's write on the log's thread (the write was built here: the conversation
+        changes after the hook returns); wait for it to be held unless the adapter awaits :meth:`held`."""
+        future = self._turns.submit(lambda: self._submit(conversation, write))
+        conversation_id = conversation.id
+        with self._held_lock:
+            self._held[conversation_id] = future
+        future.add_done_callback(lambda done: self._forget(conversation_id, done))
+        if self.wait:
+            future.result()
+
+    def _forget(self, conversation_id: str, done: "Future[None]") -> None:
+        with self._held_lock:
+            if self._held.get(conversation_id) is done:
+                del self._held[conversation_id]
+        if not self.wait and not done.cancelled() and done.exception() is not None:
+            logger.error("conversation log: a turn could not be written: %s", done.exception())
 
     def _turn_write(self, conversation: "Conversation", turn: "Turn", model: "LoadedModel | None") -> Write:
         if turn.role == "user":
@@ -321,9 +401,9 @@ class ConversationLogPlugin:
     def _submit(self, conversation: "Conversation", write: Write) -> None:
         with self._lock:
             self._live[conversation.id] = conversation
-            if self.damaged is None and self._reopened_after_loss(conversation):
+            if self._writable() and self._reopened_after_loss(conversation):
                 return  # this write was part of the conversation written again
-            if self.damaged is not None:
+            if not self._writable():
                 self._keep(write)
                 return
             if self._waiting():
@@ -334,6 +414,10 @@ class ConversationLogPlugin:
                 self._recovered(1)
             else:
                 self._keep(write)  # on the disk before the hook returns, so before the reply is shown
+
+    def _writable(self) -> bool:
+        """The file has passed its check on open (writes may still fail: then they are journaled)."""
+        return self.damaged is None and not self.checking
 
     def _waiting(self) -> bool:
         return bool(self._pending) or bool(len(self.journal))
@@ -518,9 +602,9 @@ class ConversationLogPlugin:
             with self._lock:
                 if self._closing.is_set():
                     break
-                if self.damaged is None and self._waiting():
+                if self._writable() and self._waiting():
                     self._flush()
-                if not self._waiting() or self.damaged is not None:
+                if not self._waiting() or not self._writable():
                     self._retrier = None
                     return
             interval = min(interval * 2, MAX_RETRY_INTERVAL_S)
@@ -543,8 +627,11 @@ class ConversationLogPlugin:
 
     def flush(self) -> bool:
         """Try the waiting writes now, however recently they failed; True when none is left."""
+        return self._turns.submit(self._flush_now).result()
+
+    def _flush_now(self) -> bool:
         with self._lock:
-            if self.damaged is None:
+            if self._writable():
                 self._flush()
             return not self._pending and not len(self.journal)
 
@@ -559,8 +646,10 @@ class ConversationLogPlugin:
         retrier = self._retrier
         if retrier is not None:
             retrier.join()
+        self._turns.submit(lambda: None).result()  # the turns queued before are held
+        self._turns.close()
         with self._lock:
-            if self.damaged is None and self._waiting():
+            if self._writable() and self._waiting():
                 self._flush()
             while self._pending:
                 try:

@@ -54,10 +54,14 @@ class ConversationStore(StoreWriting, StoreCheck):
 
     An SQLite file opened for writing (``create=True``: a chat, a bot, the server) is
     checked first (:meth:`check_on_open`): damaged indexes are rebuilt (:attr:`repaired`
-    says so), damaged rows are noted in :attr:`damage` and never written into.
+    says so), damaged rows are noted in :attr:`damage` and never written into. With
+    ``defer_check=True`` the check waits for the caller (:attr:`check_deferred`).
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 3.0, create: bool = True) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 3.0, create: bool = True, defer_check: bool = False) -> None:
         super().__init__(url, timeout_s=timeout_s, create=create)
-        if create and self.file_path is not None:
+        # ``defer_check``: the caller runs the check (a chat's log plugin, in the background,
+        # journaling the turns until it passes) instead of the open waiting for it.
+        self.check_deferred = create and self.file_path is not None and defer_check
+        if create and self.file_path is not None and not defer_check:
             self.check_on_open()
