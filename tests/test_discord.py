@@ -821,7 +821,8 @@ async def test_a_reply_past_its_timeout_is_cut_at_a_whole_word_and_frees_its_pla
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("grace_s, interrupted", [(0.1, True), (5.0, False)])
+# The long grace is only an upper bound: shutdown returns once the reply is done.
+@pytest.mark.parametrize("grace_s, interrupted", [(0.1, True), (300.0, False)])
 async def test_shutdown_finishes_or_cuts_the_reply_in_flight_and_flushes_the_log(
     loaded, host, tmp_path, grace_s, interrupted
 ):
