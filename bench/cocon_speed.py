@@ -107,12 +107,12 @@ def train_step(args) -> None:
     import torch
     from torch.nn import functional as F
 
-    from chatcore.cocon.block import CoconBlock, CoconConfig
-    from chatcore.cocon.losses import CoconLosses, HiddenDiscriminator
-    from chatcore.cocon.model_split import SplitModel
-    from chatcore.cocon.pipeline import CoconPipeline
-    from chatcore.cocon.training import CoconTrainConfig, default_split_layer, norm_epsilon
-    from chatcore.cocon.windows import WindowSampler
+    from chatcore.plugins.cocon.block import CoconBlock, CoconConfig
+    from chatcore.plugins.cocon.losses import CoconLosses, HiddenDiscriminator
+    from chatcore.plugins.cocon.model_split import SplitModel
+    from chatcore.plugins.cocon.pipeline import CoconPipeline
+    from chatcore.plugins.cocon.training import CoconTrainConfig, default_split_layer, norm_epsilon
+    from chatcore.plugins.cocon.windows import WindowSampler
     from chatcore.training.corpus import load_corpus
     from chatcore.training.data import encode_dialogues
 
