@@ -9,7 +9,7 @@ saved with a tokenizer into a temporary folder that chatcore loads. Then, with E
 so every side decodes exactly --tokens tokens:
 
 - decode, batch 1: chatcore alone (``engine.respond``) and in the scheduler's shared batch
-  (where the fast path runs), against ``transformers.generate`` eager and generate with its
+  with the fast path on and off (``CHATCORE_FAST_PATH``), against ``transformers.generate`` eager and generate with its
   static cache + ``torch.compile``; the batch-1 bandwidth limit (weight bytes / --bandwidth)
   and each side's share of it;
 - decode, batch 32: 32 conversations through the scheduler against generate on a batch of 32;
@@ -84,6 +84,7 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
 
     from chatcore.engine import ReplyOptions
     from chatcore.serving import Scheduler
+    from chatcore.serving.static_step import FAST_PATH_ENV
 
     engine = load_engine(argparse.Namespace(model=str(folder), device="cuda" if cuda else "cpu", threads=args.threads))
     model, device, n = engine.loaded.model, engine.loaded.device, args.tokens
@@ -157,8 +158,17 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
         rows: list[tuple[str, float]] = []
         if count == 1:
             rows.append(("chatcore alone (engine.respond)", median(alone)))
-        with Scheduler(engine, max_batch=count, max_waiting=count, prefix_cache_bytes=0) as scheduler:
-            rows.append(("chatcore shared batch (scheduler)", median(shared, scheduler, count)))
+        for mode in ("on", "off"):  # the runner reads the setting when the scheduler starts
+            previous = os.environ.get(FAST_PATH_ENV)
+            os.environ[FAST_PATH_ENV] = mode
+            try:
+                with Scheduler(engine, max_batch=count, max_waiting=count, prefix_cache_bytes=0) as scheduler:
+                    rows.append((f"chatcore shared batch, fast path {mode}", median(shared, scheduler, count)))
+            finally:
+                if previous is None:
+                    del os.environ[FAST_PATH_ENV]
+                else:
+                    os.environ[FAST_PATH_ENV] = previous
         eager = median(generate, count)
         rows.append(("transformers.generate eager", eager))
         if not args.no_compile:
