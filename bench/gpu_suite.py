@@ -226,7 +226,7 @@ def main() -> None:
         for shape in shapes:
             folder = Path(scratch) / shape
             weight_bytes = build_model(shape, tokenizer, folder, cuda)
-            print(f"shape {shape}: {weight_bytes // (2 if cuda else 4) / 1e6:.0f}M parameters")
+            print(f"shape {shape}: {weight_bytes // (2 if cuda else 4) / 1e6:.2f}M parameters")
             if "decode" not in skip:
                 decode(folder, args, cuda, weight_bytes)
             common = ["--model", str(folder), *(["--threads", str(args.threads)] if args.threads else [])]
