@@ -109,3 +109,26 @@ def test_the_setting_selects_the_path(loaded, monkeypatch):
     monkeypatch.setenv(FAST_PATH_ENV, "fast")
     with pytest.raises(ChatcoreError, match=f"^{FAST_PATH_ENV} must be one of auto, on, off, got 'fast'$"):
         static_step_for(loaded.model, "cpu", "past_key_values")
+
+
+def test_a_failed_capture_falls_back_to_the_eager_step(loaded, caplog):
+    """Asked to capture where it cannot (no CUDA here), the step logs one debug line, stops trying
+    and gives the eager step's logits."""
+    import logging
+
+    import torch
+
+    from chatcore.models import cache_keyword
+    from chatcore.serving.static_step import StaticStep
+
+    model, argument = loaded.model, cache_keyword(loaded.model)
+    prompts = [[5, 6, 7], list(range(10, 30))]
+    tokens = torch.tensor([[1], [2]])
+    with torch.inference_mode(), caplog.at_level(logging.DEBUG, logger="chatcore.serving.static_step"):
+        expected = StaticStep(model, argument, capture=False).forward(tokens, slot_cache(model, prompts))
+        step = StaticStep(model, argument, capture=True)
+        logits = step.forward(tokens, slot_cache(model, prompts))
+    assert not step.capture and step.replays == 0
+    assert logits is not None and expected is not None and torch.equal(logits, expected)
+    lines = [record.getMessage() for record in caplog.records if record.name == "chatcore.serving.static_step"]
+    assert len(lines) == 1 and lines[0].startswith("fast path: capturing the decode step failed")
