@@ -107,17 +107,26 @@ def train_step(args) -> None:
     import torch
     from torch.nn import functional as F
 
-    from chatcore.cocon.block import CoconBlock, CoconConfig
-    from chatcore.cocon.losses import CoconLosses, HiddenDiscriminator
-    from chatcore.cocon.model_split import SplitModel
-    from chatcore.cocon.pipeline import CoconPipeline
-    from chatcore.cocon.training import CoconTrainConfig, default_split_layer, norm_epsilon
-    from chatcore.cocon.windows import WindowSampler
+    from chatcore.plugins.cocon.block import CoconBlock, CoconConfig
+    from chatcore.plugins.cocon.losses import CoconLosses, HiddenDiscriminator
+    from chatcore.plugins.cocon.model_split import SplitModel
+    from chatcore.plugins.cocon.pipeline import CoconPipeline
+    from chatcore.plugins.cocon.training import CoconTrainConfig, default_split_layer, norm_epsilon
+    from chatcore.plugins.cocon.windows import WindowSampler
     from chatcore.training.corpus import load_corpus
     from chatcore.training.data import encode_dialogues
 
     engine = load_engine(args)
     model, tokenizer = engine.loaded.model, engine.loaded.tokenizer
+    device = engine.loaded.device
+    on_cuda = device.startswith("cuda")
+    # bf16 autocast on a GPU, as `train cocon` runs there (precision auto)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda else torch.autocast("cpu", enabled=False)
+
+    def sync() -> None:
+        if on_cuda:
+            torch.cuda.synchronize()
+
     config = CoconTrainConfig(
         out_dir="unused",
         model=args.model,
@@ -138,30 +147,38 @@ def train_step(args) -> None:
             split_layer=split.split_layer,
             layer_norm_epsilon=norm_epsilon(model.config),
         )
-    )
+    ).to(device)
     losses_fn = CoconLosses(CoconPipeline(split, block), config)
-    discriminator = HiddenDiscriminator(split.n_embd)
+    discriminator = HiddenDiscriminator(split.n_embd).to(device)
     stream = encode_dialogues(load_corpus("chitchat")[:2000], tokenizer)
     sampler = WindowSampler(stream, engine.eos_token_id, args.history, args.continuation, 0.75, None)
-    windows = sampler.sample(args.batch, torch.Generator().manual_seed(0))
+    windows = sampler.sample(args.batch, torch.Generator().manual_seed(0)).to(device)
 
     def cocon() -> float:
+        sync()
         start = time.perf_counter()
-        batch = losses_fn(windows, torch.Generator().manual_seed(1), True, True)
-        fake = batch.fake
-        assert fake is not None
-        adv = F.binary_cross_entropy_with_logits(discriminator(fake).float(), torch.ones(fake.size(0)))
-        total = sum(batch.losses.values()) + 0.2 * adv
+        with autocast:
+            batch = losses_fn(windows, torch.Generator().manual_seed(1), True, True)
+            fake = batch.fake
+            assert fake is not None
+            ones = torch.ones(fake.size(0), device=device)
+            adv = F.binary_cross_entropy_with_logits(discriminator(fake).float(), ones)
+            total = sum(batch.losses.values()) + 0.2 * adv
         total.backward()
         block.zero_grad(set_to_none=True)
         discriminator.zero_grad(set_to_none=True)
+        sync()
         return time.perf_counter() - start
 
     def plain() -> float:
         model.requires_grad_(True)
+        sync()
         start = time.perf_counter()
-        logits = model(input_ids=windows[:, :-1]).logits
-        F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).backward()
+        with autocast:
+            logits = model(input_ids=windows[:, :-1]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
+        loss.backward()
+        sync()
         elapsed = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         model.requires_grad_(False)

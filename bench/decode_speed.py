@@ -6,6 +6,14 @@ Both sides decode exactly --tokens new tokens (EOS banned until then) from the s
 prompt; the median of --repeats alternating runs is reported, with the ratio
 ours / generate in tokens per second (above 1.0 means chatcore is faster). Also the
 time to the first token for a conversation whose history is about 400 tokens.
+
+    python bench/decode_speed.py --fast-path-batch 8 [--tokens 32] [--repeats 3]
+
+Instead: the fast path (chatcore/serving/static_step.py) against the ragged step, in one
+run: --fast-path-batch conversations of different lengths decode --tokens greedy tokens
+each through the scheduler, with CHATCORE_FAST_PATH=on and =off alternated; medians in
+tokens/s and their ratio (on the CPU the fixed step runs eagerly: the ratio says whether
+`auto` is right to leave it off there).
 """
 
 from __future__ import annotations
@@ -22,7 +30,11 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--fast-path-batch", type=int, default=0, help="compare the fast path (see above)")
     args = parser.parse_args()
+    if args.fast_path_batch:
+        fast_path(args)
+        return
 
     import torch
     import transformers
@@ -127,6 +139,48 @@ def main() -> None:
     print(
         f"time to first token, {history_tokens}-token history: chatcore {ours_ttft * 1000:.1f} ms   "
         f"transformers.generate {hf_ttft * 1000:.1f} ms   ratio {hf_ttft / ours_ttft:.2f}x"
+    )
+
+
+def fast_path(args: argparse.Namespace) -> None:
+    import os
+
+    import torch
+
+    from chatcore.engine import ReplyOptions
+    from chatcore.prompting import Message
+    from chatcore.serving import Scheduler
+    from chatcore.serving.static_step import FAST_PATH_ENV
+
+    engine = load_engine(args)
+    n, rows = args.tokens, args.fast_path_batch
+    options = ReplyOptions(decoder="greedy", max_new_tokens=n, min_new_tokens=n)
+    line = "what did you do this weekend? i went hiking with my dog. "
+    prompts = [line * (1 + index % 4) for index in range(rows)]  # rows of different lengths
+
+    def served(mode: str) -> float:
+        os.environ[FAST_PATH_ENV] = mode  # read when the scheduler's runner starts
+        start = time.perf_counter()
+        with Scheduler(engine, max_batch=rows, prefix_cache_bytes=0) as scheduler:
+            handles = [scheduler.submit([Message("user", prompt)], options) for prompt in prompts]
+            for handle in handles:
+                assert handle.wait(600) and len(handle.token_ids) == n, handle.error
+            steps = scheduler.runner.batch.static_step
+            assert (steps is not None) == (mode == "on")
+        if engine.loaded.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    served("on"), served("off")  # warm-up
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(args.repeats):
+        for mode in times:
+            times[mode].append(served(mode))
+    rate = {mode: rows * n / statistics.median(seconds) for mode, seconds in times.items()}
+    print(
+        f"model {args.model} on {engine.loaded.device}, threads {torch.get_num_threads()}, {rows} conversations x "
+        f"{n} tokens: fast path {rate['on']:.1f} tok/s   ragged step {rate['off']:.1f} tok/s   "
+        f"ratio {rate['on'] / rate['off']:.2f}x"
     )
 
 

@@ -604,6 +604,37 @@ def test_an_interrupted_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatc
     assert resumed.heldout == whole.heldout
 
 
+def test_training_in_chunks_equals_one_run(tiny_model_dir, tmp_path):
+    """Two invocations (--run-steps 3, then --resume) end with the weights, optimizer states and
+    held-out losses of one uncut run: the chunk stops off an evaluation step with a checkpoint."""
+    from safetensors.torch import load_file
+
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
+    from chatcore.training.accelerated import read_progress
+
+    corpus = tmp_path / "dialogues.jsonl"
+    turns = ["what did you cook today?", "a curry with lentils and rice", "sounds spicy", "only a little"]
+    corpus.write_text((json.dumps({"turns": turns}) + "\n") * 6)
+    config = dict(
+        model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, steps=4, **TINY_RUN, warmup_steps=2, device="cpu"
+    )
+    whole = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "whole"), **config), progress=False)
+    first = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "cut"), run_steps=3, **config), progress=False)
+    assert first.steps == 3 and read_progress(tmp_path / "cut" / "checkpoint")["step"] == 3
+    second = train_cocon(
+        CoconTrainConfig(out_dir=str(tmp_path / "cut"), run_steps=3, **config), resume=True, progress=False
+    )
+    assert second.steps == 4 and second.heldout == whole.heldout
+    ours, theirs = tmp_path / "cut" / "checkpoint", tmp_path / "whole" / "checkpoint"
+    assert read_progress(ours)["history"] == read_progress(theirs)["history"]
+    for name in ("model.safetensors", "model_1.safetensors"):  # the block, the discriminator
+        mine, other = load_file(ours / name), load_file(theirs / name)
+        assert mine.keys() == other.keys() and all(torch.equal(mine[key], other[key]) for key in mine), name
+    for name in ("optimizer.bin", "optimizer_1.bin"):
+        mine, other = (torch.load(folder / name, weights_only=False)["state"] for folder in (ours, theirs))
+        assert all(torch.equal(mine[index][key], other[index][key]) for index in mine for key in mine[index]), name
+
+
 def test_fine_tuning_starts_from_the_given_block(loaded, tiny_model_dir, tiny_block_dir, tmp_path):
     from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
 

@@ -137,6 +137,9 @@ class SharedBatch:
         self.jobs: list[Job] = []
         self.cache: Any = None  # a SlotCache once a reply has joined
         self.split_steps = 0  # steps whose attention was split by row length (for tests and benchmarks)
+        from chatcore.serving.static_step import static_step_for
+
+        self.static_step = static_step_for(model, device, self.cache_argument)  # the fast path, if on
 
     def __contains__(self, job: Job) -> bool:
         return job in self.jobs
@@ -179,22 +182,25 @@ class SharedBatch:
         from chatcore.serving.slots import ragged_pass
 
         last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
-        positions, mask, plan = self.cache.begin_step(self.device)
-        with ragged_pass(self.model, plan) as extra:
-            self.split_steps += bool(extra)
-            output = self.model(
-                input_ids=last,
-                attention_mask=mask,
-                position_ids=positions,
-                **{self.cache_argument: self.cache},
-                use_cache=True,
-                logits_to_keep=1,
-                **extra,
-            )
+        logits = self.static_step.forward(last, self.cache) if self.static_step is not None else None
+        if logits is None:
+            positions, mask, plan = self.cache.begin_step(self.device)
+            with ragged_pass(self.model, plan) as extra:
+                self.split_steps += bool(extra)
+                output = self.model(
+                    input_ids=last,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    **{self.cache_argument: self.cache},
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **extra,
+                )
+            logits = output.logits[:, -1, :].float()
         self.cache.end_step()
         for job in self.jobs:
             job.cached += 1
-        return output.logits[:, -1, :].float()
+        return logits
 
 
 def mergeable_cache(cache: Any) -> bool:

@@ -20,6 +20,8 @@ OPTIONS = (
     "prompt_format",
     "split_layer",
     "steps",
+    "run_steps",
+    "time_limit",
     "batch_size",
     "history_tokens",
     "min_history_tokens",
@@ -86,3 +88,5 @@ def cocon_command(out_dir: str, resume: bool, quiet: bool, **settings: Any) -> N
         f"{result.steps} steps in {result.seconds:.0f} s; held-out loss: {losses}; "
         f"{result.parameters:,} block parameters; block in {result.block_dir}"
     )
+    if result.steps < config.steps:
+        click.echo(f"stopped at step {result.steps} of {config.steps}: continue with --resume")

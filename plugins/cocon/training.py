@@ -73,6 +73,13 @@ class CoconTrainConfig(Settings):
     split_layer: Annotated[int, Field(ge=1, le=1000)] | None = None
     """The layer the block sits at: LM-alpha is blocks [0, split). Default: a third of the depth."""
     steps: Annotated[int, Field(ge=1, le=10**9)] = 2000
+    """Steps of the whole run (the learning-rate schedule spans them)."""
+    run_steps: Annotated[int, Field(ge=1, le=10**9)] | None = None
+    """Stop after this many steps of this invocation and write the checkpoint (default: run to --steps);
+    continue with --resume. A run trained in such chunks ends with the weights of one trained at once."""
+    time_limit: Annotated[float, Field(gt=0.0)] | None = None
+    """Stop once this invocation has trained this many minutes, after the step under way, and write the
+    checkpoint; continue with --resume."""
     batch_size: Annotated[int, Field(ge=1, le=65536)] = 16
     history_tokens: Tokens = 32
     """The longest history (prompt) before a continuation."""
@@ -364,7 +371,16 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     started = time.perf_counter() - elapsed
     heldout: dict[str, float] = history[-1] if history else {}
     running: dict[str, float] = {}
+    # A chunk ends at its step or time limit with a checkpoint and no evaluation, so the
+    # random state, the generator and the weights are those an uncut run has at that step.
+    chunk_end = config.steps if config.run_steps is None else min(config.steps, step + config.run_steps)
+    deadline = None if config.time_limit is None else time.perf_counter() + 60.0 * config.time_limit
     while step < config.steps:
+        if step >= chunk_end or (deadline is not None and time.perf_counter() >= deadline):
+            elapsed = time.perf_counter() - started
+            if not history or history[-1]["step"] != step:
+                save(heldout)
+            break
         with_cycle = config.cycle_weight > 0 and step >= config.cycle_from_step
         with_adv = config.adv_weight > 0 and step >= config.adv_from_step
         for group in disc_optimizer.param_groups:  # the discriminator follows the block's schedule

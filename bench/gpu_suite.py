@@ -1,0 +1,250 @@
+"""The GPU suite: decode, serving, PPLM and CoCon training at real model shapes, bounded, in one run.
+
+    python bench/gpu_suite.py [--shapes 135m,1.7b] [--tokens 64] [--bandwidth 4.8e12]
+                              [--tokenizer .whl/smoltok] [--no-compile] [--step-timeout 240]
+
+For each shape, a Llama model with random weights (the time per token does not depend on
+them) is built from a LlamaConfig at that shape, in bf16 on CUDA (float32 on the CPU), and
+saved with a tokenizer into a temporary folder that chatcore loads. Then, with EOS banned
+so every side decodes exactly --tokens tokens:
+
+- decode, batch 1: chatcore alone (``engine.respond``) and in the scheduler's shared batch
+  with the fast path on and off (``CHATCORE_FAST_PATH``), against ``transformers.generate`` eager and generate with its
+  static cache + ``torch.compile``; the batch-1 bandwidth limit (weight bytes / --bandwidth)
+  and each side's share of it;
+- decode, batch 32: 32 conversations through the scheduler against generate on a batch of 32;
+- PPLM (3 iterations) against plain decoding and one CoCon training step against a plain
+  forward and backward: ``bench/pplm_speed.py`` and ``bench/cocon_speed.py --train`` on the
+  same folder, each bounded by --step-timeout seconds.
+
+Without CUDA the same runs at a tiny shape (``--shapes tiny``, the default there) with the
+bundled chatcore-tiny's tokenizer, so the suite is checked on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchlib import load_engine
+
+HERE = Path(__file__).resolve().parent
+SHAPES: dict[str, dict[str, Any]] = {
+    # SmolLM2-135M's own config supplies every other field; these are the differences.
+    "tiny": dict(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "135m": dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3
+    ),
+    "1.7b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32
+    ),
+}
+
+
+def build_model(shape: str, tokenizer_dir: str, folder: Path, cuda: bool) -> int:
+    """Save a random-weight Llama at ``shape`` with the tokenizer into ``folder``; its weight bytes."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **SHAPES[shape],
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16 if cuda else torch.float32)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    return weight_bytes
+
+
+def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int) -> None:
+    import torch
+
+    from chatcore.engine import ReplyOptions
+    from chatcore.serving import Scheduler
+    from chatcore.serving.static_step import FAST_PATH_ENV
+
+    engine = load_engine(argparse.Namespace(model=str(folder), device="cuda" if cuda else "cpu", threads=args.threads))
+    model, device, n = engine.loaded.model, engine.loaded.device, args.tokens
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def conversations(count: int) -> list[Any]:
+        made = []
+        for index in range(count):
+            conversation = engine.conversation()
+            engine.add_user(conversation, f"hi, I am number {index}. what did you do this weekend?")
+            made.append(conversation)
+        return made
+
+    options = ReplyOptions(decoder="greedy", seed=0, max_new_tokens=n, min_new_tokens=n)
+
+    def alone() -> float:
+        (conversation,) = conversations(1)
+        sync()
+        start = time.perf_counter()
+        response = engine.respond(conversation, options)
+        response.text()
+        sync()
+        assert len(response.token_ids) == n
+        return n / (time.perf_counter() - start)
+
+    def shared(scheduler: Scheduler, count: int) -> float:
+        batch = conversations(count)
+        sync()
+        start = time.perf_counter()
+        handles = [scheduler.submit(conversation.messages(), options) for conversation in batch]
+        for handle in handles:
+            handle.wait()
+            assert handle.error is None and len(handle.token_ids) == n, handle.error
+        sync()
+        return count * n / (time.perf_counter() - start)
+
+    def generate(count: int, **kwargs: Any) -> float:
+        prompt = engine.prompt(conversations(1)[0], n).token_ids
+        input_ids = torch.tensor([prompt] * count, device=device)
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=engine.eos_token_id,
+                **kwargs,
+            )
+        sync()
+        assert out.shape[1] - input_ids.shape[1] == n
+        return count * n / (time.perf_counter() - start)
+
+    def median(measure: Any, *arguments: Any, **keywords: Any) -> float:
+        measure(*arguments, **keywords)  # warm-up (and, for the compiled and captured sides, compilation)
+        return statistics.median(measure(*arguments, **keywords) for _ in range(args.repeats))
+
+    limit = args.bandwidth / weight_bytes
+    print(f"  weights {weight_bytes / 1e6:.1f} MB; batch-1 bandwidth limit {limit:,.0f} tok/s")
+    from transformers import CompileConfig
+
+    # generate compiles its static-cache forward by itself on CUDA; elsewhere only when asked to.
+    compile_config = CompileConfig(fullgraph=False, dynamic=False)
+    compile_config._compile_all_devices = True
+    for count in (1, 32):
+        rows: list[tuple[str, float]] = []
+        if count == 1:
+            rows.append(("chatcore alone (engine.respond)", median(alone)))
+        for mode in ("on", "off"):  # the runner reads the setting when the scheduler starts
+            previous = os.environ.get(FAST_PATH_ENV)
+            os.environ[FAST_PATH_ENV] = mode
+            try:
+                with Scheduler(engine, max_batch=count, max_waiting=count, prefix_cache_bytes=0) as scheduler:
+                    rows.append((f"chatcore shared batch, fast path {mode}", median(shared, scheduler, count)))
+            finally:
+                if previous is None:
+                    del os.environ[FAST_PATH_ENV]
+                else:
+                    os.environ[FAST_PATH_ENV] = previous
+        eager = median(generate, count)
+        rows.append(("transformers.generate eager", eager))
+        if not args.no_compile:
+            try:
+                rows.append(
+                    (
+                        "generate static cache + compile",
+                        median(generate, count, cache_implementation="static", compile_config=compile_config),
+                    )
+                )
+            except Exception as error:  # compilation needs a C compiler and can fail on a bare machine
+                print(f"    generate static+compile failed: {type(error).__name__}: {str(error)[:120]}")
+        for label, rate in rows:
+            share = f"   {100 * rate / limit:5.1f} % of the limit" if count == 1 else ""
+            print(f"  batch {count:2d}  {label:36s} {rate:9.1f} tok/s   {rate / eager:5.2f}x eager generate{share}")
+
+
+def run_bench(script: str, extra: list[str], timeout: int) -> None:
+    """Run another benchmark on the same folder, bounded; print its output indented."""
+    command = [sys.executable, str(HERE / script), *extra]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        text = done.stdout + (done.stderr[-600:] if done.returncode else "")
+    except subprocess.TimeoutExpired:
+        text = f"(stopped after {timeout} s)"
+    for line in text.strip().splitlines():
+        print(f"    {line}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=None, help="comma-separated: tiny, 135m, 1.7b (default: 135m,1.7b on CUDA)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: 4.8e12, an H200; CPU 2e10)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: .whl/smoltok on CUDA)")
+    parser.add_argument("--no-compile", action="store_true", help="skip generate with static cache + torch.compile")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode, pplm, cocon")
+    parser.add_argument("--step-timeout", type=int, default=240, help="seconds for each of pplm and cocon")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from chatcore.models import BUNDLED_DIR
+
+    cuda = torch.cuda.is_available()
+    shapes = (args.shapes or ("135m,1.7b" if cuda else "tiny")).split(",")
+    args.bandwidth = args.bandwidth or (4.8e12 if cuda else 2e10)
+    tokenizer = args.tokenizer or (".whl/smoltok" if cuda else str(BUNDLED_DIR / "chatcore-tiny"))
+    skip = set(args.skip.split(","))
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"device {device}, torch {torch.__version__}, fast path {os.environ.get('CHATCORE_FAST_PATH', 'auto')}")
+    with tempfile.TemporaryDirectory() as scratch:
+        for shape in shapes:
+            folder = Path(scratch) / shape
+            weight_bytes = build_model(shape, tokenizer, folder, cuda)
+            print(f"shape {shape}: {weight_bytes // (2 if cuda else 4) / 1e6:.2f}M parameters")
+            if "decode" not in skip:
+                decode(folder, args, cuda, weight_bytes)
+            common = ["--model", str(folder), *(["--threads", str(args.threads)] if args.threads else [])]
+            if "pplm" not in skip:
+                print("  PPLM (3 iterations) vs plain top-k:")
+                run_bench(
+                    "pplm_speed.py",
+                    [*common, "--lengths", "20", "--history", "64", "--repeats", "2"],
+                    args.step_timeout,
+                )
+            if "cocon" not in skip:
+                print("  CoCon training step vs a plain forward and backward:")
+                run_bench(
+                    "cocon_speed.py",
+                    [*common, "--train", "--history", "32", "--repeats", "2", *(["--batch", "64"] if cuda else [])],
+                    args.step_timeout,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The fast path: the shared batch's decode step with fixed shapes, captured on a GPU.
+
+The shared batch (:class:`chatcore.serving.runner.SharedBatch`) holds rows whose steerers
+all edit scores only (``shares_batch = True``): the model's pass is the whole of their
+step, and their steerers, the decoder's processors and the sampler run on its logits
+afterwards. That pass is what this module makes fast. Its shapes are fixed per
+batch-size bucket (:data:`BUCKETS`):
+
+    tokens (bucket, 1)            each row's newest token (padding rows: token 0)
+    positions (bucket, 1)         each row's position: the tokens it has cached
+    mask (bucket, 1, 1, capacity) 0 over a row's own columns and its new one, -inf elsewhere
+    keys, values (slots, H, capacity, D) per layer: the slot cache's own buffers
+
+and the new key/value is written at each row's own column (per-row positions, so rows of
+different lengths share the step: transformers' ``StaticCache`` writes one
+``cache_position`` for every row, which does not fit). Padding rows write into free
+slots at column 0 and attend to that column only; their logits are dropped.
+
+With fixed shapes and fixed buffers, a CUDA device captures the pass once per bucket
+(and per buffer allocation: the slot cache grows by doubling, so seldom) as a
+``torch.cuda.CUDAGraph`` and replays it: one launch instead of a few hundred kernel
+launches and the Python between them. Elsewhere the same step runs eagerly, which is
+how its positions and masks are tested on the CPU. A capture that fails logs one debug
+line and the step runs eagerly from then on.
+
+Replies with a step steerer (PPLM, CoCon, activation steering: ``shares_batch = False``)
+never reach this step: they run eagerly beside the batch with caches of their own.
+
+``CHATCORE_FAST_PATH`` selects it: ``auto`` (default: on CUDA devices only; on the CPU
+the growing slot cache's ragged step attends over fewer columns and is not slower),
+``on`` (everywhere, eagerly off CUDA), ``off``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    import torch
+
+    from chatcore.serving.slots import SlotCache
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+FAST_PATH_ENV = "CHATCORE_FAST_PATH"
+FAST_PATH_MODES = ("auto", "on", "off")
+# Attention implementations that honour a 4-D additive mask (flash attention reads lengths instead).
+MASKED_ATTENTION = ("sdpa", "eager")
+
+
+def fast_path_mode() -> str:
+    """The ``CHATCORE_FAST_PATH`` setting; a bad value is refused in one line."""
+    mode = os.environ.get(FAST_PATH_ENV, "auto").strip().lower() or "auto"
+    if mode not in FAST_PATH_MODES:
+        raise ChatcoreError(f"{FAST_PATH_ENV} must be one of {', '.join(FAST_PATH_MODES)}, got {mode!r}")
+    return mode
+
+
+def bucket_for(rows: int) -> int | None:
+    """The smallest bucket that holds ``rows`` rows (None: more rows than the largest)."""
+    return next((bucket for bucket in BUCKETS if bucket >= rows), None)
+
+
+class FixedLayer(CacheLayerMixin):
+    """One layer's slot buffers as the fixed step sees them: every row's column written in place."""
+
+    is_sliding = False
+
+    def __init__(self, owner: FixedSlots, index: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.index = index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = self.owner
+        keys, values = owner.buffers[self.index]
+        rows, columns = owner.rows, owner.columns
+        keys[rows, :, columns] = key_states[:, :, 0]  # (bucket, H, D) into each row's next column
+        values[rows, :, columns] = value_states[:, :, 0]
+        bucket = rows.shape[0]
+        return keys[:bucket], values[:bucket]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.capacity - 1  # the positions come from position_ids: a constant keeps the graph fixed
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class FixedSlots(Cache):
+    """The slot cache's buffers under fixed-shape inputs: ``rows`` (bucket,) and ``columns`` (bucket,)."""
+
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], bucket: int) -> None:
+        import torch
+
+        self.buffers = buffers
+        keys = buffers[0][0]
+        self.capacity = int(keys.shape[2])
+        self.rows = torch.arange(bucket, device=keys.device)
+        self.columns = torch.zeros(bucket, dtype=torch.long, device=keys.device)
+        super().__init__(layers=[FixedLayer(self, index) for index in range(len(buffers))])
+
+
+@dataclass
+class FixedInputs:
+    """One bucket's fixed tensors: what a captured graph reads and writes."""
+
+    cache: FixedSlots
+    tokens: torch.Tensor  # (bucket, 1)
+    mask: torch.Tensor  # (bucket, 1, 1, capacity)
+    logits: torch.Tensor | None = None  # (bucket, 1, V): the captured graph's output
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+
+
+class StaticStep:
+    """The shared batch's fixed-shape decode step (see the module's docstring)."""
+
+    def __init__(self, model: Any, cache_argument: str, capture: bool) -> None:
+        self.model = model
+        self.cache_argument = cache_argument
+        self.capture = capture
+        self.inputs: dict[int, FixedInputs] = {}
+        self.owner: tuple[int, int] | None = None  # (first buffer's address, capacity) the inputs were made for
+        self.steps = 0  # steps taken on this path (for tests and benchmarks)
+        self.replays = 0  # of them, replays of a captured graph
+
+    def forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor | None:
+        """One pass for every row's newest token ``tokens`` (B, 1) over ``cache``: (B, V) float32
+        logits, the new key/values written; None (nothing done) when the batch has more rows
+        than the largest bucket. The caller advances the cache's lengths."""
+        import torch
+
+        rows = cache.rows
+        bucket = bucket_for(rows)
+        if bucket is None:
+            return None
+        lengths = cache.lengths
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = [(layer.keys, layer.values) for layer in cache.slots]  # type: ignore[misc]
+        cache._reserve(bucket, max(lengths) + 1, buffers)  # room for the padding rows' slots and the new column
+        buffers = [(layer.keys, layer.values) for layer in cache.slots]  # type: ignore[misc]
+        first = buffers[0][0]
+        owner = (first.data_ptr(), int(first.shape[2]))
+        if owner != self.owner:  # new buffers: every fixed input and graph pointed at the old ones
+            self.inputs.clear()
+            self.owner = owner
+        inputs = self.inputs.get(bucket)
+        if inputs is None:
+            fixed = FixedSlots(buffers, bucket)
+            mask = torch.zeros((bucket, 1, 1, fixed.capacity), dtype=first.dtype, device=first.device)
+            inputs = self.inputs[bucket] = FixedInputs(
+                fixed, torch.zeros((bucket, 1), dtype=torch.long, device=first.device), mask
+            )
+        device = first.device
+        inputs.tokens.zero_()
+        inputs.tokens[:rows] = tokens.to(device)
+        columns = inputs.cache.columns
+        columns.zero_()
+        columns[:rows] = torch.tensor(lengths, dtype=torch.long, device=device)
+        visible = torch.arange(inputs.cache.capacity, device=device)[None, :] <= columns[:, None]
+        inputs.mask.copy_(torch.where(visible, 0.0, torch.finfo(first.dtype).min)[:, None, None, :])
+        self.steps += 1
+        if self.capture and inputs.graph is None:
+            self._capture(inputs)
+        if inputs.graph is not None:
+            inputs.graph.replay()
+            self.replays += 1
+            assert inputs.logits is not None
+            logits = inputs.logits
+        else:
+            logits = self._run(inputs)
+        return logits[:rows, -1].to(torch.float32, copy=True)
+
+    def _run(self, inputs: FixedInputs) -> torch.Tensor:
+        output = self.model(
+            input_ids=inputs.tokens,
+            attention_mask=inputs.mask,
+            position_ids=inputs.cache.columns[:, None],
+            **{self.cache_argument: inputs.cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits: torch.Tensor = output.logits
+        return logits
+
+    def _capture(self, inputs: FixedInputs) -> None:
+        """Capture the pass as a CUDA graph (warmed up on a side stream, as torch's docs ask).
+        The warm-up passes write this step's own key/values, so they change nothing."""
+        import torch
+
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._run(inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                inputs.logits = self._run(inputs)
+            inputs.graph = graph
+        except Exception as error:  # an operation that cannot be captured: run eagerly from now on
+            log.debug("fast path: capturing the decode step failed, running it eagerly: %s", error)
+            self.capture = False
+            inputs.graph = inputs.logits = None
+
+
+def static_step_for(model: Any, device: Any, cache_argument: str) -> StaticStep | None:
+    """The fast path for ``model`` on ``device`` under ``CHATCORE_FAST_PATH`` (None: the ragged step)."""
+    mode = fast_path_mode()
+    on_cuda = str(device).startswith("cuda")
+    if mode == "off" or (mode == "auto" and not on_cuda):
+        return None
+    if getattr(model.config, "_attn_implementation", None) not in MASKED_ATTENTION:
+        log.debug("fast path: attention %r ignores the step's mask; not used", model.config._attn_implementation)
+        return None
+    return StaticStep(model, cache_argument, capture=on_cuda)

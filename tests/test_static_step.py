@@ -1,0 +1,134 @@
+"""The fast path (chatcore.serving.static_step) run eagerly on the CPU: its fixed shapes, per-row
+positions and masks give the replies of the ragged step and of transformers' ``generate``."""
+
+from __future__ import annotations
+
+import pytest
+from test_architectures import hf_greedy
+from test_serving import OPTIONS, PROMPTS, alone
+
+from chatcore.engine import ReplyOptions
+from chatcore.errors import ChatcoreError
+from chatcore.prompting import Message
+from chatcore.serving import Scheduler
+from chatcore.serving.static_step import FAST_PATH_ENV, bucket_for, static_step_for
+from chatcore.testing import make_engine
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tiny_chat_model_dir):
+    return make_engine(tiny_chat_model_dir("llama"), "chatcore.plugins.bow_bias")
+
+
+def batched(engine, prompts, options):
+    with Scheduler(engine, max_batch=8) as scheduler:
+        handles = [scheduler.submit([Message("user", p)], o) for p, o in zip(prompts, options)]
+        for handle in handles:
+            assert handle.wait(60) and handle.error is None
+        fast = scheduler.runner.batch.static_step
+    return [handle.token_ids for handle in handles], fast
+
+
+def test_greedy_on_the_fast_path_equals_generate(llama_engine, monkeypatch):
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    conversation = llama_engine.scripted(["hello there", "hey! how are you?", "pretty good, just got back"])
+    expected = hf_greedy(llama_engine, conversation.messages(), 12)
+    response = llama_engine.respond(conversation, decoder="greedy", max_new_tokens=12)
+    response.text()
+    assert response.token_ids == expected
+
+
+@pytest.mark.parametrize("engine_name", [pytest.param("serving_engine", marks=pytest.mark.slow), "llama_engine"])
+def test_batched_rows_on_the_fast_path_equal_the_ragged_step(engine_name, request, monkeypatch):
+    """Six replies of different lengths (a bucket of 8: two padding rows) equal the same replies
+    decoded alone on the ragged step, sampled ones and a steered one included."""
+    engine = request.getfixturevalue(engine_name)
+    prompts = [*PROMPTS, PROMPTS[1] * 3]
+    options = [*OPTIONS, ReplyOptions(decoder="greedy", max_new_tokens=9)]
+    monkeypatch.setenv(FAST_PATH_ENV, "off")
+    expected = [alone(engine, p, o) for p, o in zip(prompts, options)]
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    replies, fast = batched(engine, prompts, options)
+    assert replies == expected
+    assert fast is not None and fast.steps > 0 and fast.replays == 0  # eager on the CPU: nothing captured
+    assert bucket_for(len(prompts)) == 8 and bucket_for(33) is None
+
+
+def slot_cache(model, prompts):
+    """A slot cache holding each prompt's key/values, a row each, as the shared batch builds it."""
+    import torch
+
+    from chatcore.models import output_cache
+    from chatcore.serving.slots import SlotCache
+
+    cache = None
+    for ids in prompts:
+        output = model(input_ids=torch.tensor([ids]), use_cache=True)
+        layers = [(layer.keys, layer.values) for layer in output_cache(output).layers]
+        cache = cache or SlotCache(len(layers))
+        cache.append(layers, 1)
+    return cache
+
+
+@pytest.mark.parametrize("model_name", ["loaded", "tiny_llama"])
+def test_the_fixed_step_gives_the_ragged_steps_logits(model_name, request):
+    """Rows of 3, 40 and 11 tokens (a bucket of 4: one padding row), three steps: each row's
+    logits on the fixed step equal those of the ragged step, row by row."""
+    import torch
+
+    from chatcore.models import cache_keyword
+    from chatcore.serving.static_step import StaticStep
+
+    model = request.getfixturevalue(model_name).model
+    prompts = [[5, 6, 7], list(range(10, 50)), list(range(60, 71))]
+    argument = cache_keyword(model)
+    with torch.inference_mode():
+        ragged, fixed = slot_cache(model, prompts), slot_cache(model, prompts)
+        step = StaticStep(model, argument, capture=False)
+        tokens = torch.tensor([[1], [2], [3]])
+        for _ in range(3):
+            positions, mask, _ = ragged.begin_step("cpu")
+            output = model(
+                input_ids=tokens, attention_mask=mask, position_ids=positions, **{argument: ragged}, use_cache=True
+            )
+            ragged.end_step()
+            expected = output.logits[:, -1].float()
+            logits = step.forward(tokens, fixed)
+            fixed.end_step()
+            assert logits is not None and torch.allclose(logits, expected, atol=1e-5)
+            tokens = expected.argmax(-1, keepdim=True)
+    assert step.steps == 3 and step.replays == 0
+
+
+def test_the_setting_selects_the_path(loaded, monkeypatch):
+    monkeypatch.setenv(FAST_PATH_ENV, "auto")
+    assert static_step_for(loaded.model, "cpu", "past_key_values") is None  # the CPU keeps the ragged step
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    step = static_step_for(loaded.model, "cpu", "past_key_values")
+    assert step is not None and not step.capture
+    monkeypatch.setenv(FAST_PATH_ENV, "fast")
+    with pytest.raises(ChatcoreError, match=f"^{FAST_PATH_ENV} must be one of auto, on, off, got 'fast'$"):
+        static_step_for(loaded.model, "cpu", "past_key_values")
+
+
+def test_a_failed_capture_falls_back_to_the_eager_step(loaded, caplog):
+    """Asked to capture where it cannot (no CUDA here), the step logs one debug line, stops trying
+    and gives the eager step's logits."""
+    import logging
+
+    import torch
+
+    from chatcore.models import cache_keyword
+    from chatcore.serving.static_step import StaticStep
+
+    model, argument = loaded.model, cache_keyword(loaded.model)
+    prompts = [[5, 6, 7], list(range(10, 30))]
+    tokens = torch.tensor([[1], [2]])
+    with torch.inference_mode(), caplog.at_level(logging.DEBUG, logger="chatcore.serving.static_step"):
+        expected = StaticStep(model, argument, capture=False).forward(tokens, slot_cache(model, prompts))
+        step = StaticStep(model, argument, capture=True)
+        logits = step.forward(tokens, slot_cache(model, prompts))
+    assert not step.capture and step.replays == 0
+    assert logits is not None and expected is not None and torch.equal(logits, expected)
+    lines = [record.getMessage() for record in caplog.records if record.name == "chatcore.serving.static_step"]
+    assert len(lines) == 1 and lines[0].startswith("fast path: capturing the decode step failed")
