@@ -301,7 +301,7 @@ def slow_request(serving, name: str, stream: bool) -> socket.socket:
 def test_a_client_that_disconnects_frees_its_slot(serving, client, stream):
     scheduler = serving[0]
     connection = slow_request(serving, model_name(client), stream)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # a hang guard: a loaded machine only makes it slower
     while not scheduler.in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
     (handle,) = [job.sink for job in list(scheduler.runner.jobs)]
