@@ -34,6 +34,7 @@ PAIRS_DIR = Path(__file__).with_name("pairs")
 BUILTIN_PAIRS: dict[str, tuple[str, str]] = {
     "happy": ("happy.txt", "sad.txt"),
     "food": ("food.txt", "plain.txt"),
+    "sports": ("sports.txt", "plain.txt"),
 }
 FORMAT_VERSION = 1
 # Rows of the token embedding that join the model hash (all of a small model's would cost a
