@@ -1,7 +1,8 @@
 """The ``vector`` steerer's effect and cost: topic or mood share and perplexity against unsteered.
 
     python bench/vector_quality.py [--model smollm2] [--vectors food,happy] [--strengths 4,8]
-                                   [--openers 8] [--first-opener 0] [--seeds 0,100] [--max-new-tokens 32] [--json out.json]
+                                   [--openers 8] [--first-opener 0] [--seeds 0,100]
+                                   [--max-new-tokens 32] [--json out.json]
 
 For each vector (a built-in contrast set, ``pairs=NAME``, or a file made by ``chatcore train
 vector``: ``NAME=PATH``) and each strength, replies to the first ``--openers`` of the
@@ -14,8 +15,8 @@ same run.
 ``--first-opener`` and ``--openers-file`` pick a held-out set: choose the strength on one
 range of openers and seeds, report on another.
 
-The attribute of ``food`` (``sports``, any word list's name) is a word of that built-in list; of ``happy``, more words of
-the built-in positive list than of the negative one (a word count, not a trained judge).
+The attribute of ``food`` (``sports``, any word list's name) is a word of that built-in
+list; of ``happy``, more words of the built-in positive list than of the negative one (a word count, not a trained judge).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ class VectorSettings(Settings):
     path: str | None = None
     """A vector from `chatcore train vector` (NAME, NAME.safetensors or NAME.json)."""
     pairs: str | None = None
-    """A built-in contrast set, read on the model when first used: happy (happy - sad), food (food - plain), sports (sports - plain)."""
+    """A built-in contrast set, read on the model when first used: happy (happy - sad), food
+    (food - plain), sports (sports - plain)."""
     strength: Annotated[float, Field(ge=-MAX_STRENGTH, le=MAX_STRENGTH)] = DEFAULT_STRENGTH
     """The added vector's norm as a share of the residual stream's mean norm at the layer
     (negative steers away)."""
