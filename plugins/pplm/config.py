@@ -1,16 +1,22 @@
-"""The numbers that shape a PPLM perturbation (validated; no torch here)."""
+"""The numbers that shape a PPLM perturbation (validated; torch only for type hints)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
 
 from chatcore.api import Settings
 
-# The default step, summed over the perturbed layers (PerturbConfig.step_size): chatcore-tiny's
-# measured 1.0 per layer on its top 3 layers.
-LAYER_STEPS = 3.0
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# The default step (stepsize unset), in nats: each perturbed layer's gradient step is sized to
+# lower the attribute loss by this much to first order (PerturbConfig.layer_scales). 0.52 is
+# chatcore-tiny's measured step of 1.0 per layer at its typical gradient norm (0.27: 1.0 *
+# 0.27 ** 0.5); SmolLM2-135M's gradients are ~5x larger, and the same 0.52 nats per layer
+# gives it a step of ~0.46 (docs/pplm.md, "Across models").
+LAYER_NATS = 0.52
 
 
 def _between(low: float, high: float) -> Any:
@@ -28,7 +34,8 @@ class PerturbConfig(Settings):
     # the same topic share.
     stepsize: Annotated[float, _between(0.0, 10.0)] | None = None
     """Size of each normalised gradient step on the past of each perturbed layer (0 = no
-    steering); unset: 3 divided by the number of perturbed layers."""
+    steering); unset: scaled to the model, each layer's step lowering the attribute loss by
+    0.52 nats to first order."""
     num_iterations: Annotated[int, _between(0, 100)] = 3
     """Gradient steps per token."""
     window_length: Annotated[int, _between(0, 1_000_000)] = 0
@@ -63,21 +70,21 @@ class PerturbConfig(Settings):
         perturbed = min(layers, max(1, round(self.layer_share * layers)))
         return layers - perturbed
 
-    def step_size(self, perturbed_layers: int) -> float:
-        """The step size for a perturbation of ``perturbed_layers`` layers: ``stepsize`` if set,
-        else ``LAYER_STEPS / perturbed_layers``.
+    def layer_scales(self, norms: "Tensor") -> "Tensor":
+        """The factors of the gradient step ``delta -= factor * w * g`` from ``norms``, the
+        largest norm of ``w * g`` seen so far per row and layer (any shape).
 
-        Every perturbed layer takes its own normalised step, and their effects on the next
-        token add up: a model with five times the perturbed layers moves five times as far
-        for the same step per layer. On SmolLM2-135M (15 perturbed layers of 30) a step of
-        1.0 per layer overshoots (the attribute loss and the KL term swing from one iteration
-        to the next); a total of 3 spread over the layers makes its iterations go down as
-        1.0 on each of chatcore-tiny's 3 perturbed layers does there (docs/pplm.md,
-        "Across models").
+        A given ``stepsize`` is the paper's ``stepsize / n ** gamma`` on every layer. Unset, the
+        step is scaled to the model through its gradient: ``LAYER_NATS / n ** 2``, the step
+        along ``g`` that lowers the attribute loss by ``LAYER_NATS`` nats to first order
+        (``g . delta = LAYER_NATS * |g| ** 2 / n ** 2``, at most ``LAYER_NATS``). A bigger model's
+        larger gradients (SmolLM2-135M's are ~5x chatcore-tiny's) then get a smaller step
+        without a constant tuned per model; the paper's fixed ``stepsize`` with ``n ** 1.5``
+        barely moves a 14M model or tears a 135M one apart (docs/pplm.md, "Across models").
         """
         if self.stepsize is not None:
-            return self.stepsize
-        return LAYER_STEPS / max(1, perturbed_layers)
+            return self.stepsize / norms.pow(self.gamma)
+        return LAYER_NATS / norms.pow(2)
 
     def optimises(self, step: int) -> bool:
         """Whether the perturbation is optimised at decoding step ``step`` (0 = first reply token)."""

@@ -3,8 +3,8 @@
 For the rows still writing: deltas (zeros to start) on the most recent ``window_length``
 positions of the perturbed past; ``num_iterations`` times: run the fed token from past +
 deltas, take loss = attribute loss + kl_scale * KL(p~ || p) per row, differentiate, and
-step ``delta -= step * w * g / n ** gamma``, with ``step`` from
-:meth:`PerturbConfig.step_size`, ``w`` the window's (decay) weights and ``n`` the largest
+step ``delta -= s(n) * w * g``, with ``s(n) = stepsize / n ** gamma`` (unset stepsize: scaled
+to the model) from :meth:`PerturbConfig.layer_scales`, ``w`` the window's (decay) weights and ``n`` the largest
 norm of ``w * g`` so far in the reply, per row and layer (keys and values together).
 How the passes run and what the deltas are (dense, low-rank) is the runner's
 (:class:`chatcore.plugins.pplm.passes.PassRunner`); the rest is here, written once.
@@ -223,15 +223,15 @@ class Optimiser:
         return (attribute_loss + self.config.kl_scale * kl).sum()
 
     def _scales(self, squares: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the (layers, b) squared norms of w * g: the (layers, b) scales step / n ** gamma
-        of the gradient step, and the (b,) mean of n.
+        """From the (layers, b) squared norms of w * g: the (layers, b) factors of the gradient
+        step (:meth:`PerturbConfig.layer_scales`), and the (b,) mean of n.
 
         n is the largest norm of w * g seen so far in this reply (per row and layer, keys
         and values together), as the paper's code does for bags of words: once the loss
         saturates its gradient is tiny, and dividing by that norm ** 1.5 would make huge steps.
         """
         norms = self._running_norm_max(squares.sqrt().t() + NORM_EPSILON, rows)  # (b, layers)
-        scales = (self.config.step_size(norms.size(1)) / norms.pow(self.config.gamma)).t()
+        scales = self.config.layer_scales(norms).t()
         return scales, norms.mean(1)
 
     def _running_norm_max(self, norms: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
