@@ -16,7 +16,8 @@ same run.
 range of openers and seeds, report on another.
 
 The attribute of ``food`` (``sports``, any word list's name) is a word of that built-in
-list; of ``happy``, more words of the built-in positive list than of the negative one (a word count, not a trained judge).
+list; of ``happy``, more words of the built-in positive list than of the negative one (a
+word count, not a trained judge).
 """
 
 from __future__ import annotations

@@ -173,13 +173,19 @@ def test_layer_share_picks_the_top_layers(share, layers, first):
     assert PerturbConfig(layer_share=share).first_perturbed_layer(layers) == first
 
 
-def test_the_default_step_is_spread_over_the_perturbed_layers(bundled_model):
-    config = PerturbConfig()
-    layers = bundled_model.model.config.n_layer
-    perturbed = layers - config.first_perturbed_layer(layers)
-    assert config.step_size(perturbed) == 1.0  # chatcore-tiny: the step its defaults were measured with
-    assert config.step_size(15) == pytest.approx(0.2) and config.step_size(1) == 3.0
-    assert PerturbConfig(stepsize=0.5).step_size(15) == 0.5  # a given step is kept on every layer
+def test_the_default_step_is_scaled_to_the_gradient():
+    """Unset, each layer's step lowers the attribute loss by LAYER_NATS to first order: a
+    gradient as large as the largest seen so far moves it by exactly that, whatever its norm,
+    so a model with 5x larger gradients takes a 5x shorter step."""
+    from chatcore.plugins.pplm.config import LAYER_NATS
+
+    norms = torch.tensor([0.27, 1.3, 7.0])
+    scales = PerturbConfig().layer_scales(norms)
+    assert torch.allclose(scales * norms * norms, torch.full((3,), LAYER_NATS))  # g . delta at |g| = n
+    # chatcore-tiny's typical gradient norm gets the step its defaults were measured with
+    assert float(PerturbConfig().layer_scales(torch.tensor(0.27)) * 0.27**1.5) == pytest.approx(1.0, abs=0.01)
+    given = PerturbConfig(stepsize=0.5).layer_scales(norms)  # a given step is the paper's on every layer
+    assert torch.allclose(given, 0.5 / norms.pow(1.5))
     assert not PerturbConfig(stepsize=0.0).optimises(0) and PerturbConfig().optimises(0)
 
 
@@ -770,7 +776,7 @@ def test_train_discriminator_command_on_a_llama_model(llama_family, tmp_path):
 def test_the_defaults_steer_smollm2(smollm2):
     """On a real 30-layer chat model, with nothing but a topic: the bag of words builds for
     its tokenizer, the lean runner takes it, and the first reply token's topic probability
-    rises (the default step is spread over its 15 perturbed layers)."""
+    rises (the default step is scaled to its gradients)."""
     from chatcore.prompting import Message
 
     engine = Engine(smollm2, host=PluginHost())
@@ -779,7 +785,7 @@ def test_the_defaults_steer_smollm2(smollm2):
     steerer = PPLMSteerer.from_options({"topic": "food"})
     steered, plain = first_step(smollm2, steerer, prompt)
     perturbation = steerer.perturbation
-    assert perturbation.runner is not None and perturbation.config.step_size(15) == pytest.approx(0.2)
+    assert perturbation.runner is not None and perturbation.config.stepsize is None
     targets = perturbation.attribute.start_mask
     assert int(targets.sum()) > 20
     share = lambda logits: float(torch.softmax(logits[0].float(), -1)[targets].sum())  # noqa: E731

@@ -27,7 +27,16 @@ from pydantic import Field, model_validator
 
 from chatcore.api import Settings, Steerer, Step, StepOutput, StepState, anatomy_of
 
-from .vectors import BUILTIN_PAIRS, build_vector, builtin_pair_files, check_layer, check_model, load_vector, read_texts
+from .vectors import (
+    BUILTIN_PAIRS,
+    build_vector,
+    builtin_pair_files,
+    check_layer,
+    check_model,
+    load_vector,
+    read_texts,
+    residual_norm,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -118,8 +127,11 @@ class VectorSteerer(Steerer):
             source = f"pairs:{settings.pairs}"
         layer = found.info.layer if settings.layer is None else settings.layer
         check_layer(layer, n_layer)
+        measured = found.info.residual_norm
+        if measured is None or layer != found.info.layer:
+            measured = residual_norm(model, layer)
         vector = found.vector.to(model.device, model.dtype)
-        return Prepared(layer, vector, source, found.info.norm, found.info.residual_norm)
+        return Prepared(layer, vector, source, found.info.norm, measured)
 
     def prepare(self, session: "GenerationSession") -> None:
         prepared = self.shared if isinstance(self.shared, Prepared) else self.setup(session.model, self.settings)
