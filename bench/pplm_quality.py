@@ -1,12 +1,12 @@
 """PPLM's effect and cost in quality, on held-out chitchat contexts, same seeds.
 
     python bench/pplm_quality.py [--model chatcore-tiny] [--format auto] [--topics food,weather,music]
-                                 [--limit 100] [--first 0] [--openers-file FILE] [--seed 0]
+                                 [--limit 100] [--offset 0] [--openers-file FILE] [--seed 0]
                                  [--pplm "stepsize=0.5"] [--rank ""] [--rank-only]
                                  [--sentiment] [--json report.json]
 
-Held-out protocol: tune on one slice of the contexts (``--first 0 --limit 8``) and report
-on a disjoint one (``--first 8 --limit 8``, or another ``--seed``); the contexts are the
+Held-out protocol: tune on one slice of the contexts (``--offset 0 --limit 8``) and report
+on a disjoint one (``--offset 8 --limit 8``, or another ``--seed``); the contexts are the
 held-out chitchat dialogues, or one opener per line of ``--openers-file``. Context i is
 replied to with seed ``--seed`` + i.
 
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--format", dest="prompt_format", default="auto", help="the prompt format")
     parser.add_argument("--topics", default="food,weather,music")
     parser.add_argument("--limit", type=int, default=100, help="how many contexts")
-    parser.add_argument("--first", type=int, default=0, help="skip this many contexts (a disjoint held-out slice)")
+    parser.add_argument("--offset", type=int, default=0, help="skip this many contexts (held-out slice)")
     parser.add_argument("--openers-file", default=None, help="one opener per line instead of the chitchat contexts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=40)
@@ -88,9 +88,9 @@ def main() -> None:
         every = [EvalContext([line.strip()]) for line in lines if line.strip() and not line.startswith("#")]
     else:
         every = chitchat_heldout()
-    contexts = every[args.first : args.first + args.limit]
+    contexts = every[args.offset : args.offset + args.limit]
     if not contexts:
-        raise SystemExit(f"no contexts from {args.first} on (there are {len(every)})")
+        raise SystemExit(f"no contexts from {args.offset} on (there are {len(every)})")
     decoder, decoder_settings = parse_spec(args.decoder)
     base = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, max_new_tokens=args.max_new_tokens)
     extra = parse_key_values(args.pplm.split())
@@ -114,8 +114,8 @@ def main() -> None:
     plain_row = plain.rows[0]
     last_seed = args.seed + len(contexts) - 1
     print(
-        f"model {args.model}, prompt format {engine.prompt_format.name}, contexts {args.first}.."
-        f"{args.first + len(contexts) - 1} of {args.openers_file or 'the held-out chitchat'}, "
+        f"model {args.model}, prompt format {engine.prompt_format.name}, contexts {args.offset}.."
+        f"{args.offset + len(contexts) - 1} of {args.openers_file or 'the held-out chitchat'}, "
         f"decoder {args.decoder}, seeds {args.seed}..{last_seed}, {args.max_new_tokens} new tokens"
     )
     header = f"{'configuration':38s} {'attr':>6s} {'ppl':>7s} {'dist-2':>7s} {'degen':>6s} {'tok/s':>6s}"

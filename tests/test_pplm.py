@@ -173,19 +173,27 @@ def test_layer_share_picks_the_top_layers(share, layers, first):
     assert PerturbConfig(layer_share=share).first_perturbed_layer(layers) == first
 
 
-def test_the_default_step_is_scaled_to_the_gradient():
-    """Unset, each layer's step lowers the attribute loss by LAYER_NATS to first order: a
-    gradient as large as the largest seen so far moves it by exactly that, whatever its norm,
-    so a model with 5x larger gradients takes a 5x shorter step."""
-    from chatcore.plugins.pplm.config import LAYER_NATS
+def test_the_default_step_is_a_share_of_the_past_it_perturbs_on_any_scale():
+    from chatcore.plugins.pplm.config import RELATIVE_STEPS
+    from chatcore.plugins.pplm.loop import Optimiser
 
-    norms = torch.tensor([0.27, 1.3, 7.0])
-    scales = PerturbConfig().layer_scales(norms)
-    assert torch.allclose(scales * norms * norms, torch.full((3,), LAYER_NATS))  # g . delta at |g| = n
-    # chatcore-tiny's typical gradient norm gets the step its defaults were measured with
-    assert float(PerturbConfig().layer_scales(torch.tensor(0.27)) * 0.27**1.5) == pytest.approx(1.0, abs=0.01)
-    given = PerturbConfig(stepsize=0.5).layer_scales(norms)  # a given step is the paper's on every layer
-    assert torch.allclose(given, 0.5 / norms.pow(1.5))
+    config = PerturbConfig()
+    assert config.relative_step(15) == pytest.approx(RELATIVE_STEPS / 15) and config.relative_step(1) == RELATIVE_STEPS
+    generator = torch.Generator().manual_seed(0)
+    squares = torch.rand((4, 3), generator=generator) + 0.1  # (layers, rows) of |w * g| ** 2
+    past = torch.rand((4, 3), generator=generator) + 0.5  # a position's key/value norm per layer and row
+    for gradient_scale, past_scale in ((1.0, 1.0), (1e4, 1.0), (1.0, 30.0)):
+        optimiser = Optimiser(config, attribute=None, eos_token_id=0, hidden=None, summary={})  # type: ignore[arg-type]
+        optimiser.batch_size = 3
+        scales, _ = optimiser._scales(squares * gradient_scale, None, past * past_scale)
+        step = scales * (squares * gradient_scale).sqrt()  # the first step's size per layer and row
+        # The same share of the past, however large the gradient or the keys and values are.
+        torch.testing.assert_close(step, config.relative_step(4) * past * past_scale, rtol=1e-4, atol=0)
+    # A given stepsize keeps the paper's rule: stepsize / n ** gamma, whatever the past.
+    fixed = Optimiser(PerturbConfig(stepsize=0.5), attribute=None, eos_token_id=0, hidden=None, summary={})  # type: ignore[arg-type]
+    fixed.batch_size = 3
+    scales, _ = fixed._scales(squares, None, None)
+    torch.testing.assert_close(scales, 0.5 / squares.sqrt().pow(1.5), rtol=1e-4, atol=0)
     assert not PerturbConfig(stepsize=0.0).optimises(0) and PerturbConfig().optimises(0)
 
 
@@ -776,7 +784,7 @@ def test_train_discriminator_command_on_a_llama_model(llama_family, tmp_path):
 def test_the_defaults_steer_smollm2(smollm2):
     """On a real 30-layer chat model, with nothing but a topic: the bag of words builds for
     its tokenizer, the lean runner takes it, and the first reply token's topic probability
-    rises (the default step is scaled to its gradients)."""
+    rises (the default step is a share of each of its 15 perturbed layers' past)."""
     from chatcore.prompting import Message
 
     engine = Engine(smollm2, host=PluginHost())
@@ -785,7 +793,7 @@ def test_the_defaults_steer_smollm2(smollm2):
     steerer = PPLMSteerer.from_options({"topic": "food"})
     steered, plain = first_step(smollm2, steerer, prompt)
     perturbation = steerer.perturbation
-    assert perturbation.runner is not None and perturbation.config.stepsize is None
+    assert perturbation.runner is not None and perturbation.config.stepsize is None  # sized by the past
     targets = perturbation.attribute.start_mask
     assert int(targets.sum()) > 20
     share = lambda logits: float(torch.softmax(logits[0].float(), -1)[targets].sum())  # noqa: E731

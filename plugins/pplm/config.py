@@ -1,22 +1,18 @@
-"""The numbers that shape a PPLM perturbation (validated; torch only for type hints)."""
+"""The numbers that shape a PPLM perturbation (validated; no torch here)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
 from chatcore.api import Settings
 
-if TYPE_CHECKING:
-    from torch import Tensor
-
-# The default step (stepsize unset), in nats: each perturbed layer's gradient step is sized to
-# lower the attribute loss by this much to first order (PerturbConfig.layer_scales). 0.52 is
-# chatcore-tiny's measured step of 1.0 per layer at its typical gradient norm (0.27: 1.0 *
-# 0.27 ** 0.5); SmolLM2-135M's gradients are ~5x larger, and the same 0.52 nats per layer
-# gives it a step of ~0.46 (docs/pplm.md, "Across models").
-LAYER_NATS = 0.52
+# The default step (``stepsize`` unset), summed over the perturbed layers, as a share of the
+# size of one position's keys and values in each layer's past (PerturbConfig.relative_step).
+# 0.14 is what chatcore-tiny's measured default (a step of 1.0 on each of its top 3 layers)
+# made its first steps on average; as a share of the past it carries to any model's scale.
+RELATIVE_STEPS = 0.14
 
 
 def _between(low: float, high: float) -> Any:
@@ -34,8 +30,8 @@ class PerturbConfig(Settings):
     # the same topic share.
     stepsize: Annotated[float, _between(0.0, 10.0)] | None = None
     """Size of each normalised gradient step on the past of each perturbed layer (0 = no
-    steering); unset: scaled to the model, each layer's step lowering the attribute loss by
-    0.52 nats to first order."""
+    steering); unset: sized by each layer's past, the same share of it on every model
+    (``relative_step``)."""
     num_iterations: Annotated[int, _between(0, 100)] = 3
     """Gradient steps per token."""
     window_length: Annotated[int, _between(0, 1_000_000)] = 0
@@ -70,21 +66,25 @@ class PerturbConfig(Settings):
         perturbed = min(layers, max(1, round(self.layer_share * layers)))
         return layers - perturbed
 
-    def layer_scales(self, norms: "Tensor") -> "Tensor":
-        """The factors of the gradient step ``delta -= factor * w * g`` from ``norms``, the
-        largest norm of ``w * g`` seen so far per row and layer (any shape).
+    def step_size(self, perturbed_layers: int) -> float:
+        """The fixed step of each perturbed layer when ``stepsize`` is set (the paper's rule:
+        step = stepsize * g / n ** gamma); unset, steps are relative (``relative_step``)."""
+        return self.stepsize if self.stepsize is not None else self.relative_step(perturbed_layers)
 
-        A given ``stepsize`` is the paper's ``stepsize / n ** gamma`` on every layer. Unset, the
-        step is scaled to the model through its gradient: ``LAYER_NATS / n ** 2``, the step
-        along ``g`` that lowers the attribute loss by ``LAYER_NATS`` nats to first order
-        (``g . delta = LAYER_NATS * |g| ** 2 / n ** 2``, at most ``LAYER_NATS``). A bigger model's
-        larger gradients (SmolLM2-135M's are ~5x chatcore-tiny's) then get a smaller step
-        without a constant tuned per model; the paper's fixed ``stepsize`` with ``n ** 1.5``
-        barely moves a 14M model or tears a 135M one apart (docs/pplm.md, "Across models").
+    def relative_step(self, perturbed_layers: int) -> float:
+        """With ``stepsize`` unset, the size of each layer's step as a share of that layer's past:
+        ``RELATIVE_STEPS / perturbed_layers`` times the root-mean-square norm of one position's
+        keys and values there (the gradient's direction; smaller as the gradient falls below
+        its largest norm so far).
+
+        A fixed step (``stepsize``) moves models of other widths and depths by different
+        amounts: the same 1.0 per layer that steers chatcore-tiny is fourteen times smaller,
+        relative to its keys and values, on SmolLM2-135M, whose 15 perturbed layers also add
+        up five times as many steps. Sizing each step by the past it perturbs, and spreading
+        the total over the layers, gives every model the step chatcore-tiny was tuned with
+        (docs/pplm.md, "Across models").
         """
-        if self.stepsize is not None:
-            return self.stepsize / norms.pow(self.gamma)
-        return LAYER_NATS / norms.pow(2)
+        return RELATIVE_STEPS / max(1, perturbed_layers)
 
     def optimises(self, step: int) -> bool:
         """Whether the perturbation is optimised at decoding step ``step`` (0 = first reply token)."""

@@ -3,8 +3,8 @@
 For the rows still writing: deltas (zeros to start) on the most recent ``window_length``
 positions of the perturbed past; ``num_iterations`` times: run the fed token from past +
 deltas, take loss = attribute loss + kl_scale * KL(p~ || p) per row, differentiate, and
-step ``delta -= s(n) * w * g``, with ``s(n) = stepsize / n ** gamma`` (unset stepsize: scaled
-to the model) from :meth:`PerturbConfig.layer_scales`, ``w`` the window's (decay) weights and ``n`` the largest
+step ``delta -= step * w * g / n ** gamma``, with ``step`` from
+:meth:`PerturbConfig.step_size`, ``w`` the window's (decay) weights and ``n`` the largest
 norm of ``w * g`` so far in the reply, per row and layer (keys and values together).
 How the passes run and what the deltas are (dense, low-rank) is the runner's
 (:class:`chatcore.plugins.pplm.passes.PassRunner`); the rest is here, written once.
@@ -93,6 +93,7 @@ class Setup:
     reference: torch.Tensor | None  # (b, V) plain log-probabilities (None: the first pass is the plain one)
     hidden_context: HiddenContext | None
     record: dict[str, Any] | None
+    past_norms: torch.Tensor | None  # (layers, b) a position's key/value norm per perturbed layer, or None
 
 
 class Optimiser:
@@ -151,7 +152,7 @@ class Optimiser:
                 grads = torch.autograd.grad(self._loss(setup, log_probs, output, runner), leaves)
             with torch.no_grad():
                 gradient = runner.gradient(output, grads, setup.weights)
-                scales, norms = self._scales(gradient.squared_norms(), setup.rows)
+                scales, norms = self._scales(gradient.squared_norms(), setup.rows, setup.past_norms)
                 deltas = gradient.step(deltas, scales)  # deltas -= scales * w * g
             if setup.record is not None:
                 setup.record["grad_norm"].append(norms.tolist())
@@ -175,6 +176,7 @@ class Optimiser:
             sub_base = select_rows(base, rows)
         length = past_length(sub_base)
         window = length if config.window_length == 0 else min(config.window_length, length)
+        first_layer = config.first_perturbed_layer(len(base))
         reference = None
         if plain is not None:
             reference = torch.log_softmax(plain.logits.float(), dim=-1)
@@ -199,12 +201,13 @@ class Optimiser:
             state=sub_state,
             base=sub_base,
             window=window,
-            first_layer=config.first_perturbed_layer(len(base)),
+            first_layer=first_layer,
             weights=window_weights(window, True, fed.input_ids.device) if config.decay else None,
             targets=self.attribute.step_targets(sub_state.sequences, fed.prompt_length),
             reference=reference,
             hidden_context=hidden_context,
             record=record,
+            past_norms=None if config.stepsize is not None else _past_norms(sub_base, window, first_layer),
         )
 
     def _loss(
@@ -222,16 +225,23 @@ class Optimiser:
             setup.record["kl"].append(kl.detach().tolist())
         return (attribute_loss + self.config.kl_scale * kl).sum()
 
-    def _scales(self, squares: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the (layers, b) squared norms of w * g: the (layers, b) factors of the gradient
-        step (:meth:`PerturbConfig.layer_scales`), and the (b,) mean of n.
+    def _scales(
+        self, squares: torch.Tensor, rows: torch.Tensor | None, past_norms: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the (layers, b) squared norms of w * g: the (layers, b) scales of the gradient
+        step, and the (b,) mean of n, the largest norm of w * g seen so far in this reply (per
+        row and layer, keys and values together), as the paper's code does for bags of words:
+        once the loss saturates its gradient is tiny, and dividing by that would make huge steps.
 
-        n is the largest norm of w * g seen so far in this reply (per row and layer, keys
-        and values together), as the paper's code does for bags of words: once the loss
-        saturates its gradient is tiny, and dividing by that norm ** 1.5 would make huge steps.
+        With ``stepsize`` set the scale is stepsize / n ** gamma (the paper's); unset, it is
+        relative_step * (a position's key/value norm in the layer's past) / n, so that a step
+        is that share of the past it perturbs while the gradient is at its largest.
         """
         norms = self._running_norm_max(squares.sqrt().t() + NORM_EPSILON, rows)  # (b, layers)
-        scales = self.config.layer_scales(norms).t()
+        if past_norms is None:
+            scales = (self.config.step_size(norms.size(1)) / norms.pow(self.config.gamma)).t()
+        else:
+            scales = self.config.relative_step(norms.size(1)) * past_norms / norms.t()
         return scales, norms.mean(1)
 
     def _running_norm_max(self, norms: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -245,3 +255,13 @@ class Optimiser:
             norms = torch.maximum(norms, self.grad_norm_max[rows])
             self.grad_norm_max[rows] = norms
         return norms
+
+
+def _past_norms(base: Past, window: int, first_layer: int) -> torch.Tensor:
+    """(layers, b): the root-mean-square norm of one position's keys and values (together)
+    over the window, in each perturbed layer's past."""
+    squares = [
+        keys[:, :, -window:].float().square().sum((1, 2, 3)) + values[:, :, -window:].float().square().sum((1, 2, 3))
+        for keys, values in base[first_layer:]
+    ]
+    return (torch.stack(squares) / max(1, window)).sqrt()

@@ -9,9 +9,8 @@ For every new token the wrapped step does (B rows at once; x = the token fed now
 2. the **perturbation**: key/value deltas per perturbed layer (zeros to start) over the most recent
    ``window_length`` positions of the *perturbed past*; ``num_iterations`` times: run x
    from past + deltas, take loss = attribute loss + kl_scale * KL(p~ || p) per row,
-   differentiate w.r.t. the deltas only, and step ``delta -= s(n) * w * g``, with
-   ``s(n) = stepsize / n ** gamma`` (unset stepsize: scaled to the model) from
-   :meth:`PerturbConfig.layer_scales`, ``w`` the window's (decay) weights
+   differentiate w.r.t. the deltas only, and step ``delta -= step * w * g / n ** gamma``,
+   with ``step`` from :meth:`PerturbConfig.step_size`, ``w`` the window's (decay) weights
    and ``n`` the largest norm of ``w * g`` so far in the reply, per row and layer (keys
    and values together);
 3. the **perturbed pass**: x from past + final deltas; with ``carry`` its keys and values,
