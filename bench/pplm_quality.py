@@ -1,8 +1,14 @@
 """PPLM's effect and cost in quality, on held-out chitchat contexts, same seeds.
 
     python bench/pplm_quality.py [--model chatcore-tiny] [--format auto] [--topics food,weather,music]
-                                 [--limit 100] [--pplm "stepsize=0.5"] [--rank ""] [--rank-only]
+                                 [--limit 100] [--offset 0] [--openers-file FILE] [--seed 0]
+                                 [--pplm "stepsize=0.5"] [--rank ""] [--rank-only]
                                  [--sentiment] [--json report.json]
+
+Held-out protocol: tune on one slice of the contexts (``--offset 0 --limit 8``) and report
+on a disjoint one (``--offset 8 --limit 8``, or another ``--seed``); the contexts are the
+held-out chitchat dialogues, or one opener per line of ``--openers-file``. Context i is
+replied to with seed ``--seed`` + i.
 
 For each topic: unsteered top-k vs ``pplm topic=...`` through chatcore.evaluation's
 ``evaluate`` (reply perplexity under the plain model, distinct-2, degenerate share, and
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def main() -> None:
@@ -24,8 +31,9 @@ def main() -> None:
     parser.add_argument("--model", default="chatcore-tiny", help="a model name, folder or GGUF file (e.g. smollm2)")
     parser.add_argument("--format", dest="prompt_format", default="auto", help="the prompt format")
     parser.add_argument("--topics", default="food,weather,music")
-    parser.add_argument("--limit", type=int, default=100)
-    parser.add_argument("--offset", type=int, default=0, help="skip this many held-out contexts first")
+    parser.add_argument("--limit", type=int, default=100, help="how many contexts")
+    parser.add_argument("--offset", type=int, default=0, help="skip this many contexts (held-out slice)")
+    parser.add_argument("--openers-file", default=None, help="one opener per line instead of the chitchat contexts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--decoder", default="top-k", help='a decoder spec, e.g. "top-k top_k=20"')
@@ -52,7 +60,7 @@ def main() -> None:
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import Engine, ReplyOptions
     from chatcore.evaluation.metrics import contains_any
-    from chatcore.evaluation.prompts import chitchat_heldout
+    from chatcore.evaluation.prompts import EvalContext, chitchat_heldout
     from chatcore.evaluation.runner import evaluate
     from chatcore.options import parse_key_values
     from chatcore.plugin_manager import PluginHost
@@ -72,7 +80,17 @@ def main() -> None:
         )
     )
     engine = Engine(args.model, host=host, prompt_format=args.prompt_format)
-    contexts = chitchat_heldout()[args.offset : args.offset + args.limit]
+    if args.openers_file:
+        try:
+            lines = Path(args.openers_file).read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            raise SystemExit(f"--openers-file: {error}") from None
+        every = [EvalContext([line.strip()]) for line in lines if line.strip() and not line.startswith("#")]
+    else:
+        every = chitchat_heldout()
+    contexts = every[args.offset : args.offset + args.limit]
+    if not contexts:
+        raise SystemExit(f"no contexts from {args.offset} on (there are {len(every)})")
     decoder, decoder_settings = parse_spec(args.decoder)
     base = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, max_new_tokens=args.max_new_tokens)
     extra = parse_key_values(args.pplm.split())
@@ -96,9 +114,9 @@ def main() -> None:
     plain_row = plain.rows[0]
     last_seed = args.seed + len(contexts) - 1
     print(
-        f"model {args.model}, prompt format {engine.prompt_format.name}, {len(contexts)} held-out contexts "
-        f"(from {args.offset}), "
-        f"decoder {args.decoder}, seeds {args.seed}..{last_seed}"
+        f"model {args.model}, prompt format {engine.prompt_format.name}, contexts {args.offset}.."
+        f"{args.offset + len(contexts) - 1} of {args.openers_file or 'the held-out chitchat'}, "
+        f"decoder {args.decoder}, seeds {args.seed}..{last_seed}, {args.max_new_tokens} new tokens"
     )
     header = f"{'configuration':38s} {'attr':>6s} {'ppl':>7s} {'dist-2':>7s} {'degen':>6s} {'tok/s':>6s}"
     if not args.skip_topics:
@@ -129,7 +147,8 @@ def main() -> None:
                 ppl_verdict = "met" if round(ppl_ratio, 9) <= 1.3 else "not met"
                 print(
                     f"  -> topic share {share_ratio:.2f}x unsteered (target >= 3: {share_verdict}), "
-                    f"perplexity {ppl_ratio:.2f}x (target <= 1.3: {ppl_verdict})"
+                    f"perplexity {ppl_ratio:.2f}x (target <= 1.3: {ppl_verdict}), cost per token "
+                    f"{(plain_row.tokens_per_s or 0) / (steered.tokens_per_s or 1):.2f}x"
                 )
                 topic_results.update(
                     {"pplm": dataclasses_dict(steered), "share_ratio": share_ratio, "perplexity_ratio": ppl_ratio}

@@ -1,7 +1,8 @@
 """The ``vector`` steerer's effect and cost: topic or mood share and perplexity against unsteered.
 
     python bench/vector_quality.py [--model smollm2] [--vectors food,happy] [--strengths 4,8]
-                                   [--openers 8] [--seeds 0,100] [--max-new-tokens 32] [--json out.json]
+                                   [--openers 8] [--first-opener 0] [--seeds 0,100]
+                                   [--max-new-tokens 32] [--json out.json]
 
 For each vector (a built-in contrast set, ``pairs=NAME``, or a file made by ``chatcore train
 vector``: ``NAME=PATH``) and each strength, replies to the first ``--openers`` of the
@@ -11,8 +12,12 @@ replies on the vector's attribute, perplexity of the replies under the plain mod
 degenerate share, and tokens per second. Printed as ratios to unsteered, measured in the
 same run.
 
-The attribute of ``food`` is a word of the built-in food list; of ``happy``, more words of
-the built-in positive list than of the negative one (a word count, not a trained judge).
+``--first-opener`` and ``--openers-file`` pick a held-out set: choose the strength on one
+range of openers and seeds, report on another.
+
+The attribute of ``food`` (``sports``, any word list's name) is a word of that built-in
+list; of ``happy``, more words of the built-in positive list than of the negative one (a
+word count, not a trained judge).
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ def main() -> None:
     parser.add_argument("--vectors", default="food,happy", help="built-in pairs names, or NAME=PATH of saved vectors")
     parser.add_argument("--strengths", default="4,8")
     parser.add_argument("--layer", type=int, default=None, help="the layer for built-in pairs (default: a third)")
-    parser.add_argument("--openers", type=int, default=8)
+    parser.add_argument("--openers", type=int, default=8, help="how many openers, from --first-opener on")
+    parser.add_argument(
+        "--first-opener", type=int, default=0, help="skip this many openers (a held-out set: tune on 0, report on 8)"
+    )
+    parser.add_argument("--openers-file", default=None, help="openers from a file (one per line, or .jsonl)")
     parser.add_argument("--seeds", default="0,100", help="comma list: each opener is replied to once per seed")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--decoder", default="top-k", help='a decoder spec, e.g. "top-k temperature=0.7"')
@@ -42,7 +51,7 @@ def main() -> None:
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import Engine, ReplyOptions
     from chatcore.evaluation.metrics import contains_any
-    from chatcore.evaluation.prompts import openers
+    from chatcore.evaluation.prompts import load_prompt_file, openers
     from chatcore.evaluation.runner import EvalRow, evaluate
     from chatcore.plugin_manager import PluginHost
     from chatcore.wordlists import WORDLIST_DIR, read_word_file
@@ -52,11 +61,12 @@ def main() -> None:
     host = PluginHost()
     host.load_modules(("chatcore.plugins.greedy", "chatcore.plugins.top_k", "chatcore.plugins.vector"))
     engine = Engine(args.model, host=host)
-    contexts = openers()[: args.openers]
+    every = load_prompt_file(args.openers_file) if args.openers_file else openers()
+    contexts = every[args.first_opener : args.first_opener + args.openers]
     seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
     decoder, decoder_settings = parse_spec(args.decoder)
     base = ReplyOptions(decoder=decoder, decoder_settings=decoder_settings, max_new_tokens=args.max_new_tokens)
-    words = {name: set(read_word_file(WORDLIST_DIR / f"{name}.txt")) for name in ("food", "positive", "negative")}
+    words = {path.stem: set(read_word_file(path)) for path in sorted(WORDLIST_DIR.glob("*.txt"))}
 
     def on_attribute(name: str, reply: str) -> bool:
         if name == "happy":
@@ -99,12 +109,19 @@ def main() -> None:
 
     plain_replies, plain = run("unsteered", [])
     print(
-        f"model {args.model}, decoder {args.decoder}, {len(contexts)} openers x seeds {seeds}, "
+        f"model {args.model}, decoder {args.decoder}, openers {args.first_opener}-"
+        f"{args.first_opener + len(contexts) - 1} x seeds {seeds}, "
         f"{args.max_new_tokens} new tokens"
     )
     header = f"{'configuration':34s} {'attr':>6s} {'ppl':>7s} {'degen':>6s} {'tok/s':>6s}   ratios to unsteered"
     print(header)
-    results: dict[str, object] = {"model": args.model, "openers": len(contexts), "seeds": seeds, "rows": {}}
+    results: dict[str, object] = {
+        "model": args.model,
+        "first_opener": args.first_opener,
+        "openers": len(contexts),
+        "seeds": seeds,
+        "rows": {},
+    }
     rows: dict[str, object] = {}
     for name, source in vectors:
         plain_share = sum(on_attribute(name, reply) for reply in plain_replies) / max(1, len(plain_replies))

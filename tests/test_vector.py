@@ -75,10 +75,12 @@ def test_strength_zero_is_the_plain_reply_and_a_strong_vector_changes_it(
     plain = reply(vector_engine, [])
     zero = reply(vector_engine, [("vector", {"path": str(tmp_path / "food"), "strength": 0})])
     assert zero.token_ids == plain.token_ids
-    steered = reply(vector_engine, [("vector", {"path": str(tmp_path / "food.json"), "strength": 30})])
+    steered = reply(vector_engine, [("vector", {"path": str(tmp_path / "food.json"), "strength": 3})])
     assert steered.token_ids != plain.token_ids
     details = steered.provenance["details"]["vector"]
-    assert details["strength"] == 30 and details["layer"] == 0  # a third of 2 layers
+    assert details["strength"] == 3 and details["layer"] == 0  # a third of 2 layers
+    info = json.loads((tmp_path / "food.json").read_text())
+    assert details["residual_norm"] == round(info["residual_norm"], 4)
     # The hook lives only while a step runs: the model is left as it was.
     assert [list(block._forward_hooks) for block in blocks] == hooks_before
 
@@ -87,7 +89,7 @@ def test_strength_zero_is_the_plain_reply_and_a_strong_vector_changes_it(
 def test_a_steered_reply_beside_plain_ones_in_the_scheduler_equals_each_alone(vector_engine):
     """The steered reply runs eagerly beside the shared batch: its edit never reaches the other rows."""
     steered = ReplyOptions(
-        decoder="top-k", seed=5, max_new_tokens=8, steerers=[("vector", {"pairs": "food", "strength": 20})]
+        decoder="top-k", seed=5, max_new_tokens=8, steerers=[("vector", {"pairs": "food", "strength": 2})]
     )
     plain = ReplyOptions(decoder="top-k", seed=5, max_new_tokens=8)
     expected = [reply_ids(vector_engine, options) for options in (steered, plain, plain)]
@@ -97,6 +99,20 @@ def test_a_steered_reply_beside_plain_ones_in_the_scheduler_equals_each_alone(ve
             assert handle.wait(60)
     assert [handle.token_ids for handle in handles] == expected
     assert expected[0] != expected[1]
+
+
+def test_the_added_vector_is_strength_times_the_residual_norm_long(vector_engine):
+    """Strength is relative to the model: the addition keeps the vector's direction and is
+    ``strength`` times the residual stream's mean norm at the layer long."""
+    import torch
+
+    from chatcore.plugins.vector.steerer import VectorSettings, VectorSteerer
+
+    prepared = VectorSteerer.setup(vector_engine.loaded, VectorSettings(pairs="food"))
+    addition = prepared.addition(0.5).float()
+    assert float(addition.norm()) == pytest.approx(0.5 * prepared.residual_norm, rel=1e-3)
+    cosine = torch.nn.functional.cosine_similarity(addition, prepared.vector.float(), dim=0)
+    assert float(cosine) == pytest.approx(1.0, abs=1e-4)
 
 
 def reply_ids(engine, options):
@@ -122,7 +138,7 @@ def test_built_in_pairs_steer_a_llama_family_model(tiny_llama, host):
     host.load_modules(("chatcore.plugins.vector",))
     engine = Engine(tiny_llama, host=host)
     plain = reply(engine, [])
-    steered = reply(engine, [("vector", {"pairs": "happy", "strength": 30, "layer": 1})])
+    steered = reply(engine, [("vector", {"pairs": "happy", "strength": 3, "layer": 1})])
     assert steered.token_ids != plain.token_ids
     assert steered.provenance["details"]["vector"]["source"] == "pairs:happy"
 
@@ -132,8 +148,8 @@ def test_built_in_pairs_steer_a_llama_family_model(tiny_llama, host):
     [
         ({}, "vector needs one source"),
         ({"pairs": "food", "path": "x"}, "vector needs one source"),
-        ({"pairs": "weather"}, "`pairs` must be one of food, happy"),
-        ({"pairs": "food", "strength": 100}, "strength"),
+        ({"pairs": "weather"}, "`pairs` must be one of food, happy, sports"),
+        ({"pairs": "food", "strength": 10}, "`strength` must be between -4 and 4"),
         ({"pairs": "food", "layer": 7}, "`layer` must be between 0 and 1 on this model, got 7"),
         ({"path": "/no/such/vector"}, "vector.safetensors does not exist"),
     ],
@@ -169,12 +185,12 @@ def test_generate_steers_with_a_saved_vector_as_the_python_api_does(
     """The command line (a solo reply) gives the Python API's reply; the REPL, Discord and HTTP
     submit to the scheduler, whose result the scheduler test above checks."""
     assert train(tiny_model_dir, contrast_files, tmp_path / "food").exit_code == 0
-    steerers = [("vector", {"path": str(tmp_path / "food"), "strength": 12})]
+    steerers = [("vector", {"path": str(tmp_path / "food"), "strength": 1.5})]
     options = ReplyOptions(decoder="top-k", seed=7, max_new_tokens=6, steerers=steerers)
     expected = reply_ids(vector_engine, options)
     result = CliRunner().invoke(
         build_cli(),
-        ["generate", "--model", str(tiny_model_dir), "--steer", f"vector path={tmp_path / 'food'} strength=12"]
+        ["generate", "--model", str(tiny_model_dir), "--steer", f"vector path={tmp_path / 'food'} strength=1.5"]
         + ["--decoder", "top-k", "--seed", "7", "-n", "6", "--json", PROMPT],
     )
     assert result.exit_code == 0, result.output

@@ -53,7 +53,7 @@ def train_vector_command(
     """Make a steering vector: the mean residual activation of the --positive texts minus that of
     the --negative texts after block --layer (contrastive activation addition).
 
-    The vector is saved with the model's hash; `--steer "vector path=OUT strength=4"` refuses it
+    The vector is saved with the model's hash; `--steer "vector path=OUT strength=0.15"` refuses it
     on any other model.
     """
     from chatcore.api import OptionError, load_model

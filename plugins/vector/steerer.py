@@ -1,4 +1,9 @@
-"""The ``vector`` steerer: adds ``strength`` times a steering vector to the residual stream.
+"""The ``vector`` steerer: adds a steering vector to the residual stream, scaled to the model.
+
+``strength`` is the added vector's norm as a share of the residual stream's mean norm at its
+layer (measured on the contrast texts when the vector is made, and stored with it), so one
+strength means the same push on a 14M model whose residual is ~30 long and on a 135M one whose
+residual is ~150 long.
 
 The vector comes from a file (``path=``, made by ``chatcore train vector``) or from a
 built-in contrast set read on the model when first used (``pairs=happy``, ``pairs=food``).
@@ -22,23 +27,37 @@ from pydantic import Field, model_validator
 
 from chatcore.api import Settings, Steerer, Step, StepOutput, StepState, anatomy_of
 
-from .vectors import BUILTIN_PAIRS, build_vector, builtin_pair_files, check_layer, check_model, load_vector, read_texts
+from .vectors import (
+    BUILTIN_PAIRS,
+    build_vector,
+    builtin_pair_files,
+    check_layer,
+    check_model,
+    load_vector,
+    read_texts,
+    residual_norm,
+)
 
 if TYPE_CHECKING:
     import torch
 
     from chatcore.api import GenerationSession, LoadedModel
 
-MAX_STRENGTH = 32.0
+MAX_STRENGTH = 4.0
+# Measured on SmolLM2-135M-Instruct on held-out openers (docs/measurements.md, "The vector
+# steerer scaled to the model"): from about 0.4 of the residual norm its replies break down.
+DEFAULT_STRENGTH = 0.15
 
 
 class VectorSettings(Settings):
     path: str | None = None
     """A vector from `chatcore train vector` (NAME, NAME.safetensors or NAME.json)."""
     pairs: str | None = None
-    """A built-in contrast set, read on the model when first used: happy (happy - sad), food (food - plain)."""
-    strength: Annotated[float, Field(ge=-MAX_STRENGTH, le=MAX_STRENGTH)] = 4.0
-    """How many times the vector is added (negative steers away)."""
+    """A built-in contrast set, read on the model when first used: happy (happy - sad), food
+    (food - plain), sports (sports - plain)."""
+    strength: Annotated[float, Field(ge=-MAX_STRENGTH, le=MAX_STRENGTH)] = DEFAULT_STRENGTH
+    """The added vector's norm as a share of the residual stream's mean norm at the layer
+    (negative steers away)."""
     layer: Annotated[int, Field(ge=0, le=1023)] | None = None
     """The block after which the vector is added (default: the layer it was read at)."""
 
@@ -57,16 +76,27 @@ class VectorSettings(Settings):
 class Prepared:
     """What :meth:`VectorSteerer.setup` keeps per model and settings."""
 
-    def __init__(self, layer: int, vector: "torch.Tensor", source: str, norm: float) -> None:
+    def __init__(self, layer: int, vector: "torch.Tensor", source: str, norm: float, residual_norm: float) -> None:
         self.layer = layer
         self.vector = vector  # (C,) on the model's device, in its dtype
         self.source = source
         self.norm = norm
+        self.residual_norm = residual_norm
+
+    def addition(self, strength: float) -> "torch.Tensor":
+        """What is added to each position: the vector's direction, ``strength`` times the
+        residual's mean norm long (zero for a vector of zero length)."""
+        if self.norm <= 0.0:
+            return self.vector * 0.0
+        return self.vector * (strength * self.residual_norm / self.norm)
 
 
 class VectorSteerer(Steerer):
     name = "vector"
-    description = "adds strength x a steering vector (contrast pairs' mean difference) to the residual stream"
+    description = (
+        "adds a steering vector (contrast pairs' mean difference) to the residual stream, "
+        "strength x the residual norm long"
+    )
     Settings = VectorSettings
 
     @classmethod
@@ -75,7 +105,7 @@ class VectorSteerer(Steerer):
 
     def __init__(self, settings: VectorSettings | None = None) -> None:
         super().__init__(settings)
-        self.addition: "torch.Tensor | None" = None  # (C,) strength * vector
+        self.addition: "torch.Tensor | None" = None  # (C,) the vector scaled to strength x residual norm
         self.layer = 0
         self.model: Any = None
 
@@ -97,15 +127,18 @@ class VectorSteerer(Steerer):
             source = f"pairs:{settings.pairs}"
         layer = found.info.layer if settings.layer is None else settings.layer
         check_layer(layer, n_layer)
+        measured = found.info.residual_norm
+        if measured is None or layer != found.info.layer:
+            measured = residual_norm(model, layer)
         vector = found.vector.to(model.device, model.dtype)
-        return Prepared(layer, vector, source, found.info.norm)
+        return Prepared(layer, vector, source, found.info.norm, measured)
 
     def prepare(self, session: "GenerationSession") -> None:
         prepared = self.shared if isinstance(self.shared, Prepared) else self.setup(session.model, self.settings)
         self.shared = prepared
         self.layer = prepared.layer
         self.model = session.model.model
-        self.addition = self.settings.strength * prepared.vector
+        self.addition = prepared.addition(self.settings.strength)
         self.note(
             session,
             {
@@ -113,6 +146,7 @@ class VectorSteerer(Steerer):
                 "strength": self.settings.strength,
                 "source": prepared.source,
                 "vector_norm": round(prepared.norm, 4),
+                "residual_norm": round(prepared.residual_norm, 4),
             },
         )
 

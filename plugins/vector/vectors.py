@@ -34,6 +34,7 @@ PAIRS_DIR = Path(__file__).with_name("pairs")
 BUILTIN_PAIRS: dict[str, tuple[str, str]] = {
     "happy": ("happy.txt", "sad.txt"),
     "food": ("food.txt", "plain.txt"),
+    "sports": ("sports.txt", "plain.txt"),
 }
 FORMAT_VERSION = 1
 # Rows of the token embedding that join the model hash (all of a small model's would cost a
@@ -58,7 +59,9 @@ class VectorInfo:
     count_positive: int
     count_negative: int
     norm: float
-    residual_norm: float  # the mean norm of the residual stream at ``layer`` over the texts
+    # The mean norm of a token's residual stream at ``layer`` over the texts (None in files
+    # made before it was stored: then it is measured when the vector is used).
+    residual_norm: float | None = None
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -155,6 +158,13 @@ def mean_activation(loaded: "LoadedModel", layer: int, texts: Sequence[str]) -> 
     if not pooled:
         raise OptionError("the contrast texts encode to no tokens")
     return torch.stack(pooled).mean(dim=0), sum(norms) / len(norms)
+
+
+def residual_norm(loaded: "LoadedModel", layer: int) -> float:
+    """The mean norm of a token's residual stream after block ``layer``, over the built-in plain
+    texts: the yardstick of a vector's strength where its file does not carry one, or where it
+    is added at another layer than it was read at."""
+    return mean_activation(loaded, layer, read_texts(PAIRS_DIR / "plain.txt"))[1]
 
 
 def build_vector(
