@@ -63,6 +63,14 @@ from chatcore.log.deadline import DeadlineWorker
 from chatcore.log.errors import ConversationTakenError, LogError, LogUnavailableError
 from chatcore.log.journal import SpillJournal
 from chatcore.log.private_files import open_private_append
+from chatcore.log.turn_writes import (
+    Write,
+    conversation_fields,
+    count_tokens,
+    response_fields,
+    turn_fields,
+    write_key,
+)
 
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation, Turn
@@ -83,22 +91,6 @@ MAX_RETRY_INTERVAL_S = 15.0
 WRITE_DEADLINE_S = 5.0
 FAILING_WAIT_S = 0.5  # the wait for a write tried while the log fails (each turn, and the timer)
 JOURNAL_FOLDER = "log-journal"  # in the user data folder
-TITLE_CHARS = 80
-_CONVERSATION_COLUMNS = ("adapter", "channel_key", "title")
-
-Write = dict[str, Any]
-"""One message write: ``conversation_id``, ``role``, ``text``, ``key`` (its write key) and
-``fields`` (the rest of :meth:`ConversationStore.add_message`'s arguments, the
-conversation's row included). Plain data, so that it can be journaled."""
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` as plain JSON types (tuples become lists, unknown objects their str)."""
-    return json.loads(json.dumps(value, default=str))
-
-
-def title_from(text: str) -> str:
-    return text if len(text) <= TITLE_CHARS else text[: TITLE_CHARS - 1].rstrip() + "…"
 
 
 class ConversationLogPlugin:
@@ -233,28 +225,14 @@ class ConversationLogPlugin:
     @chatcore.hookimpl
     def on_user_message(self, conversation: "Conversation", turn: "Turn", model: "LoadedModel") -> None:
         self._model = model
-        fields = {"token_count": self._count_tokens(model, turn.text)}
+        fields = {"token_count": count_tokens(model, turn.text)}
         self._hold(conversation, self._message_write(conversation, "user", turn, fields, model.name))
 
     @chatcore.hookimpl
     def on_response(self, conversation: "Conversation", response: "Response") -> None:
         turn = conversation.turns[-1]  # the bot turn just recorded for this response
-        provenance = json_safe(response.provenance)
-        timings = provenance.get("timings") or {}
-        fields = {
-            "token_count": len(response.token_ids),
-            "prompt_tokens": provenance.get("prompt_tokens"),
-            "latency_s": timings.get("total_s"),
-            "first_token_s": timings.get("first_token_s"),
-            "decoder": provenance.get("decoder"),
-            "steerers": provenance.get("steerers"),
-            "candidates": provenance.pop("candidates", None),
-            "seed": provenance.get("seed"),
-            "provenance": provenance,
-            "keep_replies": self._replies_kept(conversation),
-        }
-        write = self._message_write(conversation, "bot", turn, fields, provenance.get("model"))
-        self._hold(conversation, write)
+        fields, model_name = response_fields(conversation, response)
+        self._hold(conversation, self._message_write(conversation, "bot", turn, fields, model_name))
 
     def log_conversation(self, conversation: "Conversation", model: "LoadedModel", start: int = 0) -> None:
         """Write the turns the conversation holds now from index ``start`` on (all of them
@@ -294,58 +272,11 @@ class ConversationLogPlugin:
             logger.error("conversation log: a turn could not be written: %s", done.exception())
 
     def _turn_write(self, conversation: "Conversation", turn: "Turn", model: "LoadedModel | None") -> Write:
-        if turn.role == "user":
-            fields: dict[str, Any] = {"token_count": self._count_tokens(model, turn.text)}
-        else:
-            provenance = json_safe(turn.meta.get("provenance") or {})
-            timings = provenance.get("timings") or {}
-            fields = {
-                "provenance": provenance,
-                "decoder": provenance.get("decoder"),
-                "steerers": provenance.get("steerers"),
-                "seed": provenance.get("seed"),
-                "prompt_tokens": provenance.get("prompt_tokens"),
-                "candidates": provenance.pop("candidates", None),
-                "token_count": timings.get("new_tokens"),
-                "latency_s": timings.get("total_s"),
-                "first_token_s": timings.get("first_token_s"),
-            }
-        model_name = fields.get("provenance", {}).get("model") or (model.name if model is not None else None)
+        fields, model_name = turn_fields(turn, model)
         return self._message_write(conversation, turn.role, turn, fields, model_name)
 
     # -- what to write ---------------------------------------------------------------
-    @staticmethod
-    def _count_tokens(model: "LoadedModel | None", text: str) -> int | None:
-        if model is None:
-            return None
-        try:
-            from chatcore.text import encode_text
-
-            return len(encode_text(model.tokenizer, text))
-        except Exception:  # a count is nice to have; never worth losing the message
-            return None
-
-    @staticmethod
-    def _replies_kept(conversation: "Conversation") -> int:
-        """Bot turns after the newest user turn, not counting the one just added.
-
-        A regenerated reply (/retry) replaces the previous one in memory; the log
-        keeps the old one but marks it superseded, so resuming gives the same turns.
-        """
-        kept = 0
-        for turn in reversed(conversation.turns[:-1]):
-            if turn.role != "bot":
-                break
-            kept += 1
-        return kept
-
-    @staticmethod
-    def write_key(conversation_id: str, turn: "Turn") -> str:
-        """The key of a turn's write: the same for every write of that turn (a hook, a conversation
-        written again into a new file, an adapter handing it over twice), so it is stored once."""
-        digest = hashlib.sha256(f"{conversation_id}\0{turn.role}\0{turn.created.isoformat()}\0".encode())
-        digest.update(turn.text.encode("utf-8", "surrogatepass"))
-        return digest.hexdigest()[:32]
+    write_key = staticmethod(write_key)
 
     def _message_write(
         self, conversation: "Conversation", role: str, turn: "Turn", fields: dict[str, Any], model_name: str | None
@@ -365,7 +296,7 @@ class ConversationLogPlugin:
                     created=turn.created,
                     interrupted=turn.interrupted,
                     author_id=None if author_id is None else str(author_id),
-                    conversation=self._conversation_fields(conversation, model_name),
+                    conversation=conversation_fields(conversation, model_name),
                     writer=self.writer,
                     writer_since=since,
                 ),
@@ -380,22 +311,6 @@ class ConversationLogPlugin:
         key = hashlib.sha256(f"{fork}\0{write['key']}".encode()).hexdigest()[:32]
         fields = dict(write["fields"], writer_since=0)
         return dict(write, conversation_id=fork, key=key, fields=fields)
-
-    @staticmethod
-    def _conversation_fields(conversation: "Conversation", model_name: str | None) -> dict[str, Any]:
-        meta = json_safe(conversation.meta)
-        columns = {key: meta.pop(key, None) for key in _CONVERSATION_COLUMNS}
-        first_user = next((t for t in conversation.turns if t.role == "user"), None)
-        return {
-            "created": conversation.turns[0].created if conversation.turns else None,
-            "adapter": columns["adapter"],
-            "channel_key": columns["channel_key"],
-            "model": model_name,
-            "title": columns["title"] or (title_from(first_user.text) if first_user else None),
-            "system": getattr(conversation, "system", None),
-            "prompt_format": conversation.prompt_format,
-            "meta": meta,
-        }
 
     # -- writing ----------------------------------------------------------------------
     def _submit(self, conversation: "Conversation", write: Write) -> None:
