@@ -257,29 +257,6 @@ def alone_messages(engine, messages, options):
     return engine.reply_tokens(engine.prepare_reply(messages, options))
 
 
-def test_prefix_cache_evicts_the_least_recently_used(loaded):
-    import torch
-
-    from chatcore.serving.prefix_cache import PrefixCache
-
-    def layers(length: int) -> list:
-        return [(torch.ones(1, 2, length, 4), torch.ones(1, 2, length, 4))]
-
-    entry_bytes = 2 * 2 * 10 * 4 * 4
-    cache = PrefixCache(budget_bytes=2 * entry_bytes, min_tokens=2)
-    cache.store(list(range(10)), layers(10))
-    cache.store(list(range(100, 110)), layers(10))
-    assert cache.lookup(list(range(10)) + [7])[0] == 10  # used last: the other goes first
-    cache.store(list(range(200, 210)), layers(10))
-    assert len(cache) == 2 and cache.used == 2 * entry_bytes
-    assert cache.lookup(list(range(100, 110)) + [1]) == (0, None)
-    length, kept = cache.lookup(list(range(5)) + [99, 98])
-    assert length == 5 and kept[0][0].shape == (1, 2, 5, 4)
-    assert cache.lookup(list(range(10)))[0] == 9  # the prompt's last token always runs
-    cache.store(list(range(12)), layers(12))  # covers [0..9]: replaces it
-    assert tuple(range(10)) not in cache.entries and tuple(range(12)) in cache.entries
-
-
 @pytest.fixture(scope="module", params=["llama", "mistral"])
 def template_engine(request, tiny_chat_model_dir):
     """An engine on a tiny chat model (chat template, rotary positions) of each architecture."""
