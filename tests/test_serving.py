@@ -436,3 +436,32 @@ def test_a_steps_attention_is_split_where_it_reads_fewer_columns(lengths, width,
 
     plan = ragged_plan(lengths)
     assert (plan.width, plan.long_rows) == (width, long_rows)
+
+
+def test_prompts_that_start_together_are_read_in_one_pass(serving_engine):
+    """Replies that start at the same step have their prompts read in one packed pass (each
+    token sees only its own prompt), with the same replies as each decoded alone; a prompt that
+    shares a history with one of them waits a step and reuses that one's keys."""
+    from chatcore.serving.prefix_cache import PrefixCache
+    from chatcore.serving.requests import Handle
+    from chatcore.serving.runner import Runner
+
+    history = [Message("system", "You like food."), Message("user", "hi, how are you doing today?")]
+    conversations = [[Message("user", p)] for p in PROMPTS[:4]]
+    conversations += [[*history, Message("user", "what sauce?")], [*history, Message("user", "and dessert?")]]
+    options = [ReplyOptions(decoder="greedy", max_new_tokens=8), OPTIONS[1], OPTIONS[3], OPTIONS[4]] + [
+        ReplyOptions(decoder="greedy", max_new_tokens=6)
+    ] * 2
+    expected = [list(alone_messages(serving_engine, m, o)) for m, o in zip(conversations, options)]
+    runner = Runner(serving_engine.loaded, serving_engine, PrefixCache(2**24))
+    handles = []
+    for messages, option in zip(conversations, options):
+        reply = serving_engine.prepare_reply(messages, option)
+        handles.append(Handle())
+        runner.add(handles[-1], serving_engine.start_session(reply), reply.decoder, handles[-1].provenance)
+    while runner.jobs:
+        runner.step()
+    assert [h.error for h in handles] == [None] * len(handles)
+    assert [h.token_ids for h in handles] == expected
+    assert runner.packed_prefills == 1
+    assert handles[4].provenance["prefix_cached_tokens"] == 0 and handles[5].provenance["prefix_cached_tokens"] > 10
