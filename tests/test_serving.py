@@ -465,3 +465,38 @@ def test_prompts_that_start_together_are_read_in_one_pass(serving_engine):
     assert [h.token_ids for h in handles] == expected
     assert runner.packed_prefills == 1
     assert handles[4].provenance["prefix_cached_tokens"] == 0 and handles[5].provenance["prefix_cached_tokens"] > 10
+
+
+def test_prompts_with_long_cached_histories_are_read_together_exactly(serving_engine):
+    """Prompts that continue a long cached history start in one packed pass, each prompt's
+    attention over its own keys only (the split), with the same replies as each decoded alone."""
+    from chatcore.serving.prefix_cache import PrefixCache
+    from chatcore.serving.requests import Handle
+    from chatcore.serving.runner import Runner
+    from chatcore.serving.slots import packed_plan
+
+    history = [Message("user" if i % 2 == 0 else "assistant", PROMPTS[1]) for i in range(8)]
+    lasts = [f"and what about question {index}?" for index in range(16)]
+    options = ReplyOptions(decoder="greedy", max_new_tokens=5)
+    expected = [list(alone_messages(serving_engine, [*history, Message("user", m)], options)) for m in lasts]
+    runner = Runner(serving_engine.loaded, serving_engine, PrefixCache(2**24))
+
+    def add(last: str) -> Handle:
+        reply = serving_engine.prepare_reply([*history, Message("user", last)], options)
+        handle = Handle()
+        handle.provenance = reply.provenance
+        runner.add(handle, serving_engine.start_session(reply), reply.decoder, handle.provenance)
+        return handle
+
+    add("hi")  # its prompt fills the prefix cache
+    while runner.jobs:
+        runner.step()
+    handles = [add(last) for last in lasts]
+    while runner.jobs:
+        runner.step()
+    assert [h.token_ids for h in handles] == expected
+    assert runner.packed_prefills == 1
+    cached = [h.provenance["prefix_cached_tokens"] for h in handles]
+    prompts = [h.provenance["prompt_tokens"] for h in handles]
+    assert min(cached) > 100
+    assert packed_plan(cached, [p - c for p, c in zip(prompts, cached)]) is not None  # the split was taken

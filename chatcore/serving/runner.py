@@ -440,8 +440,8 @@ class Runner:
         sequence whose mask lets each token see only its own prompt (:func:`packed_prompts`),
         instead of one pass per prompt. A ready prompt that shares a longer run with an earlier
         one of the group than with the prefix cache waits a step, to reuse that one's keys."""
-        if self.prefix_cache is not None:
-            for job in self._ready_to_prefill():
+        if self.prefix_cache is not None:  # before the lengths are compared: a hit may leave a short rest
+            for job in self._ready_to_prefill(any_length=True):
                 if job.cache is None and "prefix_cached_tokens" not in job.provenance:
                     self._reuse_prefix(job)
         self._deferred.clear()
@@ -479,9 +479,10 @@ class Runner:
             job.shared_logits = logits[index : index + 1].expand(job.rows, -1)
             job.cache = caches[index]
 
-    def _ready_to_prefill(self) -> list[Job]:
-        """Shared replies with no steerer whose prompt step comes next (see _prefill_together)."""
-        chunk = self.prefill_chunk
+    def _ready_to_prefill(self, any_length: bool = False) -> list[Job]:
+        """Shared replies with no steerer whose prompt step comes next (see _prefill_together);
+        ``any_length``: also those whose prompt has more than a chunk left."""
+        chunk = None if any_length else self.prefill_chunk
         return [
             job
             for job in self.jobs
@@ -671,6 +672,7 @@ def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["t
     import torch
 
     from chatcore.serving.prefix_cache import cache_from_layers
+    from chatcore.serving.slots import packed_pass, packed_plan
 
     device = jobs[0].sequences.device
     cached = [[(layer.keys[:1], layer.values[:1]) for layer in job.cache.layers] if job.cache else None for job in jobs]
@@ -702,7 +704,8 @@ def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["t
     else:
         cache = cache_from_layers([], model.config)
     ends = torch.tensor(new, device=device).cumsum(0) - 1
-    with torch.inference_mode():
+    # Long cached prefixes: each prompt's attention over its own keys only (see packed_plan).
+    with torch.inference_mode(), packed_pass(model, packed_plan(past, new)) as extra:
         output = model(
             input_ids=ids,
             attention_mask=mask[None, None],
@@ -710,6 +713,7 @@ def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["t
             **{cache_argument: cache},
             use_cache=True,
             logits_to_keep=ends,
+            **extra,
         )
     full = output_cache(output)
     caches = []
