@@ -476,7 +476,7 @@ def test_prompts_with_long_cached_histories_are_read_together_exactly(serving_en
     from chatcore.serving.slots import packed_plan
 
     history = [Message("user" if i % 2 == 0 else "assistant", PROMPTS[1]) for i in range(8)]
-    lasts = [f"and what about question {index}?" for index in range(16)]
+    lasts = [f"{index} {('ok', 'why?', 'and then?', 'tell me more')[index % 4]}" for index in range(16)]
     options = ReplyOptions(decoder="greedy", max_new_tokens=5)
     expected = [list(alone_messages(serving_engine, [*history, Message("user", m)], options)) for m in lasts]
     runner = Runner(serving_engine.loaded, serving_engine, PrefixCache(2**24))
@@ -500,3 +500,22 @@ def test_prompts_with_long_cached_histories_are_read_together_exactly(serving_en
     prompts = [h.provenance["prompt_tokens"] for h in handles]
     assert min(cached) > 100
     assert packed_plan(cached, [p - c for p, c in zip(prompts, cached)]) is not None  # the split was taken
+
+
+def test_replies_sharing_a_history_beyond_a_cached_system_prompt_reuse_it(serving_engine):
+    """The prefix cache holds a system prompt; replies admitted together share a longer
+    history after it: the first one's prompt is read, the others wait a step and reuse it."""
+    system = Message("system", "You like food and you always talk about cooking at home.")
+    history = [system, *[Message("user" if i % 2 == 0 else "assistant", PROMPTS[1]) for i in range(4)]]
+    lasts = ["what sauce?", "do you like pizza too?", "and dessert?"]
+    options = ReplyOptions(decoder="greedy", max_new_tokens=4)
+    expected = [list(alone_messages(serving_engine, [*history, Message("user", m)], options)) for m in lasts]
+    with Scheduler(serving_engine) as scheduler:
+        first = scheduler.submit([system, Message("user", "hi")], options)
+        assert first.wait(60) and first.provenance["prefix_cached_tokens"] == 0
+        handles = [scheduler.submit([*history, Message("user", m)], options) for m in lasts]
+        for handle in handles:
+            assert handle.wait(60) and handle.error is None
+    assert [h.token_ids for h in handles] == expected
+    reused = [h.provenance["prefix_cached_tokens"] for h in handles]
+    assert reused[0] > 10 and all(count > reused[0] + 40 for count in reused[1:])

@@ -449,14 +449,19 @@ class Runner:
         budget = None if self.prefill_chunk is None else 4 * self.prefill_chunk
         for job in self._ready_to_prefill():
             prompt = job.session.prompt_ids
+            reused = job.provenance.get("prefix_cached_tokens", 0)
             if (
                 self.prefix_cache is not None
-                and job.cache is None
+                and job.prefilled == reused  # no chunk of its own read yet
                 and any(
-                    common_length(prompt, other.session.prompt_ids) >= self.prefix_cache.min_tokens for other in group
+                    common_length(prompt, other.session.prompt_ids) >= reused + self.prefix_cache.min_tokens
+                    for other in group
                 )
             ):
-                job.provenance.pop("prefix_cached_tokens", None)  # looked up again next step
+                # Another prompt of the group holds more of it than the cache (a shared history
+                # beyond a cached system prompt): looked up again next step, once that one is stored.
+                job.provenance.pop("prefix_cached_tokens", None)
+                job.cache, job.prefilled = None, 0
                 self._deferred.add(job)
                 continue
             new = len(prompt) - job.prefilled
