@@ -17,7 +17,12 @@
    whose history is --long-history tokens (admitted first; its prompt has been read
    before the short ones start). Prints the short rows' time per token both ways and
    the ratio (rows padded to the longest made it about 3.5x; the target is 1.3x).
-4. With --compare-threads: the batched throughput of part 1 at each thread count in turn
+4. Prompts that start together on a shared cached history (``--only shared-start``):
+   --conversations prompts whose --shared-turns-turn history an earlier reply left in the
+   prefix cache, each with another last message, added at once: the CPU time of the step
+   that reads them (the runner's packed pass) against one pass per prompt (the same runner
+   with its packed pass turned off), medians of --repeats rounds.
+5. With --compare-threads: the batched throughput of part 1 at each thread count in turn
    (``torch``: torch's own default, one per core; ``default``: chatcore's, see chatcore.cpu),
    alternated within one process for --repeats rounds, so that every count sees the same
    load on a shared machine; medians in tokens/s for each --conversations count.
@@ -51,7 +56,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--histories", default="0,200,400", help="History lengths in tokens, comma-separated.")
     parser.add_argument("--long-history", type=int, default=1544, help="The long row's history in tokens (long-row).")
-    parser.add_argument("--only", choices=["throughput", "first-token", "long-row"], default=None, help="Run one part.")
+    parser.add_argument("--shared-turns", type=int, default=24, help="The shared history's turns (shared-start).")
+    parser.add_argument(
+        "--only", choices=["throughput", "first-token", "long-row", "shared-start"], default=None, help="Run one part."
+    )
     parser.add_argument("--compare-threads", default=None, help="Thread counts to alternate: torch, default or N.")
     args = parser.parse_args()
     if args.compare_threads:
@@ -74,6 +82,56 @@ def main() -> None:
         first_token(engine, args, Scheduler)
     if args.only in (None, "long-row"):
         long_row(engine, args)
+    if args.only in (None, "shared-start"):
+        shared_start(engine, args)
+
+
+def shared_start(engine, args) -> None:
+    """CPU time of the step that reads prompts starting together on a cached shared history:
+    the packed pass against one pass per prompt."""
+    from chatcore.engine import ReplyOptions
+    from chatcore.prompting import Message
+    from chatcore.serving.prefix_cache import PrefixCache
+    from chatcore.serving.requests import Handle
+    from chatcore.serving.runner import Runner
+
+    n = int(args.conversations)
+    lines = ("i went hiking with my friends last weekend and it was a lot of fun", "that sounds great, where to?")
+    history = [Message("user" if i % 2 == 0 else "assistant", lines[i % 2]) for i in range(args.shared_turns)]
+    options = ReplyOptions(decoder="greedy", max_new_tokens=1)
+
+    def first_step(packed: bool, round_: int) -> tuple[float, int]:
+        runner = Runner(engine.loaded, engine, PrefixCache(2**28))
+        if not packed:
+            runner._prefill_together = lambda: None  # every prompt in a pass of its own
+
+        def add(last: str) -> Handle:
+            reply = engine.prepare_reply([*history, Message("user", last)], options)
+            handle = Handle()
+            handle.provenance = reply.provenance
+            runner.add(handle, engine.start_session(reply), reply.decoder, reply.provenance)
+            return handle
+
+        add("hi")
+        while runner.jobs:
+            runner.step()
+        handles = [add(f"question {i} of round {round_}: what did you eat?") for i in range(n)]
+        start = time.thread_time()
+        runner.step()
+        return time.thread_time() - start, handles[0].provenance["prefix_cached_tokens"]
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for round_ in range(args.repeats + 1):
+        for packed in (True, False):
+            seconds, cached = first_step(packed, round_)
+            if round_:  # the first round warms up
+                times[packed].append(seconds)
+    together, apart = statistics.median(times[True]), statistics.median(times[False])
+    print(
+        f"{n} prompts starting together on a cached {args.shared_turns}-turn history ({cached} tokens cached each): "
+        f"their first step {together * 1000:.1f} ms CPU packed, {apart * 1000:.1f} ms one pass each, "
+        f"ratio {together / apart:.2f}x"
+    )
 
 
 def long_row(engine, args) -> None:

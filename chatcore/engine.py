@@ -20,7 +20,7 @@ from chatcore.conversation import Conversation
 from chatcore.decoding import Decoder
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model, sampling_defaults
-from chatcore.options import Configurable, Settings, settings_schema
+from chatcore.options import Configurable, Settings, settings_fields
 from chatcore.plugin_manager import PluginHost, get_plugin_host
 from chatcore.prompting import (
     AUTO,
@@ -185,7 +185,7 @@ class Engine:
         """The decoder ``name`` with ``settings``; settings not given take the model's own
         recommended sampling where the decoder has them (:func:`chatcore.models.sampling_defaults`)."""
         cls = self.registry.decoder(name)
-        fields = settings_schema(cls.Settings).get("properties", {})
+        fields = settings_fields(cls.Settings)  # names only: building the JSON schema took ~8 ms per reply
         given = dict(settings or {})
         merged = {**{k: v for k, v in self.sampling_defaults.items() if k in fields and k not in given}, **given}
         decoder = self._construct(lambda: cls.from_options(merged), "decoder", name)

@@ -257,29 +257,6 @@ def alone_messages(engine, messages, options):
     return engine.reply_tokens(engine.prepare_reply(messages, options))
 
 
-def test_prefix_cache_evicts_the_least_recently_used(loaded):
-    import torch
-
-    from chatcore.serving.prefix_cache import PrefixCache
-
-    def layers(length: int) -> list:
-        return [(torch.ones(1, 2, length, 4), torch.ones(1, 2, length, 4))]
-
-    entry_bytes = 2 * 2 * 10 * 4 * 4
-    cache = PrefixCache(budget_bytes=2 * entry_bytes, min_tokens=2)
-    cache.store(list(range(10)), layers(10))
-    cache.store(list(range(100, 110)), layers(10))
-    assert cache.lookup(list(range(10)) + [7])[0] == 10  # used last: the other goes first
-    cache.store(list(range(200, 210)), layers(10))
-    assert len(cache) == 2 and cache.used == 2 * entry_bytes
-    assert cache.lookup(list(range(100, 110)) + [1]) == (0, None)
-    length, kept = cache.lookup(list(range(5)) + [99, 98])
-    assert length == 5 and kept[0][0].shape == (1, 2, 5, 4)
-    assert cache.lookup(list(range(10)))[0] == 9  # the prompt's last token always runs
-    cache.store(list(range(12)), layers(12))  # covers [0..9]: replaces it
-    assert tuple(range(10)) not in cache.entries and tuple(range(12)) in cache.entries
-
-
 @pytest.fixture(scope="module", params=["llama", "mistral"])
 def template_engine(request, tiny_chat_model_dir):
     """An engine on a tiny chat model (chat template, rotary positions) of each architecture."""
@@ -460,3 +437,86 @@ def test_a_steps_attention_is_split_where_it_reads_fewer_columns(lengths, width,
 
     plan = ragged_plan(lengths)
     assert (plan.width, plan.long_rows) == (width, long_rows)
+
+
+def test_prompts_that_start_together_are_read_in_one_pass(serving_engine):
+    """Replies that start at the same step have their prompts read in one packed pass (each
+    token sees only its own prompt), with the same replies as each decoded alone; a prompt that
+    shares a history with one of them waits a step and reuses that one's keys."""
+    from chatcore.serving.prefix_cache import PrefixCache
+    from chatcore.serving.requests import Handle
+    from chatcore.serving.runner import Runner
+
+    history = [Message("system", "You like food."), Message("user", "hi, how are you doing today?")]
+    conversations = [[Message("user", p)] for p in PROMPTS[:4]]
+    conversations += [[*history, Message("user", "what sauce?")], [*history, Message("user", "and dessert?")]]
+    options = [ReplyOptions(decoder="greedy", max_new_tokens=8), OPTIONS[1], OPTIONS[3], OPTIONS[4]] + [
+        ReplyOptions(decoder="greedy", max_new_tokens=6)
+    ] * 2
+    expected = [list(alone_messages(serving_engine, m, o)) for m, o in zip(conversations, options)]
+    runner = Runner(serving_engine.loaded, serving_engine, PrefixCache(2**24))
+    handles = []
+    for messages, option in zip(conversations, options):
+        reply = serving_engine.prepare_reply(messages, option)
+        handles.append(Handle())
+        runner.add(handles[-1], serving_engine.start_session(reply), reply.decoder, handles[-1].provenance)
+    while runner.jobs:
+        runner.step()
+    assert [h.error for h in handles] == [None] * len(handles)
+    assert [h.token_ids for h in handles] == expected
+    assert runner.packed_prefills == 1
+    assert handles[4].provenance["prefix_cached_tokens"] == 0 and handles[5].provenance["prefix_cached_tokens"] > 10
+
+
+def test_prompts_with_long_cached_histories_are_read_together_exactly(serving_engine):
+    """Prompts that continue a long cached history start in one packed pass, each prompt's
+    attention over its own keys only (the split), with the same replies as each decoded alone."""
+    from chatcore.serving.prefix_cache import PrefixCache
+    from chatcore.serving.requests import Handle
+    from chatcore.serving.runner import Runner
+    from chatcore.serving.slots import packed_plan
+
+    history = [Message("user" if i % 2 == 0 else "assistant", PROMPTS[1]) for i in range(8)]
+    lasts = [f"{index} {('ok', 'why?', 'and then?', 'tell me more')[index % 4]}" for index in range(16)]
+    options = ReplyOptions(decoder="greedy", max_new_tokens=5)
+    expected = [list(alone_messages(serving_engine, [*history, Message("user", m)], options)) for m in lasts]
+    runner = Runner(serving_engine.loaded, serving_engine, PrefixCache(2**24))
+
+    def add(last: str) -> Handle:
+        reply = serving_engine.prepare_reply([*history, Message("user", last)], options)
+        handle = Handle()
+        handle.provenance = reply.provenance
+        runner.add(handle, serving_engine.start_session(reply), reply.decoder, handle.provenance)
+        return handle
+
+    add("hi")  # its prompt fills the prefix cache
+    while runner.jobs:
+        runner.step()
+    handles = [add(last) for last in lasts]
+    while runner.jobs:
+        runner.step()
+    assert [h.token_ids for h in handles] == expected
+    assert runner.packed_prefills == 1
+    cached = [h.provenance["prefix_cached_tokens"] for h in handles]
+    prompts = [h.provenance["prompt_tokens"] for h in handles]
+    assert min(cached) > 100
+    assert packed_plan(cached, [p - c for p, c in zip(prompts, cached)]) is not None  # the split was taken
+
+
+def test_replies_sharing_a_history_beyond_a_cached_system_prompt_reuse_it(serving_engine):
+    """The prefix cache holds a system prompt; replies admitted together share a longer
+    history after it: the first one's prompt is read, the others wait a step and reuse it."""
+    system = Message("system", "You like food and you always talk about cooking at home.")
+    history = [system, *[Message("user" if i % 2 == 0 else "assistant", PROMPTS[1]) for i in range(4)]]
+    lasts = ["what sauce?", "do you like pizza too?", "and dessert?"]
+    options = ReplyOptions(decoder="greedy", max_new_tokens=4)
+    expected = [list(alone_messages(serving_engine, [*history, Message("user", m)], options)) for m in lasts]
+    with Scheduler(serving_engine) as scheduler:
+        first = scheduler.submit([system, Message("user", "hi")], options)
+        assert first.wait(60) and first.provenance["prefix_cached_tokens"] == 0
+        handles = [scheduler.submit([*history, Message("user", m)], options) for m in lasts]
+        for handle in handles:
+            assert handle.wait(60) and handle.error is None
+    assert [h.token_ids for h in handles] == expected
+    reused = [h.provenance["prefix_cached_tokens"] for h in handles]
+    assert reused[0] > 10 and all(count > reused[0] + 40 for count in reused[1:])

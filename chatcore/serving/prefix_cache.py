@@ -1,21 +1,31 @@
-"""Prefix caching: the key/values of earlier prompts (and replies), reused by prompts that start with them.
+"""Prefix caching: the key/values of earlier prompts (and replies), reused by any prompt that starts with them.
 
-When a reply ends, the scheduler stores the key/values of every token it fed the model
-(the prompt and the reply); the next turn of that conversation renders a prompt that
-starts with those same tokens, so only its new tokens are run. A new prompt takes the
-entry with which it shares the longest run of leading tokens (the entry is cut to it),
-always leaving its last token to run, since that gives the first reply token's scores.
+The cache is a radix tree over token ids, as SGLang's radix cache: each node holds a run
+of tokens and their key/values, and a path from the root spells a token sequence that
+was run before. Requests that share a history reuse it whichever came first: a system
+prompt or a persona that many conversations start with, the next turn of a conversation
+(the scheduler stores every token a reply fed the model, prompt and reply, when it ends),
+or two requests with the same 10-turn history that differ only in the last message
+(the first one's prompt is stored as soon as it has run). A shared run is kept once: a
+new sequence stores only the tokens after the longest run the tree already holds,
+splitting a node where the two part.
 
-Entries are bounded by a memory budget in bytes; the least recently used go first.
-Only replies that share the batch use it: their steerers (``shares_batch``) never touch
-the prompt's cache or hidden states. PPLM, CoCon and other steerers that do are
-decoded on their own, from the whole prompt.
+A lookup takes the longest run of leading tokens the tree holds, always leaving the
+prompt's last token to run, since that gives the first reply token's scores.
+
+Nodes are bounded by a memory budget in bytes; least recently used leaves go first (a
+node used by a lookup or a store is touched with every node above it, so a shared
+system prompt outlives the conversations that branch from it). Only replies that share
+the batch use it: their steerers (``shares_batch``) never touch the prompt's cache or
+hidden states. PPLM, CoCon and other steerers that do are decoded on their own, from
+the whole prompt.
 """
 
 from __future__ import annotations
 
-import collections
-from dataclasses import dataclass
+import heapq
+import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,81 +34,189 @@ if TYPE_CHECKING:
 Layers = list[tuple["torch.Tensor", "torch.Tensor"]]  # per layer: keys, values, each (1, H, T, D)
 
 
-@dataclass
-class PrefixEntry:
-    tokens: tuple[int, ...]
-    layers: Layers
-    size: int  # bytes
-
-
-def common_length(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
     length = min(len(a), len(b))
+    if tuple(a[:length]) == tuple(b[:length]):
+        return length
     for index in range(length):
         if a[index] != b[index]:
             return index
     return length
 
 
+def _bytes(layers: Layers) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+
+
+def _cut(layers: Layers, start: int, end: int | None = None) -> Layers:
+    """Own copies of tokens [start, end) of ``layers`` (a slice's view would keep the whole tensor alive)."""
+    return [(k[:, :, start:end].clone(), v[:, :, start:end].clone()) for k, v in layers]
+
+
+class _Node:
+    """A run of tokens after its parent's, with their key/values; children by their first token."""
+
+    __slots__ = ("tokens", "layers", "size", "children", "parent", "used")
+
+    def __init__(self, tokens: tuple[int, ...], layers: Layers, parent: "_Node | None") -> None:
+        self.tokens = tokens
+        self.layers = layers
+        self.size = _bytes(layers)
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.used = 0  # the cache's clock when a lookup or a store last went through it
+
+
 class PrefixCache:
-    """Key/values of token prefixes under a byte budget, least recently used evicted first."""
+    """Key/values of token sequences in a radix tree under a byte budget, least recently used leaves evicted first."""
 
     def __init__(self, budget_bytes: int, min_tokens: int = 8) -> None:
         if not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"`budget_bytes` must be a non-negative integer, got {budget_bytes!r}")
+        if not isinstance(min_tokens, int) or min_tokens < 1:
+            raise ValueError(f"`min_tokens` must be a positive integer, got {min_tokens!r}")
         self.budget = budget_bytes
         self.min_tokens = min_tokens  # shorter prefixes are not worth a lookup's bookkeeping
-        self.entries: collections.OrderedDict[tuple[int, ...], PrefixEntry] = collections.OrderedDict()
-        self.used = 0
+        self.root = _Node((), [], None)
+        self.used = 0  # bytes held by every node
+        self.nodes = 0
+        self.tokens = 0  # tokens held by every node (each shared run once)
         self.hits = 0
         self.reused_tokens = 0
+        self.evicted_tokens = 0
+        self._clock = itertools.count(1)
 
     def __len__(self) -> int:
-        return len(self.entries)
+        """The number of nodes (runs of tokens) held."""
+        return self.nodes
 
-    def lookup(self, prompt: list[int]) -> tuple[int, Layers | None]:
+    def _walk(self, tokens: Sequence[int], limit: int) -> list[tuple[_Node, int]]:
+        """The nodes that spell the longest run of ``tokens[:limit]`` the tree holds, each
+        with how many of its tokens belong to the run (all but maybe the last node's)."""
+        path: list[tuple[_Node, int]] = []
+        node, matched = self.root, 0
+        while matched < limit:
+            child = node.children.get(tokens[matched])
+            if child is None:
+                break
+            shared = common_length(child.tokens, tokens[matched : matched + len(child.tokens)])
+            shared = min(shared, limit - matched)
+            path.append((child, shared))
+            matched += shared
+            if shared < len(child.tokens):
+                break
+            node = child
+        return path
+
+    def _touch(self, path: list[tuple[_Node, int]]) -> None:
+        now = next(self._clock)
+        for node, _ in path:
+            node.used = now
+
+    def lookup(self, prompt: Sequence[int]) -> tuple[int, Layers | None]:
         """The longest cached prefix of ``prompt`` (at most all but its last token): its length and key/values."""
-        best: PrefixEntry | None = None
-        best_length = 0
-        for entry in self.entries.values():
-            length = min(common_length(entry.tokens, prompt), len(prompt) - 1)
-            if length > best_length:
-                best, best_length = entry, length
-        if best is None or best_length < self.min_tokens:
+        path = self._walk(prompt, len(prompt) - 1)
+        length = sum(shared for _, shared in path)
+        if length < self.min_tokens:
             return 0, None
-        self.entries.move_to_end(best.tokens)
+        self._touch(path)
         self.hits += 1
-        self.reused_tokens += best_length
-        return best_length, [(keys[:, :, :best_length], values[:, :, :best_length]) for keys, values in best.layers]
+        self.reused_tokens += length
+        if len(path) == 1:
+            node, shared = path[0]
+            return length, [(k[:, :, :shared], v[:, :, :shared]) for k, v in node.layers]
+        import torch
 
-    def store(self, tokens: list[int], layers: Layers) -> None:
-        """Keep the key/values of ``tokens`` (each layer's (1, H, len(tokens), D)), evicting as needed."""
-        key = tuple(tokens)
-        if len(key) < self.min_tokens or not self.budget:
+        layers = [
+            (
+                torch.cat([node.layers[index][0][:, :, :shared] for node, shared in path], dim=2),
+                torch.cat([node.layers[index][1][:, :, :shared] for node, shared in path], dim=2),
+            )
+            for index in range(len(path[0][0].layers))
+        ]
+        return length, layers
+
+    def peek(self, prompt: Sequence[int]) -> int:
+        """How many tokens of ``prompt`` a lookup would reuse now (0 under ``min_tokens``), touching nothing."""
+        length = sum(shared for _, shared in self._walk(prompt, len(prompt) - 1))
+        return length if length >= self.min_tokens else 0
+
+    def store(self, tokens: Sequence[int], layers: Layers) -> None:
+        """Keep the key/values of ``tokens`` (each layer's (1, H, len(tokens), D)): only the
+        tokens after the longest run the tree holds are copied; evicts as needed."""
+        if len(tokens) < self.min_tokens or not self.budget:
             return
-        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
-        if size > self.budget:
-            return
-        for other in list(self.entries):
-            if len(other) >= len(key) and other[: len(key)] == key:
-                self.entries.move_to_end(other)  # an entry that covers these tokens already
+        path = self._walk(tokens, len(tokens))
+        matched = sum(shared for _, shared in path)
+        if path and path[-1][1] < len(path[-1][0].tokens):
+            node, shared = path[-1]
+            if matched == len(tokens):  # the tree holds these tokens already, and more
+                self._touch(path)
                 return
-            if len(other) < len(key) and key[: len(other)] == other:
-                self._remove(other)  # this one covers the shorter entry
-        # Own copies: the batch's tensors are views that later steps would keep alive.
-        owned = [(k.clone(), v.clone()) for k, v in layers]
-        self.entries[key] = PrefixEntry(key, owned, size)
-        self.used += size
-        while self.used > self.budget:
-            self._remove(next(iter(self.entries)))
+            path[-1] = (self._split(node, shared), shared)
+        parent = path[-1][0] if path else self.root
+        if matched < len(tokens):
+            rest = tuple(tokens[matched:])
+            if _bytes(layers) * len(rest) // len(tokens) > self.budget:
+                return
+            leaf = _Node(rest, _cut(layers, matched), parent)
+            parent.children[rest[0]] = leaf
+            self.used += leaf.size
+            self.nodes += 1
+            self.tokens += len(rest)
+            path.append((leaf, len(rest)))
+        self._touch(path)
+        self._evict()
 
-    def _remove(self, key: tuple[int, ...]) -> None:
-        entry = self.entries.pop(key)
-        self.used -= entry.size
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut ``node`` after its first ``at`` tokens: a new node holding them, with ``node`` (the rest) below it."""
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.tokens)
+        head = _Node(node.tokens[:at], _cut(node.layers, 0, at), parent)
+        head.used = node.used
+        rest = node.tokens[at:]
+        node.layers = _cut(node.layers, at)
+        node.tokens = rest
+        self.used += head.size - node.size
+        node.size = _bytes(node.layers)
+        self.used += node.size
+        node.parent = head
+        head.children[rest[0]] = node
+        parent.children[head.tokens[0]] = head
+        self.nodes += 1
+        return head
+
+    def _evict(self) -> None:
+        """Drop least recently used leaves (a parent whose last child went becomes one) until within the budget."""
+        if self.used <= self.budget:
+            return
+        order = itertools.count()
+        leaves = [(node.used, next(order), node) for node in self._nodes() if not node.children]
+        heapq.heapify(leaves)
+        while self.used > self.budget and leaves:
+            _, _, node = heapq.heappop(leaves)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.tokens[0]]
+            self.used -= node.size
+            self.nodes -= 1
+            self.tokens -= len(node.tokens)
+            self.evicted_tokens += len(node.tokens)
+            if parent is not self.root and not parent.children:
+                heapq.heappush(leaves, (parent.used, next(order), parent))
+
+    def _nodes(self) -> list[_Node]:
+        found, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            found.append(node)
+            stack.extend(node.children.values())
+        return found
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.used = 0
+        self.root = _Node((), [], None)
+        self.used = self.nodes = self.tokens = 0
 
 
 def cache_from_layers(layers: Layers, config: Any) -> Any:

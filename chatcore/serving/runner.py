@@ -47,7 +47,7 @@ from chatcore.errors import ChatcoreError
 from chatcore.models import cache_keyword, output_cache
 from chatcore.processors import chain
 from chatcore.serving.logprobs import TokenLogprob, chosen_logprobs
-from chatcore.serving.prefix_cache import Layers, PrefixCache, cache_from_layers
+from chatcore.serving.prefix_cache import Layers, PrefixCache, cache_from_layers, common_length
 from chatcore.steering import compose
 from chatcore.step import Step, StepOutput, StepState, model_step
 
@@ -241,7 +241,9 @@ class Runner:
         self.batch = SharedBatch(self.model, self.device)
         self._model_step = model_step(self.model)
         self._can_merge: bool | None = None
+        self._deferred: set[Job] = set()  # replies whose prompt waits a step (see _prefill_together)
         self.steps = 0  # forward passes of the shared batch (for tests and benchmarks)
+        self.packed_prefills = 0  # passes that read several prompts at once (for tests and benchmarks)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -370,6 +372,7 @@ class Runner:
                 for job in self.batch.jobs:
                     job.shared_logits = logits[offset : offset + job.rows]
                     offset += job.rows
+        self._prefill_together()
         for job in list(self.jobs):
             if job not in self.jobs:  # ended with the shared pass
                 continue
@@ -396,17 +399,26 @@ class Runner:
     def _advance(self, job: Job) -> None:
         import torch
 
-        if job.generated == 0 and job.shared:
+        if job in self._deferred:  # its prompt runs next step, after the one it shares a history with
+            return
+        if job.generated == 0 and job.shared and job.shared_logits is None:
             if job.cache is None and self.prefix_cache is not None:
                 self._reuse_prefix(job)
             if self._prefill_chunk(job):
                 return
         if job.shared_logits is not None and not job.session.steerers:
-            # A shared reply with no steerer: its rows of the batch's pass are its scores.
+            # A shared reply with no steerer: its rows of the batch's pass (or of the prompts'
+            # pass, at step 0) are its scores.
             with torch.inference_mode():
                 tokens = self._choose(job, job.shared_logits)
-            self._record(job, tokens)
             job.shared_logits = None
+            if job.generated == 0:
+                job.cached = job.prompt_length
+                self._keep_prompt(job)
+            self._record(job, tokens)
+            if job.generated == 1 and job in self.jobs:  # still writing: it joins the batch
+                self.batch.join(job, job.cache)
+                job.cache = None
             return
         state = self._state(job)
         # Shared jobs run in inference mode like the batch; an eager job's steerers may take
@@ -425,6 +437,73 @@ class Runner:
             self.batch.join(job, job.cache)
             job.cache = None
         job.shared_logits = None
+
+    def _prefill_together(self) -> None:
+        """Run the prompts of the shared replies that start now in one packed forward pass.
+
+        Each reply with no steerer whose prompt (what is left of it after the prefix cache and
+        its chunks) fits a chunk is ready; with two or more ready, their new tokens run as one
+        sequence whose mask lets each token see only its own prompt (:func:`packed_prompts`),
+        instead of one pass per prompt. A ready prompt that shares a longer run with an earlier
+        one of the group than with the prefix cache waits a step, to reuse that one's keys."""
+        if self.prefix_cache is not None:  # before the lengths are compared: a hit may leave a short rest
+            for job in self._ready_to_prefill(any_length=True):
+                if job.cache is None and "prefix_cached_tokens" not in job.provenance:
+                    self._reuse_prefix(job)
+        self._deferred.clear()
+        group: list[Job] = []
+        budget = None if self.prefill_chunk is None else 4 * self.prefill_chunk
+        for job in self._ready_to_prefill():
+            prompt = job.session.prompt_ids
+            reused = job.provenance.get("prefix_cached_tokens", 0)
+            if (
+                self.prefix_cache is not None
+                and job.prefilled == reused  # no chunk of its own read yet
+                and any(
+                    common_length(prompt, other.session.prompt_ids) >= reused + self.prefix_cache.min_tokens
+                    for other in group
+                )
+            ):
+                # Another prompt of the group holds more of it than the cache (a shared history
+                # beyond a cached system prompt): looked up again next step, once that one is stored.
+                job.provenance.pop("prefix_cached_tokens", None)
+                job.cache, job.prefilled = None, 0
+                self._deferred.add(job)
+                continue
+            new = len(prompt) - job.prefilled
+            if budget is not None and group and new > budget:
+                continue
+            group.append(job)
+            if budget is not None:
+                budget -= new
+        if len(group) < 2:
+            return
+        try:
+            logits, caches = packed_prompts(self.model, self.batch.cache_argument, group)
+        except Exception as error:
+            failure = ChatcoreError(f"the model failed while reading the prompt: {type(error).__name__}: {error}")
+            for job in group:
+                self._end(job, "error", failure)
+            return
+        self.packed_prefills += 1
+        for index, job in enumerate(group):
+            job.shared_logits = logits[index : index + 1].expand(job.rows, -1)
+            job.cache = caches[index]
+
+    def _ready_to_prefill(self, any_length: bool = False) -> list[Job]:
+        """Shared replies with no steerer whose prompt step comes next (see _prefill_together);
+        ``any_length``: also those whose prompt has more than a chunk left."""
+        chunk = None if any_length else self.prefill_chunk
+        return [
+            job
+            for job in self.jobs
+            if job.shared
+            and job.generated == 0
+            and job.shared_logits is None
+            and not job.session.steerers
+            and not job.sink.cancelled
+            and (chunk is None or len(job.session.prompt_ids) - job.prefilled <= chunk)
+        ]
 
     def _reuse_prefix(self, job: Job) -> None:
         """Start a shared job's prompt after the longest prefix of it the prefix cache holds.
@@ -588,6 +667,81 @@ class Runner:
         finally:  # whatever happens, the caller learns that the reply is over
             job.cache = job.shared_logits = None
             job.sink._end(reason, error)
+
+
+def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["torch.Tensor", list[Any]]:
+    """One forward pass over the prompts of ``jobs`` (each from ``job.prefilled``, after the
+    key/values in ``job.cache``): each prompt's last-token (1, V) logits, stacked (J, V), and a
+    DynamicCache per job holding its whole prompt.
+
+    The new tokens of every prompt are laid end to end as one row, after every prompt's cached
+    keys; a 4-D mask lets a token attend to its own prompt's cached keys and, causally, to its
+    own new tokens, and each token keeps its position in its own prompt:
+
+        keys:   [cached 0 | cached 1 | ... | new 0 | new 1 | ...]
+    """
+    import torch
+
+    from chatcore.serving.prefix_cache import cache_from_layers
+    from chatcore.serving.slots import packed_pass, packed_plan
+
+    device = jobs[0].sequences.device
+    cached = [[(layer.keys[:1], layer.values[:1]) for layer in job.cache.layers] if job.cache else None for job in jobs]
+    past = [layers[0][0].shape[2] if layers else 0 for layers in cached]
+    new = [job.prompt_length - job.prefilled for job in jobs]
+    total_past, total_new = sum(past), sum(new)
+    ids = torch.cat([job.sequences[0, job.prefilled : job.prompt_length] for job in jobs])[None]  # (1, T)
+    positions = torch.cat([torch.arange(job.prefilled, job.prompt_length, device=device) for job in jobs])[None]
+    owner = torch.repeat_interleave(torch.arange(len(jobs), device=device), torch.tensor(new, device=device))  # (T,)
+    past_owner = torch.repeat_interleave(torch.arange(len(jobs), device=device), torch.tensor(past, device=device))
+    key_owner = torch.cat([past_owner, owner])  # (P + T,)
+    column = torch.arange(total_new, device=device)
+    causal = torch.ones(total_new, total_past + total_new, dtype=torch.bool, device=device)
+    causal[:, total_past:] = column[None, :] <= column[:, None]
+    visible = causal & (key_owner[None, :] == owner[:, None])  # (T, P + T)
+    dtype = model.dtype
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    if total_past:
+        layer_count = len(next(layers for layers in cached if layers))
+        joined = [
+            (
+                torch.cat([layers[index][0] for layers in cached if layers], dim=2),
+                torch.cat([layers[index][1] for layers in cached if layers], dim=2),
+            )
+            for index in range(layer_count)
+        ]
+        cache = cache_from_layers(joined, model.config)
+    else:
+        cache = cache_from_layers([], model.config)
+    ends = torch.tensor(new, device=device).cumsum(0) - 1
+    # Long cached prefixes: each prompt's attention over its own keys only (see packed_plan).
+    with torch.inference_mode(), packed_pass(model, packed_plan(past, new)) as extra:
+        output = model(
+            input_ids=ids,
+            attention_mask=mask[None, None],
+            position_ids=positions,
+            **{cache_argument: cache},
+            use_cache=True,
+            logits_to_keep=ends,
+            **extra,
+        )
+    full = output_cache(output)
+    caches = []
+    past_start, new_start = 0, total_past
+    for layers, length, count in zip(cached, past, new):
+        own = []
+        for index, layer in enumerate(full.layers):
+            keys = layer.keys[:, :, new_start : new_start + count]
+            values = layer.values[:, :, new_start : new_start + count]
+            if layers:
+                keys = torch.cat([layers[index][0], keys], dim=2)
+                values = torch.cat([layers[index][1], values], dim=2)
+            own.append((keys, values))
+        caches.append(cache_from_layers(own, model.config))
+        past_start += length
+        new_start += count
+    return output.logits[0].float(), caches
 
 
 def decode_alone(

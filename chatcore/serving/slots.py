@@ -111,6 +111,96 @@ def ragged_pass(model: Any, plan: RaggedPlan) -> Iterator[dict[str, Any]]:
         config._attn_implementation_internal = "sdpa"
 
 
+PACKED = "chatcore_packed"
+# One more attention call costs about as much as this many attention scores (a CPU SDPA
+# call's fixed cost against scores of 64-wide heads).
+CALL_COST_SCORES = 4096
+
+
+@dataclass(frozen=True)
+class PackedPlan:
+    """Prompts laid end to end in one pass (see ``packed_prompts`` in chatcore.serving.runner):
+    per prompt, ``(past_start, past_end, new_start, new_end)``: its cached keys' columns, and
+    its new tokens' rows (their keys' columns are ``past_total`` further on)."""
+
+    past_total: int
+    segments: tuple[tuple[int, int, int, int], ...]
+
+
+def packed_plan(past: list[int], new: list[int]) -> PackedPlan | None:
+    """How to split the attention of prompts with ``past`` cached and ``new`` new tokens laid
+    end to end: each prompt's queries over its own keys only, when that reads well under the
+    one masked call over every key (long cached prefixes); None when one call is cheaper."""
+    total_past, total_new = sum(past), sum(new)
+    whole = total_new * (total_past + total_new)
+    split = sum(n * (p + n) for p, n in zip(past, new)) + CALL_COST_SCORES * len(new)
+    if whole <= 2 * split:
+        return None
+    segments, past_start, new_start = [], 0, 0
+    for p, n in zip(past, new):
+        segments.append((past_start, past_start + p, new_start, new_start + n))
+        past_start, new_start = past_start + p, new_start + n
+    return PackedPlan(total_past, tuple(segments))
+
+
+def packed_attention(
+    module: Any,
+    query: "torch.Tensor",
+    key: "torch.Tensor",
+    value: "torch.Tensor",
+    attention_mask: "torch.Tensor | None",
+    **kwargs: Any,
+) -> tuple["torch.Tensor", None]:
+    """SDPA per prompt of a :class:`PackedPlan` (passed as ``chatcore_packed``): each prompt's
+    queries over its cached and new keys, with the columns of the step's mask that belong to
+    them (so the result is the one masked call's); plain SDPA without a plan."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plan: PackedPlan | None = kwargs.pop(PACKED, None)
+    if plan is None or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outputs = []
+    offset = plan.past_total
+    for past_start, past_end, new_start, new_end in plan.segments:
+        columns = [slice(past_start, past_end), slice(offset + new_start, offset + new_end)]
+        keys = torch.cat([key[:, :, c] for c in columns], dim=2)
+        values = torch.cat([value[:, :, c] for c in columns], dim=2)
+        rows = attention_mask[:, :, new_start:new_end]
+        mask = torch.cat([rows[..., c] for c in columns], dim=-1)
+        output, _ = sdpa_attention_forward(module, query[:, :, new_start:new_end], keys, values, mask, **kwargs)
+        outputs.append(output)  # (1, t, H, D)
+    return torch.cat(outputs, dim=1), None
+
+
+def _register(name: str, function: Any) -> None:
+    if name not in _REGISTERED_NAMES:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(name, function)
+        _REGISTERED_NAMES.add(name)
+
+
+_REGISTERED_NAMES: set[str] = set()
+
+
+@contextlib.contextmanager
+def packed_pass(model: Any, plan: PackedPlan | None) -> Iterator[dict[str, Any]]:
+    """For one packed prompt pass of ``model``: the keyword arguments that carry ``plan`` to its
+    attention, with :func:`packed_attention` swapped in when the model uses ``sdpa`` and a
+    plan was made (otherwise the mask alone keeps the result right)."""
+    config = model.config
+    if plan is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield {}
+        return
+    _register(PACKED, packed_attention)
+    config._attn_implementation_internal = PACKED
+    try:
+        yield {PACKED: plan}
+    finally:
+        config._attn_implementation_internal = "sdpa"
+
+
 class SlotLayer(CacheLayerMixin):
     """One layer's slots: (slots, H, capacity, D) keys and values, written one column per row per step."""
 
