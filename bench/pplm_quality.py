@@ -140,7 +140,10 @@ def main() -> None:
                     f"{steered.perplexity:7.1f} {steered.distinct_2:7.3f} {steered.degenerate_share:6.1%} "
                     f"{steered.tokens_per_s or 0:6.1f}"
                 )
-                share_ratio = steered.attribute_share / plain_share if plain_share else float("inf")
+                if plain_share:
+                    share_ratio = steered.attribute_share / plain_share
+                else:  # from none: any share on topic is a gain, none is none
+                    share_ratio = float("inf") if steered.attribute_share else 0.0
                 ppl_ratio = steered.perplexity / plain_row.perplexity
                 # rounded: 15 % / 5 % is 2.9999... in floating point
                 share_verdict = "met" if round(share_ratio, 9) >= 3 else "not met"

@@ -174,11 +174,12 @@ def test_layer_share_picks_the_top_layers(share, layers, first):
 
 
 def test_the_default_step_is_a_share_of_the_past_it_perturbs_on_any_scale():
-    from chatcore.plugins.pplm.config import RELATIVE_STEPS
+    from chatcore.plugins.pplm.config import RELATIVE_STEP
     from chatcore.plugins.pplm.loop import Optimiser
 
     config = PerturbConfig()
-    assert config.relative_step(15) == pytest.approx(RELATIVE_STEPS / 15) and config.relative_step(1) == RELATIVE_STEPS
+    assert config.relative_step(1) == RELATIVE_STEP
+    assert config.relative_step(15) == pytest.approx(RELATIVE_STEP / 15**0.5)  # spread as 1/sqrt(layers)
     generator = torch.Generator().manual_seed(0)
     squares = torch.rand((4, 3), generator=generator) + 0.1  # (layers, rows) of |w * g| ** 2
     past = torch.rand((4, 3), generator=generator) + 0.5  # a position's key/value norm per layer and row

@@ -37,17 +37,18 @@ decoder at fault), except the shared pass failing, which ends every shared reply
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from chatcore.decoding import Sampled, restrict_scores
 from chatcore.errors import ChatcoreError
-from chatcore.models import cache_keyword, output_cache
+from chatcore.models import output_cache
 from chatcore.processors import chain
-from chatcore.serving.logprobs import TokenLogprob, chosen_logprobs
-from chatcore.serving.prefix_cache import Layers, PrefixCache, cache_from_layers, common_length
+from chatcore.serving.jobs import Faults, Job, PlainFaults, Sink
+from chatcore.serving.logprobs import chosen_logprobs
+from chatcore.serving.packed_prompts import packed_prompts
+from chatcore.serving.prefix_cache import PrefixCache, cache_from_layers, common_length
+from chatcore.serving.shared_batch import _MERGEABLE, SharedBatch, mergeable_cache
 from chatcore.steering import compose
 from chatcore.step import Step, StepOutput, StepState, model_step
 
@@ -57,162 +58,8 @@ if TYPE_CHECKING:
     from chatcore.decoding import Decoder, GenerationSession
     from chatcore.models import LoadedModel
 
+
 DEFAULT_PREFILL_CHUNK = 256
-
-
-class Sink(Protocol):
-    """Where a reply's tokens and its end go (a :class:`chatcore.serving.requests.Handle`)."""
-
-    @property
-    def cancelled(self) -> bool: ...
-
-    def _push(self, token_id: int, logprob: TokenLogprob | None = None) -> None: ...
-
-    def _end(self, reason: Any, error: ChatcoreError | None = None) -> None: ...
-
-
-class Faults(Protocol):
-    """Turns a plugin's failure into its one-line error (the engine: it knows the plugins)."""
-
-    def guard(self, plugin_object: Any, what: str, call: Callable[[], Any]) -> Any: ...
-
-    def blame(self, error: Exception, decoder: "Decoder") -> ChatcoreError: ...
-
-
-class PlainFaults:
-    """Faults without a plugin registry: calls pass through; a failure while generating
-    becomes a ChatcoreError that keeps the original as its cause."""
-
-    def guard(self, plugin_object: Any, what: str, call: Callable[[], Any]) -> Any:
-        return call()
-
-    def blame(self, error: Exception, decoder: "Decoder") -> ChatcoreError:
-        return ChatcoreError(f"decoding failed: {type(error).__name__}: {error}")
-
-
-@dataclass(eq=False)
-class Job:
-    """One reply being decoded: its rows (all with the same prompt), their tokens and state."""
-
-    sink: Sink
-    session: "GenerationSession"
-    decoder: "Decoder"
-    provenance: dict[str, Any] = field(repr=False)
-    rows: int
-    processors: Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"] = field(repr=False)
-    sequences: "torch.Tensor" = field(repr=False)  # (rows, prompt + budget): prompt, then chosen tokens
-    attention: "torch.Tensor" = field(repr=False)  # (rows, prompt + budget): 0 after a row's stop token
-    finished: "torch.Tensor" = field(repr=False)  # (rows,) bool: the row has chosen a stop token
-    stops: "torch.Tensor" = field(repr=False)
-    banned: "torch.Tensor" = field(repr=False)
-    shared: bool  # its rows run in the shared batch (else eagerly, with a cache of its own)
-    step: Step = field(init=False, repr=False)
-    length: int = 0  # columns of ``sequences`` filled
-    prompt_length: int = 0
-    generated: int = 0  # steps taken: tokens chosen per row
-    cached: int = 0  # tokens of each row in the shared cache (a shared job, once its prompt has run)
-    prefilled: int = 0  # prompt tokens in ``cache`` before the prompt step (prefix cache, chunks)
-    cache: Any = field(default=None, repr=False)  # an eager job's cache; a shared job's until it joins
-    shared_logits: "torch.Tensor | None" = field(default=None, repr=False)  # its rows of the shared pass
-    totals: "torch.Tensor | None" = field(default=None, repr=False)  # (rows,) forward log-probability sums
-    counts: "torch.Tensor | None" = field(default=None, repr=False)  # (rows,) tokens in those sums
-    observer: Callable[["torch.Tensor"], None] | None = field(default=None, repr=False)
-    # Per step, each row's log-probabilities, when the reply asked for them (session.logprobs).
-    logprobs: list[list[TokenLogprob]] | None = field(default=None, repr=False)
-
-
-class SharedBatch:
-    """The rows of the shared replies and their key/value cache, a slot per row.
-
-    Every row keeps its own tokens from column 0 (:class:`chatcore.serving.slots.SlotCache`):
-    rows are not padded to the longest, a step writes one column per row in place, and its
-    attention reads each row's own columns (a long history costs the other rows next to
-    nothing). A reply that ends leaves at once.
-    """
-
-    def __init__(self, model: Any, device: Any) -> None:
-        self.model = model
-        self.device = device
-        self.cache_argument = cache_keyword(model)
-        self.jobs: list[Job] = []
-        self.cache: Any = None  # a SlotCache once a reply has joined
-        self.split_steps = 0  # steps whose attention was split by row length (for tests and benchmarks)
-        from chatcore.serving.static_step import static_step_for
-
-        self.static_step = static_step_for(model, device, self.cache_argument)  # the fast path, if on
-
-    def __contains__(self, job: Job) -> bool:
-        return job in self.jobs
-
-    def offset(self, job: Job) -> int:
-        """The first batch row of ``job``."""
-        offset = 0
-        for other in self.jobs:
-            if other is job:
-                return offset
-            offset += other.rows
-        raise KeyError("the reply is not in the batch")
-
-    def join(self, job: Job, cache: Any) -> None:
-        """Add a job whose prompt has run, with its cache of one row (every row shares the prompt)."""
-        from chatcore.serving.slots import SlotCache
-
-        if self.cache is None:
-            self.cache = SlotCache(len(cache.layers))
-        self.cache.append([(layer.keys, layer.values) for layer in cache.layers], job.rows)
-        self.jobs.append(job)
-
-    def leave(self, job: Job) -> None:
-        """Remove ``job``'s rows (the rows after them move up)."""
-        if job not in self.jobs:
-            return
-        self.cache.remove(self.offset(job), job.rows)
-        self.jobs.remove(job)
-        if not self.jobs:
-            self.cache = None  # its buffers go with it
-
-    def layers_of(self, job: Job) -> Layers:
-        """The key/values of every token ``job``'s first row has fed the model: (1, H, cached, D) per layer."""
-        return self.cache.row(self.offset(job))
-
-    def forward(self) -> "torch.Tensor":
-        """One forward pass for every row's newest token: (B, V) logits."""
-        import torch
-
-        from chatcore.serving.slots import ragged_pass
-
-        last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
-        logits = self.static_step.forward(last, self.cache) if self.static_step is not None else None
-        if logits is None:
-            positions, mask, plan = self.cache.begin_step(self.device)
-            with ragged_pass(self.model, plan) as extra:
-                self.split_steps += bool(extra)
-                output = self.model(
-                    input_ids=last,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    **{self.cache_argument: self.cache},
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **extra,
-                )
-            logits = output.logits[:, -1, :].float()
-        self.cache.end_step()
-        for job in self.jobs:
-            job.cached += 1
-        return logits
-
-
-def mergeable_cache(cache: Any) -> bool:
-    """Whether rows' caches can be padded and stacked: every layer a plain growing
-    key/value cache (no sliding window, no recurrent state)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-# Whether a model's caches can be stacked, found once per model (a one-token pass).
-_MERGEABLE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 class Runner:
@@ -667,81 +514,6 @@ class Runner:
         finally:  # whatever happens, the caller learns that the reply is over
             job.cache = job.shared_logits = None
             job.sink._end(reason, error)
-
-
-def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["torch.Tensor", list[Any]]:
-    """One forward pass over the prompts of ``jobs`` (each from ``job.prefilled``, after the
-    key/values in ``job.cache``): each prompt's last-token (1, V) logits, stacked (J, V), and a
-    DynamicCache per job holding its whole prompt.
-
-    The new tokens of every prompt are laid end to end as one row, after every prompt's cached
-    keys; a 4-D mask lets a token attend to its own prompt's cached keys and, causally, to its
-    own new tokens, and each token keeps its position in its own prompt:
-
-        keys:   [cached 0 | cached 1 | ... | new 0 | new 1 | ...]
-    """
-    import torch
-
-    from chatcore.serving.prefix_cache import cache_from_layers
-    from chatcore.serving.slots import packed_pass, packed_plan
-
-    device = jobs[0].sequences.device
-    cached = [[(layer.keys[:1], layer.values[:1]) for layer in job.cache.layers] if job.cache else None for job in jobs]
-    past = [layers[0][0].shape[2] if layers else 0 for layers in cached]
-    new = [job.prompt_length - job.prefilled for job in jobs]
-    total_past, total_new = sum(past), sum(new)
-    ids = torch.cat([job.sequences[0, job.prefilled : job.prompt_length] for job in jobs])[None]  # (1, T)
-    positions = torch.cat([torch.arange(job.prefilled, job.prompt_length, device=device) for job in jobs])[None]
-    owner = torch.repeat_interleave(torch.arange(len(jobs), device=device), torch.tensor(new, device=device))  # (T,)
-    past_owner = torch.repeat_interleave(torch.arange(len(jobs), device=device), torch.tensor(past, device=device))
-    key_owner = torch.cat([past_owner, owner])  # (P + T,)
-    column = torch.arange(total_new, device=device)
-    causal = torch.ones(total_new, total_past + total_new, dtype=torch.bool, device=device)
-    causal[:, total_past:] = column[None, :] <= column[:, None]
-    visible = causal & (key_owner[None, :] == owner[:, None])  # (T, P + T)
-    dtype = model.dtype
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    if total_past:
-        layer_count = len(next(layers for layers in cached if layers))
-        joined = [
-            (
-                torch.cat([layers[index][0] for layers in cached if layers], dim=2),
-                torch.cat([layers[index][1] for layers in cached if layers], dim=2),
-            )
-            for index in range(layer_count)
-        ]
-        cache = cache_from_layers(joined, model.config)
-    else:
-        cache = cache_from_layers([], model.config)
-    ends = torch.tensor(new, device=device).cumsum(0) - 1
-    # Long cached prefixes: each prompt's attention over its own keys only (see packed_plan).
-    with torch.inference_mode(), packed_pass(model, packed_plan(past, new)) as extra:
-        output = model(
-            input_ids=ids,
-            attention_mask=mask[None, None],
-            position_ids=positions,
-            **{cache_argument: cache},
-            use_cache=True,
-            logits_to_keep=ends,
-            **extra,
-        )
-    full = output_cache(output)
-    caches = []
-    past_start, new_start = 0, total_past
-    for layers, length, count in zip(cached, past, new):
-        own = []
-        for index, layer in enumerate(full.layers):
-            keys = layer.keys[:, :, new_start : new_start + count]
-            values = layer.values[:, :, new_start : new_start + count]
-            if layers:
-                keys = torch.cat([layers[index][0], keys], dim=2)
-                values = torch.cat([layers[index][1], values], dim=2)
-            own.append((keys, values))
-        caches.append(cache_from_layers(own, model.config))
-        past_start += length
-        new_start += count
-    return output.logits[0].float(), caches
 
 
 def decode_alone(

@@ -119,7 +119,7 @@ CALL_COST_SCORES = 4096
 
 @dataclass(frozen=True)
 class PackedPlan:
-    """Prompts laid end to end in one pass (see ``packed_prompts`` in chatcore.serving.runner):
+    """Prompts laid end to end in one pass (see chatcore.serving.packed_prompts):
     per prompt, ``(past_start, past_end, new_start, new_end)``: its cached keys' columns, and
     its new tokens' rows (their keys' columns are ``past_total`` further on)."""
 

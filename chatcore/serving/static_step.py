@@ -1,6 +1,6 @@
 """The fast path: the shared batch's decode step with fixed shapes, captured on a GPU.
 
-The shared batch (:class:`chatcore.serving.runner.SharedBatch`) holds rows whose steerers
+The shared batch (:class:`chatcore.serving.shared_batch.SharedBatch`) holds rows whose steerers
 all edit scores only (``shares_batch = True``): the model's pass is the whole of their
 step, and their steerers, the decoder's processors and the sampler run on its logits
 afterwards. That pass is what this module makes fast. Its shapes are fixed per

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from pydantic import Field
 
 from chatcore.api import Settings
 
-# The default step (``stepsize`` unset), summed over the perturbed layers, as a share of the
-# size of one position's keys and values in each layer's past (PerturbConfig.relative_step).
-# 0.14 is what chatcore-tiny's measured default (a step of 1.0 on each of its top 3 layers)
-# made its first steps on average; as a share of the past it carries to any model's scale.
-RELATIVE_STEPS = 0.14
+# The default step (``stepsize`` unset) on each perturbed layer, as a share of the size of one
+# position's keys and values in that layer's past, for a model with one perturbed layer; with
+# L perturbed layers each takes RELATIVE_STEP / sqrt(L) (PerturbConfig.relative_step). 0.081
+# is what chatcore-tiny's measured default (a fixed step of 1.0 on each of its top 3 layers)
+# made its first steps on average (0.047 of the past per layer, times sqrt(3)).
+RELATIVE_STEP = 0.081
 
 
 def _between(low: float, high: float) -> Any:
@@ -73,18 +75,20 @@ class PerturbConfig(Settings):
 
     def relative_step(self, perturbed_layers: int) -> float:
         """With ``stepsize`` unset, the size of each layer's step as a share of that layer's past:
-        ``RELATIVE_STEPS / perturbed_layers`` times the root-mean-square norm of one position's
-        keys and values there (the gradient's direction; smaller as the gradient falls below
-        its largest norm so far).
+        ``RELATIVE_STEP / sqrt(perturbed_layers)`` times the root-mean-square norm of one
+        position's keys and values there (the gradient's direction; smaller as the gradient
+        falls below its largest norm so far).
 
         A fixed step (``stepsize``) moves models of other widths and depths by different
-        amounts: the same 1.0 per layer that steers chatcore-tiny is fourteen times smaller,
-        relative to its keys and values, on SmolLM2-135M, whose 15 perturbed layers also add
-        up five times as many steps. Sizing each step by the past it perturbs, and spreading
-        the total over the layers, gives every model the step chatcore-tiny was tuned with
-        (docs/pplm.md, "Across models").
+        amounts: the same 1.0 per layer that steers chatcore-tiny is about fourteen times
+        smaller, relative to its keys and values, on SmolLM2-135M. Sizing each step by the
+        past it perturbs carries the step across scales. Across depths the layers' steps are
+        spread as 1/sqrt(layers), as steps in unrelated directions add up: on SmolLM2's 15
+        perturbed layers a 1/layers spread (the same total as chatcore-tiny's) moved too little,
+        and twice to four times that total steered it at little perplexity (docs/pplm.md,
+        "Defaults and the model").
         """
-        return RELATIVE_STEPS / max(1, perturbed_layers)
+        return RELATIVE_STEP / math.sqrt(max(1, perturbed_layers))
 
     def optimises(self, step: int) -> bool:
         """Whether the perturbation is optimised at decoding step ``step`` (0 = first reply token)."""

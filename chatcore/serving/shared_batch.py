@@ -1,0 +1,109 @@
+"""The shared batch: the rows of the replies decoded together, and their key/value slots."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from chatcore.models import cache_keyword
+from chatcore.serving.prefix_cache import Layers
+
+if TYPE_CHECKING:
+    import torch
+
+
+from chatcore.serving.jobs import Job
+
+
+class SharedBatch:
+    """The rows of the shared replies and their key/value cache, a slot per row.
+
+    Every row keeps its own tokens from column 0 (:class:`chatcore.serving.slots.SlotCache`):
+    rows are not padded to the longest, a step writes one column per row in place, and its
+    attention reads each row's own columns (a long history costs the other rows next to
+    nothing). A reply that ends leaves at once.
+    """
+
+    def __init__(self, model: Any, device: Any) -> None:
+        self.model = model
+        self.device = device
+        self.cache_argument = cache_keyword(model)
+        self.jobs: list[Job] = []
+        self.cache: Any = None  # a SlotCache once a reply has joined
+        self.split_steps = 0  # steps whose attention was split by row length (for tests and benchmarks)
+        from chatcore.serving.static_step import static_step_for
+
+        self.static_step = static_step_for(model, device, self.cache_argument)  # the fast path, if on
+
+    def __contains__(self, job: Job) -> bool:
+        return job in self.jobs
+
+    def offset(self, job: Job) -> int:
+        """The first batch row of ``job``."""
+        offset = 0
+        for other in self.jobs:
+            if other is job:
+                return offset
+            offset += other.rows
+        raise KeyError("the reply is not in the batch")
+
+    def join(self, job: Job, cache: Any) -> None:
+        """Add a job whose prompt has run, with its cache of one row (every row shares the prompt)."""
+        from chatcore.serving.slots import SlotCache
+
+        if self.cache is None:
+            self.cache = SlotCache(len(cache.layers))
+        self.cache.append([(layer.keys, layer.values) for layer in cache.layers], job.rows)
+        self.jobs.append(job)
+
+    def leave(self, job: Job) -> None:
+        """Remove ``job``'s rows (the rows after them move up)."""
+        if job not in self.jobs:
+            return
+        self.cache.remove(self.offset(job), job.rows)
+        self.jobs.remove(job)
+        if not self.jobs:
+            self.cache = None  # its buffers go with it
+
+    def layers_of(self, job: Job) -> Layers:
+        """The key/values of every token ``job``'s first row has fed the model: (1, H, cached, D) per layer."""
+        return self.cache.row(self.offset(job))
+
+    def forward(self) -> "torch.Tensor":
+        """One forward pass for every row's newest token: (B, V) logits."""
+        import torch
+
+        from chatcore.serving.slots import ragged_pass
+
+        last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
+        logits = self.static_step.forward(last, self.cache) if self.static_step is not None else None
+        if logits is None:
+            positions, mask, plan = self.cache.begin_step(self.device)
+            with ragged_pass(self.model, plan) as extra:
+                self.split_steps += bool(extra)
+                output = self.model(
+                    input_ids=last,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    **{self.cache_argument: self.cache},
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **extra,
+                )
+            logits = output.logits[:, -1, :].float()
+        self.cache.end_step()
+        for job in self.jobs:
+            job.cached += 1
+        return logits
+
+
+def mergeable_cache(cache: Any) -> bool:
+    """Whether rows' caches can be padded and stacked: every layer a plain growing
+    key/value cache (no sliding window, no recurrent state)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+# Whether a model's caches can be stacked, found once per model (a one-token pass).
+_MERGEABLE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
