@@ -37,6 +37,7 @@ decoder at fault), except the shared pass failing, which ends every shared reply
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,7 @@ from chatcore.serving.jobs import Faults, Job, PlainFaults, Sink
 from chatcore.serving.logprobs import chosen_logprobs
 from chatcore.serving.packed_prompts import packed_prompts
 from chatcore.serving.prefix_cache import PrefixCache, cache_from_layers, common_length
-from chatcore.serving.shared_batch import _MERGEABLE, SharedBatch, mergeable_cache
+from chatcore.serving.shared_batch import SharedBatch, mergeable_cache
 from chatcore.steering import compose
 from chatcore.step import Step, StepOutput, StepState, model_step
 
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
 
 
 DEFAULT_PREFILL_CHUNK = 256
+
+# Whether a model's caches can be stacked, found once per model (a one-token pass).
+_MERGEABLE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 class Runner:

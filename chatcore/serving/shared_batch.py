@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any
 
 from chatcore.models import cache_keyword
@@ -103,7 +102,3 @@ def mergeable_cache(cache: Any) -> bool:
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
-
-
-# Whether a model's caches can be stacked, found once per model (a one-token pass).
-_MERGEABLE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
