@@ -1,11 +1,12 @@
 """MMI reranking quality: ``mmi`` vs ``top-k`` on the same held-out chitchat contexts.
 
     python bench/mmi_quality.py [--limit 100] [--candidates 8] [--max-new-tokens 40] [--json out.json]
-    python bench/mmi_quality.py --model smollm2 --reverse-model /path/to/smollm2-reverse/best --threads 1
+    python bench/mmi_quality.py --model smollm2 --judge chatcore-tiny-reverse --threads 1
 
 ``--model`` is any model chatcore loads (a chat-template model too: the reverse model
 reads plain turns, see docs/mmi.md) and ``--reverse-model`` a reverse model with the
-same tokenizer or another one (replies are then re-encoded from their text).
+same tokenizer or another one (replies are then re-encoded from their text); ``auto``, the
+default, is the bundled one on the model's tokenizer, as the decoder picks it.
 
 Runs chatcore's eval harness (chatcore.evaluation.runner.evaluate, what ``chatcore
 eval`` runs) for ``top-k``, ``top-k`` with the 3-gram blocking ``mmi`` samples its
@@ -15,6 +16,12 @@ each configuration gave (and of the human replies). Every reply is scored the sa
 way, from its text, whichever decoder made it. MMI should raise the reverse score
 without raising the share of degenerate replies. The seconds per reply of each
 configuration, and their ratio to plain top-k, are the cost of reranking.
+
+The reverse model that reranks also scores, so its column favours MMI by construction.
+``--judge`` names a second reverse model (trained apart: another size, tokenizer or run)
+that scores every reply too, in a column of its own: a gain there is not the reranker
+grading itself. ``--sampling model`` samples at the model's own defaults (its
+generation config or chatcore's table of known models) instead of top-k 40 at T=0.8.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="chatcore-tiny")
-    parser.add_argument("--reverse-model", default="chatcore-tiny-reverse")
+    parser.add_argument("--reverse-model", default="auto")
+    parser.add_argument("--judge", default=None, help="a second reverse model that scores every reply")
+    parser.add_argument("--sampling", choices=("chatcore", "model"), default="chatcore")
     parser.add_argument("--prompts", default="chitchat-heldout")
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--candidates", type=int, default=8)
@@ -54,18 +64,24 @@ def main() -> None:
     host = PluginHost()
     host.load_modules(("chatcore.plugins.top_k", "chatcore.plugins.mmi.plugin", "chatcore.evaluation.commands"))
     engine = Engine(args.model, host=host)
-    reverse = reranking.load_reverse_model(args.reverse_model, device=engine.loaded.device)
+    reverse_name = args.reverse_model
+    if reverse_name == "auto":
+        reverse_name = reranking.matching_reverse_model(engine.tokenizer) or "chatcore-tiny-reverse"
+    reverse = reranking.load_reverse_model(reverse_name, device=engine.loaded.device)
+    judges = {"reverse": reverse}
+    if args.judge:
+        judges["judge"] = reranking.load_reverse_model(args.judge, device=engine.loaded.device)
     contexts = engine.registry.prompt_set(args.prompts)()[: args.limit]
-    sampling = {"top_k": 40, "temperature": 0.8}
+    sampling = {"top_k": 40, "temperature": 0.8} if args.sampling == "chatcore" else {}
     mmi_settings = {
         **sampling,
         "candidates": args.candidates,
-        "reverse_model": args.reverse_model,
+        "reverse_model": reverse_name,
+        "allow_retokenize": True,
         **parse_key_values(args.mmi_settings.split()),
     }
-    mmi_label = " ".join(
-        ["mmi"] + [f"{k}={v}" for k, v in mmi_settings.items() if k not in sampling and k != "reverse_model"]
-    )
+    unnamed = {*sampling, "reverse_model", "allow_retokenize"}
+    mmi_label = " ".join(["mmi"] + [f"{k}={v}" for k, v in mmi_settings.items() if k not in unnamed])
     # top-k as it comes, and with the 3-gram blocking mmi samples its candidates with.
     configurations = {
         "top-k": ReplyOptions(decoder="top-k", decoder_settings=sampling, max_new_tokens=args.max_new_tokens),
@@ -77,24 +93,22 @@ def main() -> None:
         mmi_label: ReplyOptions(decoder="mmi", decoder_settings=mmi_settings, max_new_tokens=args.max_new_tokens),
     }
 
-    def reverse_score_list(pairs: list[tuple[list[str], str]]) -> list[float]:
+    def reverse_score_list(pairs: list[tuple[list[str], str]], scorer: Any = reverse) -> list[float]:
         """log P(last context turn | reply) of each pair, each reply scored from its text."""
-        tokenizer = reverse.tokenizer
+        tokenizer = scorer.tokenizer
         scores = []
         for context, reply in pairs:
             candidate = encode_text(tokenizer, reply)
             source = [encode_text(tokenizer, context[-1])]
-            scores.append(reranking.reverse_scores(reverse, [candidate], source)[0].total)
+            scores.append(reranking.reverse_scores(scorer, [candidate], source)[0].total)
         return scores
 
-    def mean_reverse_score(pairs: list[tuple[list[str], str]]) -> float:
-        return statistics.mean(reverse_score_list(pairs))
-
-    per_context: dict[str, dict[int, float]] = {}
+    per_context: dict[str, dict[str, dict[int, float]]] = {column: {} for column in judges}
     seconds: dict[str, float] = {}
 
     print(
-        f"{len(contexts)} contexts from {args.prompts}, model {args.model}, reverse {args.reverse_model}, "
+        f"{len(contexts)} contexts from {args.prompts}, model {args.model}, reverse {reverse_name}, "
+        f"judge {args.judge or 'none'}, sampling {sampling or 'the model defaults'}, "
         f"max_new_tokens {args.max_new_tokens}, seeds {args.seed}..{args.seed + len(contexts) - 1}"
     )
     reports: dict[str, EvalReport] = {}
@@ -106,26 +120,30 @@ def main() -> None:
         print(f"  {label}: {seconds[label]:.0f} s")
         reports[label] = report
         replied = [(i, s) for i, s in enumerate(report.samples) if "reply" in s]
-        scores = reverse_score_list([(s["context"], s["reply"]) for _, s in replied])
-        per_context[label] = {i: score for (i, _), score in zip(replied, scores)}
-        report.rows[0].extra["reverse"] = statistics.mean(scores)
-        if len(report.rows) > 1:  # the human replies, once
-            human = [(c.turns, c.reference) for c in contexts if c.reference]
-            report.rows[1].extra["reverse"] = mean_reverse_score(human)
+        for column, scorer in judges.items():
+            scores = reverse_score_list([(s["context"], s["reply"]) for _, s in replied], scorer)
+            per_context[column][label] = {i: score for (i, _), score in zip(replied, scores)}
+            report.rows[0].extra[column] = statistics.mean(scores)
+            if len(report.rows) > 1:  # the human replies, once
+                human = [(c.turns, c.reference) for c in contexts if c.reference]
+                report.rows[1].extra[column] = statistics.mean(reverse_score_list(human, scorer))
         rows.extend(report.rows)
     print(EvalReport(rows, [], {}).table())
     print(
-        "reverse: mean log P(source | reply) under the reverse model "
-        "(higher: the reply is more specific to the context)"
+        f"reverse: mean log P(source | reply) under the reranking model {reverse_name}"
+        + (f"; judge: the same under {args.judge}" if args.judge else "")
+        + " (higher: the reply is more specific to the context)"
     )
-    shared = sorted(set(per_context["top-k"]) & set(per_context[mmi_label]))
-    if len(shared) > 1:
-        gains = [per_context[mmi_label][i] - per_context["top-k"][i] for i in shared]
-        error = statistics.stdev(gains) / len(gains) ** 0.5
-        print(
-            f"{mmi_label} vs top-k, same contexts and seeds: reverse score {statistics.mean(gains):+.2f} nats per "
-            f"context (standard error {error:.2f}), higher in {sum(g > 0 for g in gains)} of {len(gains)} contexts"
-        )
+    for column, by_label in per_context.items():
+        shared = sorted(set(by_label["top-k"]) & set(by_label[mmi_label]))
+        if len(shared) > 1:
+            gains = [by_label[mmi_label][i] - by_label["top-k"][i] for i in shared]
+            error = statistics.stdev(gains) / len(gains) ** 0.5
+            print(
+                f"{mmi_label} vs top-k, same contexts and seeds: {column} score {statistics.mean(gains):+.2f} nats "
+                f"per context (standard error {error:.2f}), higher in {sum(g > 0 for g in gains)} of "
+                f"{len(gains)} contexts"
+            )
     plain = seconds["top-k"] / max(1, len(contexts))
     for label, total in seconds.items():
         per_reply = total / max(1, len(contexts))

@@ -21,7 +21,8 @@ The names, by what a plugin author does with them:
   replies (:class:`CandidateDecoder`, :class:`CandidateSettings`, :class:`Sampled`,
   :class:`Candidate`, :class:`ContinuationScore`, the top-k sampler they share);
 - score processors, transformers' warpers behind one call (``temperature``, ``top_k`` ...);
-- models: :class:`LoadedModel`, :func:`load_model`, and the model anatomy module's
+- models: :class:`LoadedModel`, :func:`load_model`, :func:`load_tokenizer`,
+  :func:`bundled_reverse_models`, and the model anatomy module's
   :func:`anatomy_of` (blocks, attention, caches of every supported architecture);
 - text and words: :func:`encode_text` (never parses special tokens), word lists;
 - prompts: :class:`Message`, :class:`PromptFormat`, :func:`choose_format`;
@@ -45,8 +46,10 @@ from chatcore.models import (
     DEFAULT_MODEL,
     DEFAULT_REVERSE_MODEL,
     LoadedModel,
+    bundled_reverse_models,
     cache_keyword,
     load_model,
+    load_tokenizer,
     output_cache,
 )
 from chatcore.options import Settings
@@ -105,6 +108,7 @@ __all__ = [
     "WORDLIST_DIR",
     "anatomy_of",
     "builtin_topics",
+    "bundled_reverse_models",
     "cache_keyword",
     "check_word_sources",
     "choose_format",
@@ -114,6 +118,7 @@ __all__ = [
     "hookimpl",
     "is_degenerate",
     "load_model",
+    "load_tokenizer",
     "min_p",
     "model_step",
     "output_cache",

@@ -35,6 +35,22 @@ def bundled_models() -> list[str]:
     return sorted(p.name for p in BUNDLED_DIR.iterdir() if (p / "config.json").exists())
 
 
+def bundled_reverse_models() -> list[str]:
+    """The bundled MMI reverse models (trained with ``--reverse``, as their training record says)."""
+    import json
+
+    names = []
+    for name in bundled_models():
+        record = BUNDLED_DIR / name / "chatcore_training.json"
+        try:
+            direction = json.loads(record.read_text(encoding="utf-8")).get("direction")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if direction == "reverse":
+            names.append(name)
+    return names
+
+
 @dataclass(frozen=True)
 class KnownModel:
     """A model chatcore can name without a path: a GGUF file shipped inside an installed package."""
@@ -234,6 +250,26 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
     model.to(device)
     model.eval()
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype)
+
+
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer alone of a model named as :func:`load_model` takes it (bundled, known,
+    GGUF file, folder or hub id) or a folder holding a tokenizer alone; one without an EOS
+    token is refused, as turns need it."""
+    folder = Path(name).expanduser()
+    path = str(folder) if folder.is_dir() and not (folder / "config.json").exists() else resolve_model_path(name)
+    from transformers import AutoTokenizer
+
+    try:
+        with quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        if Path(path).exists():
+            raise ModelLoadError(f"cannot load a tokenizer from {name!r}: {error}") from error
+        raise ModelLoadError(hub_failure(name, error)) from error
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(f"the tokenizer of {name!r} has no EOS token, which separates turns")
+    return tokenizer
 
 
 def load_causal_lm(path: str, dtype: Any) -> Any:

@@ -52,6 +52,28 @@ def post(server, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     return response.status, json.loads(raw)
 
 
+# -- min_tokens ----------------------------------------------------------------------------
+def test_min_tokens_holds_the_stop_tokens_back_until_the_reply_has_that_many(client, model, serving_engine):
+    ending = {str(serving_engine.eos_token_id): 100}  # the stop token as soon as it is allowed
+    quick = client.chat.completions.create(model=model, messages=HI, max_tokens=20, temperature=0, logit_bias=ending)
+    assert quick.usage.completion_tokens == 1 and quick.choices[0].finish_reason == "stop"
+    asked = {"model": model, "messages": HI, "max_tokens": 20, "temperature": 0, "logit_bias": ending}
+    held = client.chat.completions.create(**asked, extra_body={"min_tokens": 6})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        **asked, stream=True, stream_options={"include_usage": True}, extra_body={"min_tokens": 6}
+    )
+    chunks = list(streamed)
+    assert chunks[-1].usage.completion_tokens == 6
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == held.choices[0].message.content
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 4, "min_tokens": 5}, {"min_tokens": -1}])
+def test_min_tokens_out_of_range_is_400(server, model, fields):
+    status, body = post(server, "/v1/chat/completions", {"model": model, "messages": HI, **fields})
+    assert status == 400 and body["error"]["param"] == "min_tokens", body
+
+
 # -- logprobs ------------------------------------------------------------------------------
 def test_logprobs_are_the_scores_the_decoder_chose_from(client, model):
     greedy = client.chat.completions.create(

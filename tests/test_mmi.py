@@ -12,6 +12,7 @@ import chatcore
 from chatcore.engine import Engine, ReplyOptions
 from chatcore.errors import ModelLoadError, OptionError
 from chatcore.explain import explain
+from chatcore.models import load_model
 from chatcore.plugins.mmi import reranking
 from chatcore.plugins.mmi.plugin import MMIDecoder, choose, combined_scores
 from chatcore.steering import Steerer
@@ -294,12 +295,55 @@ def _prompt_ids(engine, conversation, max_new_tokens):
 
 def test_a_reverse_model_with_another_tokenizer_is_refused_when_configured(loaded, mmi_host):
     engine = Engine(loaded, host=mmi_host)  # the tiny test model's tokenizer is not the bundled one
-    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 3}, seed=1, max_new_tokens=8)
+    settings = {"candidates": 3, "reverse_model": "chatcore-tiny-reverse"}
+    options = ReplyOptions(decoder="mmi", decoder_settings=settings, seed=1, max_new_tokens=8)
     with pytest.raises(OptionError) as refused:
         engine.check_options(options)
     message = str(refused.value)
     assert "\n" not in message and "uses another tokenizer than" in message
-    assert f"chatcore train model --reverse --init-from {loaded.name}" in message and "allow_retokenize=true" in message
+    assert f"chatcore train model --reverse --tokenizer {loaded.name}" in message and "allow_retokenize=true" in message
+
+
+def test_auto_refuses_a_model_whose_tokenizer_no_bundled_reverse_model_shares(loaded, mmi_host):
+    engine = Engine(loaded, host=mmi_host)
+    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 3}, seed=1, max_new_tokens=8)
+    with pytest.raises(OptionError) as refused:
+        engine.check_options(options)
+    message = str(refused.value)
+    assert "\n" not in message and "no bundled MMI reverse model shares the tokenizer" in message
+    assert f"--reverse --tokenizer {loaded.name} --out DIR" in message
+
+
+@pytest.mark.parametrize(
+    ("forward", "expected"),
+    [("chatcore-tiny", "chatcore-tiny-reverse"), ("smollm2-reverse", "smollm2-reverse")],
+)
+def test_auto_takes_the_bundled_reverse_model_on_the_model_s_tokenizer(mmi_host, forward, expected):
+    # smollm2-reverse stands in for any model on SmolLM2's tokenizer (SmolLM2 itself is slow to load)
+    engine = Engine(load_model(forward), host=mmi_host)
+    decoder = engine.make_decoder("mmi", {"candidates": 2})
+    assert decoder.shared.name == expected
+    assert reranking.same_tokenizer(engine.tokenizer, decoder.shared.tokenizer)
+    response = engine.reply_to(["do you like music?"], ReplyOptions(decoder="mmi", seed=3, max_new_tokens=6))
+    response.text()
+    mmi = response.provenance["details"]["mmi"]
+    assert mmi["reverse_model"] == expected and mmi["retokenized"] is False
+
+
+@pytest.mark.slow
+def test_smollm2_replies_are_reranked_by_the_bundled_reverse_model_on_its_tokenizer(smollm2, mmi_host):
+    engine = Engine(smollm2, host=mmi_host)
+    options = ReplyOptions(decoder="mmi", decoder_settings={"candidates": 4}, seed=2, max_new_tokens=12)
+    response = engine.reply_to(["what is your favorite food?"], options)
+    assert response.text().strip()
+    mmi = response.provenance["details"]["mmi"]
+    assert mmi["reverse_model"] == "smollm2-reverse" and mmi["retokenized"] is False
+    reverse = engine.make_decoder("mmi", {"candidates": 4}).shared
+    source = [encode_text(reverse.tokenizer, "what is your favorite food?")]
+    candidates = response.provenance["candidates"]
+    scores = reranking.reverse_scores(reverse, [c["token_ids"] for c in candidates], source)
+    for candidate, score in zip(candidates, scores):  # the ids are scored as they are: one tokenizer
+        assert candidate["scores"]["reverse"] == pytest.approx(score.total, abs=1e-3)
 
 
 def test_candidates_are_retokenized_for_a_reverse_model_with_another_tokenizer(loaded, bundled_reverse, mmi_host):

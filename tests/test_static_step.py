@@ -54,6 +54,42 @@ def test_batched_rows_on_the_fast_path_equal_the_ragged_step(engine_name, reques
     assert bucket_for(len(prompts)) == 8 and bucket_for(33) is None
 
 
+def test_the_next_reply_on_a_model_takes_the_step_and_buffers_the_last_batch_handed_back(llama_engine, monkeypatch):
+    """engine.respond builds a runner per reply; its batch hands the fast path (on a GPU, its
+    captured graphs) and slot buffers back when it empties, and the next reply takes them:
+    same step, same fixed inputs, same buffers, and replies equal to the ragged step's."""
+    from chatcore.serving.static_step import idle_static_step
+
+    model, device = llama_engine.loaded.model, llama_engine.loaded.device
+    conversations = [llama_engine.scripted(["hello there"]), llama_engine.scripted(["what do you like to eat?"])]
+    monkeypatch.setenv(FAST_PATH_ENV, "off")
+    expected = [hf_greedy(llama_engine, c.messages(), 8) for c in conversations]
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    seen = []
+    for conversation, reply in zip(conversations, expected):
+        response = llama_engine.respond(conversation, decoder="greedy", max_new_tokens=8)
+        response.text()
+        assert response.token_ids == reply
+        step = idle_static_step(model, device)
+        assert step is not None and step.slots is not None and step.slots.rows == 0
+        seen.append((step, step.steps, step.inputs[1], step.slots.slots[0].keys.data_ptr()))
+    (first, first_steps, first_inputs, first_buffer), (again, steps, inputs, buffer) = seen
+    assert again is first and steps > first_steps  # the second reply stepped on the same step
+    assert inputs is first_inputs and buffer == first_buffer  # no new buffers: a captured graph stays valid
+
+
+def test_two_batches_at_once_on_one_model_each_get_a_step(llama_engine, monkeypatch):
+    from chatcore.serving.shared_batch import SharedBatch
+    from chatcore.serving.static_step import take_static_step
+
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    loaded = llama_engine.loaded
+    first = take_static_step(loaded.model, loaded.device, "past_key_values")
+    second = take_static_step(loaded.model, loaded.device, "past_key_values")
+    assert first is not second
+    assert SharedBatch(loaded.model, loaded.device).fast_path
+
+
 def slot_cache(model, prompts):
     """A slot cache holding each prompt's key/values, a row each, as the shared batch builds it."""
     import torch

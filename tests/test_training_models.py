@@ -177,3 +177,37 @@ def test_a_model_without_trainable_weights_is_refused(tmp_path):
     model.requires_grad_(False)
     with pytest.raises(ChatcoreError, match="no trainable weights"):
         check_trainable(model, 64)
+
+
+def test_a_small_reverse_model_trained_on_a_model_s_tokenizer_shares_it(tmp_path, corpus):
+    """`--tokenizer` takes a model (here a chat model's folder), as `--model` names one: the
+    small model trained from scratch on it turns text into the same ids, so MMI takes it."""
+    forward = build_tiny_model(
+        tmp_path / "forward", architecture="llama", chat_template=CHATML_TEMPLATE, layers=1, width=32, heads=2
+    )
+    out = tmp_path / "reverse"
+    shape = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-positions", "128", "--dropout", "0"]
+    steps = ["--block-size", "32", "--batch-size", "4", "--epochs", "0.2", "--eval-every", "4", "--eval-blocks", "2"]
+    result = CliRunner().invoke(
+        build_cli(),
+        ["train", "model", "--reverse", "--corpus", str(corpus), "--tokenizer", str(forward), "--out", str(out)]
+        + ["--no-filter", "--heldout", "0.1", "--device", "cpu", "--quiet", *shape, *steps],
+    )
+    assert result.exit_code == 0, result.output
+    card = json.loads((out / "best" / "chatcore_training.json").read_text())
+    assert card["direction"] == "reverse" and card["tokenizer"] == str(forward)
+    engine = make_engine(str(forward), "chatcore.plugins.mmi.plugin")
+    settings = {"candidates": 2, "reverse_model": str(out / "best")}
+    response = engine.reply_to(["hi there"], ReplyOptions(decoder="mmi", decoder_settings=settings, seed=0))
+    response.text()
+    assert response.provenance["details"]["mmi"]["retokenized"] is False
+
+
+def test_a_tokenizer_named_as_no_model_is_refused_in_one_line(tmp_path, corpus):
+    result = CliRunner().invoke(
+        build_cli(),
+        ["train", "model", "--reverse", "--corpus", str(corpus), "--tokenizer", "./no-such-model"]
+        + ["--out", str(tmp_path / "out"), "--no-filter", "--device", "cpu", "--quiet"],
+    )
+    assert result.exit_code != 0
+    assert "'./no-such-model' does not exist" in result.output and "Traceback" not in result.output

@@ -111,6 +111,7 @@ def to_options(
     """Decoder, steerers, seed, budget (``default_budget``, the server's, when the request gives
     none) and log-probabilities; checked by the registry before anything is queued.
 
+    ``min_tokens`` (vLLM's name) bans the stop tokens until the reply has that many.
     ``temperature`` and ``top_p`` go to the decoder's settings (top-k by default,
     greedy at temperature 0; the greedy decoder refuses a temperature above 0 or a top_p
     below 1); ``presence_penalty``, ``frequency_penalty`` (when not 0) and ``logit_bias`` too
@@ -162,12 +163,17 @@ def to_options(
     if request.logit_bias:
         settings["logit_bias"] = token_biases(request.logit_bias, vocab_size)
     budget = request.budget() or default_budget or DEFAULT_MAX_NEW_TOKENS
+    if request.min_tokens is not None and request.min_tokens > budget:
+        raise ApiError(
+            400, f"`min_tokens` ({request.min_tokens}) must be at most the reply's budget ({budget})", "min_tokens"
+        )
     options = ReplyOptions(
         decoder=decoder,
         decoder_settings=settings,
         steerers=steerers,
         seed=request.seed,
         max_new_tokens=budget,
+        min_new_tokens=1 if request.min_tokens is None else request.min_tokens,
         logprobs=request.top_logprobs_asked(),
     )
     try:

@@ -80,6 +80,12 @@ class Sampling(Strict):
     user: str | None = None
     # chatcore's own fields: the same spec strings as the command line's --decoder and --steer.
     decoder: str | None = Field(default=None, description='A decoder spec, e.g. "top-k top_k=20".')
+    min_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOKENS_LIMIT,
+        description="The fewest tokens the reply has: its stop tokens are banned until then (as vLLM's).",
+    )
     steer: list[str] = Field(
         default_factory=list,
         max_length=8,

@@ -10,6 +10,8 @@ from chatcore.serving.prefix_cache import Layers
 if TYPE_CHECKING:
     import torch
 
+    from chatcore.serving.static_step import StaticStep
+
 
 from chatcore.serving.jobs import Job
 
@@ -30,9 +32,12 @@ class SharedBatch:
         self.jobs: list[Job] = []
         self.cache: Any = None  # a SlotCache once a reply has joined
         self.split_steps = 0  # steps whose attention was split by row length (for tests and benchmarks)
-        from chatcore.serving.static_step import static_step_for
+        from chatcore.serving.static_step import fast_path_on
 
-        self.static_step = static_step_for(model, device, self.cache_argument)  # the fast path, if on
+        self.fast_path = fast_path_on(model, device)
+        # The fast path's step while rows are in the batch (taken from the model's pool at the
+        # first join, handed back when the batch empties); the last one used, after.
+        self.static_step: StaticStep | None = None
 
     def __contains__(self, job: Job) -> bool:
         return job in self.jobs
@@ -51,7 +56,13 @@ class SharedBatch:
         from chatcore.serving.slots import SlotCache
 
         if self.cache is None:
-            self.cache = SlotCache(len(cache.layers))
+            if self.fast_path:
+                from chatcore.serving.static_step import take_static_step
+
+                self.static_step = take_static_step(self.model, self.device, self.cache_argument)
+                self.cache, self.static_step.slots = self.static_step.slots, None
+            if self.cache is None:
+                self.cache = SlotCache(len(cache.layers))
         self.cache.append([(layer.keys, layer.values) for layer in cache.layers], job.rows)
         self.jobs.append(job)
 
@@ -62,7 +73,11 @@ class SharedBatch:
         self.cache.remove(self.offset(job), job.rows)
         self.jobs.remove(job)
         if not self.jobs:
-            self.cache = None  # its buffers go with it
+            if self.fast_path and self.static_step is not None:  # its graphs and buffers, for the next batch
+                from chatcore.serving.static_step import hand_back
+
+                hand_back(self.model, self.device, self.static_step, self.cache)
+            self.cache = None  # off the fast path, its buffers go with it
 
     def layers_of(self, job: Job) -> Layers:
         """The key/values of every token ``job``'s first row has fed the model: (1, H, cached, D) per layer."""
@@ -75,7 +90,7 @@ class SharedBatch:
         from chatcore.serving.slots import ragged_pass
 
         last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
-        logits = self.static_step.forward(last, self.cache) if self.static_step is not None else None
+        logits = self.static_step.forward(last, self.cache) if self.fast_path and self.static_step else None
         if logits is None:
             positions, mask, plan = self.cache.begin_step(self.device)
             with ragged_pass(self.model, plan) as extra:

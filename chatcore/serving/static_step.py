@@ -19,9 +19,13 @@ slots at column 0 and attend to that column only; their logits are dropped.
 With fixed shapes and fixed buffers, a CUDA device captures the pass once per bucket
 (and per buffer allocation: the slot cache grows by doubling, so seldom) as a
 ``torch.cuda.CUDAGraph`` and replays it: one launch instead of a few hundred kernel
-launches and the Python between them. Elsewhere the same step runs eagerly, which is
-how its positions and masks are tested on the CPU. A capture that fails logs one debug
-line and the step runs eagerly from then on.
+launches and the Python between them. A batch that empties hands its step, with its
+graphs and its slot buffers, back to a per-model pool (:func:`take_static_step`,
+:func:`hand_back`), so the next batch on that model (the scheduler's next burst, or the
+next reply of ``engine.respond``, which builds a runner of its own) replays the graphs
+instead of capturing them again. Two batches at once on one model each get a step.
+Elsewhere the same step runs eagerly, which is how its positions and masks are tested on
+the CPU. A capture that fails logs one debug line and the step runs eagerly from then on.
 
 Replies with a step steerer (PPLM, CoCon, activation steering: ``shares_batch = False``)
 never reach this step: they run eagerly beside the batch with caches of their own.
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -133,13 +139,16 @@ class StaticStep:
     """The shared batch's fixed-shape decode step (see the module's docstring)."""
 
     def __init__(self, model: Any, cache_argument: str, capture: bool) -> None:
-        self.model = model
+        # Weakly: the idle pool is keyed by the model, and a strong reference here would keep
+        # the model (and its buffers) alive for as long as its step waits there.
+        self._model = weakref.ref(model)
         self.cache_argument = cache_argument
         self.capture = capture
         self.inputs: dict[int, FixedInputs] = {}
         self.owner: tuple[int, int] | None = None  # (first buffer's address, capacity) the inputs were made for
         self.steps = 0  # steps taken on this path (for tests and benchmarks)
         self.replays = 0  # of them, replays of a captured graph
+        self.slots: SlotCache | None = None  # an emptied slot cache kept with its buffers (see hand_back)
 
     def forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor | None:
         """One pass for every row's newest token ``tokens`` (B, 1) over ``cache``: (B, V) float32
@@ -187,6 +196,13 @@ class StaticStep:
             logits = self._run(inputs)
         return logits[:rows, -1].to(torch.float32, copy=True)
 
+    @property
+    def model(self) -> Any:
+        model = self._model()
+        if model is None:
+            raise ChatcoreError("the fast path's model is gone")
+        return model
+
     def _run(self, inputs: FixedInputs) -> torch.Tensor:
         output = self.model(
             input_ids=inputs.tokens,
@@ -221,13 +237,50 @@ class StaticStep:
             inputs.graph = inputs.logits = None
 
 
-def static_step_for(model: Any, device: Any, cache_argument: str) -> StaticStep | None:
-    """The fast path for ``model`` on ``device`` under ``CHATCORE_FAST_PATH`` (None: the ragged step)."""
+def fast_path_on(model: Any, device: Any) -> bool:
+    """Whether the shared batch of ``model`` on ``device`` takes the fast path, under
+    ``CHATCORE_FAST_PATH`` (a bad value is refused in one line)."""
     mode = fast_path_mode()
     on_cuda = str(device).startswith("cuda")
     if mode == "off" or (mode == "auto" and not on_cuda):
-        return None
+        return False
     if getattr(model.config, "_attn_implementation", None) not in MASKED_ATTENTION:
         log.debug("fast path: attention %r ignores the step's mask; not used", model.config._attn_implementation)
+        return False
+    return True
+
+
+def static_step_for(model: Any, device: Any, cache_argument: str) -> StaticStep | None:
+    """A new fast path for ``model`` on ``device`` under ``CHATCORE_FAST_PATH`` (None: the ragged step)."""
+    if not fast_path_on(model, device):
         return None
-    return StaticStep(model, cache_argument, capture=on_cuda)
+    return StaticStep(model, cache_argument, capture=str(device).startswith("cuda"))
+
+
+# Idle steps by model and device: what a batch that emptied handed back (its graphs and buffers).
+_idle: weakref.WeakKeyDictionary[Any, dict[str, StaticStep]] = weakref.WeakKeyDictionary()
+_idle_lock = threading.Lock()
+
+
+def take_static_step(model: Any, device: Any, cache_argument: str) -> StaticStep:
+    """The idle step of ``model`` on ``device`` (captured graphs, kept slot buffers), or a new one.
+    Call only where :func:`fast_path_on` holds; give it back with :func:`hand_back`."""
+    with _idle_lock:
+        kept = _idle.get(model, {}).pop(str(device), None)
+    if kept is not None:
+        return kept
+    return StaticStep(model, cache_argument, capture=str(device).startswith("cuda"))
+
+
+def hand_back(model: Any, device: Any, step: StaticStep, slots: SlotCache | None) -> None:
+    """An emptied batch's step, with its slot cache (no rows left, buffers kept), for the next
+    batch on ``model``; if another batch already handed one back, this one is let go."""
+    step.slots = slots if slots is not None and slots.rows == 0 else None
+    with _idle_lock:
+        _idle.setdefault(model, {}).setdefault(str(device), step)
+
+
+def idle_static_step(model: Any, device: Any) -> StaticStep | None:
+    """The step waiting in the pool for ``model`` on ``device``, if any (for tests and benchmarks)."""
+    with _idle_lock:
+        return _idle.get(model, {}).get(str(device))

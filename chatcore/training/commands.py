@@ -202,7 +202,12 @@ def train_filter(
     help="Run folder: checkpoint/, and best/ (a Hugging Face model folder).",
 )
 @click.option("--reverse", is_flag=True, help="Train the reverse model P(source | response) for MMI.")
-@click.option("--tokenizer", "tokenizer_path", default=None, help="Tokenizer folder (default: train one).")
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    default=None,
+    help="Tokenizer folder, or a model whose tokenizer to share (smollm2, a GGUF file ...; default: train one).",
+)
 @click.option("--init-from", default=None, help="Fine-tune this model (bundled name, folder or hub id).")
 @click.option("--vocab-size", type=click.IntRange(300, 1_000_000), default=8192, show_default=True)
 @options_from_model(ModelShape, SHAPE_OPTIONS)

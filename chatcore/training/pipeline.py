@@ -64,16 +64,11 @@ def train_tokenizer_command(
     return Path(out_dir)
 
 
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
+def _load_tokenizer(name: str) -> Any:
+    """A tokenizer folder, or any model's name as ``--model`` takes it (``smollm2``, a GGUF file ...)."""
+    from chatcore.models import load_tokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {error}") from error
-    if tokenizer.eos_token_id is None:
-        raise ModelLoadError(f"the tokenizer at {path!r} has no EOS token")
-    return tokenizer
+    return load_tokenizer(name)
 
 
 def train_model_command(
@@ -162,6 +157,7 @@ def train_model_command(
     card = {
         "corpus": corpus,
         "direction": "reverse" if reverse else "forward",
+        "tokenizer": tokenizer_path or init_from or "trained on the corpus",
         "heldout_fraction": heldout,
         "filter": _filter_summary(filter_settings, report),
         "train_tokens": int(train_stream.numel()),

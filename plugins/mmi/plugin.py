@@ -41,11 +41,15 @@ if TYPE_CHECKING:
     from chatcore.api import LoadedModel
 
 
+AUTO_REVERSE = "auto"
+
+
 class MMISettings(CandidateSettings):
     """Candidate sampling (see CandidateSettings), the reverse model, and the selection rule."""
 
-    reverse_model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] = DEFAULT_REVERSE_MODEL
-    """Bundled name, local folder or hub id of the reverse model."""
+    reverse_model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] = AUTO_REVERSE
+    """`auto`: the bundled reverse model that shares the model's tokenizer (chatcore-tiny-reverse,
+    smollm2-reverse); else a bundled name, local folder or hub id."""
     source_turns: PositiveInt = 1
     """How many of the latest turns form the source (1: the user's turn)."""
     weight: Annotated[float, Field(ge=0, le=1e100)] = 0.0
@@ -98,13 +102,23 @@ def choose(
     return pool[int(draw)]
 
 
+def train_hint(model: str) -> str:
+    """How to get a reverse model that shares ``model``'s tokenizer, and how to do without."""
+    return (
+        f"train one that matches with `chatcore train model --reverse --tokenizer {model} --out DIR` "
+        f"(a small model on its tokenizer; `--init-from {model}` fine-tunes the model itself) and give "
+        f"`reverse_model=DIR/best`, or rerank through text with `allow_retokenize=true`"
+    )
+
+
 def mismatch_message(reverse_model: str, model: str) -> str:
     """The one line that refuses a reverse model with another tokenizer than ``model``'s."""
-    return (
-        f"the MMI reverse model {reverse_model!r} uses another tokenizer than {model!r}: train one that "
-        f"matches with `chatcore train model --reverse --init-from {model} --out DIR` and give "
-        f"`reverse_model=DIR`, or rerank through text with `allow_retokenize=true`"
-    )
+    return f"the MMI reverse model {reverse_model!r} uses another tokenizer than {model!r}: {train_hint(model)}"
+
+
+def no_match_message(model: str) -> str:
+    """The one line that refuses ``reverse_model=auto`` when no bundled reverse model fits."""
+    return f"no bundled MMI reverse model shares the tokenizer of {model!r}: {train_hint(model)}"
 
 
 class MMIDecoder(CandidateDecoder):
@@ -116,14 +130,23 @@ class MMIDecoder(CandidateDecoder):
     def setup(cls, model: "LoadedModel", settings: MMISettings) -> "LoadedModel":
         """The reverse model, loaded once per engine (and kept with its other setups).
 
-        A reverse model with another tokenizer than the model's is refused here, when the
-        decoder is configured, unless ``allow_retokenize`` is set.
+        ``auto`` picks the bundled reverse model that shares the model's tokenizer. A reverse
+        model with another tokenizer than the model's is refused here, when the decoder is
+        configured, unless ``allow_retokenize`` is set (then ``auto`` with no match takes
+        chatcore-tiny-reverse, through text).
         """
         from . import reranking
 
-        reverse = reranking.load_reverse_model(settings.reverse_model, device=model.device)
+        name = settings.reverse_model
+        if name == AUTO_REVERSE:
+            name = reranking.matching_reverse_model(model.tokenizer) or ""
+            if not name:
+                if not settings.allow_retokenize:
+                    raise OptionError(no_match_message(model.name))
+                name = DEFAULT_REVERSE_MODEL
+        reverse = reranking.load_reverse_model(name, device=model.device)
         if not settings.allow_retokenize and not reranking.same_tokenizer(model.tokenizer, reverse.tokenizer):
-            raise OptionError(mismatch_message(settings.reverse_model, model.name))
+            raise OptionError(mismatch_message(name, model.name))
         return reverse
 
     def prepare(self, session: GenerationSession) -> None:

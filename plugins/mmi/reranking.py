@@ -15,6 +15,7 @@ Everything here is batched: one forward pass scores every candidate.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import weakref
@@ -27,8 +28,10 @@ from chatcore.api import (
     LoadedModel,
     Message,
     ModelLoadError,
+    bundled_reverse_models,
     encode_text,
     load_model,
+    load_tokenizer,
 )
 
 
@@ -149,6 +152,21 @@ def load_reverse_model(name: str = DEFAULT_REVERSE_MODEL, device: str = "cpu") -
         return load_model(name, device=device)
     except ModelLoadError as error:
         raise ModelLoadError(f"the MMI reverse model could not be loaded: {error}") from error
+
+
+def matching_reverse_model(tokenizer: Any) -> str | None:
+    """The first bundled reverse model that turns text into the same ids as ``tokenizer``
+    (``reverse_model=auto``), or None when no bundled one shares it."""
+    for name in bundled_reverse_models():
+        if same_tokenizer(tokenizer, _bundled_tokenizer(name)):
+            return name
+    return None
+
+
+@functools.cache
+def _bundled_tokenizer(name: str) -> Any:
+    # Bundled folders never change while chatcore runs; a tokenizer is read once.
+    return load_tokenizer(name)
 
 
 # Signatures by tokenizer object: serialising a tokenizer costs far more than a reply's
