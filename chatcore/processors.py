@@ -21,7 +21,7 @@ argument against the same constants and raise ``ValueError`` naming it, then ret
 transformers' processor; transformers is imported
 only when one is built. transformers has no presence or frequency penalty (its
 repetition penalty is multiplicative and counts the prompt too), so
-:class:`OccurrencePenalty` is chatcore's own.
+:class:`OccurrencePenalty` is chatcore's own, and so is :class:`TokenBias` (see there).
 """
 
 from __future__ import annotations
@@ -113,17 +113,40 @@ def occurrence_penalty(presence: float, frequency: float) -> OccurrencePenalty:
     return OccurrencePenalty(presence, frequency)
 
 
+class TokenBias:
+    """OpenAI's ``logit_bias``: ``bias[token_id]`` added to that token's score, in every row.
+
+    chatcore's own: transformers' ``SequenceBiasLogitsProcessor`` matches sequences, which a
+    bias on single tokens does not need, and the oldest transformers chatcore supports (5.15)
+    refuses token id 0 there (its check asks for positive ids), which is the EOS of
+    GPT-2-style vocabularies, the token a client most often biases.
+    """
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids = list(bias)
+        self.values = [float(value) for value in bias.values()]
+
+    def __call__(self, sequences: "torch.Tensor", scores: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        kept = [(i, v) for i, v in zip(self.ids, self.values) if i < scores.shape[-1]]
+        if not kept:
+            return scores
+        ids = torch.tensor([i for i, _ in kept], device=scores.device)
+        values = torch.tensor([v for _, v in kept], dtype=scores.dtype, device=scores.device)
+        biased = scores.clone()
+        biased[:, ids] += values
+        return biased
+
+
 def logit_bias(bias: dict[int, float]) -> ScoreProcessor:
     """Add ``bias[token_id]`` to that token's score (-100 bans it in practice, 100 all but forces it)."""
-    from transformers import SequenceBiasLogitsProcessor
-
     for token_id, value in bias.items():
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
             raise ValueError(f"`logit_bias` keys must be token ids (non-negative integers), got {token_id!r}")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValueError(f"`logit_bias` values must be between -100 and 100, got {value} for token {token_id}")
-    biases: list[list[list[int] | float]] = [[[token_id], float(value)] for token_id, value in bias.items()]
-    return cast(ScoreProcessor, SequenceBiasLogitsProcessor(biases))
+    return TokenBias(bias)
 
 
 def no_repeat_ngram(size: int) -> ScoreProcessor:
@@ -167,7 +190,7 @@ def min_p(p: float) -> ScoreProcessor:
 
     if not 0.0 < p <= 1.0:
         raise ValueError(f"`min_p` must be in (0, 1], got {p}")
-    # transformers types the sequences as LongTensor (as it does for SequenceBias above).
+    # transformers types the sequences as LongTensor.
     return cast(ScoreProcessor, MinPLogitsWarper(float(p)))
 
 

@@ -121,6 +121,9 @@ def test_occurrence_penalty_is_openais_definition_on_the_replys_tokens_only():
 def test_logit_bias_adds_to_the_chosen_tokens_and_checks_its_values():
     scores = torch.zeros(1, 6)
     assert logit_bias({3: 5.0, 1: -100})(torch.tensor([[1, 2]]), scores).tolist() == [[0, -100, 0, 5, 0, 0]]
+    # token 0 (GPT-2's EOS) too, in every row; ids past the vocabulary change nothing
+    rows = torch.zeros((2, 6))
+    assert logit_bias({0: 100.0, 9: 1.0})(torch.tensor([[1], [2]]), rows).tolist() == [[100, 0, 0, 0, 0, 0]] * 2
     with pytest.raises(ValueError, match="`logit_bias` values must be between -100 and 100, got 101"):
         logit_bias({3: 101})
 
