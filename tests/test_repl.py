@@ -1052,13 +1052,15 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
         line("/steer slow delay=0.25", r"steering: slow")
         term.send("one more question\r")
         term.expect(r"bot> ")
-        term.send("/steer slow delay=0.5\r")  # typed while the reply streams: not mixed into it ...
+        term.send("/steer slow delay=2\r")  # typed while the reply streams: not mixed into it ...
         reply = term.expect(r"([^\n]*)\n").group(1)
         assert "steer" not in reply and "delay" not in reply, reply
-        term.expect(r"steering: slow delay=0.5")  # ... but run once the reply is done
+        term.expect(r"steering: slow delay=2")  # ... but run once the reply is done
         term.expect(r"you>")
         term.send("tell me a long story\r")
-        term.expect(r"bot> \S+ \S")  # two words of the reply have streamed (each further step waits 0.5 s) ...
+        # Two words of the reply have streamed; each further step waits 2 s, room enough for the
+        # Ctrl-C to arrive before the reply's 12 tokens are out on a machine busy with other work ...
+        term.expect(r"bot> \S+ \S")
         term.send("\x03")  # ... and Ctrl-C cuts it
         term.expect(r"\[interrupted\]")
         term.expect(r"you>")
