@@ -153,6 +153,9 @@ class StoreCheck(StoreReading):
                     return "the newest message is not found in it"
         except SQLAlchemyError as error:
             return reason(error)
+        except MemoryError:
+            # SQLITE_NOMEM: a damaged block that decodes as an absurd size (see _errors).
+            return "SQLite ran out of memory reading it (a damaged block)"
         return None
 
     def repair(self, damage: Damage) -> str:
