@@ -12,11 +12,19 @@ Packing is checked, not assumed: a tensor is kept packed only if de-quantizing i
 gives back, bit for bit, the weight transformers built. Any other tensor (norms, biases, a
 layout a model's converter changes in another way) is stored in full: bfloat16 when that
 or float16 holds its values exactly, float32 otherwise.
+
+The same layout also stores a trained model folder in 8 bits (``chatcore models pack``):
+each weight matrix whose rows split into blocks of 32 is rounded to Q8_0 blocks (per block a
+float16 scale and 32 signed bytes; GGUF's Q8_0, made by the ``gguf`` package), about half
+the size of a float16 folder. Unlike a GGUF conversion this changes the numbers, by at most
+half a step of each block's scale; the command reports how much the model's
+log-probabilities move on a sample text.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +81,56 @@ def write_packed(gguf_path: Path, model: Any, out: Path) -> dict[str, int]:
         )
         kind_name = str(tensors[name].dtype).removeprefix("torch.")
         counts[kind_name] = counts.get(kind_name, 0) + 1
+    save_file(tensors, str(out / PACKED_FILE), metadata=metadata)
+    return counts
+
+
+Q8_BLOCK = 32  # values in a Q8_0 block
+
+
+def quantize_q8_0(weight: Any) -> Any:
+    """GGUF Q8_0 blocks of a float tensor whose last dimension splits into blocks of 32 (the
+    ``gguf`` package's own quantizer), as uint8 rows: per block a float16 scale and 32 signed
+    bytes. ``dequantize_blocks(..., "Q8_0")`` gives back the rounded values."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    values = weight.detach().float().cpu().numpy()
+    blocks = quantize(values.reshape(values.shape[0] if values.ndim > 1 else 1, -1), GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(np.ascontiguousarray(blocks))
+
+
+def pack_model_folder(model: Any, out: Path) -> dict[str, int]:
+    """Save a trained model's weights into ``out/packed.safetensors``: weight matrices in Q8_0
+    blocks, anything else (norms, biases, rows that are not whole blocks) in full, float16 or
+    bfloat16 when that holds the values exactly. Returns how many tensors each storage took."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Any] = {}
+    metadata: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for name, weight in _unique_state(model).items():
+        if weight.dim() == 2 and weight.is_floating_point() and weight.shape[-1] % Q8_BLOCK == 0:
+            tensors[name] = quantize_q8_0(weight)
+            metadata[_PACKED_PREFIX + name] = json.dumps(["Q8_0", list(weight.shape)])
+            kind = "Q8_0"
+        else:
+            full = weight.detach().contiguous()
+            if full.is_floating_point():
+                full = next(
+                    (
+                        narrow
+                        for narrow in (full.to(torch.float16), full.to(torch.bfloat16))
+                        if torch.equal(narrow.float(), full.float())
+                    ),
+                    full.float(),
+                )
+            tensors[name] = full
+            kind = str(full.dtype).removeprefix("torch.")
+        counts[kind] = counts.get(kind, 0) + 1
     save_file(tensors, str(out / PACKED_FILE), metadata=metadata)
     return counts
 
@@ -204,3 +262,43 @@ def _row_blocks(model: Any, reader: Any) -> dict[str, tuple[Any, Any]]:
         if result.name in mapping:
             found[mapping[result.name]] = (result.weights, tensor.tensor_type)
     return found
+
+
+# Ordinary chat text, to show how far packing moves a model's log-probabilities.
+SAMPLE_TEXT = (
+    "Hi! How was your weekend? It was lovely, thanks. We walked by the river and had lunch at a "
+    "small place that makes fresh bread every morning. Do you like cooking? I do, mostly soups and "
+    "pasta, and I am learning to bake. What music do you listen to while you work? Mostly jazz, "
+    "sometimes old rock songs. Have you seen any good films lately? Not really, I have been reading more."
+)
+
+
+@dataclass
+class PackShift:
+    """How much packing moved a model's scores of the sample text's next tokens."""
+
+    tokens: int
+    perplexity_before: float
+    perplexity_after: float
+    mean_shift: float  # mean |change| of the log-probability of each actual next token, nats
+    largest_shift: float
+
+
+def packing_shift(before: Any, after: Any, tokenizer: Any, text: str = SAMPLE_TEXT) -> PackShift:
+    """Score ``text`` with the model before and after packing (both on the CPU in float32)."""
+    import torch
+
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    scores = []
+    with torch.no_grad():
+        for model in (before, after):
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            scores.append(torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0])
+    shift = (scores[1] - scores[0]).abs()
+    return PackShift(
+        tokens=int(shift.numel()),
+        perplexity_before=float(torch.exp(-scores[0].mean())),
+        perplexity_after=float(torch.exp(-scores[1].mean())),
+        mean_shift=float(shift.mean()),
+        largest_shift=float(shift.max()),
+    )

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from chatcore import gguf as gguf_files
 from chatcore.cli import build_cli
 from chatcore.errors import ModelLoadError
-from chatcore.models import KNOWN_MODELS, KnownModel, load_model, pick_device
+from chatcore.models import BUNDLED_DIR, KNOWN_MODELS, KnownModel, load_model, pick_device
 from chatcore.testing import CHATML_TEMPLATE, build_tiny_model
 
 # llama.cpp's names for the tensors of one Llama block.
@@ -461,3 +461,41 @@ def test_models_rm_removes_a_converted_folder_only_when_confirmed(llama_gguf, ca
     assert removed.exit_code == 0, removed.output
     assert "removed 1 folder(s)" in removed.output and not converted.exists()
     assert llama_gguf.is_file()  # the GGUF file itself is kept
+
+
+def test_models_pack_stores_a_trained_model_in_8_bits_and_barely_moves_its_scores(tmp_path):
+    from chatcore.engine import Engine
+    from chatcore.gguf_packed import PACKED_FILE, packing_shift
+    from chatcore.models import load_model
+
+    out = tmp_path / "tiny-q8"
+    result = CliRunner().invoke(build_cli(), ["models", "pack", "chatcore-tiny", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "tensors: " in result.output and "Q8_0" in result.output and "nats on average" in result.output
+    source = BUNDLED_DIR / "chatcore-tiny"
+    size = sum(file.stat().st_size for file in out.iterdir())
+    assert size < 0.6 * sum(file.stat().st_size for file in source.iterdir())
+    assert (out / PACKED_FILE).is_file() and not list(out.glob("model*.safetensors*"))
+    assert json.loads((out / "chatcore_training.json").read_text())["packed"]["blocks"] == "Q8_0"
+
+    original, packed = load_model("chatcore-tiny", dtype="float32"), load_model(str(out), dtype="float32")
+    assert packed.tokenizer.get_vocab() == original.tokenizer.get_vocab()
+    shift = packing_shift(original.model, packed.model, original.tokenizer, "Do you like music? Yes, mostly jazz.")
+    assert 0 < shift.mean_shift < 0.05 and abs(shift.perplexity_after / shift.perplexity_before - 1) < 0.02
+    reply = Engine(packed).reply_to(["hi, how are you?"], decoder="greedy", max_new_tokens=12).text()
+    assert reply.strip()
+
+
+def test_models_pack_refuses_what_it_cannot_pack_in_one_line(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    for args, message in (
+        (["chatcore-tiny", "--out", str(taken)], "already exists"),
+        (["someone/some-model", "--out", str(tmp_path / "new")], "is not a local model folder"),
+        ([str(tmp_path / "missing"), "--out", str(tmp_path / "new")], "does not exist"),
+    ):
+        result = CliRunner().invoke(build_cli(), ["models", "pack", *args], catch_exceptions=True)
+        assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.exception
+        errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+        assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".*packing"))
