@@ -272,3 +272,36 @@ def test_a_plugin_that_does_not_wait_hands_out_a_future_that_resolves_once_the_t
         engine.host.unregister("conversation-log")
         plugin.close()
         store.close()
+
+
+def test_read_commands_never_write_into_a_file_that_is_no_chatcore_log(logs_cli, tmp_path):
+    other = tmp_path / "other.sqlite3"
+    connection = sqlite3.connect(other)
+    connection.execute("CREATE TABLE notes (body TEXT)")
+    connection.execute("INSERT INTO notes VALUES ('keep me')")
+    connection.commit()
+    connection.close()
+    empty = tmp_path / "empty.sqlite3"
+    empty.touch()
+    for path, message in (
+        (other, "is not a chatcore conversation log: it holds other tables ('notes')"),
+        (empty, "holds no chatcore conversation log"),
+    ):
+        before = path.read_bytes()
+        for command in (["check"], ["check", "--repair"], ["list"], ["search", "keep"]):
+            result = logs_cli(*command, "--db", str(path))
+            assert result.exit_code == 1 and message in result.output and "--salvage" not in result.output, (
+                result.output
+            )
+        assert path.read_bytes() == before  # not a byte written, the journal mode included
+        assert not path.with_name(path.name + "-wal").exists()
+
+
+def test_a_log_whose_header_is_damaged_is_pointed_at_the_salvage_of_that_very_file(logs_cli, tmp_path):
+    path = tmp_path / "my log.sqlite3"
+    fill(path, conversations=2, per_conversation=4)
+    with open(path, "r+b") as file:
+        file.write(b"X" * 100)
+    checked = logs_cli("check", "--db", str(path))
+    assert checked.exit_code == 1 and "file is not a database" in checked.output
+    assert f"logs export --salvage --db '{path}' -o saved.jsonl" in checked.output

@@ -5,6 +5,7 @@ SQLAlchemy is imported only when a subcommand runs, so ``chatcore --help`` stays
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,29 @@ def open_store(ctx: click.Context, db_url: str | None) -> "ConversationStore":
     store = ConversationStore(resolve_url(db_url or group_url), create=False)
     ctx.call_on_close(store.close)
     return store
+
+
+# SQLite's own words for a damaged file (SQLITE_NOTADB, SQLITE_CORRUPT, SQLITE_NOMEM on a damaged
+# page) and chatcore's: what `logs export --salvage` is for.
+DAMAGE_SIGNS = ("not a database", "malformed", "damaged", "ran out of memory")
+
+
+def salvage_target(ctx: click.Context, db_url: str | None) -> str | None:
+    """The SQLite file the command names, as `--db` takes it, when it is one that exists."""
+    import sqlalchemy as sa
+
+    from chatcore.log.location import resolve_url
+
+    group_url = (ctx.find_object(dict) or {}).get("db_url")
+    try:
+        parsed = sa.engine.make_url(resolve_url(db_url or group_url))
+    except (sa.exc.ArgumentError, ValueError):
+        return None
+    database = parsed.database if parsed.get_backend_name() == "sqlite" else None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    path = Path(database).expanduser()
+    return str(path) if path.is_file() else None
 
 
 @click.group("logs")
@@ -227,12 +251,20 @@ def check_command(ctx: click.Context, repair: bool, db_url: str | None) -> None:
     does it too). Damaged rows are never written into: `logs export --salvage` recovers them.
     """
     from chatcore.log.check import check_report
-    from chatcore.log.errors import LogError
+    from chatcore.log.errors import LogError, NotALogError
 
     try:
         store = open_store(ctx, db_url)
+    except NotALogError as error:
+        raise click.ClickException(str(error)) from None
     except LogError as error:
-        raise click.ClickException(f"{error}; `chatcore logs export --salvage` recovers what it holds") from None
+        url = salvage_target(ctx, db_url)
+        if url is None or not any(sign in str(error) for sign in DAMAGE_SIGNS):
+            # a server, no file, or a fault that is not damage (locked, read-only): nothing to salvage
+            raise click.ClickException(str(error)) from None
+        raise click.ClickException(
+            f"{error}; `chatcore logs export --salvage --db {shlex.quote(url)} -o saved.jsonl` recovers what it holds"
+        ) from None
     code = check_report(store, repair, click.echo)
     if code:
         ctx.exit(code)

@@ -24,7 +24,7 @@ from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, IntegrityError,
 from sqlalchemy.orm import Session, sessionmaker
 
 from chatcore.log import schema
-from chatcore.log.errors import LogError, LogUnavailableError
+from chatcore.log.errors import LogError, LogUnavailableError, NotALogError
 from chatcore.log.private_files import create_private_file, make_private_folder
 
 SYNCHRONOUS_LEVELS = ("normal", "full")
@@ -36,7 +36,10 @@ checkpoints, not at each commit). ``full``: each commit is synced to the disk be
 it returns, so it survives a power cut too, at the cost of an fsync per write."""
 
 
-def _sqlite_connector(synchronous: str) -> Callable[[Any, Any], None]:
+def _sqlite_connector(synchronous: str, switch_journal: bool = True) -> Callable[[Any, Any], None]:
+    """Each new SQLite connection's settings; ``switch_journal`` off for a store that only reads
+    or checks (a file that is not a log yet, or another program's, is left as it is)."""
+
     def connect(dbapi_connection: Any, connection_record: Any) -> None:
         # pysqlite's own transaction handling would commit before every DDL statement;
         # with it off, the "begin" listener starts each transaction itself
@@ -46,7 +49,8 @@ def _sqlite_connector(synchronous: str) -> Callable[[Any, Any], None]:
         try:
             cursor.execute("PRAGMA foreign_keys=ON")
             try:
-                cursor.execute("PRAGMA journal_mode=WAL")
+                if switch_journal:
+                    cursor.execute("PRAGMA journal_mode=WAL")
                 cursor.execute(f"PRAGMA synchronous={synchronous.upper()}")
             except sqlite3.OperationalError:
                 pass  # a read-only file: reading works without switching the journal
@@ -111,6 +115,7 @@ class StoreConnection:
 
     def __init__(self, url: str, *, timeout_s: float = 3.0, create: bool = True) -> None:
         self.url = url
+        self._create = create  # may make a log where there is none (see schema.prepare)
         try:
             parsed = sa.engine.make_url(url)
         except ArgumentError as error:
@@ -140,7 +145,7 @@ class StoreConnection:
         """How long a write waits for SQLite's lock; None: ``timeout_s``. The log plugin sets it
         short while the log fails, so that retrying never holds a turn up for long."""
         if self.is_sqlite:
-            sa.event.listen(self.db, "connect", _sqlite_connector(self.synchronous))
+            sa.event.listen(self.db, "connect", _sqlite_connector(self.synchronous, switch_journal=create))
             sa.event.listen(self.db, "begin", self._sqlite_begin)
         self._parsed = parsed
         self._sessions = sessionmaker(self.db, expire_on_commit=False)
@@ -215,6 +220,7 @@ class StoreConnection:
                 if identity is not None and self._identity(suffix) == identity:
                     path.with_name(path.name + suffix).unlink(missing_ok=True)
         self._check_sqlite_location(self._parsed, create=True)
+        self._create = True
         self._prepare_schema()
         self._note_identity()
 
@@ -237,12 +243,12 @@ class StoreConnection:
         database = parsed.database
         if not database or database == ":memory:" or database.startswith("file:"):
             if not create and (not database or database == ":memory:"):
-                raise LogError(f"{self.display_url} is an in-memory database: it holds no conversation log")
+                raise NotALogError(f"{self.display_url} is an in-memory database: it holds no conversation log")
             return parsed
         path = Path(database).expanduser()
         if not create:
             if not path.is_file():
-                raise LogError(f"no conversation log at {path} (a chat creates it; check the path or URL)")
+                raise NotALogError(f"no conversation log at {path} (a chat creates it; check the path or URL)")
             wal = path.with_name(path.name + "-wal")
             writable = os.access(path.parent, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
             if not writable and (not wal.exists() or wal.stat().st_size == 0):
@@ -272,7 +278,8 @@ class StoreConnection:
                 connection.execution_options(**_WRITE)
                 with connection.begin():
                     schema.lock(connection)
-                    schema.prepare(connection, self.display_url)  # checks again: another may have done it
+                    # prepare checks again: another process may have made it meanwhile.
+                    schema.prepare(connection, self.display_url, self._create)
             if self.is_sqlite:
                 found = connection.exec_driver_sql(
                     "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'messages_fts'"

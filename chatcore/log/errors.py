@@ -9,6 +9,10 @@ class LogError(ChatcoreError):
     """The conversation log cannot be opened, read or written."""
 
 
+class NotALogError(LogError):
+    """What the URL names holds no chatcore conversation log: nothing there, memory, or another program's file."""
+
+
 class UnknownConversationError(LogError, KeyError):
     """No conversation in the log has the given id (or id prefix)."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from chatcore.log.errors import LogError
+from chatcore.log.errors import LogError, NotALogError
 from chatcore.log.models import SCHEMA_VERSION
 
 MIGRATIONS = Path(__file__).with_name("migrations")
@@ -64,13 +64,24 @@ def is_current(connection: sa.Connection) -> bool:
     return versions == [SCHEMA_VERSION]
 
 
-def prepare(connection: sa.Connection, display_url: str) -> None:
-    """Bring the log on ``connection`` (in a transaction, holding :func:`lock`) to the newest schema."""
+def prepare(connection: sa.Connection, display_url: str, create: bool = True) -> None:
+    """Bring the log on ``connection`` (in a transaction, holding :func:`lock`) to the newest schema.
+
+    A database that holds no log yet gets one only with ``create`` (a chat, a bot, the
+    server; never a command that only reads or checks). An SQLite file holding another
+    program's tables is never written into."""
     from alembic import command
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
     tables = set(sa.inspect(connection).get_table_names())
+    if "chatcore_schema" not in tables and not tables & _LOG_TABLES:
+        others = sorted(tables - {"alembic_version"})
+        if others and connection.dialect.name == "sqlite":
+            listed = ", ".join(repr(name) for name in others[:3]) + (", ..." if len(others) > 3 else "")
+            raise NotALogError(f"{display_url} is not a chatcore conversation log: it holds other tables ({listed})")
+        if not create:
+            raise NotALogError(f"{display_url} holds no chatcore conversation log (a chat creates one)")
     revision = MigrationContext.configure(connection).get_current_revision()
     config = _alembic_config(connection)
     script = ScriptDirectory.from_config(config)  # type: ignore[arg-type]
