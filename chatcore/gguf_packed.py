@@ -132,6 +132,8 @@ def pack_model_folder(model: Any, out: Path) -> dict[str, int]:
             kind = str(full.dtype).removeprefix("torch.")
         counts[kind] = counts.get(kind, 0) + 1
     save_file(tensors, str(out / PACKED_FILE), metadata=metadata)
+    # safetensors writes the file private (0600); a model folder is read by whoever runs it.
+    (out / PACKED_FILE).chmod(0o644)
     return counts
 
 

@@ -476,6 +476,7 @@ def test_models_pack_stores_a_trained_model_in_8_bits_and_barely_moves_its_score
     size = sum(file.stat().st_size for file in out.iterdir())
     assert size < 0.6 * sum(file.stat().st_size for file in source.iterdir())
     assert (out / PACKED_FILE).is_file() and not list(out.glob("model*.safetensors*"))
+    assert (out / PACKED_FILE).stat().st_mode & 0o044 == 0o044  # readable by whoever runs the model
     assert json.loads((out / "chatcore_training.json").read_text())["packed"]["blocks"] == "Q8_0"
 
     original, packed = load_model("chatcore-tiny", dtype="float32"), load_model(str(out), dtype="float32")
@@ -499,3 +500,17 @@ def test_models_pack_refuses_what_it_cannot_pack_in_one_line(tmp_path):
         errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
         assert len(errors) == 1 and message in errors[0], result.stderr
     assert not (tmp_path / "new").exists() and not list(tmp_path.glob(".*packing"))
+
+
+def test_models_pack_refuses_a_folder_already_in_quantized_blocks_and_an_out_it_cannot_make(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    for args, message in (
+        (["smollm2-reverse", "--out", str(tmp_path / "again")], "already keeps its weights in quantized blocks"),
+        (["chatcore-tiny", "--out", str(blocked / "sub")], "cannot create --out"),
+    ):
+        result = CliRunner().invoke(build_cli(), ["models", "pack", *args], catch_exceptions=True)
+        assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.exception
+        errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+        assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not (tmp_path / "again").exists()

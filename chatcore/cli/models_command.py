@@ -205,15 +205,26 @@ def pack(model: str, out: Path) -> None:
         raise OptionError(f"--out {str(out)!r} already exists; name a new folder")
     source = Path(resolve_model_path(model))
     if not source.is_dir():
-        raise OptionError(f"{model!r} is not a local model folder (a hub id is downloaded first, then packed)")
-    from chatcore.gguf_packed import load_packed_model, pack_model_folder, packing_shift
+        raise OptionError(
+            f"{model!r} is not a local model folder: pack a downloaded copy "
+            "(`hf download ID --local-dir DIR`, then `chatcore models pack DIR`)"
+        )
+    from chatcore.gguf_packed import is_packed_folder, load_packed_model, pack_model_folder, packing_shift
     from chatcore.models import load_model, quiet_loading
 
-    loaded = load_model(str(source), device="cpu", dtype="float32")
+    if is_packed_folder(source):
+        raise OptionError(
+            f"{model!r} already keeps its weights in quantized blocks (a packed folder or a converted GGUF "
+            "file): packing it again would only add size or error"
+        )
     staging = out.with_name(f".{out.name}.packing")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    except OSError as error:
+        raise OptionError(f"cannot create --out {str(out)!r}: {error.strerror or error}") from None
+    try:
+        loaded = load_model(str(source), device="cpu", dtype="float32")
         for file in source.iterdir():
             if file.is_file() and not file.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(file, staging / file.name)
@@ -223,6 +234,9 @@ def pack(model: str, out: Path) -> None:
         shift = packing_shift(loaded.model, packed, loaded.tokenizer)
         note_packing(staging, source, shift)
         staging.rename(out)
+    except OSError as error:  # a full disk, a folder that went away
+        shutil.rmtree(staging, ignore_errors=True)
+        raise OptionError(f"cannot write --out {str(out)!r}: {error.strerror or error}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
