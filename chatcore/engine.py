@@ -41,6 +41,7 @@ DEFAULT_DECODER = "top-k"
 DEFAULT_MAX_NEW_TOKENS = 64
 BUILTIN_FORMATS = "prompt_formats"  # the entry point of chatcore's own prompt formats
 MAX_SHARED_SETUPS = 32  # setup results (decoders and steerers) kept per engine
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
 
 
 class ReplyOptions(Settings):
@@ -52,8 +53,8 @@ class ReplyOptions(Settings):
     """The decoder's settings, as given (checked when the decoder is built)."""
     steerers: list[tuple[str, dict[str, Any]]] = []
     """(name, settings) of each steerer, in order."""
-    seed: NonNegativeInt | None = None
-    """The random seed (None: a fresh one per reply)."""
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    """The random seed, 0 to 2**63 - 1 (None: a fresh one per reply)."""
     max_new_tokens: PositiveInt = DEFAULT_MAX_NEW_TOKENS
     """The longest reply, in tokens."""
     min_new_tokens: NonNegativeInt = 1

@@ -111,8 +111,15 @@ def train_hint(model: str) -> str:
     )
 
 
-def mismatch_message(reverse_model: str, model: str) -> str:
-    """The one line that refuses a reverse model with another tokenizer than ``model``'s."""
+def mismatch_message(reverse_model: str, model: str, bundled_match: str | None = None) -> str:
+    """The one line that refuses a reverse model with another tokenizer than ``model``'s,
+    naming the bundled one that shares it when there is one."""
+    if bundled_match:
+        return (
+            f"the MMI reverse model {reverse_model!r} uses another tokenizer than {model!r}; the bundled "
+            f"{bundled_match!r} shares it: give `reverse_model={bundled_match}` or `reverse_model=auto` "
+            "(the default)"
+        )
     return f"the MMI reverse model {reverse_model!r} uses another tokenizer than {model!r}: {train_hint(model)}"
 
 
@@ -146,7 +153,7 @@ class MMIDecoder(CandidateDecoder):
                 name = DEFAULT_REVERSE_MODEL
         reverse = reranking.load_reverse_model(name, device=model.device)
         if not settings.allow_retokenize and not reranking.same_tokenizer(model.tokenizer, reverse.tokenizer):
-            raise OptionError(mismatch_message(name, model.name))
+            raise OptionError(mismatch_message(name, model.name, reranking.matching_reverse_model(model.tokenizer)))
         return reverse
 
     def prepare(self, session: GenerationSession) -> None:
