@@ -140,10 +140,11 @@ def test_bad_steerers_fail_with_one_clean_line(run, tiny_model_dir, args, needle
 
 def test_bad_messages_and_models_fail_cleanly(run, tiny_model_dir, tmp_path):
     assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "  "), "empty")
-    assert_clean_failure(
-        run("generate", "--model", str(tiny_model_dir), "--seed", "-5", "hi"),
-        "`seed` must be a non-negative integer, got -5",
-    )
+    for seed in ("-5", str(2**64)):  # torch takes a signed 64-bit seed
+        assert_clean_failure(
+            run("generate", "--model", str(tiny_model_dir), "--seed", seed, "hi"),
+            f"`seed` must be an integer from 0 to {2**63 - 1}, got {seed}",
+        )
     # A reply budget beyond the context is capped by the room the prompt leaves.
     capped = run("generate", "--model", str(tiny_model_dir), "-n", "200", "--json", "--seed", "1", "hi")
     assert capped.exit_code == 0, capped.output

@@ -264,7 +264,7 @@ def test_send_refuses_a_configuration_that_cannot_reply_before_the_message_is_ad
         ({"max_new_tokens": 0}, "`max_new_tokens` must be a positive integer, got 0"),
         ({"max_new_tokens": 4, "min_new_tokens": 5}, "`min_new_tokens`"),
         ({"min_new_tokens": -1}, "got -1"),
-        ({"seed": -3}, "`seed` must be a non-negative integer, got -3"),
+        ({"seed": -3}, f"`seed` must be an integer from 0 to {2**63 - 1}, got -3"),
     ],
 )
 def test_reply_options_are_validated(kwargs, needle):

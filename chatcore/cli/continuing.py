@@ -37,10 +37,18 @@ def check_continue_options(turns: tuple[str, ...], continue_last: bool, conversa
 
 
 def open_store(db_url: str | None) -> "ConversationStore":
+    """The log to continue from and write to; one that does not exist yet is refused, not made."""
     from chatcore.log.location import resolve_url
     from chatcore.log.store import ConversationStore
 
-    return ConversationStore(resolve_url(db_url))
+    from chatcore.log.errors import NotALogError
+
+    url = resolve_url(db_url)
+    try:
+        ConversationStore(url, create=False).close()  # nothing is created where there is no log
+    except NotALogError as error:
+        raise ChatcoreError(f"no logged conversation to continue: {error}") from None
+    return ConversationStore(url)
 
 
 def find_conversation_id(store: "ConversationStore", conversation_id: str | None) -> str:

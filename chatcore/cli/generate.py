@@ -51,7 +51,7 @@ def budget_note(response: "Response") -> str | None:
 @click.command()
 @click.argument("turns", nargs=-1, required=True)
 @reply_options("System prompt (persona) for the reply.")
-@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=None, help="Seed for reproducible sampling.")
+@click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
 @click.option("--json", "as_json", is_flag=True, help="Print the reply with its provenance as JSON.")
 @click.option(
     "-c",

@@ -24,9 +24,7 @@ from chatcore.errors import ChatcoreError
     help="A prompt set name (see `chatcore plugins`) or a .jsonl / .txt file.",
 )
 @click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
-@click.option(
-    "--seed", type=click.IntRange(0, 2**62), default=0, show_default=True, help="Context i uses seed + i."
-)
+@click.option("--seed", type=int, default=0, show_default=True, help="Context i uses seed + i.")
 @max_new_tokens_option(40)
 @click.option(
     "--attribute",
