@@ -76,12 +76,23 @@ def test_sampling_shortcuts_set_the_decoders_settings(run, tiny_model_dir):
     assert data["max_new_tokens"] == 3 and len(data["token_ids"]) <= 3
 
 
+def test_temperature_0_is_greedy_decoding_as_over_http(run, tiny_model_dir):
+    replies = [
+        run("generate", "-m", str(tiny_model_dir), *args, "--max-tokens", "6", "--json", "hi") for args in (
+            ("--temperature", "0"), ("-d", "greedy"))
+    ]  # fmt: skip
+    assert all(result.exit_code == 0 for result in replies), [result.output for result in replies]
+    zero, greedy = (json.loads(result.stdout) for result in replies)
+    assert zero["decoder"]["name"] == "greedy" and zero["token_ids"] == greedy["token_ids"]
+
+
 @pytest.mark.parametrize(
     "args, needles",
     [
         (("-d", "greedy", "--temperature", "0.5"), ("--temperature: decoder 'greedy' has no setting 'temperature'",)),
         (("-d", "top-k top_p=0.5", "--top-p", "0.9"), ("--top-p and the decoder's top_p=0.5 both given",)),
         (("--temperature", "-1"), ("`temperature` must be",)),
+        (("--temperature", "0", "--top-p", "0.9"), ("--temperature 0 is greedy decoding, which takes no --top-p",)),
         (("-d", "top-k", "top_k=2"), ("reads like a setting", '--decoder "top-k top_k=2"')),
     ],
 )

@@ -38,10 +38,9 @@ def check_continue_options(turns: tuple[str, ...], continue_last: bool, conversa
 
 def open_store(db_url: str | None) -> "ConversationStore":
     """The log to continue from and write to; one that does not exist yet is refused, not made."""
+    from chatcore.log.errors import NotALogError
     from chatcore.log.location import resolve_url
     from chatcore.log.store import ConversationStore
-
-    from chatcore.log.errors import NotALogError
 
     url = resolve_url(db_url)
     try:

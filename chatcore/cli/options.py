@@ -86,7 +86,8 @@ def sampling_options(f: F) -> F:
 def with_sampling_shortcuts(decoder_spec: str, **shortcuts: float | None) -> str:
     """``decoder_spec`` with the shortcut flags given (``temperature=0.3``) added as settings.
 
-    A setting both in the spec and as a flag, or one the decoder does not have
+    ``--temperature 0`` with the top-k decoder and no settings of its own is the greedy
+    decoder. A setting both in the spec and as a flag, or one the decoder does not have
     (``--temperature`` under greedy), is refused in one line."""
     import shlex
 
@@ -100,6 +101,13 @@ def with_sampling_shortcuts(decoder_spec: str, **shortcuts: float | None) -> str
     if not given:
         return decoder_spec
     name, settings = parse_spec(decoder_spec)
+    if given.get("temperature") == 0 and name == "top-k" and not settings:
+        # Temperature 0 is greedy decoding, as the HTTP API and transformers read it.
+        name = "greedy"
+        del given["temperature"]
+        if given:
+            others = ", ".join("--" + setting.replace("_", "-") for setting in given)
+            raise OptionError(f"--temperature 0 is greedy decoding, which takes no {others}")
     fields = settings_schema(Registry.build(get_plugin_host()).decoder(name).Settings).get("properties", {})
     for setting, value in given.items():
         flag = "--" + setting.replace("_", "-")
