@@ -803,6 +803,8 @@ def test_the_chat_command(cli, tiny_model_dir, tmp_path, monkeypatch):
     corrupt.write_bytes(b"not sqlite" * 100)
     unavailable = cli("chat", *model, "--db", str(corrupt), input="hi\n/conversations\n")
     assert unavailable.exit_code == 0 and "chatting without the conversation log" in unavailable.stderr
+    assert "the log cannot be opened now: turns are kept in its journal" in unavailable.stderr  # the banner
+    assert "not logged" not in unavailable.stderr
     assert unavailable.stdout.startswith("bot> ") and "the conversation log is off (unavailable)" in unavailable.stdout
 
     for args, needle in [

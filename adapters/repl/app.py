@@ -167,7 +167,12 @@ def banner(state: "ChatState") -> str:
     from chatcore.adapters.repl.slash_commands import count, describe_steerers, format_turns
 
     conversation = state.current
-    log = f"logged to {state.store.display_url}" if state.store is not None else f"not logged ({state.log_off_reason})"
+    if state.store is not None:
+        log = f"logged to {state.store.display_url}"
+    elif state.log_off_reason == "unavailable":  # journaled, and written once the log opens (see open_log)
+        log = "the log cannot be opened now: turns are kept in its journal until it can"
+    else:
+        log = f"not logged ({state.log_off_reason})"
     loaded = state.engine.loaded
     lines = [
         f"chatcore chat with {loaded.name} (`chatcore chat --model NAME` picks another: chatcore-tiny, smollm2, "
