@@ -20,6 +20,7 @@ from chatcore.log.models import ConversationRow, MessageRow
 from chatcore.log.salvage import salvage
 from chatcore.log.store import ConversationStore
 
+INDEX = "ix_messages_conversation_id"
 WORDS = ("pizza", "music", "chess", "rain", "trains", "poetry", "coffee", "films", "cats", "bread")
 
 
@@ -305,3 +306,51 @@ def test_a_log_whose_header_is_damaged_is_pointed_at_the_salvage_of_that_very_fi
     checked = logs_cli("check", "--db", str(path))
     assert checked.exit_code == 1 and "file is not a database" in checked.output
     assert f"logs export --salvage --db '{path}' -o saved.jsonl" in checked.output
+
+
+def test_a_broken_index_page_is_told_apart_from_damaged_rows_and_left_to_the_salvage(logs_cli, tmp_path):
+    """Random bytes over an index page's header: SQLite cannot check the file, nor REINDEX or drop
+    the index; every table still reads without it, so the rows are not blamed, and salvage has them all."""
+    path = tmp_path / "log.sqlite3"
+    written = fill(path, conversations=20, per_conversation=5)
+    connection = sqlite3.connect(path)
+    pages = [
+        page
+        for page, name in connection.execute("SELECT pageno, name FROM dbstat")
+        if name == "ix_messages_conversation_id"
+    ]
+    connection.close()
+    with open(path, "r+b") as file:
+        file.seek((pages[-1] - 1) * 4096)
+        file.write(random.Random(0).randbytes(64))
+    before = path.read_bytes()
+    for args in (["check"], ["check", "--repair"]):
+        result = logs_cli(*args, "--db", str(path))
+        assert result.exit_code == 1, result.output
+        assert "its structure: database disk image is malformed" in result.output
+        assert "every row still reads" in result.output and "its rows are damaged" not in result.output
+        assert "logs export --salvage --db" in result.output
+    assert path.read_bytes() == before  # nothing written into it
+    saved = tmp_path / "saved.jsonl"
+    exported = logs_cli("export", "--salvage", "--db", str(path), "-o", str(saved))
+    assert exported.exit_code == 0, exported.output
+    lines = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert sum(len(conversation["messages"]) for conversation in lines) == written
+
+
+def test_an_index_past_rebuilding_in_place_is_reported_in_one_answer_and_not_written_into(logs_cli, tmp_path):
+    path = tmp_path / "log.sqlite3"
+    fill(path, conversations=20, per_conversation=50)
+    connection = sqlite3.connect(path)
+    pages = [page for page, name in connection.execute("SELECT pageno, name FROM dbstat") if name == INDEX]
+    connection.close()
+    with open(path, "r+b") as file:  # inside an index page's cells: integrity_check names the index
+        file.seek((pages[len(pages) // 2] - 1) * 4096 + 100)
+        file.write(random.Random(1).randbytes(64))
+    checked = logs_cli("check", "--db", str(path))
+    assert checked.exit_code == 1 and f"index {INDEX}" in checked.output and "--repair" in checked.output
+    before = path.read_bytes()
+    repaired = logs_cli("check", "--repair", "--db", str(path))
+    assert repaired.exit_code == 1 and "the rebuild failed" in repaired.output, repaired.output
+    assert "recovers every conversation" in repaired.output
+    assert path.read_bytes() == before

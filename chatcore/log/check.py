@@ -44,6 +44,9 @@ class Damage:
     rows: list[str] = field(default_factory=list)
     indexes: list[str] = field(default_factory=list)
     fts: str | None = None
+    rows_read: bool = False
+    """Every table still reads in full (``NOT INDEXED``) though the file cannot be checked: the
+    damage is in an index or the file's own bookkeeping, which SQLite cannot rebuild in place."""
 
     @property
     def found(self) -> bool:
@@ -59,7 +62,8 @@ class Damage:
         parts = []
         if self.rows:
             more = f" (and {len(self.rows) - 1} more)" if len(self.rows) > 1 else ""
-            parts.append(f"rows: {self.rows[0]}{more}")
+            where = "its structure" if self.rows_read else "rows"
+            parts.append(f"{where}: {self.rows[0]}{more}")
         if self.indexes:
             parts.append(f"index{'es' if len(self.indexes) > 1 else ''} {', '.join(self.indexes)}")
         if self.fts:
@@ -95,7 +99,25 @@ class StoreCheck(StoreReading):
                     damage.fts = self._fts_problem(connection, full)
         except SQLAlchemyError as error:
             damage.rows.append(reason(error))
+            damage.rows_read = self._rows_read()
         return damage
+
+    def _rows_read(self) -> bool:
+        """Whether every table of the log reads in full without its indexes."""
+        try:
+            with self.db.connect() as connection:
+                tables = [
+                    name
+                    for (name,) in connection.exec_driver_sql(
+                        "SELECT name FROM sqlite_master WHERE type = 'table' AND sql NOT LIKE 'CREATE VIRTUAL%'"
+                    )
+                ]
+                for table in tables:
+                    for _ in connection.exec_driver_sql(f'SELECT * FROM "{table}" NOT INDEXED'):
+                        pass
+        except (SQLAlchemyError, MemoryError):
+            return False
+        return bool(tables)
 
     def _sort_problems(self, connection: sa.Connection, problems: list[str], damage: Damage) -> None:
         """Put each problem with the index it names or whose page it is on; anything else is the rows'."""
@@ -165,8 +187,9 @@ class StoreCheck(StoreReading):
         rebuild fails.
         """
         if damage.rows:
+            what = "it is damaged where no rebuild reaches" if damage.rows_read else "its rows are damaged"
             raise LogError(
-                f"conversation log {self.display_url}: its rows are damaged ({damage.describe()}); nothing is "
+                f"conversation log {self.display_url}: {what} ({damage.describe()}); nothing is "
                 f"written into it: `chatcore logs export --salvage --db {self.display_url} -o saved.jsonl` "
                 "recovers what it holds"
             )
@@ -238,16 +261,33 @@ def check_report(store: StoreCheck, repair: bool, echo: Callable[[str], None]) -
         )
         return 0
     echo(f"damaged: {store.display_url}: {damage.describe()}")
+    salvage = f"`chatcore logs export --salvage --db {store.display_url} -o saved.jsonl`"
+    if damage.rows and damage.rows_read:
+        echo(
+            "every row still reads, but the damage (an index page or the file's bookkeeping) is where SQLite "
+            f"cannot rebuild in place: a chat never writes into it (turns go to the journal); {salvage} "
+            "recovers every conversation"
+        )
+        return 1
     if damage.rows:
         echo(
-            "its rows are damaged: a chat never writes into it (turns go to the journal); "
-            f"`chatcore logs export --salvage --db {store.display_url} -o saved.jsonl` recovers what it holds"
+            f"its rows are damaged: a chat never writes into it (turns go to the journal); {salvage} "
+            "recovers what it holds"
         )
         return 1
     if not repair:
         echo(f"`chatcore logs check --repair --db {store.display_url}` rebuilds them from the rows (nothing is lost)")
         return 1
-    rebuilt = store.repair(damage)
+    try:
+        rebuilt = store.repair(damage)
+    except LogError as error:
+        # A damaged page of an index can be past rebuilding in place: REINDEX and DROP INDEX
+        # both need to read it. The rows are intact, and the file is never written into.
+        echo(
+            f"the rebuild failed ({error}); SQLite cannot rebuild it in place: a chat never writes into it "
+            f"(turns go to the journal); {salvage} recovers every conversation"
+        )
+        return 1
     after = store.find_damage(full=True)
     if after.found:
         echo(f"rebuilt {rebuilt}, but it is still damaged: {after.describe()}")
