@@ -70,19 +70,19 @@ def write_packed(gguf_path: Path, model: Any, out: Path) -> dict[str, int]:
                 metadata[_PACKED_PREFIX + name] = json.dumps([kind.name, list(weight.shape)])
                 counts[kind.name] = counts.get(kind.name, 0) + 1
                 continue
-        full = weight.detach().float().contiguous()
-        tensors[name] = next(
-            (
-                narrow
-                for narrow in (full.to(torch.bfloat16), full.to(torch.float16))
-                if torch.equal(narrow.float(), full)
-            ),
-            full,
-        )
+        tensors[name] = exact_narrow(weight, (torch.bfloat16, torch.float16))
         kind_name = str(tensors[name].dtype).removeprefix("torch.")
         counts[kind_name] = counts.get(kind_name, 0) + 1
     save_file(tensors, str(out / PACKED_FILE), metadata=metadata)
     return counts
+
+
+def exact_narrow(weight: Any, dtypes: tuple[Any, ...]) -> Any:
+    """``weight`` in the first of ``dtypes`` that holds its values exactly, else in float32."""
+    import torch
+
+    full = weight.detach().float().contiguous()
+    return next((narrow for narrow in (full.to(dtype) for dtype in dtypes) if torch.equal(narrow.float(), full)), full)
 
 
 Q8_BLOCK = 32  # values in a Q8_0 block
@@ -120,14 +120,7 @@ def pack_model_folder(model: Any, out: Path) -> dict[str, int]:
         else:
             full = weight.detach().contiguous()
             if full.is_floating_point():
-                full = next(
-                    (
-                        narrow
-                        for narrow in (full.to(torch.float16), full.to(torch.bfloat16))
-                        if torch.equal(narrow.float(), full.float())
-                    ),
-                    full.float(),
-                )
+                full = exact_narrow(full, (torch.float16, torch.bfloat16))
             tensors[name] = full
             kind = str(full.dtype).removeprefix("torch.")
         counts[kind] = counts.get(kind, 0) + 1

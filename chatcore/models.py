@@ -235,14 +235,9 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
     path = resolve_model_path(name)
     from transformers import AutoTokenizer
 
-    try:
-        with quiet_loading():
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            model = load_causal_lm(path, torch_dtype)
-    except (OSError, ValueError) as error:
-        if Path(path).exists():
-            raise ModelLoadError(f"cannot load model {name!r}: {error}") from error
-        raise ModelLoadError(hub_failure(name, error)) from error
+    with loading(name, path, f"model {name!r}"):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = load_causal_lm(path, torch_dtype)
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"model {name!r}: its tokenizer has no EOS token, which separates turns")
     if tokenizer.pad_token_id is None:
@@ -260,16 +255,24 @@ def load_tokenizer(name: str) -> Any:
     path = str(folder) if folder.is_dir() and not (folder / "config.json").exists() else resolve_model_path(name)
     from transformers import AutoTokenizer
 
-    try:
-        with quiet_loading():
-            tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        if Path(path).exists():
-            raise ModelLoadError(f"cannot load a tokenizer from {name!r}: {error}") from error
-        raise ModelLoadError(hub_failure(name, error)) from error
+    with loading(name, path, f"a tokenizer from {name!r}"):
+        tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"the tokenizer of {name!r} has no EOS token, which separates turns")
     return tokenizer
+
+
+@contextlib.contextmanager
+def loading(name: str, path: str, what: str) -> Iterator[None]:
+    """Quiet loading from ``path`` (``name`` resolved); a failure is one ModelLoadError line:
+    ``cannot load {what}`` for a local path, what the hub said for a hub id."""
+    try:
+        with quiet_loading():
+            yield
+    except (OSError, ValueError) as error:
+        if Path(path).exists():
+            raise ModelLoadError(f"cannot load {what}: {error}") from error
+        raise ModelLoadError(hub_failure(name, error)) from error
 
 
 def load_causal_lm(path: str, dtype: Any) -> Any:

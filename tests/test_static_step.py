@@ -11,7 +11,7 @@ from chatcore.engine import ReplyOptions
 from chatcore.errors import ChatcoreError
 from chatcore.prompting import Message
 from chatcore.serving import Scheduler
-from chatcore.serving.static_step import FAST_PATH_ENV, bucket_for, static_step_for
+from chatcore.serving.static_step import FAST_PATH_ENV, bucket_for, fast_path_on, take_static_step
 from chatcore.testing import make_engine
 
 
@@ -138,13 +138,13 @@ def test_the_fixed_step_gives_the_ragged_steps_logits(model_name, request):
 
 def test_the_setting_selects_the_path(loaded, monkeypatch):
     monkeypatch.setenv(FAST_PATH_ENV, "auto")
-    assert static_step_for(loaded.model, "cpu", "past_key_values") is None  # the CPU keeps the ragged step
+    assert fast_path_on(loaded.model, "cpu") is False  # the CPU keeps the ragged step
     monkeypatch.setenv(FAST_PATH_ENV, "on")
-    step = static_step_for(loaded.model, "cpu", "past_key_values")
-    assert step is not None and not step.capture
+    assert fast_path_on(loaded.model, "cpu") is True
+    assert not take_static_step(loaded.model, "cpu", "past_key_values").capture
     monkeypatch.setenv(FAST_PATH_ENV, "fast")
     with pytest.raises(ChatcoreError, match=f"^{FAST_PATH_ENV} must be one of auto, on, off, got 'fast'$"):
-        static_step_for(loaded.model, "cpu", "past_key_values")
+        fast_path_on(loaded.model, "cpu")
 
 
 def test_a_failed_capture_falls_back_to_the_eager_step(loaded, caplog):

@@ -46,20 +46,15 @@ DAMAGE_SIGNS = ("not a database", "malformed", "damaged", "ran out of memory")
 
 def salvage_target(ctx: click.Context, db_url: str | None) -> str | None:
     """The SQLite file the command names, as `--db` takes it, when it is one that exists."""
-    import sqlalchemy as sa
-
+    from chatcore.log.connection import sqlite_file
+    from chatcore.log.errors import LogError
     from chatcore.log.location import resolve_url
 
-    group_url = (ctx.find_object(dict) or {}).get("db_url")
     try:
-        parsed = sa.engine.make_url(resolve_url(db_url or group_url))
-    except (sa.exc.ArgumentError, ValueError):
+        path = sqlite_file(resolve_url(db_url or (ctx.find_object(dict) or {}).get("db_url")))
+    except LogError:
         return None
-    database = parsed.database if parsed.get_backend_name() == "sqlite" else None
-    if not database or database == ":memory:" or database.startswith("file:"):
-        return None
-    path = Path(database).expanduser()
-    return str(path) if path.is_file() else None
+    return str(path) if path is not None and path.is_file() else None
 
 
 @click.group("logs")

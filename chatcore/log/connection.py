@@ -110,6 +110,20 @@ def is_transient(error: BaseException) -> bool:
     )
 
 
+def sqlite_file(url: str | sa.URL) -> Path | None:
+    """The file an SQLite URL names; None for other databases, memory and ``file:`` URI names.
+    An unreadable URL raises LogError."""
+    if isinstance(url, str):
+        try:
+            url = sa.engine.make_url(url)
+        except ArgumentError as error:
+            raise LogError(f"{url!r} is not a database URL ({error})") from None
+    database = url.database if url.get_backend_name() == "sqlite" else None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database).expanduser()
+
+
 class StoreConnection:
     """The database under a conversation log, opened by SQLAlchemy URL (see ``ConversationStore``)."""
 
@@ -171,10 +185,7 @@ class StoreConnection:
     # -- the file under it ----------------------------------------------------------
     def _file_path(self) -> Path | None:
         """The SQLite file written to (None for servers, memory and read-only URIs)."""
-        database = self._parsed.database if self.is_sqlite else None
-        if not database or database == ":memory:" or database.startswith("file:"):
-            return None
-        return Path(database).expanduser()
+        return sqlite_file(self._parsed)
 
     @property
     def file_path(self) -> Path | None:

@@ -416,18 +416,13 @@ def salvaged_store(ctx: "click.Context", url: str | None, problems: list[str]) -
     SQLite file named by ``url`` still holds, and that file's path; the report goes into ``problems``."""
     import tempfile
 
+    from chatcore.log.connection import sqlite_file
     from chatcore.log.location import resolve_url, sqlite_url
     from chatcore.log.store import ConversationStore
 
-    resolved = resolve_url(url)
-    try:
-        parsed = sa.engine.make_url(resolved)
-    except sa.exc.ArgumentError:
-        raise LogError(f"{resolved!r} is not a database URL") from None
-    database = parsed.database if parsed.get_backend_name() == "sqlite" else None
-    if not database or database == ":memory:" or database.startswith("file:"):
+    path = sqlite_file(resolve_url(url))
+    if path is None:
         raise LogError("--salvage reads an SQLite file: give its path with --db")
-    path = Path(database).expanduser()
     folder = tempfile.TemporaryDirectory(prefix="chatcore-salvage-")
     ctx.call_on_close(folder.cleanup)
     store = ConversationStore(sqlite_url(Path(folder.name) / "salvaged.sqlite3"))

@@ -90,7 +90,7 @@ class SharedBatch:
         from chatcore.serving.slots import ragged_pass
 
         last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
-        logits = self.static_step.forward(last, self.cache) if self.fast_path and self.static_step else None
+        logits = self.static_step.forward(last, self.cache) if self.static_step is not None else None
         if logits is None:
             positions, mask, plan = self.cache.begin_step(self.device)
             with ragged_pass(self.model, plan) as extra:

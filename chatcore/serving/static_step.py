@@ -250,13 +250,6 @@ def fast_path_on(model: Any, device: Any) -> bool:
     return True
 
 
-def static_step_for(model: Any, device: Any, cache_argument: str) -> StaticStep | None:
-    """A new fast path for ``model`` on ``device`` under ``CHATCORE_FAST_PATH`` (None: the ragged step)."""
-    if not fast_path_on(model, device):
-        return None
-    return StaticStep(model, cache_argument, capture=str(device).startswith("cuda"))
-
-
 # Idle steps by model and device: what a batch that emptied handed back (its graphs and buffers).
 _idle: weakref.WeakKeyDictionary[Any, dict[str, StaticStep]] = weakref.WeakKeyDictionary()
 _idle_lock = threading.Lock()
