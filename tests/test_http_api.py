@@ -370,6 +370,8 @@ def test_serve_refuses_bad_options_before_loading_the_model():
     assert result.exit_code != 0 and "no-such-format" in result.output and "Traceback" not in result.output
     result = runner.invoke(build_cli(), ["serve", "--api-key", " "])
     assert result.exit_code != 0 and "--api-key" in result.output
+    result = runner.invoke(build_cli(), ["serve", "--temperature", "0"])  # greedy is a request's choice
+    assert result.exit_code != 0 and "`--temperature 0` would be greedy decoding" in result.output
     import socket
 
     with socket.socket() as taken:

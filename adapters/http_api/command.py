@@ -182,6 +182,12 @@ def serve(
     if any(not name.strip() for name in served_model_names):
         raise OptionError("`--served-model-name` is empty")
     system = system_prompt_with_persona(system_text, system_file, persona)
+    if temperature == 0:
+        # The flags are the defaults of the sampling decoder a request gets; greedy is a request's own choice.
+        raise OptionError(
+            "`--temperature 0` would be greedy decoding, which the server does per request: a request sends "
+            '`temperature: 0` (or `decoder: "greedy"`); the server\'s default must sample (above 0)'
+        )
     sampling = {name: value for name, value in (("temperature", temperature), ("top_p", top_p)) if value is not None}
     # A value the default decoder would refuse fails now, not at the first request.
     decoder_name, decoder_settings = parse_spec(with_sampling_shortcuts(DEFAULT_DECODER, **sampling))
