@@ -8,6 +8,7 @@ reported as tokens per second, with the cost per token of cocon relative to plai
 (cocon seconds per token / plain seconds per token; the target is at most 1.5x).
 
     python bench/cocon_speed.py --train [--batch 16] [--history 32] [--continuation 24] [--repeats 5]
+                                [--corpus chitchat]
 
 With --train: the cost of one CoCon training step (every loss on: self, null, cycle with
 its 8 soft-generated tokens, adversarial; forward and backward, no optimizer step) against
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="Time a training step instead (see above).")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--continuation", type=int, default=24)
+    parser.add_argument("--corpus", default="chitchat", help='"chitchat" or a JSONL file of dialogues (--train)')
     args = parser.parse_args()
     if args.train:
         train_step(args)
@@ -150,7 +152,7 @@ def train_step(args) -> None:
     ).to(device)
     losses_fn = CoconLosses(CoconPipeline(split, block), config)
     discriminator = HiddenDiscriminator(split.n_embd).to(device)
-    stream = encode_dialogues(load_corpus("chitchat")[:2000], tokenizer)
+    stream = encode_dialogues(load_corpus(args.corpus)[:2000], tokenizer)
     sampler = WindowSampler(stream, engine.eos_token_id, args.history, args.continuation, 0.75, None)
     windows = sampler.sample(args.batch, torch.Generator().manual_seed(0)).to(device)
 

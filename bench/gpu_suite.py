@@ -1,7 +1,9 @@
 """The GPU suite: decode, serving, PPLM and CoCon training at real model shapes, bounded, in one run.
 
     python bench/gpu_suite.py [--shapes 135m,1.7b] [--tokens 64] [--bandwidth 4.8e12]
-                              [--tokenizer .whl/smoltok] [--no-compile] [--step-timeout 240]
+                              [--tokenizer .whl/smoltok] [--no-compile] [--compile-batches 1,32]
+                              [--step-timeout 240] [--cocon-history 256] [--corpus chitchat]
+                              [--workdir DIR] [--profile] [--batches 1,32] [--modes on,off]
 
 For each shape, a Llama model with random weights (the time per token does not depend on
 them) is built from a LlamaConfig at that shape, in bf16 on CUDA (float32 on the CPU), and
@@ -11,11 +13,14 @@ so every side decodes exactly --tokens tokens:
 - decode, batch 1: chatcore alone (``engine.respond``) and in the scheduler's shared batch
   with the fast path on and off (``CHATCORE_FAST_PATH``), against ``transformers.generate`` eager and generate with its
   static cache + ``torch.compile``; the batch-1 bandwidth limit (weight bytes / --bandwidth)
-  and each side's share of it;
+  and each side's share of it; whether the fast path captured its step, and what one
+  replay of the captured step costs against a whole step of the loop (--profile: where
+  the rest of a step goes, by function);
 - decode, batch 32: 32 conversations through the scheduler against generate on a batch of 32;
 - PPLM (3 iterations) against plain decoding and one CoCon training step against a plain
-  forward and backward: ``bench/pplm_speed.py`` and ``bench/cocon_speed.py --train`` on the
-  same folder, each bounded by --step-timeout seconds.
+  forward and backward: ``bench/pplm_speed.py`` (against plain decoding on the fast path
+  and off it) and ``bench/cocon_speed.py --train`` (batch 64, --cocon-history tokens on
+  CUDA) on the same folder, each bounded by --step-timeout seconds.
 
 Without CUDA the same runs at a tiny shape (``--shapes tiny``, the default there) with the
 bundled chatcore-tiny's tokenizer, so the suite is checked on any machine.
@@ -84,7 +89,7 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
 
     from chatcore.engine import ReplyOptions
     from chatcore.serving import Scheduler
-    from chatcore.serving.static_step import FAST_PATH_ENV
+    from chatcore.serving.static_step import FAST_PATH_ENV, idle_static_step
 
     engine = load_engine(argparse.Namespace(model=str(folder), device="cuda" if cuda else "cpu", threads=args.threads))
     model, device, n = engine.loaded.model, engine.loaded.device, args.tokens
@@ -143,9 +148,13 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
         assert out.shape[1] - input_ids.shape[1] == n
         return count * n / (time.perf_counter() - start)
 
-    def median(measure: Any, *arguments: Any, **keywords: Any) -> float:
-        measure(*arguments, **keywords)  # warm-up (and, for the compiled and captured sides, compilation)
-        return statistics.median(measure(*arguments, **keywords) for _ in range(args.repeats))
+    def median(measure: Any, *arguments: Any, **keywords: Any) -> tuple[float, float]:
+        """The median rate of --repeats runs, and the seconds of the warm-up run before them
+        (for the compiled and captured sides, their compilation and capture)."""
+        start = time.perf_counter()
+        measure(*arguments, **keywords)
+        warm = time.perf_counter() - start
+        return statistics.median(measure(*arguments, **keywords) for _ in range(args.repeats)), warm
 
     limit = args.bandwidth / weight_bytes
     print(f"  weights {weight_bytes / 1e6:.1f} MB; batch-1 bandwidth limit {limit:,.0f} tok/s")
@@ -154,43 +163,93 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
     # generate compiles its static-cache forward by itself on CUDA; elsewhere only when asked to.
     compile_config = CompileConfig(fullgraph=False, dynamic=False)
     compile_config._compile_all_devices = True
-    for count in (1, 32):
-        rows: list[tuple[str, float]] = []
+
+    def row(
+        count: int, eager: float | None, label: str, measure: Any, *arguments: Any, **keywords: Any
+    ) -> float | None:
+        """Measure and print one side of ``count`` conversations (a failure is printed and the suite goes on)."""
+        try:
+            rate, warm = median(measure, *arguments, **keywords)
+        except Exception as error:
+            print(f"  batch {count:2d}  {label:40s} failed: {type(error).__name__}: {str(error)[:300]}")
+            return None
+        share = f"   {100 * rate / limit:5.1f} % of the limit" if count == 1 else ""
+        versus = f"   {rate / eager:5.2f}x eager generate" if eager else ""
+        print(f"  batch {count:2d}  {label:40s} {rate:9.1f} tok/s{versus}{share}   (first run {warm:.1f} s)")
+        return rate
+
+    for count in args.batches:
+        eager = row(count, None, "transformers.generate eager", generate, count)
         if count == 1:
-            rows.append(("chatcore alone (engine.respond)", median(alone)))
-        for mode in ("on", "off"):  # the runner reads the setting when the scheduler starts
+            row(count, eager, "chatcore alone (engine.respond)", alone)
+        for mode in args.modes:  # the runner reads the setting when the scheduler starts
             previous = os.environ.get(FAST_PATH_ENV)
             os.environ[FAST_PATH_ENV] = mode
             try:
                 with Scheduler(engine, max_batch=count, max_waiting=count, prefix_cache_bytes=0) as scheduler:
-                    rows.append((f"chatcore shared batch, fast path {mode}", median(shared, scheduler, count)))
+                    rate = row(count, eager, f"chatcore shared batch, fast path {mode}", shared, scheduler, count)
+                if mode != "off" and rate:
+                    report_fast_path(idle_static_step(model, device), count, rate, sync)
             finally:
                 if previous is None:
                     del os.environ[FAST_PATH_ENV]
                 else:
                     os.environ[FAST_PATH_ENV] = previous
-        eager = median(generate, count)
-        rows.append(("transformers.generate eager", eager))
-        if not args.no_compile:
-            try:
-                rows.append(
-                    (
-                        "generate static cache + compile",
-                        median(generate, count, cache_implementation="static", compile_config=compile_config),
-                    )
-                )
-            except Exception as error:  # compilation needs a C compiler and can fail on a bare machine
-                print(f"    generate static+compile failed: {type(error).__name__}: {str(error)[:120]}")
-        for label, rate in rows:
-            share = f"   {100 * rate / limit:5.1f} % of the limit" if count == 1 else ""
-            print(f"  batch {count:2d}  {label:36s} {rate:9.1f} tok/s   {rate / eager:5.2f}x eager generate{share}")
+        if not args.no_compile and count in args.compile_batches:
+            # compilation needs a C compiler and can fail on a bare machine: row() prints that
+            static = dict(cache_implementation="static", compile_config=compile_config)
+            row(count, eager, "generate static cache + compile", generate, count, **static)
+    if args.profile:
+        profile(alone)
 
 
-def run_bench(script: str, extra: list[str], timeout: int) -> None:
+def report_fast_path(step: Any, count: int, rate: float, sync: Any) -> None:
+    """Whether the fast path captured its step for ``count`` rows, and one replay's cost
+    against a whole step of the loop (``count`` rows at ``rate`` tokens/s)."""
+    if step is None:
+        print(f"    fast path: no step in the pool after the batch of {count}")
+        return
+    captured = sorted(bucket for bucket, inputs in step.inputs.items() if inputs.graph is not None)
+    print(f"    fast path: {step.steps} steps, {step.replays} replays; captured buckets {captured or 'none'}")
+    inputs = step.inputs.get(count)
+    if inputs is None or inputs.graph is None:
+        return
+    replays = 50  # the batch has ended: its slots are free, so replaying writes nowhere in use
+    sync()
+    start = time.perf_counter()
+    for _ in range(replays):
+        inputs.graph.replay()
+    sync()
+    replay_ms = 1000 * (time.perf_counter() - start) / replays
+    step_ms = 1000 * count / rate
+    print(f"    one replay {replay_ms:.2f} ms; one step of the loop {step_ms:.2f} ms ({replay_ms / step_ms:.0%} of it)")
+
+
+def profile(alone: Any) -> None:
+    """Where one reply's time goes, by function (fast path as configured)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    alone()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print("  profile of one reply (engine.respond), by own time:")
+    for line in text.getvalue().splitlines()[4:]:
+        if line.strip():
+            print(f"    {line[:150]}")
+
+
+def run_bench(script: str, extra: list[str], timeout: int, environment: dict[str, str] | None = None) -> None:
     """Run another benchmark on the same folder, bounded; print its output indented."""
     command = [sys.executable, str(HERE / script), *extra]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(environment or {})}
+        )
         text = done.stdout + (done.stderr[-600:] if done.returncode else "")
     except subprocess.TimeoutExpired:
         text = f"(stopped after {timeout} s)"
@@ -206,14 +265,25 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: 4.8e12, an H200; CPU 2e10)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: .whl/smoltok on CUDA)")
     parser.add_argument("--no-compile", action="store_true", help="skip generate with static cache + torch.compile")
+    parser.add_argument("--compile-batches", default="1,32", help="batch sizes that run generate static + compile")
+    parser.add_argument("--batches", default="1,32", help="batch sizes to decode")
+    parser.add_argument("--modes", default="on,off", help="fast path settings of the shared batch (on, compile, off)")
+    parser.add_argument("--profile", action="store_true", help="profile one batch-1 reply by function")
+    parser.add_argument("--cocon-history", type=int, default=None, help="CoCon windows' history (CUDA: 256, else 32)")
+    parser.add_argument("--corpus", default="chitchat", help="dialogues of the CoCon step: chitchat or a JSONL file")
+    parser.add_argument("--workdir", default=None, help="build the models here and keep them (default: a temp folder)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode, pplm, cocon")
     parser.add_argument("--step-timeout", type=int, default=240, help="seconds for each of pplm and cocon")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    args.compile_batches = {int(size) for size in args.compile_batches.split(",") if size}
+    args.batches = [int(size) for size in args.batches.split(",") if size]
+    args.modes = [mode for mode in args.modes.split(",") if mode]
 
     import torch
 
     from chatcore.models import BUNDLED_DIR
+    from chatcore.serving.static_step import FAST_PATH_ENV
 
     cuda = torch.cuda.is_available()
     shapes = (args.shapes or ("135m,1.7b" if cuda else "tiny")).split(",")
@@ -222,26 +292,33 @@ def main() -> None:
     skip = set(args.skip.split(","))
     device = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"device {device}, torch {torch.__version__}, fast path {os.environ.get('CHATCORE_FAST_PATH', 'auto')}")
+    cocon_history = args.cocon_history or (256 if cuda else 32)
     with tempfile.TemporaryDirectory() as scratch:
         for shape in shapes:
-            folder = Path(scratch) / shape
-            weight_bytes = build_model(shape, tokenizer, folder, cuda)
+            folder = Path(args.workdir or scratch) / shape
+            weight_bytes = build_model(shape, tokenizer, folder, cuda)  # rebuilt each run: the same seed
             print(f"shape {shape}: {weight_bytes // (2 if cuda else 4) / 1e6:.2f}M parameters")
             if "decode" not in skip:
                 decode(folder, args, cuda, weight_bytes)
             common = ["--model", str(folder), *(["--threads", str(args.threads)] if args.threads else [])]
             if "pplm" not in skip:
-                print("  PPLM (3 iterations) vs plain top-k:")
-                run_bench(
-                    "pplm_speed.py",
-                    [*common, "--lengths", "20", "--history", "64", "--repeats", "2"],
-                    args.step_timeout,
-                )
+                for mode in ("on", "off"):
+                    print(f"  PPLM (3 iterations) vs plain top-k, fast path {mode}:")
+                    run_bench(
+                        "pplm_speed.py",
+                        [*common, "--lengths", "20", "--history", "64", "--repeats", "2"],
+                        args.step_timeout,
+                        {FAST_PATH_ENV: mode},
+                    )
             if "cocon" not in skip:
                 print("  CoCon training step vs a plain forward and backward:")
                 run_bench(
                     "cocon_speed.py",
-                    [*common, "--train", "--history", "32", "--repeats", "2", *(["--batch", "64"] if cuda else [])],
+                    [
+                        *common,
+                        *["--train", "--history", str(cocon_history), "--repeats", "2", "--corpus", args.corpus],
+                        *(["--batch", "64"] if cuda else []),
+                    ],
                     args.step_timeout,
                 )
 

@@ -16,9 +16,9 @@ of several rows is sent whole once the decoder has chosen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import NonNegativeInt
 
@@ -50,13 +50,23 @@ def restrict_scores(
     scores: "torch.Tensor", banned: "torch.Tensor", stops: "torch.Tensor", early: bool
 ) -> "torch.Tensor":
     """Ban the ``banned`` tokens, and the ``stops`` too while it is ``early`` (before min_new_tokens):
-    too early to stop, as an empty reply helps no one."""
+    too early to stop, as an empty reply helps no one. Both hold ids below the scores' width
+    (:func:`within`), so nothing here waits for the device."""
     if early or banned.numel():
         scores = scores.clone()
-        scores[:, banned[banned < scores.shape[-1]]] = float("-inf")
-        if early:
-            scores[:, stops[stops < scores.shape[-1]]] = float("-inf")
+        if banned.numel():
+            scores.index_fill_(1, banned, float("-inf"))
+        if early and stops.numel():
+            scores.index_fill_(1, stops, float("-inf"))
     return scores
+
+
+def within(ids: Iterable[int], width: int, device: Any) -> "torch.Tensor":
+    """The ``ids`` below ``width`` (a score row's length: a tokenizer may know more tokens than
+    the model scores), sorted, as a tensor on ``device``."""
+    import torch
+
+    return torch.tensor(sorted(i for i in ids if 0 <= i < width), dtype=torch.long, device=device)
 
 
 @dataclass
@@ -91,6 +101,10 @@ class Decoder(Configurable):
     """
 
     kind: ClassVar[str] = "decoder"
+    # True when ``select`` reads neither the generator nor other rows (each row's token follows
+    # from its own scores alone, as greedy's argmax): the runner may then select the rows of
+    # several one-row replies in one call, on their scores stacked.
+    selects_rows_alone: ClassVar[bool] = False
 
     def rows(self) -> int:
         """How many rows the reply decodes together (1: the reply itself, streamed)."""

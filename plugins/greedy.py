@@ -20,6 +20,7 @@ class GreedyDecoder(TokenDecoder):
     name = "greedy"
     description = "the most likely token at every step (deterministic)"
     Settings = GreedySettings
+    selects_rows_alone = True
 
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
         return scores.argmax(dim=-1)

@@ -11,7 +11,13 @@ from chatcore.engine import ReplyOptions
 from chatcore.errors import ChatcoreError
 from chatcore.prompting import Message
 from chatcore.serving import Scheduler
-from chatcore.serving.static_step import FAST_PATH_ENV, bucket_for, fast_path_on, take_static_step
+from chatcore.serving.static_step import (
+    FAST_PATH_ENV,
+    bucket_for,
+    fast_path_on,
+    idle_static_step,
+    take_static_step,
+)
 from chatcore.testing import make_engine
 
 
@@ -58,8 +64,6 @@ def test_the_next_reply_on_a_model_takes_the_step_and_buffers_the_last_batch_han
     """engine.respond builds a runner per reply; its batch hands the fast path (on a GPU, its
     captured graphs) and slot buffers back when it empties, and the next reply takes them:
     same step, same fixed inputs, same buffers, and replies equal to the ragged step's."""
-    from chatcore.serving.static_step import idle_static_step
-
     model, device = llama_engine.loaded.model, llama_engine.loaded.device
     conversations = [llama_engine.scripted(["hello there"]), llama_engine.scripted(["what do you like to eat?"])]
     monkeypatch.setenv(FAST_PATH_ENV, "off")
@@ -143,7 +147,7 @@ def test_the_setting_selects_the_path(loaded, monkeypatch):
     assert fast_path_on(loaded.model, "cpu") is True
     assert not take_static_step(loaded.model, "cpu", "past_key_values").capture
     monkeypatch.setenv(FAST_PATH_ENV, "fast")
-    with pytest.raises(ChatcoreError, match=f"^{FAST_PATH_ENV} must be one of auto, on, off, got 'fast'$"):
+    with pytest.raises(ChatcoreError, match=f"^{FAST_PATH_ENV} must be one of auto, on, compile, off, got 'fast'$"):
         fast_path_on(loaded.model, "cpu")
 
 
@@ -168,3 +172,51 @@ def test_a_failed_capture_falls_back_to_the_eager_step(loaded, caplog):
     assert logits is not None and expected is not None and torch.equal(logits, expected)
     lines = [record.getMessage() for record in caplog.records if record.name == "chatcore.serving.static_step"]
     assert len(lines) == 1 and lines[0].startswith("fast path: capturing the decode step failed")
+
+
+def test_a_compiled_step_gives_the_replies_of_generate(llama_engine, monkeypatch):
+    """``compile``: the step's pass goes through torch.compile (here eagerly: no CUDA) and the
+    greedy replies, alone and batched, equal transformers' generate."""
+    import shutil
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("torch.compile on the CPU needs a C++ compiler")
+    monkeypatch.setenv(FAST_PATH_ENV, "compile")
+    conversations = [["hello there"], ["what do you like to eat?", "pasta", "why?"]]
+    expected = [hf_greedy(llama_engine, llama_engine.scripted(turns).messages(), 8) for turns in conversations]
+    replies = []
+    for turns in conversations:
+        response = llama_engine.respond(llama_engine.scripted(turns), decoder="greedy", max_new_tokens=8)
+        response.text()
+        replies.append(response.token_ids)
+    assert replies == expected
+    step = idle_static_step(llama_engine.loaded.model, llama_engine.loaded.device)
+    assert step is not None and step.compiled and step._pass is not None and step.steps > 0
+
+
+def test_a_compile_that_fails_leaves_the_step_uncompiled(llama_engine, monkeypatch, caplog):
+    """When torch.compile cannot make the pass (no compiler, an unsupported model), one warning
+    says so and the step runs uncompiled: the reply is the one generate gives."""
+    import logging
+
+    import torch
+
+    def broken(model, **settings):
+        def run(**arguments):
+            raise RuntimeError("no working C++ compiler")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setenv(FAST_PATH_ENV, "compile")
+    take_static_step(llama_engine.loaded.model, llama_engine.loaded.device, "past_key_values")  # a fresh step next
+    conversation = llama_engine.scripted(["tell me about your dog"])
+    expected = hf_greedy(llama_engine, conversation.messages(), 8)
+    with caplog.at_level(logging.WARNING, logger="chatcore.serving.static_step"):
+        response = llama_engine.respond(conversation, decoder="greedy", max_new_tokens=8)
+        response.text()
+    assert response.token_ids == expected
+    lines = [record.getMessage() for record in caplog.records if record.name == "chatcore.serving.static_step"]
+    assert lines == ["fast path: compiling the decode step failed, running it uncompiled: no working C++ compiler"]
+    step = idle_static_step(llama_engine.loaded.model, llama_engine.loaded.device)
+    assert step is not None and not step.compiled and step.wanted_compiled

@@ -60,9 +60,13 @@ class Job:
     sequences: "torch.Tensor" = field(repr=False)  # (rows, prompt + budget): prompt, then chosen tokens
     attention: "torch.Tensor" = field(repr=False)  # (rows, prompt + budget): 0 after a row's stop token
     finished: "torch.Tensor" = field(repr=False)  # (rows,) bool: the row has chosen a stop token
-    stops: "torch.Tensor" = field(repr=False)
-    banned: "torch.Tensor" = field(repr=False)
+    stops: "torch.Tensor" = field(repr=False)  # the stop ids below the scores' width (decoding.within)
+    banned: "torch.Tensor" = field(repr=False)  # likewise, the banned ids
     shared: bool  # its rows run in the shared batch (else eagerly, with a cache of its own)
+    # Replies whose scores the runner may restrict and select together (see Runner._choose_plain):
+    # one row, no processors, nothing noted per step; None for the others.
+    lane: tuple[Any, ...] | None = None
+    stop_set: frozenset[int] = frozenset()  # the session's stop ids, read once
     step: Step = field(init=False, repr=False)
     length: int = 0  # columns of ``sequences`` filled
     prompt_length: int = 0

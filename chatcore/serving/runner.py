@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from chatcore.decoding import Sampled, restrict_scores
+from chatcore.decoding import Sampled, restrict_scores, within
 from chatcore.errors import ChatcoreError
 from chatcore.models import output_cache
 from chatcore.processors import chain
@@ -94,6 +94,7 @@ class Runner:
         self._can_merge: bool | None = None
         self._deferred: set[Job] = set()  # replies whose prompt waits a step (see _prefill_together)
         self.steps = 0  # forward passes of the shared batch (for tests and benchmarks)
+        self.width = scores_width(self.model)
         self.packed_prefills = 0  # passes that read several prompts at once (for tests and benchmarks)
 
     def __len__(self) -> int:
@@ -123,7 +124,8 @@ class Runner:
         rows = faults.guard(decoder, "rows", decoder.rows)
         if not isinstance(rows, int) or rows < 1:
             raise ChatcoreError(f"decoder {decoder.name!r} asked for {rows!r} rows: a positive integer is needed")
-        processors = chain(faults.guard(decoder, "processors", decoder.processors))
+        listed = faults.guard(decoder, "processors", decoder.processors)
+        processors = chain(listed)
         prompt = list(session.prompt_ids)
         if not prompt:
             raise ChatcoreError("cannot decode from an empty prompt")
@@ -131,8 +133,11 @@ class Runner:
         device = self.device
         sequences = torch.full((rows, total), self.loaded.eos_token_id, dtype=torch.long, device=device)
         sequences[:, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
-        attention = torch.zeros((rows, total), dtype=torch.long, device=device)
-        attention[:, : len(prompt)] = 1
+        if rows == 1:  # a one-row reply ends at its stop token: every column it writes counts
+            attention = torch.ones((rows, total), dtype=torch.long, device=device)
+        else:
+            attention = torch.zeros((rows, total), dtype=torch.long, device=device)
+            attention[:, : len(prompt)] = 1
         job = Job(
             sink=sink,
             session=session,
@@ -143,9 +148,10 @@ class Runner:
             sequences=sequences,
             attention=attention,
             finished=torch.zeros(rows, dtype=torch.bool, device=device),
-            stops=torch.tensor(sorted(session.stop_ids), dtype=torch.long, device=device),
-            banned=torch.tensor(sorted(session.banned_token_ids), dtype=torch.long, device=device),
+            stops=within(session.stop_ids, self.width, device),
+            banned=within(session.banned_token_ids, self.width, device),
             shared=self._shareable(session),
+            stop_set=session.stop_ids,
             length=len(prompt),
             prompt_length=len(prompt),
             observer=observer,
@@ -154,6 +160,9 @@ class Runner:
         if rows > 1:
             job.totals = torch.zeros(rows, dtype=torch.float64, device=device)
             job.counts = torch.zeros(rows, dtype=torch.long, device=device)
+        elif not listed and type(decoder).selects_rows_alone and session.logprobs is None:
+            banned = tuple(sorted(session.banned_token_ids))
+            job.lane = (type(decoder), tuple(sorted(job.stop_set)), banned, session.min_new_tokens)
         try:
             job.step = compose(self._inner(job), session.steerers)
         except Exception as error:  # a steerer failing in wrap is blamed like one failing in its step
@@ -224,13 +233,95 @@ class Runner:
                     job.shared_logits = logits[offset : offset + job.rows]
                     offset += job.rows
         self._prefill_together()
+        chosen = self._choose_plain()
+        try:
+            host = self._on_host(chosen)
+        except Exception as error:  # the device failed: every reply waiting on it ends with the error
+            failure = ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}")
+            for job in chosen:
+                self._end(job, "error", failure)
+            chosen, host = {}, {}
         for job in list(self.jobs):
             if job not in self.jobs:  # ended with the shared pass
                 continue
             try:
-                self._advance(job)
+                if job in chosen:
+                    self._take(job, chosen[job], host[job])
+                else:
+                    self._advance(job)
             except Exception as error:
                 self._end(job, "error", self._blame(job, error))
+
+    def _choose_plain(self) -> dict[Job, "torch.Tensor"]:
+        """The tokens of every reply whose scores are its rows of a shared pass and that has no
+        steerer, chosen before any is recorded, so one copy brings them all to the host."""
+        import torch
+
+        chosen: dict[Job, torch.Tensor] = {}
+        lanes: dict[tuple[Any, ...], list[Job]] = {}
+        for job in list(self.jobs):
+            if job in self._deferred or job.shared_logits is None or job.session.steerers:
+                continue
+            if job.lane is not None and job.shared_logits.shape[-1] == self.width:
+                lanes.setdefault((*job.lane, job.generated < job.session.min_new_tokens), []).append(job)
+                continue
+            self._choose_one(job, chosen)
+        for jobs in lanes.values():
+            if len(jobs) == 1:
+                self._choose_one(jobs[0], chosen)
+                continue
+            # Replies alike in all that shapes their choice: one restriction and one select for
+            # their rows stacked, as each would get alone (greedy's rows are independent).
+            first = jobs[0]
+            try:
+                with torch.inference_mode():
+                    scores = torch.cat([job.shared_logits for job in jobs if job.shared_logits is not None])
+                    early = first.generated < first.session.min_new_tokens
+                    scores = restrict_scores(scores, first.banned, first.stops, early=early)
+                    tokens = first.decoder.select(scores, first.session.generator)
+            except Exception:  # one of them is at fault: each is chosen alone, and blamed alone
+                for job in jobs:
+                    self._choose_one(job, chosen)
+                continue
+            for index, job in enumerate(jobs):
+                chosen[job] = tokens[index : index + 1]
+        return chosen
+
+    def _choose_one(self, job: Job, chosen: dict[Job, "torch.Tensor"]) -> None:
+        """Choose one job's tokens from its rows of a shared pass (a failure ends it)."""
+        import torch
+
+        assert job.shared_logits is not None
+        try:
+            with torch.inference_mode():
+                chosen[job] = self._choose(job, job.shared_logits)
+        except Exception as error:
+            self._end(job, "error", self._blame(job, error))
+
+    @staticmethod
+    def _on_host(chosen: dict[Job, "torch.Tensor"]) -> dict[Job, list[int]]:
+        """The chosen tokens as Python ints, by job: one wait for the device in all."""
+        import torch
+
+        if not chosen:
+            return {}
+        values = torch.cat(list(chosen.values())).tolist()
+        host, start = {}, 0
+        for job, tokens in chosen.items():
+            host[job] = values[start : start + tokens.shape[0]]
+            start += tokens.shape[0]
+        return host
+
+    def _take(self, job: Job, tokens: "torch.Tensor", host: list[int] | None = None) -> None:
+        """Record a shared reply's chosen tokens; after its prompt step, it joins the batch."""
+        job.shared_logits = None
+        if job.generated == 0:
+            job.cached = job.prompt_length
+            self._keep_prompt(job)
+        self._record(job, tokens, host)
+        if job.generated == 1 and job in self.jobs:  # still writing: it joins the batch
+            self.batch.join(job, job.cache)
+            job.cache = None
 
     def drop_cancelled(self) -> None:
         for job in [job for job in self.jobs if job.sink.cancelled]:
@@ -262,14 +353,7 @@ class Runner:
             # pass, at step 0) are its scores.
             with torch.inference_mode():
                 tokens = self._choose(job, job.shared_logits)
-            job.shared_logits = None
-            if job.generated == 0:
-                job.cached = job.prompt_length
-                self._keep_prompt(job)
-            self._record(job, tokens)
-            if job.generated == 1 and job in self.jobs:  # still writing: it joins the batch
-                self.batch.join(job, job.cache)
-                job.cache = None
+            self._take(job, tokens)
             return
         state = self._state(job)
         # Shared jobs run in inference mode like the batch; an eager job's steerers may take
@@ -442,10 +526,15 @@ class Runner:
         import torch
 
         session = job.session
+        if logits.shape[-1] != self.width:  # a model whose scores are not its output layer's rows
+            self.width = logits.shape[-1]
+            job.stops = within(session.stop_ids, self.width, logits.device)
+            job.banned = within(session.banned_token_ids, self.width, logits.device)
         scores = restrict_scores(logits, job.banned, job.stops, early=job.generated < session.min_new_tokens)
         scores = job.processors(job.sequences[:, : job.length], scores)
         tokens = job.decoder.select(scores, session.generator)
-        tokens = torch.where(job.finished, torch.full_like(tokens, self.loaded.eos_token_id), tokens)
+        if job.rows > 1:  # a one-row reply ends at its stop token, so it is never fed one
+            tokens = torch.where(job.finished, torch.full_like(tokens, self.loaded.eos_token_id), tokens)
         if job.logprobs is not None and session.logprobs is not None:
             job.logprobs.append(chosen_logprobs(scores, tokens, session.logprobs))
         if job.totals is not None and job.counts is not None:
@@ -455,26 +544,29 @@ class Runner:
             job.counts += (~job.finished).long()
         return tokens
 
-    def _record(self, job: Job, tokens: "torch.Tensor") -> None:
-        """Append the chosen tokens; stream, or end the job when its rows are done."""
+    def _record(self, job: Job, tokens: "torch.Tensor", host: list[int] | None = None) -> None:
+        """Append the chosen tokens (``host``: the same as ints, when already read); stream, or
+        end the job when its rows are done."""
         import torch
 
         job.sequences[:, job.length] = tokens
-        job.attention[:, job.length] = (~job.finished).long()
         job.length += 1
         job.generated += 1
-        job.finished |= torch.isin(tokens, job.stops)
         if job.observer is not None:
             job.observer(tokens)
         budget_spent = job.generated >= job.session.max_new_tokens
-        if job.rows == 1:
-            if bool(job.finished[0]):
+        if job.rows == 1:  # no row has stopped before (it would have ended): its attention is all 1
+            token = host[0] if host is not None else int(tokens[0])
+            if token in job.stop_set:
+                job.finished[0] = True
                 self._end(job, "stop")
                 return
-            job.sink._push(int(tokens[0]), job.logprobs[-1][0] if job.logprobs else None)
+            job.sink._push(token, job.logprobs[-1][0] if job.logprobs else None)
             if budget_spent:
                 self._end(job, "length")
             return
+        job.attention[:, job.length - 1] = (~job.finished).long()
+        job.finished |= torch.isin(tokens, job.stops)
         assert job.counts is not None and job.totals is not None
         ended = job.finished.tolist()
         if not (all(ended) or budget_spent or job.decoder.enough(ended, job.counts.tolist())):
@@ -518,6 +610,16 @@ class Runner:
         finally:  # whatever happens, the caller learns that the reply is over
             job.cache = job.shared_logits = None
             job.sink._end(reason, error)
+
+
+def scores_width(model: Any) -> int:
+    """How many scores the model gives per position: its output layer's rows (or, for a
+    model without one, its configured vocabulary)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(model.config.vocab_size)
 
 
 def decode_alone(

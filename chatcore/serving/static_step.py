@@ -6,12 +6,13 @@ step, and their steerers, the decoder's processors and the sampler run on its lo
 afterwards. That pass is what this module makes fast. Its shapes are fixed per
 batch-size bucket (:data:`BUCKETS`):
 
-    tokens (bucket, 1)            each row's newest token (padding rows: token 0)
-    positions (bucket, 1)         each row's position: the tokens it has cached
-    mask (bucket, 1, 1, capacity) 0 over a row's own columns and its new one, -inf elsewhere
+    staged (2, bucket)            each row's newest token and its position (the tokens it
+                                  has cached); padding rows: token 0 at position 0
     keys, values (slots, H, capacity, D) per layer: the slot cache's own buffers
 
-and the new key/value is written at each row's own column (per-row positions, so rows of
+and the pass itself builds each row's mask (0 over its own columns and its new one, -inf
+elsewhere) from the positions, so a step is one copy of ``staged`` and one launch;
+the new key/value is written at each row's own column (per-row positions, so rows of
 different lengths share the step: transformers' ``StaticCache`` writes one
 ``cache_position`` for every row, which does not fit). Padding rows write into free
 slots at column 0 and attend to that column only; their logits are dropped.
@@ -19,8 +20,8 @@ slots at column 0 and attend to that column only; their logits are dropped.
 With fixed shapes and fixed buffers, a CUDA device captures the pass once per bucket
 (and per buffer allocation: the slot cache grows by doubling, so seldom) as a
 ``torch.cuda.CUDAGraph`` and replays it: one launch instead of a few hundred kernel
-launches and the Python between them. A batch that empties hands its step, with its
-graphs and its slot buffers, back to a per-model pool (:func:`take_static_step`,
+launches and the Python between them. A step's graphs share one memory pool. A batch
+that empties hands its step, with its graphs and its slot buffers, back to a per-model pool (:func:`take_static_step`,
 :func:`hand_back`), so the next batch on that model (the scheduler's next burst, or the
 next reply of ``engine.respond``, which builds a runner of its own) replays the graphs
 instead of capturing them again. Two batches at once on one model each get a step.
@@ -32,7 +33,9 @@ never reach this step: they run eagerly beside the batch with caches of their ow
 
 ``CHATCORE_FAST_PATH`` selects it: ``auto`` (default: on CUDA devices only; on the CPU
 the growing slot cache's ragged step attends over fewer columns and is not slower),
-``on`` (everywhere, eagerly off CUDA), ``off``.
+``on`` (everywhere, eagerly off CUDA), ``compile`` (as ``on``, with the model's pass
+compiled by ``torch.compile`` first, which fuses its small kernels: fewer launches in
+each captured graph; the first replies of a process wait for the compilation), ``off``.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 FAST_PATH_ENV = "CHATCORE_FAST_PATH"
-FAST_PATH_MODES = ("auto", "on", "off")
+FAST_PATH_MODES = ("auto", "on", "compile", "off")
 # Attention implementations that honour a 4-D additive mask (flash attention reads lengths instead).
 MASKED_ATTENTION = ("sdpa", "eager")
 
@@ -111,16 +114,18 @@ class FixedLayer(CacheLayerMixin):
 
 
 class FixedSlots(Cache):
-    """The slot cache's buffers under fixed-shape inputs: ``rows`` (bucket,) and ``columns`` (bucket,)."""
+    """The slot cache's buffers under fixed-shape inputs: ``rows`` (bucket,) and ``columns`` (bucket,),
+    the positions row of ``staged`` (2, bucket)."""
 
-    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], bucket: int) -> None:
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], staged: torch.Tensor) -> None:
         import torch
 
         self.buffers = buffers
         keys = buffers[0][0]
         self.capacity = int(keys.shape[2])
-        self.rows = torch.arange(bucket, device=keys.device)
-        self.columns = torch.zeros(bucket, dtype=torch.long, device=keys.device)
+        self.rows = torch.arange(staged.shape[1], device=keys.device)
+        self.columns = staged[1]
+        self.every_column = torch.arange(self.capacity, device=keys.device)
         super().__init__(layers=[FixedLayer(self, index) for index in range(len(buffers))])
 
 
@@ -129,8 +134,7 @@ class FixedInputs:
     """One bucket's fixed tensors: what a captured graph reads and writes."""
 
     cache: FixedSlots
-    tokens: torch.Tensor  # (bucket, 1)
-    mask: torch.Tensor  # (bucket, 1, 1, capacity)
+    staged: torch.Tensor  # (2, bucket): tokens, positions
     logits: torch.Tensor | None = None  # (bucket, 1, V): the captured graph's output
     graph: Any = None  # torch.cuda.CUDAGraph once captured
 
@@ -138,17 +142,22 @@ class FixedInputs:
 class StaticStep:
     """The shared batch's fixed-shape decode step (see the module's docstring)."""
 
-    def __init__(self, model: Any, cache_argument: str, capture: bool) -> None:
+    def __init__(self, model: Any, cache_argument: str, capture: bool, compiled: bool = False) -> None:
         # Weakly: the idle pool is keyed by the model, and a strong reference here would keep
         # the model (and its buffers) alive for as long as its step waits there.
         self._model = weakref.ref(model)
         self.cache_argument = cache_argument
         self.capture = capture
+        self.compiled = compiled
+        self.wanted_compiled = compiled  # as asked: ``compiled`` turns False if compiling fails
+        self._pass: Any = None  # the compiled model, once made
         self.inputs: dict[int, FixedInputs] = {}
         self.owner: tuple[int, int] | None = None  # (first buffer's address, capacity) the inputs were made for
         self.steps = 0  # steps taken on this path (for tests and benchmarks)
         self.replays = 0  # of them, replays of a captured graph
         self.slots: SlotCache | None = None  # an emptied slot cache kept with its buffers (see hand_back)
+        self.pool: Any = None  # the memory pool the step's graphs share
+        self._retired: list[Any] = []  # graphs of replaced buffers, released after the next sync
 
     def forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor | None:
         """One pass for every row's newest token ``tokens`` (B, 1) over ``cache``: (B, V) float32
@@ -167,23 +176,18 @@ class StaticStep:
         first = buffers[0][0]
         owner = (first.data_ptr(), int(first.shape[2]))
         if owner != self.owner:  # new buffers: every fixed input and graph pointed at the old ones
+            self._retired.extend(inputs.graph for inputs in self.inputs.values() if inputs.graph is not None)
             self.inputs.clear()
             self.owner = owner
         inputs = self.inputs.get(bucket)
         if inputs is None:
-            fixed = FixedSlots(buffers, bucket)
-            mask = torch.zeros((bucket, 1, 1, fixed.capacity), dtype=first.dtype, device=first.device)
-            inputs = self.inputs[bucket] = FixedInputs(
-                fixed, torch.zeros((bucket, 1), dtype=torch.long, device=first.device), mask
-            )
-        device = first.device
-        inputs.tokens.zero_()
-        inputs.tokens[:rows] = tokens.to(device)
-        columns = inputs.cache.columns
-        columns.zero_()
-        columns[:rows] = torch.tensor(lengths, dtype=torch.long, device=device)
-        visible = torch.arange(inputs.cache.capacity, device=device)[None, :] <= columns[:, None]
-        inputs.mask.copy_(torch.where(visible, 0.0, torch.finfo(first.dtype).min)[:, None, None, :])
+            staged = torch.zeros((2, bucket), dtype=torch.long, device=first.device)
+            inputs = self.inputs[bucket] = FixedInputs(FixedSlots(buffers, staged), staged)
+        staged = inputs.staged
+        staged[1].copy_(torch.tensor(lengths + [0] * (bucket - rows), dtype=torch.long))
+        staged[0, :rows].copy_(tokens[:, 0])
+        if rows < bucket:
+            staged[0, rows:].zero_()
         self.steps += 1
         if self.capture and inputs.graph is None:
             self._capture(inputs)
@@ -194,7 +198,10 @@ class StaticStep:
             logits = inputs.logits
         else:
             logits = self._run(inputs)
-        return logits[:rows, -1].to(torch.float32, copy=True)
+        chosen = logits[:rows, -1].to(torch.float32, copy=True)
+        if self._retired:  # the replaced graphs' last work is done once these logits are read
+            self._retired.clear()
+        return chosen
 
     @property
     def model(self) -> Any:
@@ -204,23 +211,52 @@ class StaticStep:
         return model
 
     def _run(self, inputs: FixedInputs) -> torch.Tensor:
-        output = self.model(
-            input_ids=inputs.tokens,
-            attention_mask=inputs.mask,
-            position_ids=inputs.cache.columns[:, None],
-            **{self.cache_argument: inputs.cache},
+        import torch
+
+        fixed = inputs.cache
+        visible = fixed.every_column[None, :] <= fixed.columns[:, None]  # (bucket, capacity)
+        dtype = fixed.buffers[0][0].dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None, None, :]
+        arguments = dict(
+            input_ids=inputs.staged[0][:, None],
+            attention_mask=mask,
+            position_ids=fixed.columns[:, None],
             use_cache=True,
             logits_to_keep=1,
         )
+        arguments[self.cache_argument] = fixed
+        try:
+            output = self._model_pass()(**arguments)
+        except Exception as error:
+            if not self.compiled:
+                raise
+            # No compiler on this machine, or a model torch.compile cannot take: uncompiled from now on.
+            log.warning("fast path: compiling the decode step failed, running it uncompiled: %s", error)
+            self.compiled, self._pass = False, None
+            output = self.model(**arguments)
         logits: torch.Tensor = output.logits
         return logits
 
+    def _model_pass(self) -> Any:
+        """The model, or once made, its compiled pass (``compile``: see the module's docstring)."""
+        if not self.compiled:
+            return self.model
+        if self._pass is None:
+            import torch
+
+            self._pass = torch.compile(self.model, dynamic=None, fullgraph=False)
+        return self._pass
+
     def _capture(self, inputs: FixedInputs) -> None:
         """Capture the pass as a CUDA graph (warmed up on a side stream, as torch's docs ask).
-        The warm-up passes write this step's own key/values, so they change nothing."""
+        The warm-up passes write this step's own key/values, so they change nothing. Other
+        threads may use the device meanwhile (``thread_local``)."""
         import torch
 
         try:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -228,7 +264,7 @@ class StaticStep:
                     self._run(inputs)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 inputs.logits = self._run(inputs)
             inputs.graph = graph
         except Exception as error:  # an operation that cannot be captured: run eagerly from now on
@@ -258,11 +294,12 @@ _idle_lock = threading.Lock()
 def take_static_step(model: Any, device: Any, cache_argument: str) -> StaticStep:
     """The idle step of ``model`` on ``device`` (captured graphs, kept slot buffers), or a new one.
     Call only where :func:`fast_path_on` holds; give it back with :func:`hand_back`."""
+    compiled = fast_path_mode() == "compile"
     with _idle_lock:
         kept = _idle.get(model, {}).pop(str(device), None)
-    if kept is not None:
+    if kept is not None and kept.wanted_compiled == compiled:
         return kept
-    return StaticStep(model, cache_argument, capture=str(device).startswith("cuda"))
+    return StaticStep(model, cache_argument, capture=str(device).startswith("cuda"), compiled=compiled)
 
 
 def hand_back(model: Any, device: Any, step: StaticStep, slots: SlotCache | None) -> None:
