@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Protocol, cast
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
 
 from pydantic import Field
 
@@ -192,6 +192,28 @@ def min_p(p: float) -> ScoreProcessor:
         raise ValueError(f"`min_p` must be in (0, 1], got {p}")
     # transformers types the sequences as LongTensor.
     return cast(ScoreProcessor, MinPLogitsWarper(float(p)))
+
+
+def rowwise_signature(processors: Sequence[ScoreProcessor]) -> tuple[Any, ...] | None:
+    """A key that two processor lists share when they do the same to every score row, each row
+    alone, reading no sequences (temperature, top-k, top-p, min-p): rows of several replies
+    with that key may then be processed stacked. None when a processor may read the
+    sequences or other rows (repetition and occurrence penalties, n-gram bans, a processor
+    of a plugin's own)."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    rowwise = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+    signature = []
+    for processor in processors:
+        if type(processor) not in rowwise:
+            return None
+        settings = tuple(sorted(vars(processor).items()))
+        try:
+            hash(settings)
+        except TypeError:
+            return None
+        signature.append((type(processor), settings))
+    return tuple(signature)
 
 
 def chain(processors: Sequence[ScoreProcessor]) -> ScoreProcessor:

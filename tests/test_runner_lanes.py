@@ -1,6 +1,6 @@
-"""Replies alike in what shapes their choice (one row, no processors, a decoder whose rows are
-chosen alone) are restricted and selected together, with one read of the chosen tokens per
-step: each reply is still the one it would be alone."""
+"""Replies alike in what shapes their scores (one row, row-wise processors, the same stop and
+banned tokens) are restricted and processed together, greedy's rows selected in one call,
+with one read of the chosen tokens per step: each reply is still the one it would be alone."""
 
 from __future__ import annotations
 
@@ -70,7 +70,43 @@ def test_replies_that_differ_are_not_chosen_together(serving_engine, selections)
     expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS, options)]
     selections.clear()
     assert batched(serving_engine, PROMPTS, options) == expected
-    assert max(selections) == 2  # only the first two are alike
+    assert max(selections) == 2  # only the first two are alike (the sampled one selects alone)
+
+
+def test_alike_sampled_replies_are_processed_together_and_draw_from_their_own_generators(serving_engine, monkeypatch):
+    """Same sampling settings, different seeds: top-k and top-p run once on the stacked rows,
+    each reply draws from its own seeded generator, and each equals its reply alone."""
+    from transformers import TopKLogitsWarper
+
+    rows: list[int] = []
+    warp = TopKLogitsWarper.__call__
+
+    def counting(self, input_ids, scores):
+        rows.append(scores.shape[0])
+        return warp(self, input_ids, scores)
+
+    monkeypatch.setattr(TopKLogitsWarper, "__call__", counting)
+    settings = {"top_k": 20, "temperature": 0.9, "top_p": 0.95}
+    options = [
+        ReplyOptions(decoder="top-k", seed=seed, max_new_tokens=10, decoder_settings=settings) for seed in range(5)
+    ]
+    options.append(ReplyOptions(decoder="top-k", seed=9, max_new_tokens=10, decoder_settings={"top_k": 7}))
+    expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS, options)]
+    assert len(set(map(tuple, expected))) == len(expected)  # the seeds make different replies
+    rows.clear()
+    assert batched(serving_engine, PROMPTS, options) == expected
+    assert max(rows) == 5  # the five alike; the sixth (another top_k) is processed alone
+
+
+def test_rowwise_signature_tells_row_wise_processors_apart():
+    from chatcore.processors import min_p, no_repeat_ngram, repetition_penalty, rowwise_signature, temperature, top_k
+
+    assert rowwise_signature([]) == ()
+    assert rowwise_signature([temperature(0.8), top_k(40)]) == rowwise_signature([temperature(0.8), top_k(40)])
+    assert rowwise_signature([temperature(0.8), top_k(40)]) != rowwise_signature([temperature(0.7), top_k(40)])
+    assert rowwise_signature([top_k(40), min_p(0.1)]) != rowwise_signature([top_k(40)])
+    assert rowwise_signature([top_k(40), repetition_penalty(1.3)]) is None  # it reads the sequences
+    assert rowwise_signature([no_repeat_ngram(2)]) is None
 
 
 def test_within_keeps_the_ids_a_score_row_has():

@@ -63,8 +63,8 @@ class Job:
     stops: "torch.Tensor" = field(repr=False)  # the stop ids below the scores' width (decoding.within)
     banned: "torch.Tensor" = field(repr=False)  # likewise, the banned ids
     shared: bool  # its rows run in the shared batch (else eagerly, with a cache of its own)
-    # Replies whose scores the runner may restrict and select together (see Runner._choose_plain):
-    # one row, no processors, nothing noted per step; None for the others.
+    # What shapes a reply's scores, when the runner may process them stacked with other replies'
+    # (see Runner._choose_plain): one row, row-wise processors, nothing noted per step; None else.
     lane: tuple[Any, ...] | None = None
     stop_set: frozenset[int] = frozenset()  # the session's stop ids, read once
     step: Step = field(init=False, repr=False)

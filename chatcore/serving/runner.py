@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from chatcore.decoding import Sampled, restrict_scores, within
 from chatcore.errors import ChatcoreError
 from chatcore.models import output_cache
-from chatcore.processors import chain
+from chatcore.processors import chain, rowwise_signature
 from chatcore.serving.jobs import Faults, Job, PlainFaults, Sink
 from chatcore.serving.logprobs import chosen_logprobs
 from chatcore.serving.packed_prompts import packed_prompts
@@ -160,9 +160,9 @@ class Runner:
         if rows > 1:
             job.totals = torch.zeros(rows, dtype=torch.float64, device=device)
             job.counts = torch.zeros(rows, dtype=torch.long, device=device)
-        elif not listed and type(decoder).selects_rows_alone and session.logprobs is None:
+        elif session.logprobs is None and (signature := rowwise_signature(listed)) is not None:
             banned = tuple(sorted(session.banned_token_ids))
-            job.lane = (type(decoder), tuple(sorted(job.stop_set)), banned, session.min_new_tokens)
+            job.lane = (type(decoder), signature, tuple(sorted(job.stop_set)), banned, session.min_new_tokens)
         try:
             job.step = compose(self._inner(job), session.steerers)
         except Exception as error:  # a steerer failing in wrap is blamed like one failing in its step
@@ -270,21 +270,31 @@ class Runner:
             if len(jobs) == 1:
                 self._choose_one(jobs[0], chosen)
                 continue
-            # Replies alike in all that shapes their choice: one restriction and one select for
-            # their rows stacked, as each would get alone (greedy's rows are independent).
+            # Replies alike in all that shapes their scores: one restriction and one pass of their
+            # processors for their rows stacked, as each would get alone (those processors treat
+            # each row alone); then each reply's select draws from its own generator, or, for a
+            # decoder whose rows are chosen alone (greedy), one select for all.
             first = jobs[0]
             try:
                 with torch.inference_mode():
                     scores = torch.cat([job.shared_logits for job in jobs if job.shared_logits is not None])
                     early = first.generated < first.session.min_new_tokens
                     scores = restrict_scores(scores, first.banned, first.stops, early=early)
-                    tokens = first.decoder.select(scores, first.session.generator)
+                    scores = first.processors(first.sequences[:, : first.length], scores)
+                    if type(first.decoder).selects_rows_alone:
+                        tokens = first.decoder.select(scores, first.session.generator)
+                        picked = [tokens[index : index + 1] for index in range(len(jobs))]
+                    else:
+                        picked = [
+                            job.decoder.select(scores[index : index + 1], job.session.generator)
+                            for index, job in enumerate(jobs)
+                        ]
             except Exception:  # one of them is at fault: each is chosen alone, and blamed alone
                 for job in jobs:
-                    self._choose_one(job, chosen)
+                    if job not in chosen:
+                        self._choose_one(job, chosen)
                 continue
-            for index, job in enumerate(jobs):
-                chosen[job] = tokens[index : index + 1]
+            chosen.update(zip(jobs, picked))
         return chosen
 
     def _choose_one(self, job: Job, chosen: dict[Job, "torch.Tensor"]) -> None:
