@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_serving import PROMPTS as SERVING_PROMPTS
 from test_serving import alone
 
 from chatcore.decoding import restrict_scores, within
@@ -14,14 +15,7 @@ from chatcore.plugins.greedy import GreedyDecoder
 from chatcore.prompting import Message
 from chatcore.serving import Scheduler
 
-PROMPTS = [
-    "hi, how are you?",
-    "what do you do for fun? i like to cook a lot and go hiking with my dog on weekends",
-    "tell me about your dog",
-    "ok",
-    "do you like pizza or pasta more?",
-    "where did you grow up?",
-]
+PROMPTS = [*SERVING_PROMPTS, "where did you grow up?"]
 
 
 def batched(engine, prompts, options):
@@ -32,18 +26,23 @@ def batched(engine, prompts, options):
     return [handle.token_ids for handle in handles]
 
 
+def rows_seen(monkeypatch, cls, name, position):
+    """The row counts of the scores (positional argument ``position``) of every call of ``cls.name``."""
+    rows: list[int] = []
+    method = getattr(cls, name)
+
+    def counting(self, *arguments):
+        rows.append(arguments[position].shape[0])
+        return method(self, *arguments)
+
+    monkeypatch.setattr(cls, name, counting)
+    return rows
+
+
 @pytest.fixture
 def selections(monkeypatch):
     """The row counts of every greedy select call."""
-    rows: list[int] = []
-    select = GreedyDecoder.select
-
-    def counting(self, scores, generator):
-        rows.append(scores.shape[0])
-        return select(self, scores, generator)
-
-    monkeypatch.setattr(GreedyDecoder, "select", counting)
-    return rows
+    return rows_seen(monkeypatch, GreedyDecoder, "select", 0)
 
 
 def test_alike_greedy_replies_are_chosen_together_and_equal_their_replies_alone(serving_engine, selections):
@@ -78,14 +77,7 @@ def test_alike_sampled_replies_are_processed_together_and_draw_from_their_own_ge
     each reply draws from its own seeded generator, and each equals its reply alone."""
     from transformers import TopKLogitsWarper
 
-    rows: list[int] = []
-    warp = TopKLogitsWarper.__call__
-
-    def counting(self, input_ids, scores):
-        rows.append(scores.shape[0])
-        return warp(self, input_ids, scores)
-
-    monkeypatch.setattr(TopKLogitsWarper, "__call__", counting)
+    rows = rows_seen(monkeypatch, TopKLogitsWarper, "__call__", 1)
     settings = {"top_k": 20, "temperature": 0.9, "top_p": 0.95}
     options = [
         ReplyOptions(decoder="top-k", seed=seed, max_new_tokens=10, decoder_settings=settings) for seed in range(5)
