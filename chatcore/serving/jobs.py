@@ -60,8 +60,9 @@ class Job:
     sequences: "torch.Tensor" = field(repr=False)  # (rows, prompt + budget): prompt, then chosen tokens
     attention: "torch.Tensor" = field(repr=False)  # (rows, prompt + budget): 0 after a row's stop token
     finished: "torch.Tensor" = field(repr=False)  # (rows,) bool: the row has chosen a stop token
-    stops: "torch.Tensor" = field(repr=False)  # the stop ids below the scores' width (decoding.within)
+    stops: "torch.Tensor" = field(repr=False)  # the stop ids below ``width`` (decoding.within)
     banned: "torch.Tensor" = field(repr=False)  # likewise, the banned ids
+    width: int  # the score rows' length ``stops`` and ``banned`` were filtered for
     shared: bool  # its rows run in the shared batch (else eagerly, with a cache of its own)
     # What shapes a reply's scores, when the runner may process them stacked with other replies'
     # (see Runner._choose_plain): one row, row-wise processors, nothing noted per step; None else.

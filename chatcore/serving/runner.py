@@ -38,7 +38,7 @@ decoder at fault), except the shared pass failing, which ends every shared reply
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from chatcore.decoding import Sampled, restrict_scores, within
@@ -150,6 +150,7 @@ class Runner:
             finished=torch.zeros(rows, dtype=torch.bool, device=device),
             stops=within(session.stop_ids, self.width, device),
             banned=within(session.banned_token_ids, self.width, device),
+            width=self.width,
             shared=self._shareable(session),
             stop_set=session.stop_ids,
             length=len(prompt),
@@ -224,9 +225,7 @@ class Runner:
                     logits = self.batch.forward()
                 self.steps += 1
             except Exception as error:
-                failure = ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}")
-                for job in list(self.batch.jobs):
-                    self._end(job, "error", failure)
+                self._fail(self.batch.jobs, error)
             else:
                 offset = 0
                 for job in self.batch.jobs:
@@ -237,9 +236,7 @@ class Runner:
         try:
             host = self._on_host(chosen)
         except Exception as error:  # the device failed: every reply waiting on it ends with the error
-            failure = ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}")
-            for job in chosen:
-                self._end(job, "error", failure)
+            self._fail(chosen, error)
             chosen, host = {}, {}
         for job in list(self.jobs):
             if job not in self.jobs:  # ended with the shared pass
@@ -252,6 +249,12 @@ class Runner:
             except Exception as error:
                 self._end(job, "error", self._blame(job, error))
 
+    def _fail(self, jobs: Iterable[Job], error: Exception) -> None:
+        """End ``jobs`` with the error of a pass they all depended on."""
+        failure = ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}")
+        for job in list(jobs):
+            self._end(job, "error", failure)
+
     def _choose_plain(self) -> dict[Job, "torch.Tensor"]:
         """The tokens of every reply whose scores are its rows of a shared pass and that has no
         steerer, chosen before any is recorded, so one copy brings them all to the host."""
@@ -262,7 +265,7 @@ class Runner:
         for job in list(self.jobs):
             if job in self._deferred or job.shared_logits is None or job.session.steerers:
                 continue
-            if job.lane is not None and job.shared_logits.shape[-1] == self.width:
+            if job.lane is not None and job.shared_logits.shape[-1] == job.width:
                 lanes.setdefault((*job.lane, job.generated < job.session.min_new_tokens), []).append(job)
                 continue
             self._choose_one(job, chosen)
@@ -277,10 +280,7 @@ class Runner:
             first = jobs[0]
             try:
                 with torch.inference_mode():
-                    scores = torch.cat([job.shared_logits for job in jobs if job.shared_logits is not None])
-                    early = first.generated < first.session.min_new_tokens
-                    scores = restrict_scores(scores, first.banned, first.stops, early=early)
-                    scores = first.processors(first.sequences[:, : first.length], scores)
+                    scores = self._processed(first, torch.cat([job.shared_logits for job in jobs]))  # type: ignore[misc]
                     if type(first.decoder).selects_rows_alone:
                         tokens = first.decoder.select(scores, first.session.generator)
                         picked = [tokens[index : index + 1] for index in range(len(jobs))]
@@ -291,8 +291,7 @@ class Runner:
                         ]
             except Exception:  # one of them is at fault: each is chosen alone, and blamed alone
                 for job in jobs:
-                    if job not in chosen:
-                        self._choose_one(job, chosen)
+                    self._choose_one(job, chosen)
                 continue
             chosen.update(zip(jobs, picked))
         return chosen
@@ -536,12 +535,7 @@ class Runner:
         import torch
 
         session = job.session
-        if logits.shape[-1] != self.width:  # a model whose scores are not its output layer's rows
-            self.width = logits.shape[-1]
-            job.stops = within(session.stop_ids, self.width, logits.device)
-            job.banned = within(session.banned_token_ids, self.width, logits.device)
-        scores = restrict_scores(logits, job.banned, job.stops, early=job.generated < session.min_new_tokens)
-        scores = job.processors(job.sequences[:, : job.length], scores)
+        scores = self._processed(job, logits)
         tokens = job.decoder.select(scores, session.generator)
         if job.rows > 1:  # a one-row reply ends at its stop token, so it is never fed one
             tokens = torch.where(job.finished, torch.full_like(tokens, self.loaded.eos_token_id), tokens)
@@ -553,6 +547,18 @@ class Runner:
             job.totals += torch.where(job.finished, torch.zeros_like(picked), picked).double()
             job.counts += (~job.finished).long()
         return tokens
+
+    @staticmethod
+    def _processed(job: Job, logits: "torch.Tensor") -> "torch.Tensor":
+        """The job's (rows, V) steered scores (or rows of alike jobs stacked) restricted and
+        through the job's processors: what its decoder selects from."""
+        session = job.session
+        if logits.shape[-1] != job.width:  # a model whose scores are not its output layer's rows
+            job.width = logits.shape[-1]
+            job.stops = within(session.stop_ids, job.width, logits.device)
+            job.banned = within(session.banned_token_ids, job.width, logits.device)
+        scores = restrict_scores(logits, job.banned, job.stops, early=job.generated < session.min_new_tokens)
+        return job.processors(job.sequences[:, : job.length], scores)
 
     def _record(self, job: Job, tokens: "torch.Tensor", host: list[int] | None = None) -> None:
         """Append the chosen tokens (``host``: the same as ints, when already read); stream, or
@@ -568,7 +574,6 @@ class Runner:
         if job.rows == 1:  # no row has stopped before (it would have ended): its attention is all 1
             token = host[0] if host is not None else int(tokens[0])
             if token in job.stop_set:
-                job.finished[0] = True
                 self._end(job, "stop")
                 return
             job.sink._push(token, job.logprobs[-1][0] if job.logprobs else None)

@@ -21,10 +21,10 @@ With fixed shapes and fixed buffers, a CUDA device captures the pass once per bu
 (and per buffer allocation: the slot cache grows by doubling, so seldom) as a
 ``torch.cuda.CUDAGraph`` and replays it: one launch instead of a few hundred kernel
 launches and the Python between them. A step's graphs share one memory pool. A batch
-that empties hands its step, with its graphs and its slot buffers, back to a per-model pool (:func:`take_static_step`,
-:func:`hand_back`), so the next batch on that model (the scheduler's next burst, or the
-next reply of ``engine.respond``, which builds a runner of its own) replays the graphs
-instead of capturing them again. Two batches at once on one model each get a step.
+that empties hands its step, with its graphs and its slot buffers, back to a per-model
+pool (:func:`take_static_step`, :func:`hand_back`), so the next batch on that model (the
+scheduler's next burst, or the next reply of ``engine.respond``, which builds a runner
+of its own) replays the graphs instead of capturing them again. Two batches at once on one model each get a step.
 Elsewhere the same step runs eagerly, which is how its positions and masks are tested on
 the CPU. A capture that fails logs one debug line and the step runs eagerly from then on.
 
