@@ -14,7 +14,9 @@ With --train: the cost of one CoCon training step (every loss on: self, null, cy
 its 8 soft-generated tokens, adversarial; forward and backward, no optimizer step) against
 a plain forward and backward of the same model (all its weights trainable, next-token
 loss) on the same batch of windows; medians of --repeats alternating runs and their ratio
-(the target is at most 3x), then the share of the CoCon step each part takes.
+(the target is at most 3x), the operators each dispatches (views left out: on a GPU,
+where a step is bound by launching kernels, about one launch each) and their ratio, then
+the share of the CoCon step each part takes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 from benchlib import add_model_arguments, load_engine, long_conversation
 
@@ -200,9 +203,31 @@ def train_step(args) -> None:
         f"training step: cocon (self, null, cycle, adversarial) {cocon_s * 1000:.1f} ms   plain forward+backward "
         f"{plain_s * 1000:.1f} ms   ratio {cocon_s / plain_s:.2f}x"
     )
+    cocon_ops, plain_ops = operators(cocon), operators(plain)
+    print(
+        f"operators a step runs (forward and backward, views left out; on a GPU about one kernel launch each): "
+        f"cocon {cocon_ops}   plain {plain_ops}   ratio {cocon_ops / plain_ops:.2f}x"
+    )
     with torch.profiler.profile() as profile:
         cocon()
     print(profile.key_averages().table(sort_by="cpu_time_total", row_limit=12))
+
+
+def operators(step: Any) -> int:
+    """How many tensor operators one call of ``step`` dispatches, views left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not func.is_view:
+                Count.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.count
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -850,6 +851,66 @@ def test_cached_cocon_steps_equal_a_full_recompute_on_every_family(family_model)
             content.bias,
         )
     torch.testing.assert_close(torch.stack(cached, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("plain_target", [0.0, 0.3])
+def test_the_history_read_once_gives_the_losses_and_gradients_of_whole_windows(family_model, plain_target, monkeypatch):
+    """Every training pass reads the batch's history from one cache (LM-beta runs over the
+    rewritten positions alone): each loss, the generated states and the block's gradients
+    equal those of passes over the whole windows, on every family."""
+    from chatcore.plugins.cocon import history as history_module
+    from chatcore.plugins.cocon import losses as losses_module
+    from chatcore.plugins.cocon.training import CoconTrainConfig
+
+    model = copy.deepcopy(family_model.model)
+    with torch.no_grad():  # sharper attention than a fresh init's, so that positions tell
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2 and "embed" not in name and "wte" not in name and "wpe" not in name:
+                parameter.mul_(4.0)
+    split = SplitModel(model, 1)
+    block = random_block(split.n_embd, split.n_head, 1).train()  # no dropout: content masking still draws
+    config = CoconTrainConfig(
+        out_dir="unused",
+        history_tokens=9,
+        continuation_tokens=5,
+        cycle_tokens=3,
+        cycle_batch_size=3,
+        no_history_share=0.0,
+        plain_target=plain_target,
+    )
+    losses = losses_module.CoconLosses(CoconPipeline(split, block), config)
+    windows = torch.randint(5, 400, (4, 14), generator=torch.Generator().manual_seed(1))
+    read = []
+
+    def run() -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+        block.zero_grad(set_to_none=True)
+        result = losses(windows, torch.Generator().manual_seed(3), with_cycle=True, with_adv=True)
+        assert result.fake is not None
+        (sum(result.losses.values()) + result.fake.square().mean()).backward()
+        grads = {
+            name: parameter.grad.clone() for name, parameter in block.named_parameters() if parameter.grad is not None
+        }
+        return {name: loss.detach() for name, loss in result.losses.items()}, result.fake.detach(), grads
+
+    def recorded(split_model, input_ids, history_length):
+        alpha_hidden, history = history_module.read_history(split_model, input_ids, history_length)
+        read.append(history)
+        return alpha_hidden, history
+
+    for seed in range(3):  # short and whole contents
+        torch.manual_seed(seed)
+        monkeypatch.setattr(losses_module, "read_history", recorded)
+        once, fake_once, grads_once = run()
+        assert read[-1] is not None or family_model.model.config.model_type == "gemma"
+        monkeypatch.setattr(losses_module, "read_history", lambda s, ids, hs: (s.hidden_at_split(ids), None))
+        whole, fake_whole, grads_whole = run()
+        assert once.keys() == whole.keys() == {"self", "null", "cycle"}
+        for name in once:
+            torch.testing.assert_close(once[name], whole[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(fake_once, fake_whole, rtol=1e-4, atol=1e-5)
+        assert grads_once.keys() == grads_whole.keys() and grads_once
+        for name in grads_once:
+            torch.testing.assert_close(grads_once[name], grads_whole[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 def test_cocon_replies_on_every_family_under_greedy_top_k_and_mmi(family_model, family_block_dir):

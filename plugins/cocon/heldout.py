@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn import functional as F
 
+from .history import read_history
 from .losses import lm_loss, plain_logits, self_token_bias
 from .pipeline import CoconPipeline
 
@@ -40,8 +41,8 @@ def heldout_losses(
             batch = windows[first : first + config.batch_size].to(split.device)
             inputs, targets = batch[:, :-1], batch[:, hs:]
             B = inputs.size(0)
-            alpha_hidden = split.hidden_at_split(inputs)  # (B, L, C)
-            plain = plain_logits(split, alpha_hidden, hs)  # (B, Tq, V)
+            alpha_hidden, history = read_history(split, inputs, hs)  # (B, L, C), the history every pass reads
+            plain = plain_logits(split, alpha_hidden, hs, history)  # (B, Tq, V)
             continuation = batch[:, hs : hs + content_max]
             keys, values = block.content_keys_values(split.hidden_at_split(continuation))
             bias = self_token_bias(targets.size(1), 0, continuation.size(1), keys.dtype, keys.device)
@@ -52,14 +53,14 @@ def heldout_losses(
             word_keys, word_values = block.content_keys_values(split.hidden_at_split(targets.gather(1, word_at)))
             n = targets.numel()
             sums["plain"] += lm_loss(plain, targets).item() * n
-            null = pipeline.full_forward(alpha_hidden, hs)[0]
+            null = pipeline.full_forward(alpha_hidden, hs, history=history)[0]
             sums["null"] += lm_loss(null, targets).item() * n
             plain_log = F.log_softmax(plain, dim=-1)
             kl = (plain_log.exp() * (plain_log - F.log_softmax(null.float(), dim=-1))).sum(dim=-1)  # (B, Tq)
             sums["null_kl"] += kl.sum().item()
-            self_logits = pipeline.full_forward(alpha_hidden, hs, keys, values, bias)[0]
+            self_logits = pipeline.full_forward(alpha_hidden, hs, keys, values, bias, history)[0]
             sums["self"] += lm_loss(self_logits, targets).item() * n
-            word_logits = pipeline.full_forward(alpha_hidden, hs, word_keys, word_values)[0]
+            word_logits = pipeline.full_forward(alpha_hidden, hs, word_keys, word_values, history=history)[0]
             sums["word"] += lm_loss(word_logits, targets).item() * n
             count += n
     block.train(was_training)

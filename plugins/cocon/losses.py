@@ -11,8 +11,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .history import History, beta_after_history, read_history
 from .model_split import SplitModel
-from .pipeline import CoconPipeline
+from .pipeline import CoconCache, CoconPipeline
 
 if TYPE_CHECKING:
     from .training import CoconTrainConfig
@@ -75,9 +76,14 @@ def mixed_lm_loss(
     return (losses * weights).sum() / weights.sum()
 
 
-def plain_logits(split: SplitModel, alpha_hidden: torch.Tensor, history_length: int) -> torch.Tensor:
+def plain_logits(
+    split: SplitModel, alpha_hidden: torch.Tensor, history_length: int, history: History | None = None
+) -> torch.Tensor:
     """The plain model's next-token scores (B, Tq, V), float32, at the positions the block
-    rewrites (from the last history position on), from LM-alpha's hidden states (B, L, C)."""
+    rewrites (from the last history position on), from LM-alpha's hidden states (B, L, C);
+    with the rows' ``history``, LM-beta runs over those positions alone."""
+    if history is not None and history.length == history_length - 1:
+        return split.head(beta_after_history(split, alpha_hidden[:, history.length :], history)).float()
     return split.head(split.beta(alpha_hidden, split.pass_inputs(alpha_hidden))[:, history_length - 1 :]).float()
 
 
@@ -173,8 +179,9 @@ class CoconLosses:
         continuation = windows[:, hs:]  # (B, tis)
         starts, length = self.content_span(continuation, generator)
         span = starts.to(continuation.device)[:, None] + torch.arange(length, device=continuation.device)  # (B, S)
+        # LM-alpha's states (B, L, C), and the model's keys/values over the history every pass reads unchanged
+        alpha_hidden, history = read_history(split, inputs, hs)
         with torch.no_grad():
-            alpha_hidden = split.hidden_at_split(inputs)  # (B, L, C)
             content_hidden = split.hidden_at_split(continuation.gather(1, span))  # (B, S, C)
         keys, values = self.content_kv(content_hidden, generator)
         bias = None
@@ -186,8 +193,8 @@ class CoconLosses:
         teacher = None
         if config.plain_target > 0 and hs > 0:
             with torch.no_grad():
-                teacher = torch.softmax(plain_logits(split, alpha_hidden, hs), dim=-1)  # (B, Tq, V)
-        logits, _ = self.pipeline.full_forward(alpha_hidden, hs, keys, values, bias)
+                teacher = torch.softmax(plain_logits(split, alpha_hidden, hs, history), dim=-1)  # (B, Tq, V)
+        logits, _ = self.pipeline.full_forward(alpha_hidden, hs, keys, values, bias, history)
         weights = torch.ones(targets.shape, device=targets.device)
         if bias is None:
             # A short content: weigh the positions that predict its own tokens, where
@@ -201,7 +208,7 @@ class CoconLosses:
             share = torch.full(targets.shape, config.plain_target, device=targets.device).scatter_(1, span, 0.0)
             result.losses["self"] = mixed_lm_loss(logits, targets, weights, teacher, share)
         if config.null_weight > 0:
-            logits, _ = self.pipeline.full_forward(alpha_hidden, hs)
+            logits, _ = self.pipeline.full_forward(alpha_hidden, hs, history=history)
             if teacher is None:
                 result.losses["null"] = lm_loss(logits, targets)
             else:
@@ -209,21 +216,29 @@ class CoconLosses:
                     logits, targets, torch.ones_like(weights), teacher, config.plain_target
                 )
         if (with_cycle or with_adv) and hs > 0:
-            self.cycle(windows, hs, alpha_hidden, targets, with_cycle, with_adv, result)
+            self.cycle(windows, hs, alpha_hidden, targets, with_cycle, with_adv, result, history)
         return result
 
     def generate_soft(
-        self, history: torch.Tensor, content_keys: torch.Tensor, content_values: torch.Tensor, tokens: int
+        self,
+        history_ids: torch.Tensor,
+        content_keys: torch.Tensor,
+        content_values: torch.Tensor,
+        tokens: int,
+        read: tuple[torch.Tensor, History] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Continue ``history`` (B, hs) for ``tokens`` steps with the content, feeding back the
-        expected embedding under each step's distribution (differentiable), through the
+        """Continue ``history_ids`` (B, hs) for ``tokens`` steps with the content, feeding back
+        the expected embedding under each step's distribution (differentiable), through the
         same cached steps as in chat.
+
+        read: LM-alpha's states (B, hs - 1, C) and the model's keys/values (a History) of the
+        first hs - 1 positions, already computed: only the last history token is run then.
 
         Returns (soft token embeddings (B, tokens, C), the block's outputs (B, tokens, C))."""
         from .pipeline import ContentMemory
 
-        B, hs = history.shape
-        device = history.device
+        B, hs = history_ids.shape
+        device = history_ids.device
         content = ContentMemory(
             content_keys,
             content_values,
@@ -231,8 +246,24 @@ class CoconLosses:
             (content_keys.size(2),),
         )
         key_valid = torch.ones(B, hs + tokens, dtype=torch.long, device=device)
-        positions = torch.arange(hs, device=device).expand(B, hs)
-        output = self.pipeline.forward(key_valid[:, :hs], positions, hs, content, input_ids=history)
+        if read is None:
+            positions = torch.arange(hs, device=device).expand(B, hs)
+            output = self.pipeline.forward(key_valid[:, :hs], positions, hs, content, input_ids=history_ids)
+        else:
+            earlier, history = read  # (B, q, C), q = hs - 1: the block adds their keys/values (no output)
+            _, keys, values = self.block(
+                earlier,
+                key_valid[:, : history.length].bool(),
+                content.keys.expand(B, -1, -1, -1),
+                content.values.expand(B, -1, -1, -1),
+                content.length,
+                queries_from=history.length,
+            )
+            cache = CoconCache(history.cache(self.split), keys, values, content.length)
+            position = torch.full((B, 1), history.length, device=device)
+            output = self.pipeline.forward(
+                key_valid[:, :hs], position, hs, content, input_ids=history_ids[:, history.length :], cache=cache
+            )
         assert output.steered is not None
         embeddings, steered = [], [output.steered[:, -1:]]
         for t in range(tokens):
@@ -257,24 +288,34 @@ class CoconLosses:
         with_cycle: bool,
         with_adv: bool,
         result: BatchLosses,
+        history: History | None = None,
     ) -> None:
         """Sample i's content after sample i-1's history -> a soft generation y; then y as
-        the content must reconstruct sample i's continuation after its own history (hs tokens)."""
+        the content must reconstruct sample i's continuation after its own history (hs tokens).
+        ``history``: the batch's (chatcore.plugins.cocon.history), reused for both passes."""
         config, split, block = self.config, self.split, self.block
         rows = min(config.cycle_batch_size, windows.size(0))
         windows, alpha_hidden, targets = windows[:rows], alpha_hidden[:rows], targets[:rows]
         with torch.no_grad():
             content_hidden = split.hidden_at_split(windows[:, hs : hs + self.content_max_tokens])
         keys, values = block.content_keys_values(content_hidden)
-        other_history = windows.roll(1, dims=0)[:, :hs]
-        embeddings, steered = self.generate_soft(other_history, keys, values, config.cycle_tokens)
+        # Row r generates after its own history with row r + 1's content; rolled by one, row i
+        # then holds the generation after row i - 1's history with its own content.
+        read = None
+        if history is not None:
+            history = history.rows(slice(0, rows))
+            read = (alpha_hidden[:, : history.length], history)
+        embeddings, steered = self.generate_soft(
+            windows[:, :hs], keys.roll(-1, dims=0), values.roll(-1, dims=0), config.cycle_tokens, read
+        )
+        embeddings, steered = embeddings.roll(1, dims=0), steered.roll(1, dims=0)
         if with_cycle:
             length = embeddings.size(1)
             positions = torch.arange(length, device=embeddings.device).expand(rows, -1)
             generated = split.embed(positions, inputs_embeds=embeddings)
             generated_hidden = split.alpha(generated, split.pass_inputs(generated, positions))  # (rows, L, C)
             cycle_keys, cycle_values = block.content_keys_values(generated_hidden)
-            logits, _ = self.pipeline.full_forward(alpha_hidden, hs, cycle_keys, cycle_values)
+            logits, _ = self.pipeline.full_forward(alpha_hidden, hs, cycle_keys, cycle_values, history=history)
             result.losses["cycle"] = lm_loss(logits, targets)
         if with_adv:
             result.fake = steered

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .block import CoconBlock
+from .history import History, beta_after_history
 from .model_split import SplitModel
 
 
@@ -175,6 +176,7 @@ class CoconPipeline:
         content_keys: torch.Tensor | None = None,
         content_values: torch.Tensor | None = None,
         content_bias: torch.Tensor | None = None,
+        history: History | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits for every rewritten position of whole, unpadded sequences, no cache.
 
@@ -185,6 +187,9 @@ class CoconPipeline:
                        always predicts continuation token q.
         content_keys/values: (B, H, S, D) from ``block.content_keys_values``; None for no content.
         content_bias:  (B or 1, Tq or 1, S), e.g. the self-token mask.
+        history:       the model's keys/values over positions [0, hs - 1) of these rows
+                       (chatcore.plugins.cocon.history): LM-beta then runs over the
+                       rewritten positions alone. The same logits and gradients.
 
         Returns (logits (B, Tq, V) float32, steered (B, Tq, C)).
         """
@@ -200,6 +205,8 @@ class CoconPipeline:
         key_valid = torch.ones(B, T, dtype=torch.bool, device=sequence.device)
         S = content_keys.size(2) if content_keys is not None else 0
         steered, _, _ = block(sequence, key_valid, content_keys, content_values, S, content_bias, queries_from)
+        if history is not None and queries_from == history.length:
+            return split.head(beta_after_history(split, steered, history)).float(), steered
         beta_input = torch.cat([sequence[:, :queries_from], steered], dim=1) if queries_from else steered
         final = split.beta(beta_input, split.pass_inputs(beta_input))
         return split.head(final[:, queries_from:]).float(), steered

@@ -1,0 +1,103 @@
+"""A training batch's history, read once: the frozen model's keys and values over the
+positions that no pass of the batch rewrites.
+
+Every training pass over a batch (the self and null losses, the plain teacher, the cycle's
+reconstruction and its generation's prompt) rewrites positions from the last history
+token on (``hs - 1``, see chatcore.plugins.cocon.pipeline); the ``hs - 1`` positions before
+it reach LM-beta as LM-alpha left them, the same in every pass. :func:`read_history`
+runs them through the whole model once, without gradients, and keeps every layer's keys
+and values; each pass then runs LM-beta over its rewritten positions alone, reading the
+history from a cache (:meth:`History.cache`), instead of running LM-beta over the whole
+window and taking gradients through positions whose values no trainable weight changes.
+The values are the same and so are the block's gradients (the history's beta states do
+not depend on the block).
+
+Shapes: B rows, L window positions, q = hs - 1 history positions, C width, H heads, D head width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from chatcore.api import BlockInputs
+
+from .model_split import SplitModel
+
+
+@dataclass
+class History:
+    """Every layer's keys and values (B, H, q, D) over the positions [0, q) of B rows."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    length: int  # q
+    inputs: dict[int, BlockInputs] = field(default_factory=dict)  # masks and rotary after it, by new positions
+
+    def rows(self, index: torch.Tensor | slice) -> History:
+        """The history of some rows (an index tensor or a slice), in that order."""
+        return History([(keys[index], values[index]) for keys, values in self.layers], self.length)
+
+    def cache(self, split: SplitModel) -> Any:
+        """A fresh cache holding the history: passes extend it with new tensors, so the
+        history itself is never changed and serves every pass of the batch."""
+        return holding(split, self.layers)
+
+
+def holding(split: SplitModel, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A new cache whose first ``len(layers)`` layers hold these keys and values, as they are."""
+    cache = split.new_cache()
+    if len(cache.layers) < len(layers):  # layers made as they are first written
+        for layer, (keys, values) in enumerate(layers):
+            cache.update(keys, values, layer)
+        return cache
+    for layer, (keys, values) in zip(cache.layers, layers):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values  # not copied
+    return cache
+
+
+def plain_layers(cache: Any) -> bool:
+    """Whether every layer of ``cache`` just concatenates (no sliding window, no quantization):
+    such a cache can be rebuilt from its tensors alone."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+@torch.no_grad()
+def read_history(
+    split: SplitModel, input_ids: torch.Tensor, history_length: int
+) -> tuple[torch.Tensor, History | None]:
+    """LM-alpha's hidden states (B, L, C) of ``input_ids`` (B, L), positions from 0, and the
+    history of its first ``history_length - 1`` positions (None where there is none, or where
+    the model's cache cannot be rebuilt from its tensors: then every pass reads the whole window)."""
+    B, L = input_ids.shape
+    q = history_length - 1
+    if q < 1 or q >= L or not plain_layers(split.new_cache()):
+        return split.hidden_at_split(input_ids), None
+    positions = torch.arange(L, device=input_ids.device).expand(B, L)
+    cache = split.new_cache()
+    embeddings = split.embed(positions, input_ids=input_ids)
+    alpha_hidden = split.alpha(embeddings, split.pass_inputs(embeddings, positions, cache=cache))  # (B, L, C)
+    # alpha's layers over the history's positions, then beta's written after them
+    cache = holding(
+        split, [(layer.keys[:, :, :q], layer.values[:, :, :q]) for layer in cache.layers[: split.split_layer]]
+    )
+    before = alpha_hidden[:, :q]
+    inputs = split.pass_inputs(before, positions[:, :q])  # masks for q positions after none
+    split.anatomy.run_blocks(before, range(split.split_layer, split.n_layer), replace(inputs, cache=cache))
+    return alpha_hidden, History([(layer.keys, layer.values) for layer in cache.layers], q)
+
+
+def beta_after_history(split: SplitModel, hidden: torch.Tensor, history: History) -> torch.Tensor:
+    """LM-beta and the final norm over the positions right after the history: (B, T, C)
+    at positions [q, q + T) -> (B, T, C). Passes of the same length share their masks."""
+    B, T, _ = hidden.shape
+    cache = history.cache(split)
+    inputs = history.inputs.get(T)
+    if inputs is None:
+        positions = torch.arange(history.length, history.length + T, device=hidden.device).expand(B, T)
+        inputs = history.inputs[T] = split.pass_inputs(hidden, positions, cache=cache)
+    return split.beta(hidden, replace(inputs, cache=cache))
