@@ -251,6 +251,8 @@ def test_plugins_lists_decoders_and_steerers_with_the_schema_of_their_settings(s
         ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "seed": -1}, 400, "seed"),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "x" * 30_000}], "model": "M"}, 413, None),
+        ("[" * 5_000 + "]" * 5_000, 400, None),  # nested deeper than the parser goes
+        ('{"a":' * 3_000 + "1" + "}" * 3_000, 400, None),
     ],
 )
 def test_bad_requests_get_openai_errors(serving, client, body, status, param):
@@ -459,6 +461,22 @@ def test_failures_after_the_request_was_accepted_are_server_errors(serving, clie
     assert response.status_code == 400 and "system prompt" in response.json()["error"]["message"]
 
 
+def test_a_setting_that_does_not_fit_the_model_is_the_clients_error_whenever_it_is_found():
+    """A PPLM head or CoCon block trained for another model is found once the reply starts
+    (after admission): still a 400, as a bad setting, not a server failure."""
+    from chatcore.adapters.http_api.completions import api_error
+    from chatcore.errors import ChatcoreError
+    from chatcore.plugins.cocon.store import BlockMismatchError
+    from chatcore.plugins.pplm.attribute import DiscriminatorMismatchError
+    from chatcore.serving.requests import Handle
+
+    admitted = Handle()
+    admitted.admitted = 1.0
+    for error in (DiscriminatorMismatchError("does not fit"), BlockMismatchError("does not fit")):
+        assert api_error(error, admitted).status == 400
+    assert api_error(ChatcoreError("the model failed"), admitted).status == 500
+
+
 def test_content_parts_developer_and_several_system_messages(engine, client):
     model = model_name(client)
     messages = [
@@ -611,6 +629,33 @@ def test_a_reply_with_a_control_character_comes_back_as_history_and_continues_it
     assert thread_key(messages[:-1]) == thread_key([*sent_first, _assistant(reply)])
     with pytest.raises(ApiError, match="contains a control character"):
         to_messages(parsed({"role": "user", "content": "bad\x05"}), None)
+
+
+def test_requests_answered_with_an_error_leave_nothing_in_the_log(logged):
+    """A request refused or failed before its reply showed anything (at its start, or midway in
+    a JSON reply the client never gets) is not logged: no empty reply a follow-up would continue."""
+    client, request_log, db = logged
+    model = model_name(client)
+    hi = [{"role": "user", "content": "hi"}]
+    for at_step in (0, 3):
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(
+                model=model,
+                messages=hi,
+                max_tokens=10,
+                extra_body={"steer": [f"failing-shared at_step={at_step}"], "decoder": "greedy"},
+            )
+    crowded = [{"role": "system", "content": "word " * 3000}] + hi  # refused when the reply starts
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=crowded)
+    reply = client.chat.completions.create(model=model, messages=hi, max_tokens=4, seed=1)
+    request_log.close()  # waits for the queued writes
+    conversations = read_log(db)
+    assert len(conversations) == 1, [[(m.role, m.text) for m in c.messages] for c in conversations]
+    assert [(message.role, message.text) for message in conversations[0].messages] == [
+        ("user", "hi"),
+        ("bot", reply.choices[0].message.content),
+    ]
 
 
 def logged_as_recorded(request_log):

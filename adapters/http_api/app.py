@@ -193,6 +193,9 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             body = await group.body()
         except BaseException:
             group.cancel_handles()
+            if not streaming:  # the client gets an error, not the text written so far
+                for completion in group.completions:
+                    completion.shown = False
             raise
         finally:
             watcher.cancel()
@@ -210,8 +213,11 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             completion.stop_timers()
             live.discard(completion)
             metrics.record_reply(completion)
-            if config.log is not None:
-                config.log.record(completion.exchange(messages))
+            exchange = completion.exchange(messages)
+            # A reply cut before it showed anything (refused, failed, waited too long, cut
+            # before its first word) leaves the conversation as it was: nothing to keep.
+            if config.log is not None and (exchange.reply or not exchange.interrupted):
+                config.log.record(exchange)
 
     async def tokenize_route(request: Request) -> Response:
         authorize(request)
@@ -317,6 +323,8 @@ async def read_json(request: Request, limit: int) -> Any:
         raise ApiError(
             400, f"the request body is not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
         ) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON here: its arrays or objects nest too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body

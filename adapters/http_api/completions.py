@@ -258,6 +258,7 @@ class Completion:
     token_times: list[float] = field(default_factory=list)  # when each token reached the server's loop
     limits: dict[str, float] = field(default_factory=dict)  # the Interrupts' limits in seconds, by kind
     recorded: bool = False  # logged and counted (once, when the reply ended)
+    shown: bool = True  # False: an error response went out instead of the reply's text
     _timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
     @property
@@ -307,7 +308,8 @@ class Completion:
     def exchange(self, messages: list["Message"]) -> "Exchange":
         """What the conversation log keeps of this request: its messages and the reply as sent
         (marked interrupted when it did not end by itself: client gone, an error, the server
-        stopping). A reply that ended at a stop string the client asked for ended by itself."""
+        stopping; none of it when an error response went out instead). A reply that ended at
+        a stop string the client asked for ended by itself."""
         from chatcore.adapters.http_api.request_log import Exchange
 
         provenance = dict(self.handle.provenance)
@@ -316,7 +318,9 @@ class Completion:
         provenance.update(timings=timings, usage=self.usage(), finish_reason=self.finish_reason)
         if self.error is not None:
             provenance["error"] = self.error
-        return Exchange(list(messages), self.text, provenance, interrupted=self.finish_reason is None)
+        return Exchange(
+            list(messages), self.text if self.shown else "", provenance, interrupted=self.finish_reason is None
+        )
 
     @classmethod
     def submit(
@@ -426,12 +430,13 @@ def provenance_summary(provenance: dict[str, Any]) -> dict[str, Any]:
 
 def api_error(error: ChatcoreError, handle: "Handle") -> ApiError:
     """A reply's error as an HTTP error: one raised while the request was prepared (its options,
-    its messages against the context) is the client's, 400; a plugin or the model failing, 500."""
-    from chatcore.errors import PluginError
+    its messages against the context) or a setting that does not fit the model (whenever it is
+    found) is the client's, 400; a plugin or the model failing, 500."""
+    from chatcore.errors import OptionError, PluginError
 
     if isinstance(error, ApiError):
         return error
-    if handle.admitted is None and not isinstance(error, PluginError):
+    if isinstance(error, OptionError) or (handle.admitted is None and not isinstance(error, PluginError)):
         return ApiError(400, str(error))
     return ApiError(500, str(error), None, "generation_failed")
 

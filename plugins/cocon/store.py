@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatcore.api import ChatcoreError, ModelLoadError, vocabulary_sha256
+from chatcore.api import ModelLoadError, OptionError, vocabulary_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -25,8 +25,9 @@ CONFIG_FILE = "cocon_config.json"
 FINGERPRINT_KEYS = ("model_type", "n_layer", "n_embd", "n_head", "vocab_size", "tokenizer_sha256")
 
 
-class BlockMismatchError(ChatcoreError):
-    """A CoCon block trained for one base model was asked to run on another."""
+class BlockMismatchError(OptionError):
+    """A CoCon block trained for one base model was asked to run on another: a setting that
+    does not fit this model."""
 
 
 def bundled_dir() -> Path:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import NonNegativeInt, PositiveInt, model_validator
 
-from chatcore.api import ChatcoreError, OptionError, Settings, vocabulary_sha256
+from chatcore.api import OptionError, Settings, vocabulary_sha256
 
 if TYPE_CHECKING:
     import torch
@@ -35,8 +35,9 @@ HEADS_DIR = Path(__file__).with_name("heads")
 HEAD_FORMAT = "chatcore-discriminator/1"
 
 
-class DiscriminatorMismatchError(ChatcoreError):
-    """A discriminator head was trained for another model (hidden size, layers or tokenizer)."""
+class DiscriminatorMismatchError(OptionError):
+    """A discriminator head was trained for another model (hidden size, layers or tokenizer):
+    a setting that does not fit this model."""
 
 
 @dataclass
