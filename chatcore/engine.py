@@ -327,6 +327,9 @@ class Engine:
         """
         options = options or ReplyOptions()
         decoder = self.make_decoder(options.decoder, options.decoder_settings)
+        outside = sorted(t for t in getattr(decoder.settings, "logit_bias", None) or {} if t >= len(self.tokenizer))
+        if outside:  # the same line whichever entry point the bias came through
+            raise OptionError(f"`logit_bias` keys must be token ids below {len(self.tokenizer)}, got {outside[0]!r}")
         steerers = [self.make_steerer(name, settings) for name, settings in options.steerers]
         check_composition([type(steerer) for steerer in steerers])
         seen: dict[str, int] = {}

@@ -96,6 +96,14 @@ class Steerer(Configurable):
     # or reads hidden states (PPLM, CoCon, activation steering) keeps the default, and
     # its replies are decoded in a batch of their own.
     shares_batch: ClassVar[bool] = False
+    # Whether a reply with this steerer (one that does not share the batch) may run its step
+    # on the serving runner's worker thread, at the same time as the shared batch's pass
+    # through the same model, so that a slow step (PPLM's several passes) slows its own
+    # reply alone. True only for a steerer that changes the model in no way another thread
+    # could see (a forward hook must leave other threads' passes alone, as the ``vector``
+    # steerer's does) and keeps nothing shared with other replies' steps unguarded. With
+    # the default, the reply's step runs on the scheduler's thread and the batch waits for it.
+    runs_beside: ClassVar[bool] = False
     # What the steerer does to the model step, for the composition check
     # (:func:`check_composition`), which refuses a combination that can never work when
     # the steerers are chosen, before any message is sent:

@@ -59,6 +59,13 @@ class NegateAlone(Steerer):
         return negated
 
 
+class NegateBeside(NegateAlone):
+    """``negate``, declared safe to run on the runner's worker thread beside the batch's pass."""
+
+    name = "negate-beside"
+    runs_beside = True
+
+
 @dataclass
 class SlowSettings:
     seconds: float = 0.05
@@ -126,6 +133,8 @@ class ServingTestPlugin:
     def register_steerers(self, register: Callable[[type], None]) -> None:
         register(FailingShared)
         register(NegateAlone)
+        register(NegateBeside)
+        register(HeldBeside)
         register(Slow)
         register(Blocking)
 
@@ -183,3 +192,23 @@ class Blocking(Steerer):
             return step(state)
 
         return blocking
+
+
+class HeldBeside(Steerer):
+    """An eager steerer that runs beside the batch and waits at one step until the test opens
+    its gate: a slow step (as PPLM's) held exactly as long as the test needs."""
+
+    name = "held-beside"
+    Settings = BlockingSettings
+    runs_beside = True
+
+    def wrap(self, step: Step) -> Step:
+        held = step_gate(self.settings.gate)
+
+        def holding(state: StepState) -> StepOutput:
+            if state.step == self.settings.at_step:
+                held.entered.set()
+                held.release.wait(timeout=120)  # a failed test must not hang the suite
+            return step(state)
+
+        return holding

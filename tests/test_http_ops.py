@@ -20,7 +20,9 @@ import pytest
 from serving_steerers import step_gate
 
 from chatcore.engine import ReplyOptions
+from chatcore.errors import OptionError
 from chatcore.prompting import Message
+from chatcore.serving import Scheduler
 
 API_KEY = "ops-key"
 HI = [{"role": "user", "content": "hi"}]
@@ -231,6 +233,22 @@ def test_metrics_match_what_the_clients_saw(serving_engine):
     assert value("chatcore_scheduler_steps_total") > 0
 
 
+def test_every_route_the_app_serves_has_a_label_of_its_own(serving_engine):
+    """Only unknown paths are counted as ``other``."""
+    from starlette.routing import Route
+
+    from chatcore.adapters.http_api.app import build_app
+    from chatcore.adapters.http_api.metrics import route_of
+
+    with Scheduler(serving_engine) as scheduler:
+        paths = [route.path for route in build_app(scheduler).routes if isinstance(route, Route)]
+    assert "/v1/completions" in paths and "/tokenize" in paths
+    for path in paths:
+        expected = "/v1/models/{model}" if path.startswith("/v1/models/") else path
+        assert route_of(path.replace("{model:path}", "some-model")) == expected
+    assert route_of("/no/such/path") == "other"
+
+
 # -- 3. bounded waits ----------------------------------------------------------------------------
 def test_a_request_that_waits_past_max_queue_wait_gets_503_and_leaves_the_queue(serving_engine):
     with running(serving_engine, max_batch=1, max_queue_wait=0.01) as (scheduler, server, client):
@@ -396,6 +414,13 @@ def test_penalties_and_logit_bias_match_the_engine(engine, serving_engine):
     )
     assert biased.choices[0].message.content == banned.text()
     assert banned.token_ids[0] != first
+    # A token id outside the vocabulary is refused in the engine too (chat's /set, generate, eval).
+    vocabulary = len(engine.tokenizer)
+    outside = ReplyOptions(decoder="greedy", decoder_settings={"logit_bias": {vocabulary + 5: -100, 3: 1}})
+    with pytest.raises(
+        OptionError, match=rf"^`logit_bias` keys must be token ids below {vocabulary}, got {vocabulary + 5}$"
+    ):
+        engine.prepare_reply([Message("user", asked)], outside)
 
 
 @pytest.mark.parametrize(

@@ -228,10 +228,17 @@ def test_plugins_shows_the_models_recommended_sampling(run):
     assert "models' recommended sampling" not in run("plugins", "greedy").stdout
 
 
+def test_eval_names_the_topics_when_the_attribute_is_neither_a_topic_nor_a_file(run, tiny_model_dir):
+    line = one_line_failure(run("eval", "-m", str(tiny_model_dir), "--attribute", "nosuch", "--limit", "1"))
+    assert line.startswith("Error: --attribute: no topic or word file 'nosuch' (topics: ") and "food" in line
+
+
 # -- personas --------------------------------------------------------------------------------------
 def test_personas_are_saved_listed_used_and_removed(run, tiny_model_dir, data_home):
     assert "no personas yet" in run("personas").stdout
-    assert run("personas", "add", "pirate", "You are a pirate.  Say arr.").exit_code == 0
+    assert run("personas", "add", "pirate", "You are a pirate.").stdout.startswith("saved persona 'pirate' in ")
+    again = run("personas", "add", "pirate", "You are a pirate.  Say arr.")
+    assert again.exit_code == 0 and again.stdout.startswith("replaced persona 'pirate' in ")  # said, not silent
     assert (data_home / "personas" / "pirate.txt").read_text() == "You are a pirate. Say arr.\n"
     assert run("personas").stdout == "pirate  You are a pirate. Say arr.\n"
     (data_home / "personas" / "broken.txt").write_bytes(b"\xff\xfe\x00")

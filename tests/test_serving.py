@@ -111,8 +111,9 @@ def test_a_failing_steerer_fails_its_row_alone(serving_engine):
         list(bad.tokens())
 
 
-def test_steerers_that_cannot_share_are_decoded_beside_the_batch(serving_engine):
-    options = [ReplyOptions(decoder="greedy", max_new_tokens=8, steerers=[("negate", {})]), OPTIONS[1]]
+@pytest.mark.parametrize("steerer", ["negate", "negate-beside"])  # on the scheduler's thread, on the worker
+def test_steerers_that_cannot_share_are_decoded_beside_the_batch(serving_engine, steerer):
+    options = [ReplyOptions(decoder="greedy", max_new_tokens=8, steerers=[(steerer, {})]), OPTIONS[1]]
     expected = [alone(serving_engine, p, o) for p, o in zip(PROMPTS, options)]
     with Scheduler(serving_engine) as scheduler:
         handles = [scheduler.submit([Message("user", p)], o) for p, o in zip(PROMPTS, options)]
@@ -120,6 +121,31 @@ def test_steerers_that_cannot_share_are_decoded_beside_the_batch(serving_engine)
             assert handle.wait(60)
     assert [h.token_ids for h in handles] == expected
     assert len(scheduler.runner) == 0 and not scheduler.runner.batch.jobs
+
+
+def test_a_slow_eager_step_does_not_hold_the_batch_back(serving_engine):
+    """A reply whose steerer runs beside the batch (``runs_beside``) is stuck in one step; the
+    shared replies finish meanwhile, and the stuck one ends as it would alone once let go."""
+    from serving_steerers import step_gate
+
+    gate = step_gate("slow-eager-step")
+    held = ReplyOptions(
+        decoder="greedy", max_new_tokens=6, min_new_tokens=6, steerers=[("held-beside", {"gate": "slow-eager-step"})]
+    )
+    long = ReplyOptions(decoder="top-k", seed=7, max_new_tokens=30, min_new_tokens=30)
+    try:
+        with Scheduler(serving_engine) as scheduler:
+            shared = scheduler.submit([Message("user", PROMPTS[1])], long)
+            eager = scheduler.submit([Message("user", PROMPTS[0])], held)
+            assert gate.entered.wait(60)
+            assert shared.wait(60) and shared.finish_reason == "length" and len(shared.token_ids) == 30
+            assert eager.finish_reason is None  # still in its step
+            gate.release.set()
+            assert eager.wait(60)
+    finally:
+        gate.release.set()
+    assert shared.token_ids == alone(serving_engine, PROMPTS[1], long)
+    assert eager.error is None and eager.token_ids == alone(serving_engine, PROMPTS[0], held)
 
 
 def test_cancelling_frees_the_slot_at_once(serving_engine):

@@ -223,3 +223,28 @@ def test_a_compile_that_fails_leaves_the_step_uncompiled(llama_engine, monkeypat
     assert lines == ["fast path: compiling the decode step failed, running it uncompiled: no working C++ compiler"]
     step = idle_static_step(llama_engine.loaded.model, llama_engine.loaded.device)
     assert step is not None and not step.compiled and step.wanted_compiled
+
+
+def test_the_command_line_refuses_a_bad_setting_before_loading_a_model():
+    """One line, exit status 1, and neither torch nor a model loaded."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from chatcore.cli import main\n"
+        "try:\n"
+        "    main(['generate', '--model', 'chatcore-tiny', 'hi'])\n"
+        "except SystemExit as done:\n"
+        "    print('exit', done.code, 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, FAST_PATH_ENV: "bogus"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"Error: {FAST_PATH_ENV} must be one of auto, on, compile, off, got 'bogus'", "exit 1 False"]

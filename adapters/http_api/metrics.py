@@ -18,7 +18,16 @@ if TYPE_CHECKING:
     from chatcore.serving import Scheduler
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-ROUTES = ("/v1/chat/completions", "/v1/models", "/v1/plugins", "/health", "/metrics")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/plugins",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+)
 # Seconds: from a few milliseconds (chatcore-tiny on a GPU) to minutes (a large model on a busy CPU).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)

@@ -63,6 +63,13 @@ def cli() -> None:
     package is installed, else the bundled chatcore-tiny (`--model NAME` picks
     another; $CHATCORE_MODEL sets the default).
     """
+    from chatcore.errors import ChatcoreError
+    from chatcore.serving.fast_path_setting import fast_path_mode
+
+    try:  # refused before any model is loaded
+        fast_path_mode()
+    except ChatcoreError as error:
+        raise click.ClickException(str(error)) from None
 
 
 def build_cli() -> click.Group:

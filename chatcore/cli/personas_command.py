@@ -52,8 +52,11 @@ def add(name: str, text: str | None, text_file: str | None) -> None:
 
     if (text is None) == (text_file is None):
         raise OptionError('give the persona\'s text, or --file PATH: chatcore personas add NAME "TEXT"')
+    from chatcore.personas import persona_path
+
+    existed = persona_path(name).is_file()
     path = save_persona(name, text if text is not None else read_system_file(str(text_file)))
-    click.echo(f"saved persona {name!r} in {path}")
+    click.echo(f"{'replaced' if existed else 'saved'} persona {name!r} in {path}")
 
 
 @personas.command("rm")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 import chatcore
 from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
-from chatcore.errors import ChatcoreError
+from chatcore.errors import ChatcoreError, OptionError
 
 
 @click.command("eval")
@@ -136,6 +137,8 @@ def load_vocabulary(attribute: str) -> set[str]:
 
     if attribute in builtin_topics():
         return set(read_word_file(WORDLIST_DIR / f"{attribute}.txt"))
+    if not Path(attribute).expanduser().exists():
+        raise OptionError(f"--attribute: no topic or word file {attribute!r} (topics: {', '.join(builtin_topics())})")
     return set(read_word_file(attribute))
 
 

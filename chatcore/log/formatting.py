@@ -75,7 +75,7 @@ def message_notes(message: "MessageRecord") -> str:
         if decoder:
             notes.append(" + ".join([field_text(decoder), *steerers]))
         if message.token_count is not None:
-            notes.append(f"{message.token_count} tokens")
+            notes.append(f"{message.token_count} token{'' if message.token_count == 1 else 's'}")
         if message.latency_s is not None:
             notes.append(f"{message.latency_s:.2f} s")
         if message.seed is not None:

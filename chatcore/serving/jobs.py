@@ -64,6 +64,9 @@ class Job:
     banned: "torch.Tensor" = field(repr=False)  # likewise, the banned ids
     width: int  # the score rows' length ``stops`` and ``banned`` were filtered for
     shared: bool  # its rows run in the shared batch (else eagerly, with a cache of its own)
+    # An eager job whose steps may run on the runner's worker thread beside the batch's pass
+    # (every steerer declares ``runs_beside``).
+    beside: bool = False
     # What shapes a reply's scores, when the runner may process them stacked with other replies'
     # (see Runner._choose_plain): one row, row-wise processors, nothing noted per step; None else.
     lane: tuple[Any, ...] | None = None

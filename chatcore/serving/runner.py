@@ -22,9 +22,12 @@ Where a reply's rows run:
   hands it back instead of running the model.
 - **eagerly, beside it**: replies with a step steerer (PPLM, CoCon, activation steering
   ...), which re-runs the model, edits the cache or reads hidden states. Such a reply
-  keeps a cache of its own and its composed step runs the model once per step for its
-  rows, outside inference mode (PPLM takes gradients), without slowing the shared rows
-  by more than its own pass.
+  keeps a cache of its own and its composed step runs the model for its rows, outside
+  inference mode (PPLM takes gradients). While shared rows are decoding, each such step
+  runs on the runner's worker thread and the batch does not wait for it: the reply takes
+  its next token when its step is done, at the start of a later :meth:`Runner.step`, and
+  a slow step (PPLM's several passes) slows that reply alone. With no shared rows, its
+  steps run on the calling thread.
 
 Either way a reply's steerers see the same states (see :class:`chatcore.step.StepState`
 and docs/hooks.md, "What a steerer sees"): all the reply's rows, in their order, every
@@ -37,6 +40,7 @@ decoder at fault), except the shared pass failing, which ends every shared reply
 
 from __future__ import annotations
 
+import concurrent.futures
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -70,7 +74,8 @@ class Runner:
     """Decodes jobs: the shared batch and the eager replies beside it, one step at a time.
 
     Not thread-safe: one thread adds jobs and calls :meth:`step` (the scheduler's, or the
-    caller's for a reply decoded on its own).
+    caller's for a reply decoded on its own). The runner's own worker thread runs eager
+    replies' steps beside the batch; their results are taken on the calling thread.
     """
 
     def __init__(
@@ -96,6 +101,8 @@ class Runner:
         self.steps = 0  # forward passes of the shared batch (for tests and benchmarks)
         self.width = scores_width(self.model)
         self.packed_prefills = 0  # passes that read several prompts at once (for tests and benchmarks)
+        self._eager: dict[Job, concurrent.futures.Future[tuple[StepOutput, torch.Tensor]]] = {}  # steps under way
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -152,6 +159,7 @@ class Runner:
             banned=within(session.banned_token_ids, self.width, device),
             width=self.width,
             shared=self._shareable(session),
+            beside=all(steerer.runs_beside for steerer in session.steerers),
             stop_set=session.stop_ids,
             length=len(prompt),
             prompt_length=len(prompt),
@@ -219,6 +227,7 @@ class Runner:
         import torch
 
         self.drop_cancelled()
+        self._take_eager(wait=False)
         if self.batch.jobs:
             try:
                 with torch.inference_mode():
@@ -238,16 +247,23 @@ class Runner:
         except Exception as error:  # the device failed: every reply waiting on it ends with the error
             self._fail(chosen, error)
             chosen, host = {}, {}
+        beside = any(job.shared for job in self.jobs)  # a batch that must not wait for eager steps
+        while self._eager and not beside:  # no batch: eager steps run here again, one at a time
+            self._take_eager(wait=True)
         for job in list(self.jobs):
-            if job not in self.jobs:  # ended with the shared pass
+            if job not in self.jobs or job in self._eager:  # ended with the shared pass; its step under way
                 continue
             try:
                 if job in chosen:
                     self._take(job, chosen[job], host[job])
+                elif beside and job.beside and not job.shared:
+                    self._start_eager(job)
                 else:
                     self._advance(job)
             except Exception as error:
                 self._end(job, "error", self._blame(job, error))
+        if self._eager and not any(job.shared for job in self.jobs):
+            self._take_eager(wait=True)  # nothing else to run: wait for a step under way
 
     def _fail(self, jobs: Iterable[Job], error: Exception) -> None:
         """End ``jobs`` with the error of a pass they all depended on."""
@@ -331,6 +347,41 @@ class Runner:
         if job.generated == 1 and job in self.jobs:  # still writing: it joins the batch
             self.batch.join(job, job.cache)
             job.cache = None
+
+    def _start_eager(self, job: Job) -> None:
+        """Run the eager job's next step on the worker thread (see :meth:`_take_eager`)."""
+        import torch
+
+        state = self._state(job)
+
+        def run() -> tuple[StepOutput, torch.Tensor]:
+            with torch.no_grad():  # not inference mode: its steerers may take gradients (PPLM)
+                output = job.step(state)
+                return output, self._choose(job, output.logits)
+
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chatcore-eager")
+        self._eager[job] = self._worker.submit(run)
+
+    def _take_eager(self, wait: bool) -> None:
+        """Record the tokens of the eager steps that are done (with ``wait``, once one is).
+        A job that ended meanwhile (cancelled) has its step's result dropped."""
+        if not self._eager:
+            return
+        if wait:
+            concurrent.futures.wait(list(self._eager.values()), return_when=concurrent.futures.FIRST_COMPLETED)
+        for job, future in list(self._eager.items()):
+            if not future.done():
+                continue
+            del self._eager[job]
+            if job not in self.jobs:
+                continue
+            try:
+                output, tokens = future.result()
+                job.cache = output.cache
+                self._record(job, tokens)
+            except Exception as error:
+                self._end(job, "error", self._blame(job, error))
 
     def drop_cancelled(self) -> None:
         for job in [job for job in self.jobs if job.sink.cancelled]:

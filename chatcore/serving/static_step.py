@@ -41,7 +41,6 @@ each captured graph; the first replies of a process wait for the compilation), `
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -50,6 +49,9 @@ from typing import TYPE_CHECKING, Any
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from chatcore.errors import ChatcoreError
+from chatcore.serving.fast_path_setting import FAST_PATH_ENV as FAST_PATH_ENV
+from chatcore.serving.fast_path_setting import FAST_PATH_MODES as FAST_PATH_MODES
+from chatcore.serving.fast_path_setting import fast_path_mode
 
 if TYPE_CHECKING:
     import torch
@@ -59,18 +61,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
-FAST_PATH_ENV = "CHATCORE_FAST_PATH"
-FAST_PATH_MODES = ("auto", "on", "compile", "off")
 # Attention implementations that honour a 4-D additive mask (flash attention reads lengths instead).
 MASKED_ATTENTION = ("sdpa", "eager")
-
-
-def fast_path_mode() -> str:
-    """The ``CHATCORE_FAST_PATH`` setting; a bad value is refused in one line."""
-    mode = os.environ.get(FAST_PATH_ENV, "auto").strip().lower() or "auto"
-    if mode not in FAST_PATH_MODES:
-        raise ChatcoreError(f"{FAST_PATH_ENV} must be one of {', '.join(FAST_PATH_MODES)}, got {mode!r}")
-    return mode
 
 
 def bucket_for(rows: int) -> int | None:

@@ -87,6 +87,7 @@ def block_default_tau(info: dict[str, Any]) -> float:
 
 
 class CoconSteerer(Steerer):
+    runs_beside = True  # runs the model's blocks itself, on a cache of its own
     name = "cocon"
     description = (
         "steers replies towards content texts with a trained CoCon block (`content`, `tau`); "

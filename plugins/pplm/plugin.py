@@ -68,6 +68,7 @@ class PPLMSettings(PerturbConfig):
 
 
 class PPLMSteerer(Steerer):
+    runs_beside = True  # its passes and gradients use its own cache and perturbations only
     name = "pplm"
     description = "gradient steps on the key/value cache towards a bag of words or a discriminator class (PPLM)"
     Settings = PPLMSettings

@@ -92,6 +92,7 @@ class Prepared:
 
 
 class VectorSteerer(Steerer):
+    runs_beside = True  # its hook edits only the passes of the thread that runs its step
     name = "vector"
     description = (
         "adds a steering vector (contrast pairs' mean difference) to the residual stream, "
