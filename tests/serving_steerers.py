@@ -194,21 +194,11 @@ class Blocking(Steerer):
         return blocking
 
 
-class HeldBeside(Steerer):
-    """An eager steerer that runs beside the batch and waits at one step until the test opens
-    its gate: a slow step (as PPLM's) held exactly as long as the test needs."""
+class HeldBeside(Blocking):
+    """``blocking`` as an eager steerer that runs beside the batch (``runs_beside``): its step
+    waits at one step on the runner's worker thread, a slow step (as PPLM's) held exactly as
+    long as the test needs, while the scheduler's thread goes on."""
 
     name = "held-beside"
-    Settings = BlockingSettings
+    shares_batch = False
     runs_beside = True
-
-    def wrap(self, step: Step) -> Step:
-        held = step_gate(self.settings.gate)
-
-        def holding(state: StepState) -> StepOutput:
-            if state.step == self.settings.at_step:
-                held.entered.set()
-                held.release.wait(timeout=120)  # a failed test must not hang the suite
-            return step(state)
-
-        return holding
