@@ -12,6 +12,7 @@ from chatcore.errors import ChatcoreError
 from chatcore.prompting import Message
 from chatcore.serving import Scheduler
 from chatcore.serving.static_step import (
+    COMPILING,
     FAST_PATH_ENV,
     bucket_for,
     fast_path_on,
@@ -220,7 +221,10 @@ def test_a_compile_that_fails_leaves_the_step_uncompiled(llama_engine, monkeypat
         response.text()
     assert response.token_ids == expected
     lines = [record.getMessage() for record in caplog.records if record.name == "chatcore.serving.static_step"]
-    assert lines == ["fast path: compiling the decode step failed, running it uncompiled: no working C++ compiler"]
+    assert lines == [
+        COMPILING,
+        "fast path: compiling the decode step failed, running it uncompiled: no working C++ compiler",
+    ]
     step = idle_static_step(llama_engine.loaded.model, llama_engine.loaded.device)
     assert step is not None and not step.compiled and step.wanted_compiled
 

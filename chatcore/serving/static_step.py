@@ -61,6 +61,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
+COMPILING = (
+    "fast path: compiling the decode step (CHATCORE_FAST_PATH=compile); "
+    "the first replies wait for it: seconds for a small model, a minute or more for a large one"
+)
 # Attention implementations that honour a 4-D additive mask (flash attention reads lengths instead).
 MASKED_ATTENTION = ("sdpa", "eager")
 
@@ -237,6 +241,7 @@ class StaticStep:
         if self._pass is None:
             import torch
 
+            log.warning(COMPILING)  # the first replies wait for it: say why
             self._pass = torch.compile(self.model, dynamic=None, fullgraph=False)
         return self._pass
 
