@@ -204,9 +204,18 @@ class Engine:
         :func:`validate_options` checks, then each steerer's setup on this engine's model (a
         layer the model lacks, a block that does not fit it). Nothing is decoded or logged."""
         validate_options(options, self.registry, self.host)
-        self.make_decoder(options.decoder, options.decoder_settings)
+        self.checked_decoder(options)
         for name, settings in options.steerers:
             self.make_steerer(name, settings)
+
+    def checked_decoder(self, options: ReplyOptions) -> Decoder:
+        """The options' decoder, its settings checked against this model too: a ``logit_bias``
+        key outside the vocabulary is refused in one line, whichever entry point it came through."""
+        decoder = self.make_decoder(options.decoder, options.decoder_settings)
+        outside = sorted(t for t in getattr(decoder.settings, "logit_bias", None) or {} if t >= len(self.tokenizer))
+        if outside:
+            raise OptionError(f"`logit_bias` keys must be token ids below {len(self.tokenizer)}, got {outside[0]!r}")
+        return decoder
 
     def options_for(self, options: ReplyOptions | None = None, **overrides: Any) -> ReplyOptions:
         """``options`` (default: the defaults) with ``overrides`` applied, as :meth:`respond` reads them."""
@@ -326,10 +335,7 @@ class Engine:
         the same prompt, seed and provenance whichever of them decodes it.
         """
         options = options or ReplyOptions()
-        decoder = self.make_decoder(options.decoder, options.decoder_settings)
-        outside = sorted(t for t in getattr(decoder.settings, "logit_bias", None) or {} if t >= len(self.tokenizer))
-        if outside:  # the same line whichever entry point the bias came through
-            raise OptionError(f"`logit_bias` keys must be token ids below {len(self.tokenizer)}, got {outside[0]!r}")
+        decoder = self.checked_decoder(options)
         steerers = [self.make_steerer(name, settings) for name, settings in options.steerers]
         check_composition([type(steerer) for steerer in steerers])
         seen: dict[str, int] = {}

@@ -219,6 +219,12 @@ def test_every_slash_command(state, store):
 
     assert command("/max 3").output == "max new tokens: 3 from the next reply on" and state.options.max_new_tokens == 3
     assert "temperature=0.6" in command("/set temperature=0.6").output  # tests/test_newcomer_cli.py has the rest
+    vocabulary = len(state.engine.tokenizer)
+    assert_one_line_error(
+        command(f"/set 'logit_bias={{\"{vocabulary + 1}\": -100}}'"),
+        f"`logit_bias` keys must be token ids below {vocabulary}, got {vocabulary + 1}",
+    )
+    assert "logit_bias" not in state.options.decoder_settings  # refused when set, not at the next reply
 
     assert "multi-line on" in command("/multi").output and state.multiline
     assert "multi-line off" in command("/multi").output and not state.multiline
