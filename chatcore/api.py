@@ -47,10 +47,12 @@ from chatcore.models import (
     DEFAULT_REVERSE_MODEL,
     LoadedModel,
     bundled_reverse_models,
+    cache_holding,
     cache_keyword,
     load_model,
     load_tokenizer,
     output_cache,
+    plain_cache,
 )
 from chatcore.options import Settings
 from chatcore.processors import ScoreProcessor, min_p, temperature, top_k, top_p
@@ -109,6 +111,7 @@ __all__ = [
     "anatomy_of",
     "builtin_topics",
     "bundled_reverse_models",
+    "cache_holding",
     "cache_keyword",
     "check_word_sources",
     "choose_format",
@@ -122,6 +125,7 @@ __all__ = [
     "min_p",
     "model_step",
     "output_cache",
+    "plain_cache",
     "read_word_file",
     "scripted_messages",
     "special_token_texts",

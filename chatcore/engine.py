@@ -212,9 +212,9 @@ class Engine:
         """The options' decoder, its settings checked against this model too: a ``logit_bias``
         key outside the vocabulary is refused in one line, whichever entry point it came through."""
         decoder = self.make_decoder(options.decoder, options.decoder_settings)
-        outside = sorted(t for t in getattr(decoder.settings, "logit_bias", None) or {} if t >= len(self.tokenizer))
+        outside = [t for t in getattr(decoder.settings, "logit_bias", None) or {} if t >= len(self.tokenizer)]
         if outside:
-            raise OptionError(f"`logit_bias` keys must be token ids below {len(self.tokenizer)}, got {outside[0]!r}")
+            raise OptionError(f"`logit_bias` keys must be token ids below {len(self.tokenizer)}, got {min(outside)!r}")
         return decoder
 
     def options_for(self, options: ReplyOptions | None = None, **overrides: Any) -> ReplyOptions:

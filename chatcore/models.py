@@ -7,7 +7,7 @@ import functools
 import importlib.util
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -359,3 +359,28 @@ def output_cache(output: Any) -> Any:
     """The key/value cache a model's forward returned, under either name."""
     cache = output.get(CACHE) if hasattr(output, "get") else getattr(output, CACHE, None)
     return cache if cache is not None else getattr(output, LEGACY_CACHE, None)
+
+
+def plain_cache(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is a plain growing key/value cache (no sliding window,
+    no recurrent state): such caches can be stacked, and rebuilt from their tensors alone."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def cache_holding(layers: "Sequence[tuple[torch.Tensor, torch.Tensor]]", config: Any) -> Any:
+    """A new DynamicCache for a model of ``config`` whose first layers hold ``layers`` (keys,
+    values), not copied: a pass extends it with new tensors, so the given ones never change
+    and may serve several caches."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache(config=config)
+    for index, (keys, values) in enumerate(layers):
+        layer = cache.layers[index] if index < len(cache.layers) else None
+        if type(layer) is DynamicLayer:
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        else:  # a layer made as it is first written, or one of another kind
+            cache.update(keys, values, index)
+    return cache

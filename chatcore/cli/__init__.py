@@ -64,7 +64,7 @@ def cli() -> None:
     another; $CHATCORE_MODEL sets the default).
     """
     from chatcore.errors import ChatcoreError
-    from chatcore.serving.fast_path_setting import fast_path_mode
+    from chatcore.fast_path_setting import fast_path_mode
 
     try:  # refused before any model is loaded
         fast_path_mode()

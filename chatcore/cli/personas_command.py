@@ -47,13 +47,11 @@ def show(name: str) -> None:
 def add(name: str, text: str | None, text_file: str | None) -> None:
     """Save TEXT (or --file's text) as persona NAME, replacing one of that name."""
     from chatcore.errors import OptionError
-    from chatcore.personas import save_persona
+    from chatcore.personas import persona_path, save_persona
     from chatcore.prompting import read_system_file
 
     if (text is None) == (text_file is None):
         raise OptionError('give the persona\'s text, or --file PATH: chatcore personas add NAME "TEXT"')
-    from chatcore.personas import persona_path
-
     existed = persona_path(name).is_file()
     path = save_persona(name, text if text is not None else read_system_file(str(text_file)))
     click.echo(f"{'replaced' if existed else 'saved'} persona {name!r} in {path}")

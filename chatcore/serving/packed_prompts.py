@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from chatcore.models import output_cache
-from chatcore.serving.prefix_cache import cache_from_layers
+from chatcore.models import cache_holding, output_cache
 
 if TYPE_CHECKING:
     import torch
@@ -55,9 +54,9 @@ def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["t
             )
             for index in range(layer_count)
         ]
-        cache = cache_from_layers(joined, model.config)
+        cache = cache_holding(joined, model.config)
     else:
-        cache = cache_from_layers([], model.config)
+        cache = cache_holding([], model.config)
     ends = torch.tensor(new, device=device).cumsum(0) - 1
     # Long cached prefixes: each prompt's attention over its own keys only (see packed_plan).
     with torch.inference_mode(), packed_pass(model, packed_plan(past, new)) as extra:
@@ -82,7 +81,7 @@ def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["t
                 keys = torch.cat([layers[index][0], keys], dim=2)
                 values = torch.cat([layers[index][1], values], dim=2)
             own.append((keys, values))
-        caches.append(cache_from_layers(own, model.config))
+        caches.append(cache_holding(own, model.config))
         past_start += length
         new_start += count
     return output.logits[0].float(), caches

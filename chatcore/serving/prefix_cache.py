@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -217,13 +217,3 @@ class PrefixCache:
     def clear(self) -> None:
         self.root = _Node((), [], None)
         self.used = self.nodes = self.tokens = 0
-
-
-def cache_from_layers(layers: Layers, config: Any) -> Any:
-    """A DynamicCache holding ``layers`` (new tensors are concatenated, the given ones never changed)."""
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache(config=config)
-    for index, (keys, values) in enumerate(layers):
-        cache.update(keys, values, index)
-    return cache

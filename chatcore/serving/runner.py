@@ -47,13 +47,13 @@ from typing import TYPE_CHECKING, Any
 
 from chatcore.decoding import Sampled, restrict_scores, within
 from chatcore.errors import ChatcoreError
-from chatcore.models import output_cache
+from chatcore.models import cache_holding, output_cache, plain_cache
 from chatcore.processors import chain, rowwise_signature
 from chatcore.serving.jobs import Faults, Job, PlainFaults, Sink
 from chatcore.serving.logprobs import chosen_logprobs
 from chatcore.serving.packed_prompts import packed_prompts
-from chatcore.serving.prefix_cache import PrefixCache, cache_from_layers, common_length
-from chatcore.serving.shared_batch import SharedBatch, mergeable_cache
+from chatcore.serving.prefix_cache import PrefixCache, common_length
+from chatcore.serving.shared_batch import SharedBatch
 from chatcore.steering import compose
 from chatcore.step import Step, StepOutput, StepState, model_step
 
@@ -192,7 +192,7 @@ class Runner:
             ids = torch.tensor([[self.loaded.eos_token_id]], device=self.device)
             with torch.inference_mode():
                 output = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
-            self._can_merge = _MERGEABLE[self.model] = mergeable_cache(output_cache(output))
+            self._can_merge = _MERGEABLE[self.model] = plain_cache(output_cache(output))
         return self._can_merge
 
     def _inner(self, job: Job) -> Step:
@@ -350,18 +350,10 @@ class Runner:
 
     def _start_eager(self, job: Job) -> None:
         """Run the eager job's next step on the worker thread (see :meth:`_take_eager`)."""
-        import torch
-
-        state = self._state(job)
-
-        def run() -> tuple[StepOutput, torch.Tensor]:
-            with torch.no_grad():  # not inference mode: its steerers may take gradients (PPLM)
-                output = job.step(state)
-                return output, self._choose(job, output.logits)
 
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chatcore-eager")
-        self._eager[job] = self._worker.submit(run)
+        self._eager[job] = self._worker.submit(self._stepped, job, self._state(job))
 
     def _take_eager(self, wait: bool) -> None:
         """Record the tokens of the eager steps that are done (with ``wait``, once one is).
@@ -377,9 +369,7 @@ class Runner:
             if job not in self.jobs:
                 continue
             try:
-                output, tokens = future.result()
-                job.cache = output.cache
-                self._record(job, tokens)
+                self._apply(job, *future.result())
             except Exception as error:
                 self._end(job, "error", self._blame(job, error))
 
@@ -399,7 +389,6 @@ class Runner:
         return failure
 
     def _advance(self, job: Job) -> None:
-        import torch
 
         if job in self._deferred:  # its prompt runs next step, after the one it shares a history with
             return
@@ -408,30 +397,27 @@ class Runner:
                 self._reuse_prefix(job)
             if self._prefill_chunk(job):
                 return
-        if job.shared_logits is not None and not job.session.steerers:
-            # A shared reply with no steerer: its rows of the batch's pass (or of the prompts'
-            # pass, at step 0) are its scores.
-            with torch.inference_mode():
-                tokens = self._choose(job, job.shared_logits)
-            self._take(job, tokens)
-            return
-        state = self._state(job)
+        self._apply(job, *self._stepped(job, self._state(job)))
+
+    def _stepped(self, job: Job, state: StepState) -> tuple[StepOutput, "torch.Tensor"]:
+        """The job's composed step on ``state`` and the tokens chosen from it (on whichever
+        thread runs it: see :meth:`_start_eager`)."""
+        import torch
+
         # Shared jobs run in inference mode like the batch; an eager job's steerers may take
         # gradients (PPLM), so its tensors must be ordinary ones.
-        mode = torch.inference_mode() if job.shared else torch.no_grad()
-        with mode:
+        with torch.inference_mode() if job.shared else torch.no_grad():
             output = job.step(state)
-            tokens = self._choose(job, output.logits)
-        if not job.shared:
+            return output, self._choose(job, output.logits)
+
+    def _apply(self, job: Job, output: StepOutput, tokens: "torch.Tensor") -> None:
+        """Record the tokens of the job's own step: a shared job's as :meth:`_take` does, an
+        eager job's with the cache its step returned."""
+        if job.shared:
+            self._take(job, tokens)
+        else:
             job.cache = output.cache
-        elif job.generated == 0:
-            job.cached = job.prompt_length
-            self._keep_prompt(job)
-        self._record(job, tokens)
-        if job.generated == 1 and job.shared and job in self.jobs:  # still writing: it joins the batch
-            self.batch.join(job, job.cache)
-            job.cache = None
-        job.shared_logits = None
+            self._record(job, tokens)
 
     def _prefill_together(self) -> None:
         """Run the prompts of the shared replies that start now in one packed forward pass.
@@ -511,7 +497,7 @@ class Runner:
         job.provenance["prefix_cached_tokens"] = reused
         if layers is not None:
             job.prefilled = reused
-            job.cache = cache_from_layers(layers, self.model.config)
+            job.cache = cache_holding(layers, self.model.config)
 
     def _keep_prompt(self, job: Job) -> None:
         """Store a shared job's prompt in the prefix cache once it has run (see _reuse_prefix)."""

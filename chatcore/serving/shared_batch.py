@@ -109,11 +109,3 @@ class SharedBatch:
         for job in self.jobs:
             job.cached += 1
         return logits
-
-
-def mergeable_cache(cache: Any) -> bool:
-    """Whether rows' caches can be padded and stacked: every layer a plain growing
-    key/value cache (no sliding window, no recurrent state)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)

@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING, Any
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from chatcore.errors import ChatcoreError
-from chatcore.serving.fast_path_setting import FAST_PATH_ENV as FAST_PATH_ENV
-from chatcore.serving.fast_path_setting import FAST_PATH_MODES as FAST_PATH_MODES
-from chatcore.serving.fast_path_setting import fast_path_mode
+from chatcore.fast_path_setting import FAST_PATH_ENV as FAST_PATH_ENV
+from chatcore.fast_path_setting import FAST_PATH_MODES as FAST_PATH_MODES
+from chatcore.fast_path_setting import fast_path_mode
 
 if TYPE_CHECKING:
     import torch

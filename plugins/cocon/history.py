@@ -17,12 +17,12 @@ Shapes: B rows, L window positions, q = hs - 1 history positions, C width, H hea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from chatcore.api import BlockInputs
+from chatcore.api import cache_holding, plain_cache
 
 from .model_split import SplitModel
 
@@ -33,37 +33,15 @@ class History:
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     length: int  # q
-    inputs: dict[int, BlockInputs] = field(default_factory=dict)  # masks and rotary after it, by new positions
 
-    def rows(self, index: torch.Tensor | slice) -> History:
-        """The history of some rows (an index tensor or a slice), in that order."""
-        return History([(keys[index], values[index]) for keys, values in self.layers], self.length)
+    def first(self, rows: int) -> History:
+        """The history of the first ``rows`` rows."""
+        return History([(keys[:rows], values[:rows]) for keys, values in self.layers], self.length)
 
     def cache(self, split: SplitModel) -> Any:
         """A fresh cache holding the history: passes extend it with new tensors, so the
         history itself is never changed and serves every pass of the batch."""
-        return holding(split, self.layers)
-
-
-def holding(split: SplitModel, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """A new cache whose first ``len(layers)`` layers hold these keys and values, as they are."""
-    cache = split.new_cache()
-    if len(cache.layers) < len(layers):  # layers made as they are first written
-        for layer, (keys, values) in enumerate(layers):
-            cache.update(keys, values, layer)
-        return cache
-    for layer, (keys, values) in zip(cache.layers, layers):
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values  # not copied
-    return cache
-
-
-def plain_layers(cache: Any) -> bool:
-    """Whether every layer of ``cache`` just concatenates (no sliding window, no quantization):
-    such a cache can be rebuilt from its tensors alone."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+        return cache_holding(self.layers, split.config)
 
 
 @torch.no_grad()
@@ -75,16 +53,15 @@ def read_history(
     the model's cache cannot be rebuilt from its tensors: then every pass reads the whole window)."""
     B, L = input_ids.shape
     q = history_length - 1
-    if q < 1 or q >= L or not plain_layers(split.new_cache()):
+    if q < 1 or q >= L or not plain_cache(split.new_cache()):
         return split.hidden_at_split(input_ids), None
     positions = torch.arange(L, device=input_ids.device).expand(B, L)
     cache = split.new_cache()
     embeddings = split.embed(positions, input_ids=input_ids)
     alpha_hidden = split.alpha(embeddings, split.pass_inputs(embeddings, positions, cache=cache))  # (B, L, C)
     # alpha's layers over the history's positions, then beta's written after them
-    cache = holding(
-        split, [(layer.keys[:, :, :q], layer.values[:, :, :q]) for layer in cache.layers[: split.split_layer]]
-    )
+    alpha_layers = [(layer.keys[:, :, :q], layer.values[:, :, :q]) for layer in cache.layers[: split.split_layer]]
+    cache = cache_holding(alpha_layers, split.config)
     before = alpha_hidden[:, :q]
     inputs = split.pass_inputs(before, positions[:, :q])  # masks for q positions after none
     split.anatomy.run_blocks(before, range(split.split_layer, split.n_layer), replace(inputs, cache=cache))
@@ -93,11 +70,7 @@ def read_history(
 
 def beta_after_history(split: SplitModel, hidden: torch.Tensor, history: History) -> torch.Tensor:
     """LM-beta and the final norm over the positions right after the history: (B, T, C)
-    at positions [q, q + T) -> (B, T, C). Passes of the same length share their masks."""
+    at positions [q, q + T) -> (B, T, C)."""
     B, T, _ = hidden.shape
-    cache = history.cache(split)
-    inputs = history.inputs.get(T)
-    if inputs is None:
-        positions = torch.arange(history.length, history.length + T, device=hidden.device).expand(B, T)
-        inputs = history.inputs[T] = split.pass_inputs(hidden, positions, cache=cache)
-    return split.beta(hidden, replace(inputs, cache=cache))
+    positions = torch.arange(history.length, history.length + T, device=hidden.device).expand(B, T)
+    return split.beta(hidden, split.pass_inputs(hidden, positions, cache=history.cache(split)))

@@ -303,7 +303,7 @@ class CoconLosses:
         # then holds the generation after row i - 1's history with its own content.
         read = None
         if history is not None:
-            history = history.rows(slice(0, rows))
+            history = history.first(rows)
             read = (alpha_hidden[:, : history.length], history)
         embeddings, steered = self.generate_soft(
             windows[:, :hs], keys.roll(-1, dims=0), values.roll(-1, dims=0), config.cycle_tokens, read
