@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from chatcore.adapters.repl.completion import completions, toolbar_text
+from chatcore.adapters.repl.line_guard import LineGuard
 from chatcore.adapters.repl.slash_commands import Outcome, handle_line
 from chatcore.errors import ChatcoreError
 from chatcore.log.formatting import display_safe
@@ -381,33 +382,25 @@ def prompt_toolkit_reader(
         # Even in multi-line mode a one-line slash command runs on Enter (/multi, /quit).
         event.current_buffer.validate_and_handle()
 
-    # A paste that makes the line longer than the chat accepts is not inserted (laying
-    # out 100,000 characters on every redraw froze the terminal for minutes): what
-    # follows is counted and dropped until Enter, which reports the length.
-    dropped = [0]
-    overflowing = Condition(lambda: dropped[0] > 0)
+    # A line longer than the chat accepts is never laid out in the input (see LineGuard).
+    guard = LineGuard(fits_a_line)
+    overflowing = Condition(lambda: guard.overflowing)
 
     @bindings.add(Keys.BracketedPaste)
     def _paste(event: Any) -> None:
         data = event.data.replace("\r\n", "\n").replace("\r", "\n")
-        if dropped[0] or not fits_a_line(event.current_buffer.text + data):
-            dropped[0] += len(data)
-        else:
-            event.current_buffer.insert_text(data)
+        event.current_buffer.document = guard.paste(event.current_buffer.document, data)
 
     @bindings.add(Keys.Vt100MouseEvent, eager=True)
     def _not_a_mouse(event: Any) -> None:
         # The chat never turns mouse reporting on, so a "mouse event" is text that an
         # unmarked paste brought in (coloured text: ESC [ 3 1 m). It is kept as typed; the
         # message's cleaning removes the escape sequences when it is sent.
-        if dropped[0] or not fits_a_line(event.current_buffer.text + event.data):
-            dropped[0] += len(event.data)
-        else:
-            event.current_buffer.insert_text(event.data)
+        event.current_buffer.document = guard.paste(event.current_buffer.document, event.data)
 
     @bindings.add(Keys.Any, filter=overflowing)
     def _drop(event: Any) -> None:
-        dropped[0] += len(event.data)
+        guard.typed(event.data)
 
     @bindings.add("c-c", filter=overflowing)
     def _clear(event: Any) -> None:
@@ -417,17 +410,16 @@ def prompt_toolkit_reader(
     @bindings.add("escape", "enter", filter=overflowing)
     def _refuse(event: Any) -> None:
         text = event.current_buffer.text
-        limit, kind = longest_line(text)
-        length = len(text) + dropped[0]
+        limit, kind = longest_line(guard.start(text))
         event.app.exit(
             exception=InputTooLong(
-                f"the {kind} is {length:,} characters long; the limit is {limit:,}; nothing was sent"
+                f"the {kind} is {guard.length(text):,} characters long; the limit is {limit:,}; nothing was sent"
             )
         )
 
     def toolbar() -> str:
-        if dropped[0]:
-            return f"too long: {len(session.default_buffer.text) + dropped[0]:,} characters; Enter drops it"
+        if guard.overflowing:
+            return f"too long: {guard.length(session.default_buffer.text):,} characters; Enter drops it"
         return toolbar_text(state)
 
     session: Any = PromptSession(
@@ -443,7 +435,7 @@ def prompt_toolkit_reader(
     )
 
     def read_line() -> str:
-        dropped[0] = 0
+        guard.reset()
         return str(session.prompt(PROMPT))
 
     return read_line
