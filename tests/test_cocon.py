@@ -853,6 +853,40 @@ def test_cached_cocon_steps_equal_a_full_recompute_on_every_family(family_model)
     torch.testing.assert_close(torch.stack(cached, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
+def test_the_cycle_generation_reads_its_tokens_states_as_constants(family_model):
+    """As in the paper's training, each generated token's LM-alpha states are read by the next
+    step without gradients (no backward through LM-alpha per generated token); the soft
+    embeddings themselves keep theirs, and the block's weights get the cycle loss's gradient."""
+    from chatcore.plugins.cocon.losses import CoconLosses
+    from chatcore.plugins.cocon.training import CoconTrainConfig
+
+    model = copy.deepcopy(family_model.model).requires_grad_(False)  # frozen, as in training
+    split = SplitModel(model, 1)
+    block = random_block(split.n_embd, split.n_head, 1).eval()
+    config = CoconTrainConfig(out_dir="unused", history_tokens=6, continuation_tokens=4, cycle_tokens=3)
+    losses = CoconLosses(CoconPipeline(split, block), config)
+    alpha_outputs: list[bool] = []
+    handle = split.anatomy.block(0).register_forward_hook(
+        lambda module, args, output: alpha_outputs.append(
+            (output[0] if isinstance(output, tuple) else output).requires_grad
+        )
+    )
+    try:
+        with torch.enable_grad():
+            ids = torch.randint(5, 400, (2, 6), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                content = split.hidden_at_split(ids[:, :3])
+            alpha_outputs.clear()
+            keys, values = block.content_keys_values(content)
+            embeddings, steered = losses.generate_soft(ids, keys, values, 3)
+    finally:
+        handle.remove()
+    assert alpha_outputs == [False, False, False]  # the history (no gradient there), then 2 fed-back tokens
+    assert embeddings.requires_grad and steered.requires_grad
+    embeddings.square().sum().backward()
+    assert block.sequence_qkv.weight.grad is not None and block.sequence_qkv.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("plain_target", [0.0, 0.3])
 def test_the_history_read_once_gives_the_losses_and_gradients_of_whole_windows(family_model, plain_target, monkeypatch):
     """Every training pass reads the batch's history from one cache (LM-beta runs over the

@@ -228,8 +228,14 @@ class CoconLosses:
         read: tuple[torch.Tensor, History] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Continue ``history_ids`` (B, hs) for ``tokens`` steps with the content, feeding back
-        the expected embedding under each step's distribution (differentiable), through the
-        same cached steps as in chat.
+        the expected embedding under each step's distribution, through the same cached steps
+        as in chat.
+
+        The embeddings are differentiable (the reconstruction reads them); the next step's
+        LM-alpha reads each as a constant, as the paper's training does (it detaches the
+        generated tokens' states before the block reads them), so no gradient runs back
+        through LM-alpha's layers at every generated token. The block and LM-beta keep
+        theirs, through the steps' caches.
 
         read: LM-alpha's states (B, hs - 1, C) and the model's keys/values (a History) of the
         first hs - 1 positions, already computed: only the last history token is run then.
@@ -273,7 +279,13 @@ class CoconLosses:
                 break
             position = torch.full((B, 1), hs + t, device=device)
             output = self.pipeline.forward(
-                key_valid[:, : hs + t + 1], position, hs, content, inputs_embeds=embedding, cache=output.cache
+                key_valid[:, : hs + t + 1],
+                position,
+                hs,
+                content,
+                inputs_embeds=embedding,
+                cache=output.cache,
+                detach_alpha=True,
             )
             assert output.steered is not None
             steered.append(output.steered)

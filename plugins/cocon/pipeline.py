@@ -18,6 +18,7 @@ Shapes: B rows, T new positions, P cached positions, S content positions, C widt
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,7 @@ class CoconPipeline:
         content_bias: torch.Tensor | None = None,
         all_logits: bool = False,
         output_hidden_states: bool = False,
+        detach_alpha: bool = False,
     ) -> CoconOutput:
         """Feed T new positions (token ids or embeddings) after the cached ones.
 
@@ -127,9 +129,12 @@ class CoconPipeline:
         prompt_length: positions before ``prompt_length - 1`` pass the block unchanged.
         content_bias:  (B, Tq, S) replaces the content's tau bias (training's self-token mask).
         all_logits:    logits for every rewritten new position (B, Tq, V), else the last (B, V).
+        detach_alpha:  LM-alpha runs without gradients: the block reads its states as constants
+                       (training's cycle generation, see CoconLosses.generate_soft).
         """
         split, block = self.split, self.block
-        embeddings = split.embed(position_ids, input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, T, C)
+        with torch.no_grad() if detach_alpha else contextlib.nullcontext():
+            embeddings = split.embed(position_ids, input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, T, C)
         B, T, _ = embeddings.shape
         past = cache.length if cache is not None else 0
         assert key_valid.shape == (B, past + T), f"key_valid {tuple(key_valid.shape)} != {(B, past + T)}"
@@ -137,7 +142,8 @@ class CoconPipeline:
         inputs = split.pass_inputs(embeddings, position_ids, key_valid, model_cache)  # masks, rotary: both halves
         collect: list[torch.Tensor] | None = [embeddings] if output_hidden_states else None
 
-        hidden = split.alpha(embeddings, inputs, collect)  # (B, T, C)
+        with torch.no_grad() if detach_alpha else contextlib.nullcontext():
+            hidden = split.alpha(embeddings, inputs, collect)  # (B, T, C)
 
         past_keys: torch.Tensor | None
         past_values: torch.Tensor | None
