@@ -853,6 +853,64 @@ def test_cached_cocon_steps_equal_a_full_recompute_on_every_family(family_model)
     torch.testing.assert_close(torch.stack(cached, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("history_tokens", [0, 5])
+def test_groups_of_rows_with_their_own_contents_in_one_pass_equal_a_pass_per_group(family_model, history_tokens):
+    """The self, null and cycle passes of a batch run as one: each group's logits and the
+    block's gradients are those of a pass of its own (contents of other lengths, no content,
+    a self-token bias, fewer rows)."""
+    from chatcore.plugins.cocon.history import read_history
+    from chatcore.plugins.cocon.losses import self_token_bias
+    from chatcore.plugins.cocon.pipeline import RowGroup
+
+    model = copy.deepcopy(family_model.model).requires_grad_(False)
+    split = SplitModel(model, 1)
+    block = random_block(split.n_embd, split.n_head, 1).eval()
+    pipeline = CoconPipeline(split, block)
+    generator = torch.Generator().manual_seed(4)
+    ids = torch.randint(5, 400, (4, 9), generator=generator)
+    alpha_hidden, history = read_history(split, ids, history_tokens)
+    queries = 9 - history_tokens + 1 if history_tokens else 9
+    with torch.no_grad():
+        contents = [
+            split.hidden_at_split(torch.randint(5, 400, (rows, n), generator=generator)) for rows, n in ((4, 3), (2, 5))
+        ]
+
+    def groups() -> list[RowGroup]:
+        keys, values = block.content_keys_values(contents[0])
+        other_keys, other_values = block.content_keys_values(contents[1])
+        bias = self_token_bias(queries, 1, 3, keys.dtype, keys.device)
+        return [
+            RowGroup(alpha_hidden, keys, values, bias),
+            RowGroup(alpha_hidden),
+            RowGroup(alpha_hidden[:2], other_keys, other_values),
+        ]
+
+    def gradients(logits: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        block.zero_grad(set_to_none=True)
+        sum((index + 1) * part.log_softmax(-1)[..., 7].sum() for index, part in enumerate(logits)).backward()
+        return {name: p.grad.clone() for name, p in block.named_parameters() if p.grad is not None}
+
+    together = pipeline.full_forward_groups(groups(), history_tokens, history)
+    grads_together = gradients(together)
+    alone = []
+    for group in groups():
+        part = None if history is None else history.first(group.rows)
+        alone.append(
+            pipeline.full_forward(group.alpha_hidden, history_tokens, group.keys, group.values, group.bias, part)[0]
+        )
+    grads_alone = gradients(alone)
+    assert (
+        [t.shape for t in together]
+        == [a.shape for a in alone]
+        == [(4, queries, together[0].size(-1))] * 2 + [(2, queries, together[0].size(-1))]
+    )
+    for mine, reference in zip(together, alone):
+        torch.testing.assert_close(mine, reference, rtol=1e-4, atol=1e-5)
+    assert grads_together.keys() == grads_alone.keys() and grads_together
+    for name in grads_together:
+        torch.testing.assert_close(grads_together[name], grads_alone[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
 def test_the_cycle_generation_reads_its_tokens_states_as_constants(family_model):
     """As in the paper's training, each generated token's LM-alpha states are read by the next
     step without gradients (no backward through LM-alpha per generated token); the soft

@@ -38,6 +38,15 @@ class History:
         """The history of the first ``rows`` rows."""
         return History([(keys[:rows], values[:rows]) for keys, values in self.layers], self.length)
 
+    @staticmethod
+    def stacked(parts: list[History]) -> History:
+        """The histories of several groups of rows (of one length) as one batch's, in order."""
+        layers = [
+            (torch.cat([part.layers[i][0] for part in parts]), torch.cat([part.layers[i][1] for part in parts]))
+            for i in range(len(parts[0].layers))
+        ]
+        return History(layers, parts[0].length)
+
     def cache(self, split: SplitModel) -> Any:
         """A fresh cache holding the history: passes extend it with new tensors, so the
         history itself is never changed and serves every pass of the batch."""

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from .history import History, beta_after_history, read_history
 from .model_split import SplitModel
-from .pipeline import CoconCache, CoconPipeline
+from .pipeline import CoconCache, CoconPipeline, RowGroup
 
 if TYPE_CHECKING:
     from .training import CoconTrainConfig
@@ -194,7 +194,15 @@ class CoconLosses:
         if config.plain_target > 0 and hs > 0:
             with torch.no_grad():
                 teacher = torch.softmax(plain_logits(split, alpha_hidden, hs, history), dim=-1)  # (B, Tq, V)
-        logits, _ = self.pipeline.full_forward(alpha_hidden, hs, keys, values, bias, history)
+        # The self, null and cycle passes run as one (RowGroup): one launch of each kernel for all three.
+        groups = [RowGroup(alpha_hidden, keys, values, bias)]
+        if config.null_weight > 0:
+            groups.append(RowGroup(alpha_hidden))
+        if (with_cycle or with_adv) and hs > 0:
+            reconstruction = self.cycle(windows, hs, alpha_hidden, with_cycle, with_adv, result, history)
+            if reconstruction is not None:
+                groups.append(reconstruction)
+        logits, *others = self.pipeline.full_forward_groups(groups, hs, history)
         weights = torch.ones(targets.shape, device=targets.device)
         if bias is None:
             # A short content: weigh the positions that predict its own tokens, where
@@ -208,15 +216,16 @@ class CoconLosses:
             share = torch.full(targets.shape, config.plain_target, device=targets.device).scatter_(1, span, 0.0)
             result.losses["self"] = mixed_lm_loss(logits, targets, weights, teacher, share)
         if config.null_weight > 0:
-            logits, _ = self.pipeline.full_forward(alpha_hidden, hs, history=history)
+            logits = others.pop(0)
             if teacher is None:
                 result.losses["null"] = lm_loss(logits, targets)
             else:
                 result.losses["null"] = mixed_lm_loss(
                     logits, targets, torch.ones_like(weights), teacher, config.plain_target
                 )
-        if (with_cycle or with_adv) and hs > 0:
-            self.cycle(windows, hs, alpha_hidden, targets, with_cycle, with_adv, result, history)
+        if others:
+            (logits,) = others
+            result.losses["cycle"] = lm_loss(logits, targets[: logits.size(0)])
         return result
 
     def generate_soft(
@@ -296,18 +305,18 @@ class CoconLosses:
         windows: torch.Tensor,
         hs: int,
         alpha_hidden: torch.Tensor,
-        targets: torch.Tensor,
         with_cycle: bool,
         with_adv: bool,
         result: BatchLosses,
         history: History | None = None,
-    ) -> None:
+    ) -> RowGroup | None:
         """Sample i's content after sample i-1's history -> a soft generation y; then y as
-        the content must reconstruct sample i's continuation after its own history (hs tokens).
-        ``history``: the batch's (chatcore.plugins.cocon.history), reused for both passes."""
+        the content must reconstruct sample i's continuation after its own history (hs tokens):
+        the rows of that reconstruction's pass (``with_cycle``), to run with the batch's others.
+        ``history``: the batch's (chatcore.plugins.cocon.history), reused for the generation."""
         config, split, block = self.config, self.split, self.block
         rows = min(config.cycle_batch_size, windows.size(0))
-        windows, alpha_hidden, targets = windows[:rows], alpha_hidden[:rows], targets[:rows]
+        windows, alpha_hidden = windows[:rows], alpha_hidden[:rows]
         with torch.no_grad():
             content_hidden = split.hidden_at_split(windows[:, hs : hs + self.content_max_tokens])
         keys, values = block.content_keys_values(content_hidden)
@@ -321,14 +330,14 @@ class CoconLosses:
             windows[:, :hs], keys.roll(-1, dims=0), values.roll(-1, dims=0), config.cycle_tokens, read
         )
         embeddings, steered = embeddings.roll(1, dims=0), steered.roll(1, dims=0)
-        if with_cycle:
-            length = embeddings.size(1)
-            positions = torch.arange(length, device=embeddings.device).expand(rows, -1)
-            generated = split.embed(positions, inputs_embeds=embeddings)
-            generated_hidden = split.alpha(generated, split.pass_inputs(generated, positions))  # (rows, L, C)
-            cycle_keys, cycle_values = block.content_keys_values(generated_hidden)
-            logits, _ = self.pipeline.full_forward(alpha_hidden, hs, cycle_keys, cycle_values, history=history)
-            result.losses["cycle"] = lm_loss(logits, targets)
         if with_adv:
             result.fake = steered
             result.real = alpha_hidden[:, hs:]
+        if not with_cycle:
+            return None
+        length = embeddings.size(1)
+        positions = torch.arange(length, device=embeddings.device).expand(rows, -1)
+        generated = split.embed(positions, inputs_embeds=embeddings)
+        generated_hidden = split.alpha(generated, split.pass_inputs(generated, positions))  # (rows, L, C)
+        cycle_keys, cycle_values = block.content_keys_values(generated_hidden)
+        return RowGroup(alpha_hidden, cycle_keys, cycle_values)

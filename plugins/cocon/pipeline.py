@@ -49,6 +49,24 @@ class ContentMemory:
 
 
 @dataclass
+class RowGroup:
+    """Rows of a training pass with one content, for :meth:`CoconPipeline.full_forward_groups`.
+
+    alpha_hidden: (b, L, C); keys, values: (b, H, S, D) the content's, or None for none;
+    bias: (b or 1, Tq or 1, S) added at the content positions (the self-token mask), or None.
+    """
+
+    alpha_hidden: torch.Tensor
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.alpha_hidden.size(0))
+
+
+@dataclass
 class CoconCache:
     """Everything a CoCon step caches.
 
@@ -175,6 +193,26 @@ class CoconPipeline:
         return CoconOutput(logits, new_cache, tuple(collect) if collect is not None else None, steered)
 
     # -- whole sequences (training, and the reference the cached steps are tested against) --
+    def full_forward_groups(
+        self, groups: Sequence[RowGroup], history_length: int, history: History | None = None
+    ) -> list[torch.Tensor]:
+        """:meth:`full_forward`'s logits for several groups of rows, each with its own content
+        or none, in one pass: the groups' rows are stacked, their contents padded to the
+        longest, and the padding (a group without content: every content position) hidden
+        from their queries, which is what the block computes without it. The same logits and
+        gradients as one pass per group (up to the order of floating-point sums), with the
+        model's kernels launched once instead of once per group.
+
+        history: the keys/values of the rows of the largest group (chatcore.plugins.cocon.history);
+        each group's rows are the first of the batch. Returns each group's (b, Tq, V) logits."""
+        if history is not None:
+            history = History.stacked([history.first(group.rows) for group in groups])
+        sequence = torch.cat([group.alpha_hidden for group in groups]) if len(groups) > 1 else groups[0].alpha_hidden
+        queries = sequence.size(1) - history_length + 1 if history_length else sequence.size(1)
+        keys, values, bias = _stacked_contents(groups, queries)
+        logits, _ = self.full_forward(sequence, history_length, keys, values, bias, history)
+        return list(logits.split([group.rows for group in groups]))
+
     def full_forward(
         self,
         alpha_hidden: torch.Tensor,
@@ -216,3 +254,38 @@ class CoconPipeline:
         beta_input = torch.cat([sequence[:, :queries_from], steered], dim=1) if queries_from else steered
         final = split.beta(beta_input, split.pass_inputs(beta_input))
         return split.head(final[:, queries_from:]).float(), steered
+
+
+def _stacked_contents(
+    groups: Sequence[RowGroup], queries: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The groups' contents as one batch's: keys and values (N, H, S, D) padded with zeros to
+    the longest, and the bias (N, Tq, S) that keeps each group's own (or none) and hides its
+    padding from its queries, as the block hides masked keys. (None, None, None) when no
+    group has a content; one group's own when it is the only group."""
+    contents = [group for group in groups if group.keys is not None]
+    if not contents:
+        return None, None, None
+    if len(groups) == 1:
+        return groups[0].keys, groups[0].values, groups[0].bias
+    first = contents[0].keys
+    assert first is not None
+    _, heads, _, width = first.shape
+    longest = max(int(group.keys.size(2)) for group in contents if group.keys is not None)
+    blocked = torch.finfo(first.dtype).min
+    keys, values, biases = [], [], []
+    for group in groups:
+        length = 0 if group.keys is None else int(group.keys.size(2))
+        bias = first.new_zeros((group.rows, queries, longest))
+        if group.bias is not None:
+            bias[:, :, :length] = group.bias.to(bias.dtype)
+        bias[:, :, length:] = blocked
+        biases.append(bias)
+        padding = first.new_zeros((group.rows, heads, longest - length, width))
+        if group.keys is None or group.values is None:
+            keys.append(padding)
+            values.append(padding)
+        else:
+            keys.append(torch.cat([group.keys, padding], dim=2) if length < longest else group.keys)
+            values.append(torch.cat([group.values, padding], dim=2) if length < longest else group.values)
+    return torch.cat(keys), torch.cat(values), torch.cat(biases)
