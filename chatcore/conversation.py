@@ -56,7 +56,10 @@ class Conversation:
 
     ``system``: the system prompt (persona), or None. ``prompt_format``: a format name
     for this conversation, or None for the engine's. ``meta``: facts adapters keep with
-    it (``adapter``, ``channel_key``, ``title`` ...).
+    it (``adapter``, ``channel_key``, ``title`` ...). ``logged_up_to``: for one resumed
+    from the conversation log, the id of the newest message the log held then (its writes
+    take everything up to there as read: a retried reply supersedes a reply logged by an
+    earlier chat instead of being taken for another chat writing), else 0.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class Conversation:
         self.meta: dict[str, Any] = dict(meta)
         self.system = system
         self.prompt_format = prompt_format
+        self.logged_up_to = 0
 
     @property
     def system(self) -> str | None:

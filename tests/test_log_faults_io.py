@@ -295,6 +295,39 @@ def test_a_second_chat_on_one_conversation_forks_it_and_nothing_is_mislabelled(
         made.close()
 
 
+def test_a_reply_retried_after_resuming_supersedes_the_earlier_chats_reply_in_the_same_conversation(
+    loaded: Any, backend: Backend, tmp_path: Path
+) -> None:
+    """`chat --continue`, then /retry: the reply dropped is the earlier chat's, logged before
+    this chat read the conversation; that is no other chat writing, so nothing forks."""
+    url = backend.new_url()
+    engines, stores, told = [], [], []
+    for name in ("earlier", "later"):
+        engine = chat_engine_of_its_own(loaded)
+        stores.append(ConversationStore(url))
+        said: list[str] = []
+        engine.host.register(ConversationLogPlugin(stores[-1], notify=said.append, journal_dir=tmp_path / name), "log")
+        engines.append(engine)
+        told.append(said)
+    started = engines[0].conversation()
+    chat(engines[0], started, ["hello"], reply="the earlier reply")
+    resumed = stores[1].resume(started.id)  # the earlier chat has ended
+    resumed.turns.pop()  # /retry
+    engines[1].respond(resumed, decoder="fixed-text", decoder_settings={"text": "the retried reply"}).text()
+    chat(engines[1], resumed, ["and on"], reply="a later reply")
+    assert told == [[], []]
+    assert [s.id for s in stores[1].list_conversations()] == [started.id]
+    assert [(m.text, m.superseded) for m in stores[1].get_conversation(started.id).messages] == [
+        ("hello", False),
+        ("the earlier reply", True),
+        ("the retried reply", False),
+        ("and on", False),
+        ("a later reply", False),
+    ]
+    for made in stores:
+        made.close()
+
+
 def test_a_journal_is_replayed_by_any_spelling_of_its_database(chat_engine: Any, tmp_path: Path) -> None:
     folder = tmp_path / "logs"
     (tmp_path / "link").symlink_to(folder, target_is_directory=True)

@@ -282,9 +282,10 @@ class ConversationLogPlugin:
         self, conversation: "Conversation", role: str, turn: "Turn", fields: dict[str, Any], model_name: str | None
     ) -> Write:
         author_id = turn.meta.get("author_id")
-        since = self._since.setdefault(
-            conversation.id, max((int(t.meta.get("log_message_id") or 0) for t in conversation.turns), default=0)
-        )
+        # The newest logged message this chat has read: what it resumed (a reply it then drops
+        # for a retried one included) or the turns it holds, whichever is newer.
+        read = max([conversation.logged_up_to, *(int(t.meta.get("log_message_id") or 0) for t in conversation.turns)])
+        since = self._since[conversation.id] = max(self._since.get(conversation.id, 0), read)
         return self._retarget(
             {
                 "key": self.write_key(conversation.id, turn),

@@ -8,7 +8,7 @@ pg_trgm GIN index, and ``LIKE`` otherwise.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -199,7 +199,10 @@ class StoreReading(StoreConnection):
         """A live Conversation with the logged turns, id and meta; new turns log to the same row."""
         from chatcore.conversation import Conversation
 
-        record = self.get_conversation(conversation_id, include_superseded=False)
+        record = self.get_conversation(conversation_id)
         meta = dict(record.meta)
         meta.update(adapter=record.adapter, channel_key=record.channel_key, title=record.title)
-        return Conversation(id=record.id, turns=self._turns(record), system=record.system, **meta)
+        shown = replace(record, messages=[m for m in record.messages if not m.superseded])
+        conversation = Conversation(id=record.id, turns=self._turns(shown), system=record.system, **meta)
+        conversation.logged_up_to = max((message.id for message in record.messages), default=0)
+        return conversation

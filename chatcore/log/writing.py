@@ -137,7 +137,8 @@ class StoreWriting(StoreReading):
         ``writer``: who writes (one id per chat); with it, a message written into the
         conversation by another writer after message id ``writer_since`` (the newest one
         this writer has read) raises :class:`ConversationTakenError` instead of
-        interleaving two chats, and a retried reply supersedes only this writer's replies.
+        interleaving two chats, and a retried reply supersedes only this writer's replies and
+        those it had read.
         """
         try:
             return self._insert_message(
@@ -219,7 +220,7 @@ class StoreWriting(StoreReading):
             if conversation is not None:
                 self._ensure(session, conversation_id, conversation)
             if keep_replies is not None:
-                self._supersede_replies(session, conversation_id, keep_replies, writer)
+                self._supersede_replies(session, conversation_id, keep_replies, writer, writer_since)
             clean = Normaliser()
             row = MessageRow(
                 conversation_id=conversation_id,
@@ -253,7 +254,9 @@ class StoreWriting(StoreReading):
             session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
             return row.id
 
-    def _supersede_replies(self, session: Session, conversation_id: str, keep: int, writer: str | None) -> None:
+    def _supersede_replies(
+        self, session: Session, conversation_id: str, keep: int, writer: str | None, since: int = 0
+    ) -> None:
         newest_user = (
             sa.select(sa.func.max(MessageRow.id))
             .where(MessageRow.conversation_id == conversation_id, MessageRow.role == "user")
@@ -266,8 +269,11 @@ class StoreWriting(StoreReading):
                 MessageRow.role == "bot",
                 MessageRow.superseded.is_(False),
                 MessageRow.id > sa.func.coalesce(newest_user, 0),
-                # Only this chat's own replies: another chat's are never taken for retried ones.
-                sa.true() if writer is None else sa.or_(MessageRow.writer.is_(None), MessageRow.writer == writer),
+                # Only this chat's own replies, or those it had read (a resumed conversation's):
+                # another chat's, written since, are never taken for retried ones.
+                sa.true()
+                if writer is None
+                else sa.or_(MessageRow.writer.is_(None), MessageRow.writer == writer, MessageRow.id <= since),
             )
             .order_by(MessageRow.id)
         ).all()
