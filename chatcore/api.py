@@ -29,12 +29,15 @@ The names, by what a plugin author does with them:
 - commands: :func:`train_group`, the ``chatcore train`` group a plugin adds its training
   command to (from its ``register_commands`` hook); :func:`options_from_model`, click
   options generated from a :class:`Settings` model's fields (default, bounds, help);
+  :func:`output_folder`, :func:`output_file` and :func:`run_folder`, a command's ``--out``
+  checked (and its folder made) before the work starts;
 - errors: :class:`ChatcoreError` and its kinds, shown to the user in one line.
 """
 
 from __future__ import annotations
 
 from chatcore.anatomy import FULL_ATTENTION, Anatomy, BlockInputs, UnsupportedModelError, anatomy_of
+from chatcore.cli.files import output_file, output_folder, run_folder
 from chatcore.cli.options import options_from_model
 from chatcore.cli.train import train_group
 from chatcore.decoding import Candidate, Decoder, GenerationSession, RepetitionSettings, Sampled, TokenDecoder
@@ -75,6 +78,9 @@ from chatcore.wordlists import WORDLIST_DIR, builtin_topics, check_word_sources,
 __all__ = [
     "registry_of",
     "options_from_model",
+    "output_file",
+    "output_folder",
+    "run_folder",
     "AUTO",
     "Anatomy",
     "BUNDLED_DIR",

@@ -286,3 +286,47 @@ def test_generate_continues_the_latest_or_a_given_logged_conversation(run, tiny_
     one_line_failure(run(*base, "--continue", "--cid", older.id, "x"), "not both")
     empty = sqlite_url(tmp_path / "empty.sqlite3")
     one_line_failure(run("generate", "--db", empty, "--continue", "x"), "no logged conversation to continue")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "model", "--corpus", "chitchat", "--epochs", "0.01", "--out", "{file}/sub"],
+        ["train", "tokenizer", "--corpus", "chitchat", "--vocab-size", "300", "--no-filter", "--out", "{file}/sub"],
+        ["train", "vector", "--model", "chatcore-tiny", "--pairs", "food", "--out", "{file}/v"],
+        ["train", "discriminator", "--model", "chatcore-tiny", "--data", "{labels}", "--out", "{file}/h.safetensors"],
+        ["train", "cocon", "--model", "chatcore-tiny", "--steps", "1", "--out", "{file}/sub"],
+        ["train", "filter", "--corpus", "chitchat", "--out", "{file}/kept.jsonl"],
+    ],
+    ids=lambda command: command[1],
+)
+def test_a_training_output_that_cannot_be_written_is_refused_in_one_line_before_any_work(
+    run, tmp_path, monkeypatch, command
+):
+    import chatcore.api
+    import chatcore.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(chatcore.models, "load_model", no_model)
+    monkeypatch.setattr(chatcore.api, "load_model", no_model)
+    in_the_way = tmp_path / "afile"
+    in_the_way.write_text("a file where a folder should be")
+    labels = tmp_path / "labels.tsv"
+    labels.write_text("good\tI love it\nbad\tI hate it\n")
+    args = [part.format(file=in_the_way, labels=labels) for part in command]
+    error = one_line_failure(run(*args), "--out", str(in_the_way))
+    assert "not a folder" in error or "Not a directory" in error, error
+
+
+@pytest.mark.parametrize("command", ["model", "cocon"])
+def test_a_training_run_is_not_overwritten_without_resume(run, tmp_path, command):
+    out = tmp_path / "run"
+    kept = out / ("best" if command == "model" else "block")
+    kept.mkdir(parents=True)
+    (kept / "config.json").write_text("{}")
+    args = ["train", command, "--out", str(out)]
+    args += ["--corpus", "chitchat", "--epochs", "0.01"] if command == "model" else ["--model", "chatcore-tiny"]
+    one_line_failure(run(*args), "already holds a training run", "--resume")
+    assert (kept / "config.json").read_text() == "{}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TextIO
 
@@ -26,3 +27,50 @@ def open_output(path: str) -> TextIO:
         return target.open("w", encoding="utf-8")
     except OSError as error:
         raise ChatcoreError(f"cannot write {path!r}: {error.strerror or error}") from None
+
+
+def output_folder(path: str, option: str = "--out") -> Path:
+    """The folder ``path``, created with its parents if missing, or OptionError saying in one
+    line why it cannot be (a file in the way, no permission): before any long work."""
+    from chatcore.errors import OptionError
+
+    target = Path(path)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OptionError(f"cannot create {option} {path!r}: {error.strerror or error}") from None
+    return target
+
+
+def output_file(path: str, option: str = "--out") -> Path:
+    """``path`` as a file to write, its folder created if missing, or OptionError saying in one
+    line why it cannot be written: before any long work."""
+    from chatcore.errors import OptionError
+
+    target = Path(path)
+    if target.is_dir():
+        raise OptionError(f"cannot write {option} {path!r}: it is a folder")
+    folder = next((above for above in target.parents if above.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise OptionError(f"cannot write {option} {path!r}: {str(folder)!r} is not a folder")
+    output_folder(str(target.parent), option)
+    if target.exists() and not os.access(target, os.W_OK):
+        raise OptionError(f"cannot write {option} {path!r}: permission denied")
+    return target
+
+
+def run_folder(path: str, resume: bool, kept: tuple[str, ...] = ("checkpoint",), option: str = "--out") -> Path:
+    """A training run's folder (see :func:`output_folder`). Without ``resume``, one that already
+    holds a run (any of ``kept``: its checkpoint, its trained model) is refused in one line
+    rather than overwritten."""
+    from chatcore.errors import OptionError
+
+    target = Path(path)
+    if not resume:
+        for name in kept:
+            if (target / name).exists():
+                raise OptionError(
+                    f"{option} {path!r} already holds a training run ({target / name}): continue it with "
+                    f"--resume, or give another {option}"
+                )
+    return output_folder(path, option)

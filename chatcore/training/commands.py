@@ -134,9 +134,11 @@ def train_tokenizer(
     filter_report: str | None,
 ) -> None:
     """Train a byte-level BPE tokenizer on the (filtered) training split."""
+    from chatcore.cli.files import output_folder
     from chatcore.training.pipeline import train_tokenizer_command
 
     config = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
+    output_folder(out_dir)
     path = train_tokenizer_command(
         corpus, out_dir, vocab_size, heldout, filter_config=config, on_filter_report=report_writer(filter_report)
     )
@@ -173,10 +175,13 @@ def train_filter(
     import json
     from pathlib import Path
 
+    from chatcore.cli.files import output_file
     from chatcore.training.filtering import filter_dialogues
     from chatcore.training.threads import load_dialogues
 
     config = build_filter_config(filter_config, filter_disable, filter_set)
+    if out_path:
+        output_file(out_path)
     if examples > config.examples:
         config = config.updated({"examples": examples})
     result = filter_dialogues(load_dialogues(corpus), config)
@@ -240,6 +245,7 @@ def train_model(
     \b
         torchrun --nproc_per_node=N -m chatcore.cli train model ...
     """
+    from chatcore.cli.files import run_folder
     from chatcore.errors import OptionError
     from chatcore.training.pipeline import train_model_command
     from chatcore.training.trainer import distributed_context
@@ -250,6 +256,7 @@ def train_model(
     except ValueError as error:
         raise OptionError(str(error)) from None
     filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
+    run_folder(out_dir, resume, ("checkpoint", "best"))
     result = train_model_command(
         corpus,
         config,

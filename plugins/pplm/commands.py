@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from chatcore.api import OptionError, options_from_model
+from chatcore.api import OptionError, options_from_model, output_file
 
 from .train_discriminator import TrainSettings
 
@@ -53,6 +53,7 @@ def train_discriminator_command(
     if (data is None) == (builtin is None):
         raise OptionError("give exactly one of --data FILE and --builtin sentiment")
     training = TrainSettings(**settings)  # out-of-range values fail before the model loads
+    output_file(out_path)
     examples = read_labelled_file(data) if data is not None else sentiment_examples()
     loaded = load_model(model, device=device)
     result = train_discriminator(

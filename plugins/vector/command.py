@@ -56,9 +56,9 @@ def train_vector_command(
     The vector is saved with the model's hash; `--steer "vector path=OUT strength=0.15"` refuses it
     on any other model.
     """
-    from chatcore.api import OptionError, load_model
+    from chatcore.api import OptionError, load_model, output_file
 
-    from .vectors import build_vector, builtin_pair_files, read_texts, save_vector
+    from .vectors import build_vector, builtin_pair_files, read_texts, save_vector, vector_files
 
     if pairs is not None:
         if positive is not None or negative is not None:
@@ -69,6 +69,8 @@ def train_vector_command(
     else:
         positive_file, negative_file = positive, negative
     towards, away = read_texts(positive_file), read_texts(negative_file)
+    for written in vector_files(out_path):  # before the model loads and the texts run
+        output_file(str(written))
     loaded = load_model(model, device=device)
     found = build_vector(
         loaded, towards, away, layer, (positive_file, negative_file), progress=lambda line: click.echo(line, err=True)
