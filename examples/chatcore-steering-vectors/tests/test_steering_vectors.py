@@ -32,6 +32,13 @@ def test_bad_settings_are_refused_by_name(chatcore_engine, settings, message):
         chatcore_engine.make_steerer("activation-addition", {**FOOD, **settings})
 
 
+@pytest.mark.parametrize("left_out", ["positive", "negative"])
+def test_prompts_left_out_are_refused_where_the_steerer_is_configured(chatcore_engine, left_out):
+    given = {name: value for name, value in FOOD.items() if name != left_out}
+    with pytest.raises(OptionError, match=f"`{left_out}` must give at least one prompt"):
+        chatcore_engine.make_steerer("activation-addition", given)
+
+
 def test_a_layer_the_model_lacks_is_refused_before_generating(chatcore_engine, chatcore_conversation):
     conversation = chatcore_conversation("hi")
     with pytest.raises(OptionError, match="`layer` must be below the model's 2 layers, got 2"):

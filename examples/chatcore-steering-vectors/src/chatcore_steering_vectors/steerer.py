@@ -29,9 +29,11 @@ def split_prompts(text: str) -> list[str]:
 
 
 class ActivationAdditionSettings(Settings):
-    positive: str = ""
+    # Checked even when not given (validate_default): a steerer without prompts is refused
+    # where it is configured, not at its first reply.
+    positive: str = Field(default="", validate_default=True)
     """Prompts separated by `|` whose activations the reply is pushed towards."""
-    negative: str = ""
+    negative: str = Field(default="", validate_default=True)
     """Prompts separated by `|` whose activations the reply is pushed away from (their counts may differ)."""
     layer: NonNegativeInt | None = None
     """The block whose output is steered (default: a third of the way up)."""
