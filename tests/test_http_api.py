@@ -249,6 +249,21 @@ def test_plugins_lists_decoders_and_steerers_with_the_schema_of_their_settings(s
             "steer",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "M", "seed": -1}, 400, "seed"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "model": "M",
+                "temperature": 0.3,
+                "decoder": "top-k temperature=1.5",
+            },
+            400,
+            "temperature",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "model": "M", "top_p": 0.5, "decoder": "top-k top_p=0.9"},
+            400,
+            "top_p",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "x" * 30_000}], "model": "M"}, 413, None),
         ("[" * 5_000 + "]" * 5_000, 400, None),  # nested deeper than the parser goes

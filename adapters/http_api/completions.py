@@ -151,17 +151,19 @@ def to_options(
             )
         if request.top_p not in (None, 1):
             raise ApiError(400, "`top_p` does not apply to the greedy decoder: send 1 or leave it out", "top_p")
-    else:
-        if request.temperature is not None:
-            settings["temperature"] = request.temperature
-        if request.top_p is not None:
-            settings["top_p"] = request.top_p
-    if request.presence_penalty:
-        settings["presence_penalty"] = request.presence_penalty
-    if request.frequency_penalty:
-        settings["frequency_penalty"] = request.frequency_penalty
-    if request.logit_bias:
-        settings["logit_bias"] = token_biases(request.logit_bias, vocab_size)
+    fields: dict[str, Any] = {
+        "presence_penalty": request.presence_penalty or None,
+        "frequency_penalty": request.frequency_penalty or None,
+        "logit_bias": token_biases(request.logit_bias, vocab_size) if request.logit_bias else None,
+    }
+    if decoder != "greedy":
+        fields.update(temperature=request.temperature, top_p=request.top_p)
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name in settings:  # as the command line refuses --temperature beside the decoder's own
+            raise ApiError(400, f"`{name}` and the decoder's {name}={settings[name]} both given: give it once", name)
+        settings[name] = value
     budget = request.budget() or default_budget or DEFAULT_MAX_NEW_TOKENS
     if request.min_tokens is not None and request.min_tokens > budget:
         raise ApiError(
