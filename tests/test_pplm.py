@@ -557,6 +557,22 @@ def test_a_mismatched_discriminator_is_refused(loaded, tmp_path, changes, messag
     assert isinstance(error.value, ChatcoreError)
 
 
+def test_a_mismatched_discriminator_is_refused_when_pplm_is_chosen(pplm_engine, loaded, tmp_path):
+    """As chat's /steer and every entry point check a reply's options: before any reply."""
+    from chatcore.engine import ReplyOptions
+
+    config = _head_config(loaded, hidden_size=64)
+    path = save_head(tmp_path / "head.safetensors", torch.zeros(2, config.hidden_size), torch.zeros(2), config)
+    options = ReplyOptions(steerers=[("pplm", {"discriminator": str(path), "class_label": "positive"})])
+    with pytest.raises(DiscriminatorMismatchError, match="hidden size 64"):
+        pplm_engine.check_options(options)
+    fitting = _head_config(loaded)
+    good = save_head(tmp_path / "good.safetensors", torch.zeros(2, fitting.hidden_size), torch.zeros(2), fitting)
+    pplm_engine.check_options(
+        ReplyOptions(steerers=[("pplm", {"discriminator": str(good), "class_label": "positive"})])
+    )
+
+
 def test_the_shipped_sentiment_head_fits_the_bundled_model_only(bundled_model, loaded):
     config = read_head_config(resolve_head("sentiment"))
     assert config.base_model == "chatcore-tiny" and set(config.classes) == {"negative", "positive"}

@@ -19,7 +19,7 @@ from chatcore.api import OptionError, Steerer, Step, builtin_topics, check_word_
 from .config import PerturbConfig
 
 if TYPE_CHECKING:
-    from chatcore.api import GenerationSession
+    from chatcore.api import GenerationSession, LoadedModel
 
     from .perturb import Perturbation
 
@@ -82,23 +82,29 @@ class PPLMSteerer(Steerer):
         super().__init__(settings)
         self.perturbation: "Perturbation | None" = None
 
+    @classmethod
+    def setup(cls, model: "LoadedModel", settings: PPLMSettings) -> Any:
+        """The discriminator head, loaded and checked against the model once per engine (a
+        head trained for another model is refused when pplm is chosen, not at its first
+        reply); None for a bag of words. The head is read-only: every reply shares it."""
+        from .attribute import load_head
+
+        if settings.discriminator is None:
+            return None
+        assert settings.class_label is not None
+        return load_head(
+            settings.discriminator, model.model, model.tokenizer, model.name, settings.class_label, device=model.device
+        )
+
     def prepare(self, session: "GenerationSession") -> None:
-        from .attribute import AttributeModel, BagOfWords, load_head
+        from .attribute import AttributeModel, BagOfWords
         from .perturb import Perturbation
 
         loaded = session.model
         settings: PPLMSettings = self.settings
         attribute: AttributeModel
         if settings.discriminator is not None:
-            assert settings.class_label is not None
-            attribute = load_head(
-                settings.discriminator,
-                loaded.model,
-                loaded.tokenizer,
-                loaded.name,
-                settings.class_label,
-                device=loaded.device,
-            )
+            attribute = self.shared if self.shared is not None else self.setup(loaded, settings)
         else:
             vocab_size = loaded.model.get_output_embeddings().weight.size(0)
             attribute = BagOfWords.from_words(settings.all_words(), loaded.tokenizer, vocab_size, loaded.device)
