@@ -369,3 +369,27 @@ def test_options_from_model_reads_exclusive_bounds_optional_fields_and_flags():
     result = CliRunner().invoke(command, ["-c", "5", "--share", "0.5", "--mode", "slow", "--verbose"])
     assert result.output.strip() == "Example(count=5, share=0.5, mode='slow', verbose=True)"
     assert "is not in the range" in CliRunner().invoke(command, ["--share", "1"]).output
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ('top-k logit_bias={"28": -100}', ("top-k", {"logit_bias": '{"28": -100}'})),
+        (
+            'top-k temperature=0.5 logit_bias={"2 8": 5, "3": [1, 2]} top_k=3',
+            ("top-k", {"temperature": "0.5", "logit_bias": '{"2 8": 5, "3": [1, 2]}', "top_k": "3"}),
+        ),
+        ("pplm topic='food and drink' words=[a b]", ("pplm", {"topic": "food and drink", "words": "[a b]"})),
+        ("top-k a=b=c", ("top-k", {"a": "b=c"})),
+    ],
+)
+def test_a_spec_keeps_a_json_value_whole_as_typed(spec, expected):
+    from chatcore.cli.specs import parse_spec
+
+    assert parse_spec(spec) == expected
+
+
+def test_a_spec_with_a_json_value_works_on_the_command_line(run, tiny_model_dir):
+    """The form the error message shows (`{"a": 1}`), typed in one shell word, is accepted."""
+    result = run("generate", "--model", str(tiny_model_dir), "-n", "2", "--decoder", 'top-k logit_bias={"5": 2}', "hi")
+    assert result.exit_code == 0, result.output

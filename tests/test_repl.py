@@ -225,6 +225,9 @@ def test_every_slash_command(state, store):
         f"`logit_bias` keys must be token ids below {vocabulary}, got {vocabulary + 1}",
     )
     assert "logit_bias" not in state.options.decoder_settings  # refused when set, not at the next reply
+    # typed as the error message shows it, unquoted: the JSON value stays whole
+    assert "logit_bias=" in command('/set logit_bias={"28": -100} top_p=0.9').output
+    assert state.options.decoder_settings["logit_bias"] == '{"28": -100}'
 
     assert "multi-line on" in command("/multi").output and state.multiline
     assert "multi-line off" in command("/multi").output and not state.multiline
@@ -843,8 +846,11 @@ def test_the_chat_command(cli, tiny_model_dir, tmp_path, monkeypatch):
     persona = cli("chat", *model, "--continue", "--system", "Be new.", input="/system\n/history\n")
     assert persona.stdout.startswith("system prompt:\n  Be new.\nyou> hello\n")  # given on resuming: it wins
 
-    unlogged = cli("chat", *model, "--no-log", "--db", str(tmp_path / "other.db"), input="hi\n")
+    unlogged = cli("chat", *model, "--no-log", "--db", str(tmp_path / "other.db"), input="hi\n/bogus\n/max 2\n")
     assert unlogged.exit_code == 0 and "not logged (--no-log)" in unlogged.stderr
+    # Without a terminal the replies and what commands print stay on stdout, apart from errors and notes.
+    assert "error: unknown command '/bogus'" in unlogged.stderr and "error" not in unlogged.stdout
+    assert unlogged.stdout.startswith("bot> ") and "max new tokens: 2" in unlogged.stdout
     assert not (tmp_path / "other.db").exists()
 
     corrupt = tmp_path / "corrupt.db"
@@ -853,7 +859,7 @@ def test_the_chat_command(cli, tiny_model_dir, tmp_path, monkeypatch):
     assert unavailable.exit_code == 0 and "chatting without the conversation log" in unavailable.stderr
     assert "the log cannot be opened now: turns are kept in its journal" in unavailable.stderr  # the banner
     assert "not logged" not in unavailable.stderr
-    assert unavailable.stdout.startswith("bot> ") and "the conversation log is off (unavailable)" in unavailable.stdout
+    assert unavailable.stdout.startswith("bot> ") and "the conversation log is off (unavailable)" in unavailable.stderr
 
     for args, needle in [
         (("--cid", "nope"), "no conversation 'nope'"),
@@ -1152,13 +1158,14 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
         assert (last.role, last.text) == ("user", "tell me a long story")
 
 
-def read_line(process, buffer, timeout=600.0):  # only ends a hung chat; a loaded machine is slow
+def read_line(process, buffer, timeout=600.0, stream=None):  # only ends a hung chat; a loaded machine is slow
+    stream = stream if stream is not None else process.stdout
     deadline = time.monotonic() + timeout
     while b"\n" not in buffer[0]:
         remaining = deadline - time.monotonic()
         assert remaining > 0, f"no line from the chat; so far {buffer[0]!r}"
-        if select.select([process.stdout], [], [], min(remaining, 0.5))[0]:
-            chunk = os.read(process.stdout.fileno(), 65536)
+        if select.select([stream], [], [], min(remaining, 0.5))[0]:
+            chunk = os.read(stream.fileno(), 65536)
             assert chunk, "the chat exited early"
             buffer[0] += chunk
     line, buffer[0] = buffer[0].split(b"\n", 1)
@@ -1187,16 +1194,22 @@ def test_a_killed_chat_keeps_every_completed_turn(tiny_model_dir, tmp_path):
         argv,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         env=child_env(tmp_path),
         cwd=tmp_path,
     )
-    buffer = [b""]
+    buffer, errors = [b""], [b""]
+
+    def next_error() -> str:  # without a terminal, errors go to stderr, after the loading lines and the banner
+        while not (line := read_line(process, errors, stream=process.stderr)).startswith("error: "):
+            pass
+        return line
+
     try:
         process.stdin.write(b"caf\xc3 \xff\xfe not utf-8\n" + b"y" * 100_000 + b"\n")
         process.stdin.flush()
-        assert "not UTF-8" in read_line(process, buffer)
-        assert "the limit is 8,000" in read_line(process, buffer)
+        assert "not UTF-8" in next_error()
+        assert "the limit is 8,000" in next_error()
         turns = 3
         for number in range(turns):
             process.stdin.write(f"message number {number}\n".encode())

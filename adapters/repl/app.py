@@ -211,7 +211,8 @@ def start_chat(
     """Run ``chatcore chat`` to the end; returns the final state (for tests and embedding).
 
     Replies and command output go to ``out`` (stdout); loading progress and the
-    banner to ``err`` (stderr), so ``chatcore chat < script > replies`` keeps them apart.
+    banner to ``err`` (stderr), and without a terminal errors and notes too, so
+    ``chatcore chat < script > replies`` keeps them apart.
     """
     import sys
 
@@ -235,6 +236,7 @@ def start_chat(
             input=input,
             output=output,
             keep_history=not config.no_log,
+            err=status,
         )
     finally:
         close_state(state, say)

@@ -234,13 +234,9 @@ def set_command(state: "ChatState", rest: str) -> Outcome:
 
     if not rest:
         return Outcome(output=f"decoder: {describe_decoder(state)}\n/set KEY=VALUE changes a setting")
-    import shlex
+    from chatcore.cli.specs import split_settings
 
-    try:
-        pairs = shlex.split(rest)
-    except ValueError as error:
-        raise OptionError(f"cannot parse {one_line(rest, 60)!r}: {error}") from None
-    changes = parse_key_values(pairs)
+    changes = parse_key_values(split_settings(rest))
     settings = {**state.options.decoder_settings, **changes}
     options = state.options.replace(decoder_settings=settings)
     state.engine.check_options(options)  # the decoder's own settings model validates, before anything changes

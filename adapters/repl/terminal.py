@@ -171,10 +171,15 @@ def run_loop(
     read_line: ReadLine,
     out: IO[str],
     while_streaming: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    err: IO[str] | None = None,
 ) -> None:
-    """Read lines until /quit or end of input, answering each; ``while_streaming`` wraps each reply."""
+    """Read lines until /quit or end of input, answering each; ``while_streaming`` wraps each reply.
+
+    Replies and what commands print go to ``out``; errors and notes to ``err`` (default: ``out``,
+    as on a terminal; standard error when the chat reads a pipe)."""
+    err = err if err is not None else out
     while True:
-        show_notices(state, out)
+        show_notices(state, err)
         try:
             line = read_line()
         except KeyboardInterrupt:
@@ -183,13 +188,14 @@ def run_loop(
             out.write("\n")
             break
         except InputTooLong as error:
-            out.write(f"error: {error}\n")
+            err.write(f"error: {error}\n")
             continue
         try:
             with plugin_problems_held() as problems:
                 outcome = handle_line(state, line)
                 if outcome.output:
-                    out.write(outcome.output + "\n")
+                    (err if outcome.error else out).write(outcome.output + "\n")
+                    err.flush()
                 shown = outcome.output if outcome.error else ""
                 if outcome.reply is not None:
                     with while_streaming():
@@ -204,11 +210,12 @@ def run_loop(
             if debug_enabled():
                 raise
             outcome = Outcome(error=True)
-            out.write(f"error: unexpected {type(error).__name__}: {error} (CHATCORE_DEBUG=1 shows a traceback)\n")
+            err.write(f"error: unexpected {type(error).__name__}: {error} (CHATCORE_DEBUG=1 shows a traceback)\n")
         out.flush()
+        err.flush()
         if outcome.quit:
             break
-    show_notices(state, out)
+    show_notices(state, err)
 
 
 # -- line readers -----------------------------------------------------------------
@@ -449,8 +456,10 @@ def run_terminal(
     input: Any = None,
     output: Any = None,
     keep_history: bool = True,
+    err: IO[str] | None = None,
 ) -> None:
-    """Chat until /quit or Ctrl-D, with prompt-toolkit when on a terminal."""
+    """Chat until /quit or Ctrl-D, with prompt-toolkit when on a terminal; without one,
+    errors and notes go to ``err`` (standard error), apart from the replies."""
     out = out if out is not None else sys.stdout
     if interactive is None:
         interactive = input is not None or (sys.stdin.isatty() and sys.stdout.isatty())
@@ -462,4 +471,4 @@ def run_terminal(
             while_streaming = lambda: typing_held(fd)  # noqa: E731
     else:
         read_line = plain_reader()
-    run_loop(state, read_line, out, while_streaming)
+    run_loop(state, read_line, out, while_streaming, out if interactive else (err if err is not None else sys.stderr))
