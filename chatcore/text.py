@@ -37,6 +37,12 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"])
 
 
+def undecodable_at(text: str) -> int | None:
+    """Where the first byte that was not UTF-8 sits in ``text`` (decoded with surrogateescape,
+    as Python decodes command-line arguments and the chat its input), or None."""
+    return next((index for index, char in enumerate(text) if "\udc80" <= char <= "\udcff"), None)
+
+
 def checked_text(text: Any, what: str, max_chars: int) -> str:
     """``text`` as str (UTF-8 bytes decoded), or ChatcoreError naming ``what`` is wrong with it."""
     if isinstance(text, bytes):

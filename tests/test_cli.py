@@ -393,3 +393,10 @@ def test_a_spec_with_a_json_value_works_on_the_command_line(run, tiny_model_dir)
     """The form the error message shows (`{"a": 1}`), typed in one shell word, is accepted."""
     result = run("generate", "--model", str(tiny_model_dir), "-n", "2", "--decoder", 'top-k logit_bias={"5": 2}', "hi")
     assert result.exit_code == 0, result.output
+
+
+def test_a_message_argument_that_is_not_utf8_is_refused_in_one_line(run, tiny_model_dir):
+    # Python decodes command-line arguments with surrogateescape: byte 0xE9 arrives as U+DCE9.
+    result = run("generate", "--model", str(tiny_model_dir), "-n", "2", "caf\udce9 ok")
+    assert result.exit_code != 0 and "the message is not UTF-8 text (bad byte at position 3)" in result.output
+    assert "Traceback" not in result.output

@@ -20,6 +20,7 @@ from chatcore.cli.specs import parse_spec, with_steerer
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.explain import explain, format_settings
 from chatcore.log.formatting import SHORT_ID, display_safe, one_line, summary_table
+from chatcore.text import undecodable_at
 
 if TYPE_CHECKING:
     from chatcore.adapters.repl.state import ChatState
@@ -64,14 +65,9 @@ def command(name: str, usage: str, summary: str) -> Callable[[Callable[["ChatSta
     return add
 
 
-def _has_undecodable_bytes(text: str) -> bool:
-    # Terminals and the plain reader decode with surrogateescape: bad bytes arrive as lone surrogates.
-    return any("\udc80" <= char <= "\udcff" for char in text)
-
-
 def handle_line(state: "ChatState", line: str) -> Outcome:
     """One line from the person: a slash command, or a message to reply to."""
-    if _has_undecodable_bytes(line):
+    if undecodable_at(line) is not None:  # terminals and the plain reader decode with surrogateescape
         return failure("the input is not UTF-8 text (undecodable bytes); nothing was sent")
     stripped = line.strip()
     if not stripped:

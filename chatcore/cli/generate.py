@@ -123,9 +123,13 @@ def generate(
         max_new_tokens=reply_budget(max_new_tokens, model, 64),
     )
     # Everything that needs no model fails before the model loads.
-    from chatcore.text import clean_message
+    from chatcore.errors import ChatcoreError
+    from chatcore.text import clean_message, undecodable_at
 
     for turn in turns:
+        bad = undecodable_at(turn)  # Python decodes arguments with surrogateescape: a bad byte is no character
+        if bad is not None:
+            raise ChatcoreError(f"the message is not UTF-8 text (bad byte at position {bad})")
         clean_message(turn)
     validate_options(options)
     validate_format_name(prompt_format, registry_of())
