@@ -218,9 +218,38 @@ class Engine:
         return decoder
 
     def options_for(self, options: ReplyOptions | None = None, **overrides: Any) -> ReplyOptions:
-        """``options`` (default: the defaults) with ``overrides`` applied, as :meth:`respond` reads them."""
+        """``options`` (default: the defaults) with ``overrides`` applied, as :meth:`respond` reads them.
+
+        ``decoder`` and ``steerers`` also take the command line's spec strings
+        (``decoder="top-k top_k=20"``, ``steerers=["pplm topic=food"]``); an override that is
+        no reply option (``temperature``, ``steer``) is refused with where it belongs."""
         options = options or ReplyOptions()
-        return options.replace(**overrides) if overrides else options
+        if not overrides:
+            return options
+        from chatcore.cli.specs import parse_spec
+
+        unknown = [name for name in overrides if name not in ReplyOptions.model_fields]
+        if unknown:
+            raise OptionError(
+                f"unknown reply option {unknown[0]!r} (they are: {', '.join(ReplyOptions.model_fields)}); a decoder's "
+                "settings go in decoder_settings={'temperature': 0.7} or the decoder's spec "
+                "(decoder='top-k temperature=0.7'), steerers in steerers=['pplm topic=food'] or [(name, settings)]"
+            )
+        decoder = overrides.get("decoder")
+        if isinstance(decoder, str) and len(decoder.split()) > 1:
+            name, settings = parse_spec(decoder)
+            given = dict(overrides.get("decoder_settings") or {})
+            both = sorted(set(settings) & set(given))
+            if both:
+                raise OptionError(f"`{both[0]}` is given in the decoder's spec and in decoder_settings: give it once")
+            overrides = {**overrides, "decoder": name, "decoder_settings": {**settings, **given}}
+        steerers = overrides.get("steerers")
+        if isinstance(steerers, (list, tuple)) and any(isinstance(steerer, str) for steerer in steerers):
+            overrides = {
+                **overrides,
+                "steerers": [parse_spec(steerer) if isinstance(steerer, str) else steerer for steerer in steerers],
+            }
+        return options.replace(**overrides)
 
     def _shared_setup(self, plugin_object: Configurable) -> Any:
         """``setup(model, settings)`` of a decoder's or steerer's class, run once per settings and kept."""

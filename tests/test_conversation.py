@@ -498,3 +498,27 @@ def test_a_user_turn_carries_its_meta_to_the_hooks(engine):
     engine.add_user(conversation, "hi", meta={"author_id": "42"})
     engine.add_user(conversation, "again")
     assert seen == [{"author_id": "42"}, {}]
+
+
+def test_the_python_api_takes_spec_strings_and_says_where_a_stray_option_belongs(engine):
+    conversation = engine.conversation()
+    spec = engine.send(conversation, "hi", decoder="greedy no_repeat_ngram_size=2", max_new_tokens=3, seed=1)
+    plain = engine.send(
+        engine.conversation(),
+        "hi",
+        decoder="greedy",
+        decoder_settings={"no_repeat_ngram_size": 2},
+        max_new_tokens=3,
+        seed=1,
+    )
+    assert spec.text() == plain.text() and spec.provenance["decoder"] == plain.provenance["decoder"]
+    for stray, where in (("temperature", "decoder_settings"), ("steer", "steerers=")):
+        with pytest.raises(OptionError, match=f"unknown reply option '{stray}'.*{where}"):
+            engine.send(conversation, "hi", **{stray: 0.5})
+    with pytest.raises(
+        OptionError, match="`no_repeat_ngram_size` is given in the decoder's spec and in decoder_settings"
+    ):
+        engine.send(
+            conversation, "hi", decoder="greedy no_repeat_ngram_size=2", decoder_settings={"no_repeat_ngram_size": 3}
+        )
+    assert [turn.role for turn in conversation.turns] == ["user", "bot"]  # the refused ones added nothing
