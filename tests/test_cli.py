@@ -400,3 +400,14 @@ def test_a_message_argument_that_is_not_utf8_is_refused_in_one_line(run, tiny_mo
     result = run("generate", "--model", str(tiny_model_dir), "-n", "2", "caf\udce9 ok")
     assert result.exit_code != 0 and "the message is not UTF-8 text (bad byte at position 3)" in result.output
     assert "Traceback" not in result.output
+
+
+def test_eval_takes_the_sampling_options_the_other_commands_take(run, tiny_model_dir, tmp_path):
+    common = ("eval", "--model", str(tiny_model_dir), "--limit", "2", "--samples", "0", "-n", "4", "--dtype", "float32")
+    shortcut = run(*common, "--temperature", "0.5", "--top-p", "0.9", "--json", str(tmp_path / "a.json"))
+    spelled = run(*common, "--decoder", "top-k temperature=0.5 top_p=0.9", "--json", str(tmp_path / "b.json"))
+    assert shortcut.exit_code == 0 and spelled.exit_code == 0, shortcut.output + spelled.output
+    replies = [[s["reply"] for s in json.loads((tmp_path / f"{n}.json").read_text())["samples"]] for n in "ab"]
+    assert replies[0] == replies[1] and len(replies[0]) == 2
+    both = run(*common, "--temperature", "0.5", "--decoder", "top-k temperature=0.3")
+    assert both.exit_code != 0 and "both given" in both.output

@@ -10,13 +10,23 @@ from typing import Any
 import click
 
 import chatcore
-from chatcore.cli.options import max_new_tokens_option, model_option, plugin_options, prompt_options, threads_option
+from chatcore.cli.options import (
+    dtype_option,
+    max_new_tokens_option,
+    model_option,
+    plugin_options,
+    prompt_options,
+    sampling_options,
+    threads_option,
+    with_sampling_shortcuts,
+)
 from chatcore.errors import ChatcoreError, OptionError
 
 
 @click.command("eval")
 @model_option
 @plugin_options
+@sampling_options
 @click.option(
     "-p",
     "--prompts",
@@ -37,6 +47,7 @@ from chatcore.errors import ChatcoreError, OptionError
 )
 @click.option("--device", default=None)
 @threads_option
+@dtype_option
 @prompt_options("System prompt (persona) for every reply.")
 @click.option("--json", "json_path", default=None, help="Also write the full report (with every reply) to this file.")
 @click.option(
@@ -50,6 +61,8 @@ def eval_command(
     model: str,
     decoder_spec: str,
     steer_specs: tuple[str, ...],
+    temperature: float | None,
+    top_p: float | None,
     prompts: str,
     limit: int,
     seed: int,
@@ -58,6 +71,7 @@ def eval_command(
     samples: int,
     device: str | None,
     threads: int | None,
+    dtype: str | None,
     system_text: str | None,
     system_file: str | None,
     prompt_format: str,
@@ -81,7 +95,7 @@ def eval_command(
     from chatcore.prompting import system_prompt_option, validate_format_name
     from chatcore.registry import registry_of
 
-    decoder, decoder_settings = parse_spec(decoder_spec)
+    decoder, decoder_settings = parse_spec(with_sampling_shortcuts(decoder_spec, temperature=temperature, top_p=top_p))
     steerers = [parse_spec(spec) for spec in steer_specs]
     options = ReplyOptions(
         decoder=decoder, decoder_settings=decoder_settings, steerers=steerers, max_new_tokens=max_new_tokens
@@ -93,7 +107,7 @@ def eval_command(
         check_output_path(json_path)
     system = system_prompt_option(system_text, system_file)
     use_threads(threads)
-    engine = Engine(model, device=device, prompt_format=prompt_format)
+    engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
     if Path(prompts).is_file():
         contexts = load_prompt_file(prompts)
     else:
