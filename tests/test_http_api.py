@@ -387,6 +387,8 @@ def test_serve_refuses_bad_options_before_loading_the_model():
     assert result.exit_code != 0 and "no-such-format" in result.output and "Traceback" not in result.output
     result = runner.invoke(build_cli(), ["serve", "--api-key", " "])
     assert result.exit_code != 0 and "--api-key" in result.output
+    result = runner.invoke(build_cli(), ["serve", "--model", "nope"], env={"CHATCORE_API_KEY": ""})  # not "no key"
+    assert result.exit_code != 0 and "CHATCORE_API_KEY is set but empty" in result.output
     result = runner.invoke(build_cli(), ["serve", "--temperature", "0"])  # greedy is a request's choice
     assert result.exit_code != 0 and "`--temperature 0` would be greedy decoding" in result.output
     import socket

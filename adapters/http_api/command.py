@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import click
@@ -178,6 +179,8 @@ def serve(
 
     if api_key is not None and not api_key.strip():
         raise OptionError("`--api-key` is empty")
+    if api_key is None and os.environ.get("CHATCORE_API_KEY") is not None:  # click reads an empty one as unset
+        raise OptionError("CHATCORE_API_KEY is set but empty: give the key, or unset it to serve without one")
     validate_format_name(prompt_format, registry_of())
     if any(not name.strip() for name in served_model_names):
         raise OptionError("`--served-model-name` is empty")
@@ -192,15 +195,15 @@ def serve(
     # A value the default decoder would refuse fails now, not at the first request.
     decoder_name, decoder_settings = parse_spec(with_sampling_shortcuts(DEFAULT_DECODER, **sampling))
     validate_options(ReplyOptions(decoder=decoder_name, decoder_settings=decoder_settings))
+    if log is False and db is not None:
+        raise OptionError("give --db or --no-log, not both")
+    listener = bind_listener(host, port)  # a port in use fails now, not after the model has loaded
     if api_key is None and host not in LOOPBACK:
         click.echo(
             f"chatcore: warning: listening on {host} without --api-key: anyone who can reach this "
             "address can use the model",
             err=True,
         )
-    if log is False and db is not None:
-        raise OptionError("give --db or --no-log, not both")
-    listener = bind_listener(host, port)  # a port in use fails now, not after the model has loaded
     request_log = None
     if log or db is not None:  # a log that cannot be opened fails now too
         from chatcore.adapters.http_api.request_log import RequestLog
