@@ -132,6 +132,7 @@ class PluginHost:
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
         allowed = _allowed_names()
+        matched: set[str] = set()
         seen: set[str] = set()
         for entry_point in metadata.entry_points(group=group):
             distribution = entry_point.dist.name if entry_point.dist else None
@@ -142,12 +143,11 @@ class PluginHost:
             if name in seen:
                 continue  # the same distribution found twice on sys.path
             seen.add(name)
-            if (
-                not builtin
-                and allowed is not None
-                and not (entry_point.name in allowed or (distribution and distribution in allowed) or name in allowed)
-            ):
-                continue
+            if not builtin and allowed is not None:
+                names = {entry_point.name, name, *([distribution] if distribution else [])}
+                if not names & allowed:
+                    continue
+                matched |= names & allowed
             try:
                 plugin = entry_point.load()
             except BaseException as error:  # noqa: BLE001 - SystemExit in a plugin must not exit us
@@ -163,6 +163,8 @@ class PluginHost:
                 builtin=builtin,
             )
             self.register(plugin, name, info)
+        for unknown in sorted((allowed or set()) - matched):  # a typo would otherwise leave a plugin out silently
+            self.report(unknown, "lookup", f"{ENV_PLUGINS} names it, but no installed plugin is called so")
         self.check_pending()
 
     def load_builtins(self, names: tuple[str, ...]) -> None:

@@ -631,6 +631,15 @@ def test_chatcore_plugins_selects_third_party_plugins(third_party, monkeypatch, 
     assert third_problems == ([("chatcore-third:broken", "import")] if allowed == "chatcore-third" else [])
 
 
+def test_a_name_in_chatcore_plugins_that_no_plugin_has_is_reported(third_party, monkeypatch):
+    monkeypatch.setenv("CHATCORE_PLUGINS", "thrid, third")  # a typo would otherwise leave a plugin out silently
+    host = PluginHost()
+    host.load_entry_points()
+    assert "chatcore-third:third" in {info.name for info in host.plugins()}
+    assert [(p.plugin, p.stage) for p in host.problems if p.stage == "lookup"] == [("thrid", "lookup")]
+    assert "CHATCORE_PLUGINS names it" in str(next(p for p in host.problems if p.plugin == "thrid"))
+
+
 def test_without_chatcore_plugins_every_plugin_loads_and_a_broken_one_is_reported(third_party, monkeypatch):
     monkeypatch.delenv("CHATCORE_PLUGINS")
     host = PluginHost()
