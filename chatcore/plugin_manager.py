@@ -143,11 +143,11 @@ class PluginHost:
             if name in seen:
                 continue  # the same distribution found twice on sys.path
             seen.add(name)
-            if not builtin and allowed is not None:
+            if allowed is not None:
                 names = {entry_point.name, name, *([distribution] if distribution else [])}
-                if not names & allowed:
-                    continue
                 matched |= names & allowed
+                if not builtin and not names & allowed:
+                    continue
             try:
                 plugin = entry_point.load()
             except BaseException as error:  # noqa: BLE001 - SystemExit in a plugin must not exit us
