@@ -7,8 +7,9 @@ filtering (and the same as ``chatcore eval``'s chitchat held-out prompts).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,7 +152,8 @@ def train_model_command(
             "filter": filter_settings,
         }
     )
-    result = train(model, tokenizer, train_stream, heldout_stream, config, resume=resume, progress=progress)
+    with contextlib.nullcontext() if progress else quiet_training():
+        result = train(model, tokenizer, train_stream, heldout_stream, config, resume=resume, progress=progress)
     if not context.is_main:
         return result
     card = {
@@ -189,3 +191,20 @@ def _filter_summary(settings: dict[str, Any] | None, report: FilterReport | None
         "exchanges_kept": report.exchanges_out,
         "removed_by_rule": {rule.name: rule.removed for rule in report.rules if rule.status == "on"},
     }
+
+
+@contextlib.contextmanager
+def quiet_training() -> Iterator[None]:
+    """``--quiet``: transformers' progress bars (writing the model's shards) and its warnings
+    (the padding mask a training batch never needs) held back; errors still show."""
+    from transformers.utils import logging as hf_logging
+
+    from chatcore.models import quiet_loading
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with quiet_loading():
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
