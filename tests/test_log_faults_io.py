@@ -252,10 +252,8 @@ def chat_engine_of_its_own(loaded: Any) -> Any:
     return Engine(loaded, host=host)
 
 
-def test_a_second_chat_on_one_conversation_forks_it_and_nothing_is_mislabelled(
-    loaded: Any, backend: Backend, tmp_path: Path
-) -> None:
-    url = backend.new_url()
+def two_chats(loaded: Any, url: str, tmp_path: Path) -> tuple[list[Any], list[ConversationStore], list[list[str]]]:
+    """Two chat processes logging to ``url``: their engines, their stores, and what each was told."""
     engines, stores, told = [], [], []
     for name in ("first", "second"):
         engine = chat_engine_of_its_own(loaded)
@@ -264,6 +262,13 @@ def test_a_second_chat_on_one_conversation_forks_it_and_nothing_is_mislabelled(
         engine.host.register(ConversationLogPlugin(stores[-1], notify=said.append, journal_dir=tmp_path / name), "log")
         engines.append(engine)
         told.append(said)
+    return engines, stores, told
+
+
+def test_a_second_chat_on_one_conversation_forks_it_and_nothing_is_mislabelled(
+    loaded: Any, backend: Backend, tmp_path: Path
+) -> None:
+    engines, stores, told = two_chats(loaded, backend.new_url(), tmp_path)
     started = engines[0].conversation()
     chat(engines[0], started, ["hello"])
     first, second = (stores[n].resume(started.id) for n in range(2))  # two terminals, one --cid
@@ -300,15 +305,7 @@ def test_a_reply_retried_after_resuming_supersedes_the_earlier_chats_reply_in_th
 ) -> None:
     """`chat --continue`, then /retry: the reply dropped is the earlier chat's, logged before
     this chat read the conversation; that is no other chat writing, so nothing forks."""
-    url = backend.new_url()
-    engines, stores, told = [], [], []
-    for name in ("earlier", "later"):
-        engine = chat_engine_of_its_own(loaded)
-        stores.append(ConversationStore(url))
-        said: list[str] = []
-        engine.host.register(ConversationLogPlugin(stores[-1], notify=said.append, journal_dir=tmp_path / name), "log")
-        engines.append(engine)
-        told.append(said)
+    engines, stores, told = two_chats(loaded, backend.new_url(), tmp_path)
     started = engines[0].conversation()
     chat(engines[0], started, ["hello"], reply="the earlier reply")
     resumed = stores[1].resume(started.id)  # the earlier chat has ended
