@@ -244,12 +244,13 @@ def run_repl(cli: Callable[..., Result], model: str, cells: list[Cell], tmp_path
     )
     assert result.exit_code == 0, result.output
     # A cell's part starts after the line its /new printed; the split takes the newline that ended
-    # the part before (the reply's, which the last part keeps).
-    parts = ("\n" + result.stdout).split("\n" + NEW_CONVERSATION)[1:]
+    # the part before (the reply's, which the last part keeps). Without a terminal the chat writes
+    # its errors to stderr: the output read is both streams, in the order they were written.
+    parts = ("\n" + result.output).split("\n" + NEW_CONVERSATION)[1:]
     segments = [part.partition("\n")[2] + "\n" for part in parts[:-1]] + [
         part.partition("\n")[2] for part in parts[-1:]
     ]
-    assert len(segments) == len(cells), result.stdout
+    assert len(segments) == len(cells), result.output
     return dict(zip(cells, (repl_outcome(segment) for segment in segments), strict=True))
 
 
