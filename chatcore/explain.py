@@ -14,13 +14,18 @@ from chatcore.text import one_line
 
 
 def format_settings(settings: dict[str, Any]) -> str:
-    """``key=value`` pairs, leaving out unset values (None, empty text or lists)."""
+    """``key=value`` pairs, leaving out unset values (None, empty text, lists or mappings); a
+    mapping as compact JSON, the form ``/set`` and ``--decoder`` take back."""
+    import json
+
     parts = []
     for key, value in settings.items():
-        if value is None or value == "" or value == [] or value == ():
+        if value is None or value == "" or value == [] or value == () or value == {}:
             continue
         if isinstance(value, (list, tuple)):
             value = ",".join(str(item) for item in value)
+        elif isinstance(value, dict):
+            value = json.dumps(value, separators=(",", ":"), default=str)
         parts.append(f"{key}={value}")
     return " ".join(parts)
 

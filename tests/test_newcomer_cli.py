@@ -330,3 +330,10 @@ def test_a_training_run_is_not_overwritten_without_resume(run, tmp_path, command
     args += ["--corpus", "chitchat", "--epochs", "0.01"] if command == "model" else ["--model", "chatcore-tiny"]
     one_line_failure(run(*args), "already holds a training run", "--resume")
     assert (kept / "config.json").read_text() == "{}"
+
+
+def test_settings_show_a_mapping_as_the_json_that_set_takes_back():
+    from chatcore.explain import format_settings
+
+    shown = format_settings({"top_k": 40, "logit_bias": {"28": -100.0}, "words": ["a", "b"], "empty": {}})
+    assert shown == 'top_k=40 logit_bias={"28":-100.0} words=a,b'
