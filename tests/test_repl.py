@@ -871,6 +871,19 @@ def test_the_chat_command(cli, tiny_model_dir, tmp_path, monkeypatch):
         assert needle in failed.stderr
 
 
+def test_a_system_prompt_set_after_the_last_message_is_kept_for_continue(cli, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    model = ("--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "2", "--db", str(tmp_path / "log.db"))
+    assert cli("chat", *model, input="hello\n/system Be brief.\n/quit\n").exit_code == 0
+    assert cli("chat", *model, "--continue", input="/system\n").stdout.startswith("system prompt:\n  Be brief.\n")
+    assert cli("chat", *model, "--continue", input="/system clear\n").exit_code == 0
+    assert cli("chat", *model, "--continue", input="/system\n").stdout.startswith("no system prompt")
+    # nothing said yet: nothing is written for it
+    assert cli("chat", *model, input="/system Unsaid.\n").exit_code == 0
+    with ConversationStore(sqlite_url(tmp_path / "log.db")) as store:
+        assert len(store.list_conversations()) == 1
+
+
 def test_chat_system_prompt_and_format_options(cli, tiny_model_dir, tmp_path):
     model = ("--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "3", "--no-log")
     persona = tmp_path / "persona.txt"

@@ -157,10 +157,29 @@ def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
         lost = state.log_plugin.pending - journaled + state.log_plugin.dropped
         if lost > 0:
             say(f"note: {lost} write(s) to the conversation log were lost ({failing})")
+        elif not journaled:
+            keep_last_system(state, say)
     if state.store is not None:
         state.store.close()
     elif state.log_plugin is not None and state.log_plugin.store is not None:
         state.log_plugin.store.close()  # opened by its plugin after the last turn
+
+
+def keep_last_system(state: "ChatState", say: Callable[[str], None]) -> None:
+    """A system prompt set (or cleared) after the conversation's last message is kept in the
+    log too, so ``--continue`` goes on with it (messages carry it otherwise)."""
+    from chatcore.log.errors import LogError
+
+    store = state.store or (state.log_plugin.store if state.log_plugin is not None else None)
+    if store is None or not state.current.turns:
+        return
+    conversation_id = state.current.id
+    if state.log_plugin is not None:
+        conversation_id = state.log_plugin.logged_id(conversation_id)
+    try:
+        store.keep_system(conversation_id, state.current.system)
+    except LogError as error:
+        say(f"note: the system prompt set last was not kept in the conversation log ({error})")
 
 
 def banner(state: "ChatState") -> str:

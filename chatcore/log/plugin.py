@@ -304,6 +304,11 @@ class ConversationLogPlugin:
             }
         )
 
+    def logged_id(self, conversation_id: str) -> str:
+        """The id this chat's turns of ``conversation_id`` are logged under (a new one once another
+        chat wrote the original: see ``_fork``)."""
+        return self._forks.get(conversation_id, conversation_id)
+
     def _retarget(self, write: Write) -> Write:
         """The write into the conversation this chat's turns moved to, when another chat writes the original."""
         fork = self._forks.get(write["conversation_id"])

@@ -281,6 +281,18 @@ class StoreWriting(StoreReading):
         if dropped:
             session.execute(sa.update(MessageRow).where(MessageRow.id.in_(dropped)).values(superseded=True))
 
+    def keep_system(self, conversation_id: str, system: str | None) -> bool:
+        """Keep ``system`` as the logged conversation's system prompt (one changed after its last
+        message: messages carry it otherwise); True if it changed, False if the conversation is
+        not in the log or already has it."""
+        with self._session("keep a system prompt", write=True) as session:
+            row = session.get(ConversationRow, conversation_id)
+            cleaned = Normaliser().text(system, "system")
+            if row is None or row.system == cleaned:
+                return False
+            row.system = cleaned
+            return True
+
     def delete_conversation(self, conversation_id: str) -> int:
         """Delete a conversation (id or unique prefix) and its messages; returns the message count."""
         full_id = self.resolve_id(conversation_id)
