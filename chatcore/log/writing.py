@@ -285,12 +285,15 @@ class StoreWriting(StoreReading):
         """Keep ``system`` as the logged conversation's system prompt (one changed after its last
         message: messages carry it otherwise); True if it changed, False if the conversation is
         not in the log or already has it."""
-        with self._session("keep a system prompt", write=True) as session:
+        cleaned = Normaliser().text(system, "system")
+        with self._session("read a system prompt") as session:  # most chats end with it unchanged: no write lock
             row = session.get(ConversationRow, conversation_id)
-            cleaned = Normaliser().text(system, "system")
             if row is None or row.system == cleaned:
                 return False
-            row.system = cleaned
+        with self._session("keep a system prompt", write=True) as session:
+            session.execute(
+                sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(system=cleaned)
+            )
             return True
 
     def delete_conversation(self, conversation_id: str) -> int:
