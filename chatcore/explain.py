@@ -16,8 +16,6 @@ from chatcore.text import one_line
 def format_settings(settings: dict[str, Any]) -> str:
     """``key=value`` pairs, leaving out unset values (None, empty text, lists or mappings); a
     mapping as compact JSON, the form ``/set`` and ``--decoder`` take back."""
-    import json
-
     parts = []
     for key, value in settings.items():
         if value is None or value == "" or value == [] or value == () or value == {}:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from chatcore.cli.specs import parse_spec, with_steerer
+from chatcore.cli.specs import parse_spec, split_settings, with_steerer
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.explain import explain, format_settings
 from chatcore.log.formatting import SHORT_ID, display_safe, one_line, summary_table
@@ -230,8 +230,6 @@ def set_command(state: "ChatState", rest: str) -> Outcome:
 
     if not rest:
         return Outcome(output=f"decoder: {describe_decoder(state)}\n/set KEY=VALUE changes a setting")
-    from chatcore.cli.specs import split_settings
-
     changes = parse_key_values(split_settings(rest))
     settings = {**state.options.decoder_settings, **changes}
     options = state.options.replace(decoder_settings=settings)

@@ -7,43 +7,35 @@ from typing import Any
 
 from chatcore.errors import OptionError
 from chatcore.options import parse_key_values
+from chatcore.text import shown_value
 
 
 def split_settings(text: str) -> list[str]:
     """``text`` split into words as a shell would (quotes group and are removed), except that a
     value written as JSON, ``key={"28": -100}`` or ``key=[1, 2]``, stays one word as typed
     (its quotes and spaces kept): the form an error message shows is the form that works."""
-    values: list[str] = []
-    rest = ""
-    index = 0
-    while index < len(text):
-        opened = text.find("=", index)
-        start = opened + 1
-        while 0 <= opened and start < len(text) and text[start] == " ":
+    if _HELD in text:
+        raise OptionError(f"cannot parse {shown_value(text)}: it holds a NUL character")
+    values: list[str] = []  # each JSON value, held out of the shell's split behind a placeholder
+    rest, index = "", 0
+    while (equals := text.find("=", index)) >= 0:
+        start = equals + 1
+        while start < len(text) and text[start] == " ":
             start += 1
-        if opened < 0:
-            rest += text[index:]
-            break
-        if start >= len(text) or text[start] not in "{[":
-            rest += text[index:start]
-            index = start
+        end = _closing(text, start) if text[start : start + 1] in ("{", "[") else None
+        if end is None:  # no JSON value here (or an unbalanced one: the shell's rules then apply)
+            rest, index = rest + text[index:start], start
             continue
-        end = _closing(text, start)
-        if end is None:  # unbalanced: the shell's rules (and their error) apply
-            rest += text[index:]
-            break
         values.append(text[start:end])
-        rest += text[index:opened] + f"={_PLACEHOLDER}{len(values) - 1}{_PLACEHOLDER}"
-        index = end
+        rest, index = rest + f"{text[index:equals]}={_HELD}{len(values) - 1}{_HELD}", end
     try:
-        words = shlex.split(rest)
+        words = shlex.split(rest + text[index:])
     except ValueError as error:
-        shown = text if len(text) <= 80 else text[:77] + "..."
-        raise OptionError(f"cannot parse {shown!r}: {error}") from None
-    return [_restore(word, values) for word in words]
+        raise OptionError(f"cannot parse {shown_value(text)}: {error}") from None
+    return ["".join(values[int(p)] if i % 2 else p for i, p in enumerate(word.split(_HELD))) for word in words]
 
 
-_PLACEHOLDER = "\x00"
+_HELD = "\x00"  # the placeholder's mark: a text holding one is refused
 
 
 def _closing(text: str, start: int) -> int | None:
@@ -67,11 +59,6 @@ def _closing(text: str, start: int) -> int | None:
             if depth == 0:
                 return position + 1
     return None
-
-
-def _restore(word: str, values: list[str]) -> str:
-    parts = word.split(_PLACEHOLDER)
-    return "".join(values[int(part)] if odd else part for odd, part in ((i % 2 == 1, p) for i, p in enumerate(parts)))
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:

@@ -8,7 +8,7 @@ pg_trgm GIN index, and ``LIKE`` otherwise.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -180,14 +180,14 @@ class StoreReading(StoreConnection):
     # -- resuming -----------------------------------------------------------------
     def load_turns(self, conversation_id: str) -> list["Turn"]:
         """The conversation's turns as the engine holds them (superseded replies left out)."""
-        return self._turns(self.get_conversation(conversation_id, include_superseded=False))
+        return self._turns(self.get_conversation(conversation_id, include_superseded=False).messages)
 
     @staticmethod
-    def _turns(record: ConversationRecord) -> list["Turn"]:
+    def _turns(messages: Sequence[MessageRecord]) -> list["Turn"]:
         from chatcore.conversation import Turn
 
         turns = []
-        for message in record.messages:
+        for message in messages:
             meta: dict[str, Any] = {"log_message_id": message.id}
             if message.role == "bot":
                 meta["provenance"] = message.full_provenance()
@@ -202,7 +202,7 @@ class StoreReading(StoreConnection):
         record = self.get_conversation(conversation_id)
         meta = dict(record.meta)
         meta.update(adapter=record.adapter, channel_key=record.channel_key, title=record.title)
-        shown = replace(record, messages=[m for m in record.messages if not m.superseded])
+        shown = [message for message in record.messages if not message.superseded]
         conversation = Conversation(id=record.id, turns=self._turns(shown), system=record.system, **meta)
         conversation.logged_up_to = max((message.id for message in record.messages), default=0)
         return conversation

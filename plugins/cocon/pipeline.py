@@ -151,7 +151,8 @@ class CoconPipeline:
                        (training's cycle generation, see CoconLosses.generate_soft).
         """
         split, block = self.split, self.block
-        with torch.no_grad() if detach_alpha else contextlib.nullcontext():
+        alpha_grad = torch.no_grad() if detach_alpha else contextlib.nullcontext()
+        with alpha_grad:
             embeddings = split.embed(position_ids, input_ids=input_ids, inputs_embeds=inputs_embeds)  # (B, T, C)
         B, T, _ = embeddings.shape
         past = cache.length if cache is not None else 0
@@ -160,7 +161,7 @@ class CoconPipeline:
         inputs = split.pass_inputs(embeddings, position_ids, key_valid, model_cache)  # masks, rotary: both halves
         collect: list[torch.Tensor] | None = [embeddings] if output_hidden_states else None
 
-        with torch.no_grad() if detach_alpha else contextlib.nullcontext():
+        with alpha_grad:
             hidden = split.alpha(embeddings, inputs, collect)  # (B, T, C)
 
         past_keys: torch.Tensor | None
