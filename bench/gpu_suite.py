@@ -11,11 +11,13 @@ saved with a tokenizer into a temporary folder that chatcore loads. Then, with E
 so every side decodes exactly --tokens tokens:
 
 - decode, batch 1: chatcore alone (``engine.respond``) and in the scheduler's shared batch
-  with the fast path on and off (``CHATCORE_FAST_PATH``), against ``transformers.generate`` eager and generate with its
-  static cache + ``torch.compile``; the batch-1 bandwidth limit (weight bytes / --bandwidth)
-  and each side's share of it; whether the fast path captured its step, and what one
-  replay of the captured step costs against a whole step of the loop (--profile: where
-  the rest of a step goes, by function);
+  with the fast path on and off (``CHATCORE_FAST_PATH``; on it, with the next pass run
+  ahead of reading a step's tokens, and with the tokens read first), against
+  ``transformers.generate`` eager and generate with its static cache + ``torch.compile``;
+  the batch-1 bandwidth limit (weight bytes / --bandwidth) and each side's share of it;
+  whether the fast path captured its step, and what one replay of the captured step costs
+  against a whole step of the loop (--profile: where the rest of a step goes, by function;
+  --kernels: the kernels of one replay);
 - decode, batch 32: 32 conversations through the scheduler against generate on a batch of 32;
 - PPLM (3 iterations) against plain decoding and one CoCon training step against a plain
   forward and backward: ``bench/pplm_speed.py`` (against plain decoding on the fast path
@@ -88,7 +90,7 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
     import torch
 
     from chatcore.engine import ReplyOptions
-    from chatcore.serving import Scheduler
+    from chatcore.serving import Scheduler, static_step
     from chatcore.serving.static_step import FAST_PATH_ENV, idle_static_step
 
     engine = load_engine(argparse.Namespace(model=str(folder), device="cuda" if cuda else "cpu", threads=args.threads))
@@ -171,26 +173,38 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
         try:
             rate, warm = median(measure, *arguments, **keywords)
         except Exception as error:
-            print(f"  batch {count:2d}  {label:40s} failed: {type(error).__name__}: {str(error)[:300]}")
+            print(f"  batch {count:2d}  {label:50s} failed: {type(error).__name__}: {str(error)[:300]}")
             return None
         share = f"   {100 * rate / limit:5.1f} % of the limit" if count == 1 else ""
         versus = f"   {rate / eager:5.2f}x eager generate" if eager else ""
-        print(f"  batch {count:2d}  {label:40s} {rate:9.1f} tok/s{versus}{share}   (first run {warm:.1f} s)")
+        print(f"  batch {count:2d}  {label:50s} {rate:9.1f} tok/s{versus}{share}   (first run {warm:.1f} s)")
         return rate
 
     for count in args.batches:
         eager = row(count, None, "transformers.generate eager", generate, count)
         if count == 1:
             row(count, eager, "chatcore alone (engine.respond)", alone)
-        for mode in args.modes:  # the runner reads the setting when the scheduler starts
+        for mode, sizes in args.modes:  # the runner reads the setting when the scheduler starts
+            if sizes and count not in sizes:
+                continue
             previous = os.environ.get(FAST_PATH_ENV)
-            os.environ[FAST_PATH_ENV] = mode
+            setting, unfrozen = mode.removesuffix("-unfrozen"), mode.endswith("-unfrozen")
+            os.environ[FAST_PATH_ENV] = setting
+            static_step.FREEZE = not unfrozen
+            if setting == "compile":  # dynamo would reuse the other variant's code for the same model
+                torch._dynamo.reset()
             try:
-                with Scheduler(engine, max_batch=count, max_waiting=count, prefix_cache_bytes=0) as scheduler:
-                    rate = row(count, eager, f"chatcore shared batch, fast path {mode}", shared, scheduler, count)
-                if mode != "off" and rate:
-                    report_fast_path(idle_static_step(model, device), count, rate, sync)
+                # With the fast path, the runner queues each step's next pass before reading its
+                # tokens (chatcore.serving.ahead); the second row reads them first, for the peer.
+                for ahead in (True, False) if setting != "off" else (True,):
+                    with Scheduler(engine, max_batch=count, max_waiting=count, prefix_cache_bytes=0) as scheduler:
+                        scheduler.runner.run_ahead = ahead
+                        label = f"chatcore shared batch, fast path {mode}{'' if ahead else ', read first'}"
+                        rate = row(count, eager, label, shared, scheduler, count)
+                    if setting != "off" and rate and ahead:
+                        report_fast_path(idle_static_step(model, device), count, rate, sync, args.kernels and cuda)
             finally:
+                static_step.FREEZE = True
                 if previous is None:
                     del os.environ[FAST_PATH_ENV]
                 else:
@@ -203,7 +217,26 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
         profile(alone)
 
 
-def report_fast_path(step: Any, count: int, rate: float, sync: Any) -> None:
+def replay_kernels(graph: Any, replays: int = 20) -> None:
+    """The kernels of one replay of a captured step, by their device time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(replays):
+            graph.replay()
+        import torch
+
+        torch.cuda.synchronize()
+    events = [event for event in profiler.key_averages() if str(getattr(event, "device_type", "")).endswith("CUDA")]
+    total = sum(event.self_device_time_total for event in events) / replays
+    launches = sum(event.count for event in events) / replays
+    print(f"    kernels of one replay: {launches:.0f}, {total / 1000:.2f} ms of device time; the largest:")
+    for event in sorted(events, key=lambda event: -event.self_device_time_total)[:12]:
+        share = event.self_device_time_total / replays
+        print(f"      {share / 1000:6.3f} ms  x{event.count / replays:4.0f}  {event.key[:110]}")
+
+
+def report_fast_path(step: Any, count: int, rate: float, sync: Any, kernels: bool = False) -> None:
     """Whether the fast path captured its step for ``count`` rows, and one replay's cost
     against a whole step of the loop (``count`` rows at ``rate`` tokens/s)."""
     if step is None:
@@ -223,6 +256,15 @@ def report_fast_path(step: Any, count: int, rate: float, sync: Any) -> None:
     replay_ms = 1000 * (time.perf_counter() - start) / replays
     step_ms = 1000 * count / rate
     print(f"    one replay {replay_ms:.2f} ms; one step of the loop {step_ms:.2f} ms ({replay_ms / step_ms:.0%} of it)")
+    if kernels:
+        try:
+            replay_kernels(inputs.graph)
+        except Exception as error:  # the profiler is a bonus: the suite goes on
+            print(f"    kernels of one replay: not profiled: {type(error).__name__}: {error}")
+    import torch
+
+    if torch.cuda.is_available():
+        print(f"    device memory allocated {torch.cuda.memory_allocated() / 1e9:.2f} GB")
 
 
 def profile(alone: Any) -> None:
@@ -267,8 +309,14 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip generate with static cache + torch.compile")
     parser.add_argument("--compile-batches", default="1,32", help="batch sizes that run generate static + compile")
     parser.add_argument("--batches", default="1,32", help="batch sizes to decode")
-    parser.add_argument("--modes", default="on,off", help="fast path settings of the shared batch (on, compile, off)")
+    parser.add_argument(
+        "--modes",
+        default="on,off",
+        help="fast path settings of the shared batch: on, compile, compile-unfrozen (weights not read as "
+        "constants), off; MODE@1+32 runs one at those batch sizes only",
+    )
     parser.add_argument("--profile", action="store_true", help="profile one batch-1 reply by function")
+    parser.add_argument("--kernels", action="store_true", help="CUDA: kernels of a captured step's replay")
     parser.add_argument("--cocon-history", type=int, default=None, help="CoCon windows' history (CUDA: 256, else 32)")
     parser.add_argument("--corpus", default="chitchat", help="dialogues of the CoCon step: chitchat or a JSONL file")
     parser.add_argument("--workdir", default=None, help="build the models here and keep them (default: a temp folder)")
@@ -278,7 +326,14 @@ def main() -> None:
     args = parser.parse_args()
     args.compile_batches = {int(size) for size in args.compile_batches.split(",") if size}
     args.batches = [int(size) for size in args.batches.split(",") if size]
-    args.modes = [mode for mode in args.modes.split(",") if mode]
+    # "mode@1+32": that mode at those batch sizes only
+    args.modes = [
+        (mode, {int(size) for size in sizes.split("+")} if sizes else set())
+        for mode, _, sizes in (entry.partition("@") for entry in args.modes.split(",") if entry)
+    ]
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 64  # several compiled variants of one model in one process
 
     import torch
 

@@ -252,3 +252,70 @@ def test_the_command_line_refuses_a_bad_setting_before_loading_a_model():
     )
     lines = result.stderr.strip().splitlines()
     assert lines == [f"Error: {FAST_PATH_ENV} must be one of auto, on, compile, off, got 'bogus'", "exit 1 False"]
+
+
+def runner_reply(runner, engine, prompt, options):
+    """Add one reply to ``runner`` directly (as the scheduler admits it): its handle."""
+    from chatcore.serving.requests import Handle
+
+    reply = engine.prepare_reply([Message("user", prompt)], options)
+    handle = Handle()
+    runner.add(handle, engine.start_session(reply), reply.decoder, reply.provenance)
+    return handle
+
+
+def test_passes_run_ahead_keep_every_reply_as_rows_end_join_and_cancel(llama_engine, monkeypatch):
+    """On the fast path the runner queues each step's next pass on the chosen tokens before
+    reading them (chatcore.serving.ahead). Replies that end at different steps, one that joins
+    while the batch runs ahead and one cancelled mid-reply leave every other reply as the
+    ragged step gives it alone; the cancelled one got a prefix of its reply."""
+    from chatcore.serving.runner import Runner
+
+    specs = [
+        ("hello there", ReplyOptions(decoder="greedy", max_new_tokens=14, min_new_tokens=14)),
+        ("tell me about your dog", ReplyOptions(decoder="greedy", max_new_tokens=5, min_new_tokens=5)),
+        ("what do you like to eat?", ReplyOptions(decoder="top-k", seed=4, max_new_tokens=12, min_new_tokens=12)),
+        ("ok", ReplyOptions(decoder="top-k", seed=9, max_new_tokens=9, min_new_tokens=9)),
+    ]
+    monkeypatch.setenv(FAST_PATH_ENV, "off")
+    expected = [alone(llama_engine, prompt, options) for prompt, options in specs]
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    runner = Runner(llama_engine.loaded, llama_engine)
+    runner.run_ahead = True  # a GPU's default; on the CPU it gains nothing but runs the same
+    handles = [runner_reply(runner, llama_engine, prompt, options) for prompt, options in specs[:3]]
+    while len(handles[0].token_ids) < 4:
+        runner.step()
+    ahead_before_join = runner.ahead_steps
+    handles.append(runner_reply(runner, llama_engine, *specs[3]))  # joins a batch that ran ahead
+    while len(handles[2].token_ids) < 6:
+        runner.step()
+    handles[2].cancel()
+    while runner.jobs:
+        runner.step()
+    assert ahead_before_join > 0 and runner.ahead_steps > ahead_before_join
+    for index in (0, 1, 3):
+        assert handles[index].error is None and handles[index].token_ids == expected[index]
+    cancelled = handles[2].token_ids
+    assert 6 <= len(cancelled) < len(expected[2]) and cancelled == expected[2][: len(cancelled)]
+
+
+def test_a_reply_run_ahead_leaves_the_prefix_its_next_turn_reuses(llama_engine, monkeypatch):
+    """A pass run ahead feeds a reply's last token before the reply is seen to end: the prefix
+    cache keeps it with its key/values, and the next turn, reusing it, equals the ragged step's
+    reply without any cache."""
+    conversation = [Message("system", "Be brief."), Message("user", "what do you like to eat?")]
+    options = ReplyOptions(decoder="greedy", max_new_tokens=8, min_new_tokens=8)
+    monkeypatch.setenv(FAST_PATH_ENV, "off")
+    first = list(llama_engine.reply_tokens(llama_engine.prepare_reply(conversation, options)))
+    follow = [*conversation, Message("assistant", llama_engine.tokenizer.decode(first)), Message("user", "why?")]
+    second = list(llama_engine.reply_tokens(llama_engine.prepare_reply(follow, options)))
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    with Scheduler(llama_engine) as scheduler:
+        scheduler.runner.run_ahead = True
+        handle = scheduler.submit(conversation, options)
+        assert handle.wait(60) and handle.error is None and handle.token_ids == first
+        again = scheduler.submit(follow, options)
+        assert again.wait(60) and again.error is None
+        ahead = scheduler.runner.ahead_steps
+    assert again.token_ids == second
+    assert ahead > 0 and again.provenance["prefix_cached_tokens"] > len(first)

@@ -49,6 +49,7 @@ from chatcore.decoding import Sampled, restrict_scores, within
 from chatcore.errors import ChatcoreError
 from chatcore.models import cache_holding, output_cache, plain_cache
 from chatcore.processors import chain, rowwise_signature
+from chatcore.serving.ahead import Ahead, TokenRead
 from chatcore.serving.jobs import Faults, Job, PlainFaults, Sink
 from chatcore.serving.logprobs import chosen_logprobs
 from chatcore.serving.packed_prompts import packed_prompts
@@ -103,6 +104,12 @@ class Runner:
         self.packed_prefills = 0  # passes that read several prompts at once (for tests and benchmarks)
         self._eager: dict[Job, concurrent.futures.Future[tuple[StepOutput, torch.Tensor]]] = {}  # steps under way
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        # Queue the shared batch's next pass before reading a step's tokens, where the batch
+        # takes the fast path (chatcore.serving.ahead): on a GPU, which runs it meanwhile; on
+        # the CPU nothing runs meanwhile and the pass after a reply's last token is lost.
+        self.run_ahead = str(self.device).startswith("cuda")
+        self._ahead: Ahead | None = None  # the pass run ahead, used at the next step
+        self.ahead_steps = 0  # of ``steps``, the passes run ahead (for tests and benchmarks)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -228,11 +235,15 @@ class Runner:
 
         self.drop_cancelled()
         self._take_eager(wait=False)
+        ahead, self._ahead = self._ahead, None
         if self.batch.jobs:
             try:
-                with torch.inference_mode():
-                    logits = self.batch.forward()
-                self.steps += 1
+                if ahead is not None:
+                    logits = ahead.rows_of(self.batch.jobs)
+                else:
+                    with torch.inference_mode():
+                        logits = self.batch.forward()
+                    self.steps += 1
             except Exception as error:
                 self._fail(self.batch.jobs, error)
             else:
@@ -243,7 +254,9 @@ class Runner:
         self._prefill_together()
         chosen = self._choose_plain()
         try:
-            host = self._on_host(chosen)
+            read = TokenRead(torch.cat(list(chosen.values()))) if chosen else None
+            self._run_ahead(chosen)
+            host = self._on_host(chosen, read)
         except Exception as error:  # the device failed: every reply waiting on it ends with the error
             self._fail(chosen, error)
             chosen, host = {}, {}
@@ -323,14 +336,39 @@ class Runner:
         except Exception as error:
             self._end(job, "error", self._blame(job, error))
 
-    @staticmethod
-    def _on_host(chosen: dict[Job, "torch.Tensor"]) -> dict[Job, list[int]]:
-        """The chosen tokens as Python ints, by job: one wait for the device in all."""
+    def _run_ahead(self, chosen: dict[Job, "torch.Tensor"]) -> None:
+        """Queue the shared batch's next pass on this step's ``chosen`` tokens before they are
+        read (chatcore.serving.ahead), where the batch takes the fast path and this step
+        changes nothing but the tokens: every reply is one plain row of the batch (none
+        joins, none waits for a prompt or an eager step) and one at least has tokens left."""
         import torch
 
-        if not chosen:
+        batch = self.batch
+        if not (self.run_ahead and batch.static_step is not None and batch.jobs and not self._eager):
+            return
+        if len(self.jobs) != len(batch.jobs) or self._deferred:
+            return
+        if not all(job.rows == 1 and job in chosen for job in batch.jobs):
+            return
+        if all(job.generated + 1 >= job.session.max_new_tokens for job in batch.jobs):
+            return
+        try:
+            with torch.inference_mode():
+                tokens = torch.cat([chosen[job] for job in batch.jobs])[:, None]
+                self._ahead = Ahead(list(batch.jobs), batch.forward(tokens))
+        except Exception:  # run again at the next step, where its failure ends the replies
+            self._ahead = None
+            return
+        self.steps += 1
+        self.ahead_steps += 1
+
+    @staticmethod
+    def _on_host(chosen: dict[Job, "torch.Tensor"], read: TokenRead | None) -> dict[Job, list[int]]:
+        """The chosen tokens as Python ints, by job (``read``: all of them, on their way to the
+        host): one wait for the device in all."""
+        if not chosen or read is None:
             return {}
-        values = torch.cat(list(chosen.values())).tolist()
+        values = read.values()
         host, start = {}, 0
         for job, tokens in chosen.items():
             host[job] = values[start : start + tokens.shape[0]]

@@ -83,13 +83,16 @@ class SharedBatch:
         """The key/values of every token ``job``'s first row has fed the model: (1, H, cached, D) per layer."""
         return self.cache.row(self.offset(job))
 
-    def forward(self) -> "torch.Tensor":
-        """One forward pass for every row's newest token: (B, V) logits."""
+    def forward(self, tokens: "torch.Tensor | None" = None) -> "torch.Tensor":
+        """One forward pass for every row's newest token (``tokens``, (B, 1) on the device, when
+        they are not recorded yet: a pass run ahead): (B, V) logits."""
         import torch
 
         from chatcore.serving.slots import ragged_pass
 
-        last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
+        last = tokens
+        if last is None:
+            last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
         logits = self.static_step.forward(last, self.cache) if self.static_step is not None else None
         if logits is None:
             positions, mask, plan = self.cache.begin_step(self.device)

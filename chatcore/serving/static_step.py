@@ -34,12 +34,14 @@ never reach this step: they run eagerly beside the batch with caches of their ow
 ``CHATCORE_FAST_PATH`` selects it: ``auto`` (default: on CUDA devices only; on the CPU
 the growing slot cache's ragged step attends over fewer columns and is not slower),
 ``on`` (everywhere, eagerly off CUDA), ``compile`` (as ``on``, with the model's pass
-compiled by ``torch.compile`` first, which fuses its small kernels: fewer launches in
-each captured graph; the first replies of a process wait for the compilation), ``off``.
+compiled by ``torch.compile`` first, which fuses its small kernels and, its weights read
+as constants, its projections of one input: fewer launches in each captured graph, for
+more device memory; the first replies of a process wait for the compilation), ``off``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
@@ -52,6 +54,7 @@ from chatcore.errors import ChatcoreError
 from chatcore.fast_path_setting import FAST_PATH_ENV as FAST_PATH_ENV
 from chatcore.fast_path_setting import FAST_PATH_MODES as FAST_PATH_MODES
 from chatcore.fast_path_setting import fast_path_mode
+from chatcore.serving.ahead import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +68,12 @@ COMPILING = (
     "fast path: compiling the decode step (CHATCORE_FAST_PATH=compile); "
     "the first replies wait for it: seconds for a small model, a minute or more for a large one"
 )
+# ``compile`` reads the weights as constants (inductor's freezing; the step runs in inference
+# mode), so that projections of one input (queries, keys and values; an MLP's gate and up)
+# fold into one matrix product each: fewer, larger kernels in each captured graph. The folded
+# weights are copies: more device memory (for a Llama, about 60 % of its weights' bytes).
+# False compiles without (benchmarks compare the two).
+FREEZE = True
 # Attention implementations that honour a 4-D additive mask (flash attention reads lengths instead).
 MASKED_ATTENTION = ("sdpa", "eager")
 
@@ -146,6 +155,7 @@ class StaticStep:
         self.capture = capture
         self.compiled = compiled
         self.wanted_compiled = compiled  # as asked: ``compiled`` turns False if compiling fails
+        self.frozen = compiled and FREEZE  # compiled with the weights read as constants
         self._pass: Any = None  # the compiled model, once made
         self.inputs: dict[int, FixedInputs] = {}
         self.owner: tuple[int, int] | None = None  # (first buffer's address, capacity) the inputs were made for
@@ -153,7 +163,7 @@ class StaticStep:
         self.replays = 0  # of them, replays of a captured graph
         self.slots: SlotCache | None = None  # an emptied slot cache kept with its buffers (see hand_back)
         self.pool: Any = None  # the memory pool the step's graphs share
-        self._retired: list[Any] = []  # graphs of replaced buffers, released after the next sync
+        self._retired: list[Any] = []  # graphs of replaced buffers, released at the next call
 
     def forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor | None:
         """One pass for every row's newest token ``tokens`` (B, 1) over ``cache``: (B, V) float32
@@ -171,6 +181,9 @@ class StaticStep:
         buffers = [(layer.keys, layer.values) for layer in cache.slots]  # type: ignore[misc]
         first = buffers[0][0]
         owner = (first.data_ptr(), int(first.shape[2]))
+        # Graphs retired by an earlier call: their last replay came before a pass whose tokens
+        # the host has read since (even with a pass run ahead), so it is done.
+        released, self._retired = self._retired, []
         if owner != self.owner:  # new buffers: every fixed input and graph pointed at the old ones
             self._retired.extend(inputs.graph for inputs in self.inputs.values() if inputs.graph is not None)
             self.inputs.clear()
@@ -180,7 +193,9 @@ class StaticStep:
             staged = torch.zeros((2, bucket), dtype=torch.long, device=first.device)
             inputs = self.inputs[bucket] = FixedInputs(FixedSlots(buffers, staged), staged)
         staged = inputs.staged
-        staged[1].copy_(torch.tensor(lengths + [0] * (bucket - rows), dtype=torch.long))
+        # Copied without waiting for the device: the runner may queue this pass before it has
+        # read the previous step's tokens (chatcore.serving.ahead).
+        staged[1].copy_(to_device(lengths + [0] * (bucket - rows), staged))
         staged[0, :rows].copy_(tokens[:, 0])
         if rows < bucket:
             staged[0, rows:].zero_()
@@ -194,10 +209,8 @@ class StaticStep:
             logits = inputs.logits
         else:
             logits = self._run(inputs)
-        chosen = logits[:rows, -1].to(torch.float32, copy=True)
-        if self._retired:  # the replaced graphs' last work is done once these logits are read
-            self._retired.clear()
-        return chosen
+        del released
+        return logits[:rows, -1].to(torch.float32, copy=True)
 
     @property
     def model(self) -> Any:
@@ -223,7 +236,8 @@ class StaticStep:
         )
         arguments[self.cache_argument] = fixed
         try:
-            output = self._model_pass()(**arguments)
+            with self._compile_settings():
+                output = self._model_pass()(**arguments)
         except Exception as error:
             if not self.compiled:
                 raise
@@ -233,6 +247,15 @@ class StaticStep:
             output = self.model(**arguments)
         logits: torch.Tensor = output.logits
         return logits
+
+    def _compile_settings(self) -> contextlib.AbstractContextManager[Any]:
+        """Inductor's settings while the compiled pass runs (it compiles on its first calls):
+        the weights read as constants (:data:`FREEZE`)."""
+        if not (self.compiled and self.frozen):
+            return contextlib.nullcontext()
+        import torch._inductor.config as inductor
+
+        return inductor.patch(freezing=True)
 
     def _model_pass(self) -> Any:
         """The model, or once made, its compiled pass (``compile``: see the module's docstring)."""
@@ -294,7 +317,7 @@ def take_static_step(model: Any, device: Any, cache_argument: str) -> StaticStep
     compiled = fast_path_mode() == "compile"
     with _idle_lock:
         kept = _idle.get(model, {}).pop(str(device), None)
-    if kept is not None and kept.wanted_compiled == compiled:
+    if kept is not None and (kept.wanted_compiled, kept.frozen) == (compiled, compiled and FREEZE):
         return kept
     return StaticStep(model, cache_argument, capture=str(device).startswith("cuda"), compiled=compiled)
 
