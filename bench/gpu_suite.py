@@ -91,6 +91,7 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
 
     from chatcore.engine import ReplyOptions
     from chatcore.serving import Scheduler, static_step
+    from chatcore.serving.requests import End
     from chatcore.serving.static_step import FAST_PATH_ENV, idle_static_step
 
     engine = load_engine(argparse.Namespace(model=str(folder), device="cuda" if cuda else "cpu", threads=args.threads))
@@ -120,16 +121,35 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
         assert len(response.token_ids) == n
         return n / (time.perf_counter() - start)
 
+    last_run: dict[str, float] = {}
+
     def shared(scheduler: Scheduler, count: int) -> float:
+        """Whole replies' tokens/s, from the first request to the last reply's end; noted for
+        the last run: the rate after each reply's first token (its prompt read and its first
+        token chosen: what decoding alone costs) and the loop's steps."""
         batch = conversations(count)
+        ends: list[float] = []
+        steps, ahead = scheduler.runner.steps, scheduler.runner.ahead_steps
+
+        def ended(event: Any) -> None:
+            if isinstance(event, End):
+                ends.append(time.perf_counter())
+
         sync()
         start = time.perf_counter()
-        handles = [scheduler.submit(conversation.messages(), options) for conversation in batch]
+        handles = [scheduler.submit(conversation.messages(), options, ended) for conversation in batch]
         for handle in handles:
             handle.wait()
             assert handle.error is None and len(handle.token_ids) == n, handle.error
         sync()
-        return count * n / (time.perf_counter() - start)
+        stop = time.perf_counter()
+        first = min(handle.first_token or stop for handle in handles)
+        last_run.update(
+            after_first=count * (n - 1) / (max(ends) - first),
+            steps=scheduler.runner.steps - steps,
+            ahead=scheduler.runner.ahead_steps - ahead,
+        )
+        return count * n / (stop - start)
 
     def generate(count: int, **kwargs: Any) -> float:
         prompt = engine.prompt(conversations(1)[0], n).token_ids
@@ -201,6 +221,13 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
                         scheduler.runner.run_ahead = ahead
                         label = f"chatcore shared batch, fast path {mode}{'' if ahead else ', read first'}"
                         rate = row(count, eager, label, shared, scheduler, count)
+                        if rate and last_run:
+                            after = last_run["after_first"]
+                            share = f" ({100 * after / limit:.1f} % of the limit)" if count == 1 else ""
+                            print(
+                                f"    after each reply's first token {after:,.1f} tok/s{share}; a run took "
+                                f"{last_run['steps']:.0f} steps, {last_run['ahead']:.0f} of them run ahead"
+                            )
                     if setting != "off" and rate and ahead:
                         report_fast_path(idle_static_step(model, device), count, rate, sync, args.kernels and cuda)
             finally:

@@ -529,6 +529,17 @@ def test_prompts_with_long_cached_histories_are_read_together_exactly(serving_en
     assert packed_plan(cached, [p - c for p, c in zip(prompts, cached)]) is not None  # the split was taken
 
 
+def test_a_gpu_reads_a_burst_of_prompts_in_one_attention_call():
+    """On a GPU a call costs about a million scores: 32 short prompts with no history, or 16
+    after 2,000 cached tokens each, are read in one masked call; 4 after 100,000 are split."""
+    from chatcore.serving.slots import CALL_COST_SCORES_GPU, packed_plan
+
+    assert packed_plan([0] * 32, [50] * 32) is not None  # on the CPU the burst is split
+    assert packed_plan([0] * 32, [50] * 32, CALL_COST_SCORES_GPU) is None
+    assert packed_plan([2000] * 16, [50] * 16, CALL_COST_SCORES_GPU) is None
+    assert packed_plan([100_000] * 4, [50] * 4, CALL_COST_SCORES_GPU) is not None
+
+
 def test_replies_sharing_a_history_beyond_a_cached_system_prompt_reuse_it(serving_engine):
     """The prefix cache holds a system prompt; replies admitted together share a longer
     history after it: the first one's prompt is read, the others wait a step and reuse it."""

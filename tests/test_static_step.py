@@ -319,3 +319,52 @@ def test_a_reply_run_ahead_leaves_the_prefix_its_next_turn_reuses(llama_engine, 
         ahead = scheduler.runner.ahead_steps
     assert again.token_ids == second
     assert ahead > 0 and again.provenance["prefix_cached_tokens"] > len(first)
+
+
+@pytest.mark.parametrize("fast", ["off", "on"])
+def test_replies_that_end_at_one_step_leave_the_others_rows_intact(llama_engine, monkeypatch, fast):
+    """Two replies end at the same step, between and before rows that go on: their rows are
+    dropped together before the next pass (one move of the rows kept), and every reply equals
+    the one decoded alone."""
+    from chatcore.serving.runner import Runner
+
+    lengths = [5, 11, 5, 8, 5]
+    prompts = ["hello there", "tell me about your dog", "ok", "what do you like to eat?", "why?"]
+    options = [ReplyOptions(decoder="greedy", max_new_tokens=n, min_new_tokens=n) for n in lengths]
+    monkeypatch.setenv(FAST_PATH_ENV, "off")
+    expected = [alone(llama_engine, p, o) for p, o in zip(prompts, options)]
+    monkeypatch.setenv(FAST_PATH_ENV, fast)
+    runner = Runner(llama_engine.loaded, llama_engine)
+    handles = [runner_reply(runner, llama_engine, p, o) for p, o in zip(prompts, options)]
+    rows_seen = []
+    while runner.jobs:
+        runner.step()
+        if runner.batch.cache is not None:
+            rows_seen.append(runner.batch.cache.rows)
+    assert [h.token_ids for h in handles] == expected
+    assert 5 in rows_seen and 2 in rows_seen and 3 not in rows_seen[rows_seen.index(2) :]
+
+
+def test_a_slot_cache_keeps_the_rows_asked_for_in_order():
+    import torch
+
+    from chatcore.serving.slots import SlotCache
+
+    cache = SlotCache(2)
+    rows = []
+    for row, length in enumerate([3, 7, 2, 5]):
+        layers = [
+            (torch.full((1, 2, length, 4), 10.0 * layer + row), torch.full((1, 2, length, 4), -row))
+            for layer in range(2)
+        ]
+        cache.append(layers, 1)
+        rows.append(layers)
+    cache.keep([1, 3])
+    assert cache.lengths == [7, 5]
+    for index, row in enumerate([1, 3]):
+        for (keys, values), (expected_keys, expected_values) in zip(cache.row(index), rows[row]):
+            assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    cache.keep([0])
+    assert cache.lengths == [7]
+    cache.keep([])
+    assert cache.rows == 0

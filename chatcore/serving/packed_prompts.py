@@ -26,7 +26,7 @@ def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["t
     """
     import torch
 
-    from chatcore.serving.slots import packed_pass, packed_plan
+    from chatcore.serving.slots import CALL_COST_SCORES, CALL_COST_SCORES_GPU, packed_pass, packed_plan
 
     device = jobs[0].sequences.device
     cached = [[(layer.keys[:1], layer.values[:1]) for layer in job.cache.layers] if job.cache else None for job in jobs]
@@ -59,7 +59,8 @@ def packed_prompts(model: Any, cache_argument: str, jobs: list[Job]) -> tuple["t
         cache = cache_holding([], model.config)
     ends = torch.tensor(new, device=device).cumsum(0) - 1
     # Long cached prefixes: each prompt's attention over its own keys only (see packed_plan).
-    with torch.inference_mode(), packed_pass(model, packed_plan(past, new)) as extra:
+    call_cost = CALL_COST_SCORES_GPU if device.type == "cuda" else CALL_COST_SCORES
+    with torch.inference_mode(), packed_pass(model, packed_plan(past, new, call_cost)) as extra:
         output = model(
             input_ids=ids,
             attention_mask=mask[None, None],

@@ -30,6 +30,9 @@ class SharedBatch:
         self.device = device
         self.cache_argument = cache_keyword(model)
         self.jobs: list[Job] = []
+        # The jobs whose rows the cache holds, in row order: ``jobs`` and those that left since
+        # the last pass (their rows are dropped together, before the next one: see leave).
+        self._layout: list[Job] = []
         self.cache: Any = None  # a SlotCache once a reply has joined
         self.split_steps = 0  # steps whose attention was split by row length (for tests and benchmarks)
         from chatcore.serving.static_step import fast_path_on
@@ -43,9 +46,9 @@ class SharedBatch:
         return job in self.jobs
 
     def offset(self, job: Job) -> int:
-        """The first batch row of ``job``."""
+        """The first cache row of ``job``."""
         offset = 0
-        for other in self.jobs:
+        for other in self._layout:
             if other is job:
                 return offset
             offset += other.rows
@@ -63,21 +66,39 @@ class SharedBatch:
                 self.cache, self.static_step.slots = self.static_step.slots, None
             if self.cache is None:
                 self.cache = SlotCache(len(cache.layers))
+        self._compact()
         self.cache.append([(layer.keys, layer.values) for layer in cache.layers], job.rows)
         self.jobs.append(job)
+        self._layout.append(job)
 
     def leave(self, job: Job) -> None:
-        """Remove ``job``'s rows (the rows after them move up)."""
+        """Remove ``job`` from the batch. Its rows stay in the cache until the next pass or
+        join, which drops the rows of every job that left meanwhile in one move of the rows
+        kept (replies that end at the same step do not each move the rows after them)."""
         if job not in self.jobs:
             return
-        self.cache.remove(self.offset(job), job.rows)
         self.jobs.remove(job)
         if not self.jobs:
+            self._layout = []
+            self.cache.keep([])
             if self.fast_path and self.static_step is not None:  # its graphs and buffers, for the next batch
                 from chatcore.serving.static_step import hand_back
 
                 hand_back(self.model, self.device, self.static_step, self.cache)
             self.cache = None  # off the fast path, its buffers go with it
+
+    def _compact(self) -> None:
+        """Drop the rows of the jobs that left since the last pass (see leave)."""
+        if self.cache is None or len(self._layout) == len(self.jobs):
+            return
+        kept = []
+        offset = 0
+        for job in self._layout:
+            if job in self.jobs:
+                kept.extend(range(offset, offset + job.rows))
+            offset += job.rows
+        self.cache.keep(kept)
+        self._layout = list(self.jobs)
 
     def layers_of(self, job: Job) -> Layers:
         """The key/values of every token ``job``'s first row has fed the model: (1, H, cached, D) per layer."""
@@ -90,6 +111,7 @@ class SharedBatch:
 
         from chatcore.serving.slots import ragged_pass
 
+        self._compact()
         last = tokens
         if last is None:
             last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)

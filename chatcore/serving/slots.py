@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from chatcore.serving.ahead import to_device
+
 if TYPE_CHECKING:
     import torch
 
@@ -115,6 +117,10 @@ PACKED = "chatcore_packed"
 # One more attention call costs about as much as this many attention scores (a CPU SDPA
 # call's fixed cost against scores of 64-wide heads).
 CALL_COST_SCORES = 4096
+# On a GPU the scores are nearly free and a call is not: its launches (a few concatenations,
+# the mask's columns, the attention) cost the host about what the card spends on a million
+# scores of a 1.7B model, so prompts are split only past a very long cached history.
+CALL_COST_SCORES_GPU = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -127,13 +133,15 @@ class PackedPlan:
     segments: tuple[tuple[int, int, int, int], ...]
 
 
-def packed_plan(past: list[int], new: list[int]) -> PackedPlan | None:
+def packed_plan(past: list[int], new: list[int], call_cost: int = CALL_COST_SCORES) -> PackedPlan | None:
     """How to split the attention of prompts with ``past`` cached and ``new`` new tokens laid
     end to end: each prompt's queries over its own keys only, when that reads well under the
-    one masked call over every key (long cached prefixes); None when one call is cheaper."""
+    one masked call over every key (long cached prefixes); None when one call is cheaper.
+    ``call_cost``: what one more call costs, in attention scores (:data:`CALL_COST_SCORES`
+    on the CPU, :data:`CALL_COST_SCORES_GPU` on a GPU)."""
     total_past, total_new = sum(past), sum(new)
     whole = total_new * (total_past + total_new)
-    split = sum(n * (p + n) for p, n in zip(past, new)) + CALL_COST_SCORES * len(new)
+    split = sum(n * (p + n) for p, n in zip(past, new)) + call_cost * len(new)
     if whole <= 2 * split:
         return None
     segments, past_start, new_start = [], 0, 0
@@ -293,22 +301,24 @@ class SlotCache(Cache):
 
     def remove(self, start: int, count: int) -> None:
         """Free rows [start, start + count): the rows after them move up."""
+        self.keep([row for row in range(self.rows) if not start <= row < start + count])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (ascending), moved up to the first slots in that order; the rest are freed."""
         import torch
 
+        if rows == list(range(len(rows))):  # the rows kept are first already: nothing moves
+            del self.lengths[len(rows) :]
+            return
+        lengths = [self.lengths[row] for row in rows]
+        used = max(lengths)
         with torch.inference_mode():
-            self._remove(start, count)
-
-    def _remove(self, start: int, count: int) -> None:
-        end = start + count
-        after = self.lengths[end:]
-        if after:
-            used = max(after)
+            index = to_device(rows, self.slots[0].keys)  # type: ignore[arg-type]
             for layer in self.slots:
                 assert layer.keys is not None and layer.values is not None
-                moved = slice(start, start + len(after))
-                layer.keys[moved, :, :used] = layer.keys[end : end + len(after), :, :used].clone()
-                layer.values[moved, :, :used] = layer.values[end : end + len(after), :, :used].clone()
-        del self.lengths[start:end]
+                layer.keys[: len(rows), :, :used] = layer.keys[index, :, :used]  # gathered: a copy
+                layer.values[: len(rows), :, :used] = layer.values[index, :, :used]
+        self.lengths = lengths
 
     def row(self, index: int) -> list[tuple["torch.Tensor", "torch.Tensor"]]:
         """Row ``index``'s key/values: (1, H, length, D) views per layer."""
