@@ -557,3 +557,35 @@ def test_replies_sharing_a_history_beyond_a_cached_system_prompt_reuse_it(servin
     assert [h.token_ids for h in handles] == expected
     reused = [h.provenance["prefix_cached_tokens"] for h in handles]
     assert reused[0] > 10 and all(count > reused[0] + 40 for count in reused[1:])
+
+
+@pytest.mark.parametrize("budget", [0, 2**24])
+def test_a_burst_sharing_a_system_prompt_is_read_at_once_whatever_the_prefix_cache(template_engine, budget):
+    """Eight requests that share a system prompt, admitted together: with no prefix cache
+    (budget 0) their prompts are read in one packed pass; with one, the first is read, and
+    the rest a step later reusing its keys; never one prompt a step. Replies as alone."""
+    from chatcore.serving.prefix_cache import PrefixCache
+    from chatcore.serving.requests import Handle
+    from chatcore.serving.runner import Runner
+
+    system = Message("system", "You like food and you always talk about cooking at home.")
+    options = ReplyOptions(decoder="greedy", max_new_tokens=4, min_new_tokens=4)
+    conversations = [[system, Message("user", f"question {index}: what do you cook?")] for index in range(8)]
+    expected = [list(alone_messages(template_engine, messages, options)) for messages in conversations]
+    runner = Runner(template_engine.loaded, template_engine, PrefixCache(budget))
+    handles = []
+    for messages in conversations:
+        reply = template_engine.prepare_reply(messages, options)
+        handle = Handle()
+        handle.provenance = reply.provenance
+        runner.add(handle, template_engine.start_session(reply), reply.decoder, handle.provenance)
+        handles.append(handle)
+    steps = 0
+    while runner.jobs:
+        runner.step()
+        steps += 1
+    assert [h.token_ids for h in handles] == expected
+    assert steps <= 4 + (1 if budget else 0)
+    reused = [h.provenance.get("prefix_cached_tokens", 0) for h in handles]
+    if runner._can_merge:  # Mistral's sliding-window caches decode beside the batch, uncached
+        assert (min(reused[1:]) > 10) is bool(budget)

@@ -464,7 +464,8 @@ class Runner:
         its chunks) fits a chunk is ready; with two or more ready, their new tokens run as one
         sequence whose mask lets each token see only its own prompt (:func:`packed_prompts`),
         instead of one pass per prompt. A ready prompt that shares a longer run with an earlier
-        one of the group than with the prefix cache waits a step, to reuse that one's keys."""
+        one of the group than with the prefix cache waits a step, to reuse that one's keys
+        (once: where the cache keeps nothing, or did not keep that run, it is read at once)."""
         if self.prefix_cache is not None:  # before the lengths are compared: a hit may leave a short rest
             for job in self._ready_to_prefill(any_length=True):
                 if job.cache is None and "prefix_cached_tokens" not in job.provenance:
@@ -477,6 +478,8 @@ class Runner:
             reused = job.provenance.get("prefix_cached_tokens", 0)
             if (
                 self.prefix_cache is not None
+                and self.prefix_cache.budget > 0  # else nothing is stored to wait for
+                and not job.waited  # at most once: the run may not have been kept (too large, evicted)
                 and job.prefilled == reused  # no chunk of its own read yet
                 and any(
                     common_length(prompt, other.session.prompt_ids) >= reused + self.prefix_cache.min_tokens
@@ -487,6 +490,7 @@ class Runner:
                 # beyond a cached system prompt): looked up again next step, once that one is stored.
                 job.provenance.pop("prefix_cached_tokens", None)
                 job.cache, job.prefilled = None, 0
+                job.waited = True
                 self._deferred.add(job)
                 continue
             new = len(prompt) - job.prefilled
