@@ -64,9 +64,21 @@ def restrict_scores(
 def within(ids: Iterable[int], width: int, device: Any) -> "torch.Tensor":
     """The ``ids`` below ``width`` (a score row's length: a tokenizer may know more tokens than
     the model scores), sorted, as a tensor on ``device``."""
+    return to_device(sorted(i for i in ids if 0 <= i < width), device)
+
+
+def to_device(values: list[int], device: Any) -> "torch.Tensor":
+    """``values`` as a long tensor on ``device`` (or a tensor's device), copied without making the
+    host wait for the device: on a GPU through pinned memory, so that a reply starting while a
+    pass runs (chatcore.serving.ahead) does not wait for it."""
     import torch
 
-    return torch.tensor(sorted(i for i in ids if 0 <= i < width), dtype=torch.long, device=device)
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    tensor = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

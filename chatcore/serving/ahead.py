@@ -70,14 +70,3 @@ class TokenRead:
             self.event.synchronize()
         values: list[int] = self.host.tolist()
         return values
-
-
-def to_device(values: list[int], like: torch.Tensor) -> torch.Tensor:
-    """``values`` as a long tensor on ``like``'s device, copied without making the host wait
-    for the device (a pinned buffer on a GPU)."""
-    import torch
-
-    tensor = torch.tensor(values, dtype=torch.long)
-    if like.device.type != "cuda":
-        return tensor.to(like.device)
-    return tensor.pin_memory().to(like.device, non_blocking=True)

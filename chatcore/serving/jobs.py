@@ -77,6 +77,7 @@ class Job:
     generated: int = 0  # steps taken: tokens chosen per row
     cached: int = 0  # tokens of each row in the shared cache (a shared job, once its prompt has run)
     prefilled: int = 0  # prompt tokens in ``cache`` before the prompt step (prefix cache, chunks)
+    chosen: list[int] = field(default_factory=list, repr=False)  # a one-row reply's tokens so far, on the host
     waited: bool = False  # its prompt waited a step for another's keys (Runner._prefill_together)
     cache: Any = field(default=None, repr=False)  # an eager job's cache; a shared job's until it joins
     shared_logits: "torch.Tensor | None" = field(default=None, repr=False)  # its rows of the shared pass

@@ -45,7 +45,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from chatcore.decoding import Sampled, restrict_scores, within
+from chatcore.decoding import Sampled, restrict_scores, to_device, within
 from chatcore.errors import ChatcoreError
 from chatcore.models import cache_holding, output_cache, plain_cache
 from chatcore.processors import chain, rowwise_signature
@@ -146,7 +146,7 @@ class Runner:
         total = len(prompt) + session.max_new_tokens
         device = self.device
         sequences = torch.full((rows, total), self.loaded.eos_token_id, dtype=torch.long, device=device)
-        sequences[:, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+        sequences[:, : len(prompt)] = to_device(prompt, device)
         if rows == 1:  # a one-row reply ends at its stop token: every column it writes counts
             attention = torch.ones((rows, total), dtype=torch.long, device=device)
         else:
@@ -546,7 +546,7 @@ class Runner:
         if self.prefix_cache is None or job.cache is None:
             return
         layers = [(layer.keys[:1], layer.values[:1]) for layer in job.cache.layers]
-        self.prefix_cache.store(job.sequences[0, : job.prompt_length].tolist(), layers)
+        self.prefix_cache.store(list(job.session.prompt_ids), layers)  # the host's copy: no wait
 
     def _prefill_chunk(self, job: Job) -> bool:
         """Run one more chunk of a shared job's long prompt, alone and without steerers (its
@@ -652,6 +652,7 @@ class Runner:
         budget_spent = job.generated >= job.session.max_new_tokens
         if job.rows == 1:  # no row has stopped before (it would have ended): its attention is all 1
             token = host[0] if host is not None else int(tokens[0])
+            job.chosen.append(token)
             if token in job.stop_set:
                 self._end(job, "stop")
                 return
@@ -696,7 +697,8 @@ class Runner:
                     layers = self.batch.layers_of(job)
                 else:
                     layers = [(layer.keys[:1], layer.values[:1]) for layer in job.cache.layers]
-                self.prefix_cache.store(job.sequences[0, : job.cached].tolist(), layers)
+                tokens = [*job.session.prompt_ids, *job.chosen][: job.cached]  # the host's copy: no wait
+                self.prefix_cache.store(tokens, layers)
             except Exception:  # a cache that cannot be kept costs the next turn a prefill, nothing more
                 pass
         try:

@@ -91,7 +91,7 @@ class SharedBatch:
         """Drop the rows of the jobs that left since the last pass (see leave)."""
         if self.cache is None or len(self._layout) == len(self.jobs):
             return
-        kept = []
+        kept: list[int] = []
         offset = 0
         for job in self._layout:
             if job in self.jobs:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from chatcore.serving.ahead import to_device
+from chatcore.decoding import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -313,7 +313,7 @@ class SlotCache(Cache):
         lengths = [self.lengths[row] for row in rows]
         used = max(lengths)
         with torch.inference_mode():
-            index = to_device(rows, self.slots[0].keys)  # type: ignore[arg-type]
+            index = to_device(rows, self.slots[0].keys)
             for layer in self.slots:
                 assert layer.keys is not None and layer.values is not None
                 layer.keys[: len(rows), :, :used] = layer.keys[index, :, :used]  # gathered: a copy

@@ -50,11 +50,11 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from chatcore.decoding import to_device
 from chatcore.errors import ChatcoreError
 from chatcore.fast_path_setting import FAST_PATH_ENV as FAST_PATH_ENV
 from chatcore.fast_path_setting import FAST_PATH_MODES as FAST_PATH_MODES
 from chatcore.fast_path_setting import fast_path_mode
-from chatcore.serving.ahead import to_device
 
 if TYPE_CHECKING:
     import torch
