@@ -86,3 +86,12 @@ class Job:
     observer: Callable[["torch.Tensor"], None] | None = field(default=None, repr=False)
     # Per step, each row's log-probabilities, when the reply asked for them (session.logprobs).
     logprobs: list[list[TokenLogprob]] | None = field(default=None, repr=False)
+
+    @property
+    def host_tokens(self) -> bool:
+        """Whether its chosen tokens are kept on the host only (``chosen``), not written into
+        ``sequences`` on the device: a reply in the shared batch with a lane (one row,
+        processors that read no sequences) and no steerer, which nothing reads them from
+        there (one write a reply a step saved: on a GPU, one launch each). An eager reply
+        feeds its model from ``sequences``."""
+        return self.shared and self.lane is not None and not self.session.steerers

@@ -644,7 +644,8 @@ class Runner:
         end the job when its rows are done."""
         import torch
 
-        job.sequences[:, job.length] = tokens
+        if not job.host_tokens:
+            job.sequences[:, job.length] = tokens
         job.length += 1
         job.generated += 1
         if job.observer is not None:

@@ -104,6 +104,27 @@ class SharedBatch:
         """The key/values of every token ``job``'s first row has fed the model: (1, H, cached, D) per layer."""
         return self.cache.row(self.offset(job))
 
+    def _newest(self) -> "torch.Tensor":
+        """Every row's newest token, (B, 1) on the device: from the host where a job keeps its
+        tokens there (Job.host_tokens), in one copy for all such jobs in a row."""
+        import torch
+
+        from chatcore.decoding import to_device
+
+        pieces: list[torch.Tensor] = []
+        held: list[int] = []
+        for job in self.jobs:
+            if job.host_tokens:
+                held.append(job.chosen[-1])
+                continue
+            if held:
+                pieces.append(to_device(held, self.device)[:, None])
+                held = []
+            pieces.append(job.sequences[:, job.length - 1 : job.length])
+        if held:
+            pieces.append(to_device(held, self.device)[:, None])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
     def forward(self, tokens: "torch.Tensor | None" = None) -> "torch.Tensor":
         """One forward pass for every row's newest token (``tokens``, (B, 1) on the device, when
         they are not recorded yet: a pass run ahead): (B, V) logits."""
@@ -114,7 +135,7 @@ class SharedBatch:
         self._compact()
         last = tokens
         if last is None:
-            last = torch.cat([job.sequences[:, job.length - 1 : job.length] for job in self.jobs]).to(self.device)
+            last = self._newest()
         logits = self.static_step.forward(last, self.cache) if self.static_step is not None else None
         if logits is None:
             positions, mask, plan = self.cache.begin_step(self.device)
