@@ -128,7 +128,6 @@ class SharedBatch:
     def forward(self, tokens: "torch.Tensor | None" = None) -> "torch.Tensor":
         """One forward pass for every row's newest token (``tokens``, (B, 1) on the device, when
         they are not recorded yet: a pass run ahead): (B, V) logits."""
-        import torch
 
         from chatcore.serving.slots import ragged_pass
 
