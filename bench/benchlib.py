@@ -47,3 +47,21 @@ def load_engine(args: Any, *plugins: str) -> Any:
     if args.threads:
         torch.set_num_threads(args.threads)
     return Engine(args.model, device=args.device, host=plugin_host(*plugins))
+
+
+def operators(step: Any, views: bool = False) -> int:
+    """How many tensor operators one call of ``step`` dispatches (views left out unless
+    ``views``: on a GPU each non-view one is about one kernel launch, each one a dispatch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if views or not func.is_view:
+                Count.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return Count.count

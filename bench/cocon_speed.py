@@ -24,9 +24,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
 
-from benchlib import add_model_arguments, load_engine, long_conversation
+from benchlib import add_model_arguments, load_engine, long_conversation, operators
 
 
 def main() -> None:
@@ -211,23 +210,6 @@ def train_step(args) -> None:
     with torch.profiler.profile() as profile:
         cocon()
     print(profile.key_averages().table(sort_by="cpu_time_total", row_limit=12))
-
-
-def operators(step: Any) -> int:
-    """How many tensor operators one call of ``step`` dispatches, views left out."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if not func.is_view:
-                Count.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        step()
-    return Count.count
 
 
 if __name__ == "__main__":

@@ -246,13 +246,12 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
 
 def replay_kernels(graph: Any, replays: int = 20) -> None:
     """The kernels of one replay of a captured step, by their device time (torch.profiler)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         for _ in range(replays):
             graph.replay()
-        import torch
-
         torch.cuda.synchronize()
     events = [event for event in profiler.key_averages() if str(getattr(event, "device_type", "")).endswith("CUDA")]
     total = sum(event.self_device_time_total for event in events) / replays

@@ -22,7 +22,7 @@ import statistics
 import time
 from typing import Any
 
-from benchlib import add_model_arguments, load_engine
+from benchlib import add_model_arguments, load_engine, operators
 
 
 def main() -> None:
@@ -36,7 +36,6 @@ def main() -> None:
     os.environ["CHATCORE_FAST_PATH"] = "on"
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from chatcore.engine import ReplyOptions
     from chatcore.prompting import Message
@@ -55,17 +54,8 @@ def main() -> None:
 
     static_step.StaticStep._run = fixed_pass  # type: ignore[method-assign]
 
-    class Counting(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.count += 1
-            return func(*args, **(kwargs or {}))
-
     steady: list[float] = []
-    operators: list[int] = []
+    counts: list[int] = []
     plain_step = Runner.step
 
     def timed_step(runner: Runner) -> None:
@@ -76,11 +66,8 @@ def main() -> None:
             and len(runner.jobs) == len(runner.batch.jobs) == count
             and all(0 < job.generated < args.tokens - 1 for job in runner.jobs)
         )
-        if is_steady and (len(steady) + len(operators)) % 4 == 3:
-            counting = Counting()
-            with counting:
-                plain_step(runner)
-            operators.append(counting.count)
+        if is_steady and (len(steady) + len(counts)) % 4 == 3:
+            counts.append(operators(lambda: plain_step(runner), views=True))
             return
         start = time.perf_counter()
         plain_step(runner)
@@ -92,7 +79,7 @@ def main() -> None:
     print(f"model {args.model}, the model's pass replaced by fixed logits, {args.tokens} tokens a reply")
     for count in [int(size) for size in args.batches.split(",") if size]:
         steady.clear()
-        operators.clear()
+        counts.clear()
         with Scheduler(
             engine, max_batch=count, max_waiting=count, prefix_cache_bytes=args.prefix_cache_mb * 2**20
         ) as scheduler:
@@ -119,7 +106,7 @@ def main() -> None:
         print(
             f"  batch {count:2d}: {steps:.0f} steps a run, {1000 * seconds / args.repeats:.1f} ms a run; "
             f"a steady step {1000 * statistics.median(steady):.3f} ms (median of {len(steady)}), "
-            f"{statistics.median(operators):.0f} operators"
+            f"{statistics.median(counts):.0f} operators"
         )
 
 

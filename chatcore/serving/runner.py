@@ -366,7 +366,7 @@ class Runner:
     def _on_host(chosen: dict[Job, "torch.Tensor"], read: TokenRead | None) -> dict[Job, list[int]]:
         """The chosen tokens as Python ints, by job (``read``: all of them, on their way to the
         host): one wait for the device in all."""
-        if not chosen or read is None:
+        if read is None:  # nothing chosen
             return {}
         values = read.values()
         host, start = {}, 0

@@ -299,10 +299,6 @@ class SlotCache(Cache):
             layer.values[start : start + rows, :, :length] = values
         self.lengths.extend([length] * rows)
 
-    def remove(self, start: int, count: int) -> None:
-        """Free rows [start, start + count): the rows after them move up."""
-        self.keep([row for row in range(self.rows) if not start <= row < start + count])
-
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (ascending), moved up to the first slots in that order; the rest are freed."""
         import torch

@@ -183,7 +183,7 @@ class StaticStep:
         owner = (first.data_ptr(), int(first.shape[2]))
         # Graphs retired by an earlier call: their last replay came before a pass whose tokens
         # the host has read since (even with a pass run ahead), so it is done.
-        released, self._retired = self._retired, []
+        self._retired = []
         if owner != self.owner:  # new buffers: every fixed input and graph pointed at the old ones
             self._retired.extend(inputs.graph for inputs in self.inputs.values() if inputs.graph is not None)
             self.inputs.clear()
@@ -209,7 +209,6 @@ class StaticStep:
             logits = inputs.logits
         else:
             logits = self._run(inputs)
-        del released
         return logits[:rows, -1].to(torch.float32, copy=True)
 
     @property
