@@ -48,6 +48,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
         hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     ),
+    # SmolLM2-135M's 30 layers at tiny's width: on the CPU a pass costs about what its operators'
+    # dispatch costs, as on a GPU it costs about its launches (what compiling saves shows).
+    "deep": dict(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=30, num_attention_heads=4, num_key_value_heads=2
+    ),
     "135m": dict(
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3
     ),
@@ -146,6 +151,7 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
         first = min(handle.first_token or stop for handle in handles)
         last_run.update(
             after_first=count * (n - 1) / (max(ends) - first),
+            first_ms=1000 * statistics.mean((handle.first_token or stop) - start for handle in handles),
             steps=scheduler.runner.steps - steps,
             ahead=scheduler.runner.ahead_steps - ahead,
         )
@@ -225,7 +231,8 @@ def decode(folder: Path, args: argparse.Namespace, cuda: bool, weight_bytes: int
                             after = last_run["after_first"]
                             share = f" ({100 * after / limit:.1f} % of the limit)" if count == 1 else ""
                             print(
-                                f"    after each reply's first token {after:,.1f} tok/s{share}; a run took "
+                                f"    first token after {last_run['first_ms']:.1f} ms (mean); "
+                                f"after each reply's first token {after:,.1f} tok/s{share}; a run took "
                                 f"{last_run['steps']:.0f} steps, {last_run['ahead']:.0f} of them run ahead"
                             )
                     if setting != "off" and rate and ahead:
@@ -327,7 +334,9 @@ def run_bench(script: str, extra: list[str], timeout: int, environment: dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=None, help="comma-separated: tiny, 135m, 1.7b (default: 135m,1.7b on CUDA)")
+    parser.add_argument(
+        "--shapes", default=None, help="comma-separated: tiny, deep, 135m, 1.7b (default: 135m,1.7b on CUDA)"
+    )
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: 4.8e12, an H200; CPU 2e10)")

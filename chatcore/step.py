@@ -95,12 +95,15 @@ class StepOutput:
 Step = Callable[[StepState], StepOutput]
 
 
-def model_step(model: Any) -> Step:
-    """The innermost step: one cached forward pass of a Hugging Face causal LM."""
+def model_step(model: Any, run: Callable[..., Any] | None = None) -> Step:
+    """The innermost step: one cached forward pass of a Hugging Face causal LM (through
+    ``run`` where given: a callable taking the model's keyword arguments, such as its
+    compiled pass)."""
     cache_argument = cache_keyword(model)
+    forward = model if run is None else run
 
     def step(state: StepState) -> StepOutput:
-        output = model(
+        output = forward(
             input_ids=state.input_ids,
             attention_mask=state.attention_mask,
             position_ids=state.position_ids,

@@ -11,6 +11,8 @@ from chatcore.engine import ReplyOptions
 from chatcore.errors import ChatcoreError
 from chatcore.prompting import Message
 from chatcore.serving import Scheduler
+from chatcore.serving import prompt_pass as prompt_pass_module
+from chatcore.serving.prompt_pass import COMPILING as PROMPT_COMPILING
 from chatcore.serving.static_step import (
     COMPILING,
     FAST_PATH_ENV,
@@ -176,26 +178,58 @@ def test_a_failed_capture_falls_back_to_the_eager_step(loaded, caplog):
 
 
 def test_a_compiled_step_gives_the_replies_of_generate(llama_engine, monkeypatch):
-    """``compile``: the step's pass goes through torch.compile (here eagerly: no CUDA) and the
-    greedy replies, alone and batched, equal transformers' generate."""
+    """``compile``: the step's pass and the prompt's go through torch.compile (here without CUDA
+    graphs), and the greedy replies equal transformers' generate: alone, batched, and after a
+    prefix the prefix cache held (the prompt's second graph, with a cache to start from)."""
     import shutil
 
     if not (shutil.which("g++") or shutil.which("c++")):
         pytest.skip("torch.compile on the CPU needs a C++ compiler")
     monkeypatch.setenv(FAST_PATH_ENV, "compile")
-    conversations = [["hello there"], ["what do you like to eat?", "pasta", "why?"]]
+    monkeypatch.delitem(prompt_pass_module._passes, llama_engine.loaded.model, raising=False)  # a fresh count
+    conversations = [["what do you like to eat?"], ["what do you like to eat?", "pasta", "why?"], ["hello there"]]
     expected = [hf_greedy(llama_engine, llama_engine.scripted(turns).messages(), 8) for turns in conversations]
-    replies = []
-    for turns in conversations:
-        response = llama_engine.respond(llama_engine.scripted(turns), decoder="greedy", max_new_tokens=8)
-        response.text()
-        replies.append(response.token_ids)
-    assert replies == expected
+    options = ReplyOptions(decoder="greedy", max_new_tokens=8)
+    with Scheduler(llama_engine) as scheduler:
+        handles = []
+        for turns in conversations:  # one after another: the second finds the first's prompt kept
+            handle = scheduler.submit(llama_engine.scripted(turns).messages(), options)
+            assert handle.wait(600) and handle.error is None
+            handles.append(handle)
+    assert [handle.token_ids for handle in handles] == expected
+    assert handles[1].provenance["prefix_cached_tokens"] > 0
+    response = llama_engine.respond(llama_engine.scripted(conversations[2]), decoder="greedy", max_new_tokens=8)
+    response.text()
+    assert response.token_ids == expected[2]
     step = idle_static_step(llama_engine.loaded.model, llama_engine.loaded.device)
+    prompts = prompt_pass_module.prompt_pass(llama_engine.loaded.model)
     assert step is not None and step.wanted_compiled and step.steps > 0
-    if not step.compiled:  # it fell back (its warning is tested below): the replies above are the uncompiled step's
-        pytest.skip("torch.compile could not compile the step on this machine")
-    assert step._pass is not None
+    assert prompts is not None and prompts.passes == 4
+    if not (step.compiled and prompts.compiled):  # it fell back (its warning is tested below)
+        pytest.skip("torch.compile could not compile the passes on this machine")
+    assert step._pass is not None and prompts.compiled_passes == 4
+
+
+def test_a_prompt_the_model_refuses_leaves_the_prompt_pass_compiled(llama_engine, monkeypatch):
+    """A prompt pass that fails compiled and uncompiled alike is the prompt's fault: its error
+    is raised and the compiled pass is kept for the next prompt."""
+    import torch
+
+    from chatcore.serving.prompt_pass import PromptPass
+
+    def compiled(model, **settings):
+        return model  # the compiled pass fails where the model fails
+
+    monkeypatch.setattr(torch, "compile", compiled)
+    model = llama_engine.loaded.model
+    prompts = PromptPass(model)
+    too_far = torch.tensor([[model.config.vocab_size + 5]])  # no such token
+    with torch.inference_mode(), pytest.raises(IndexError):
+        prompts(input_ids=too_far, use_cache=False)
+    assert prompts.compiled and prompts.passes == 1 and prompts.compiled_passes == 0
+    with torch.inference_mode():
+        prompts(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False)
+    assert prompts.compiled and prompts.compiled_passes == 1
 
 
 def test_a_compile_that_fails_leaves_the_step_uncompiled(llama_engine, monkeypatch, caplog):
@@ -214,14 +248,17 @@ def test_a_compile_that_fails_leaves_the_step_uncompiled(llama_engine, monkeypat
     monkeypatch.setattr(torch, "compile", broken)
     monkeypatch.setenv(FAST_PATH_ENV, "compile")
     take_static_step(llama_engine.loaded.model, llama_engine.loaded.device, "past_key_values")  # a fresh step next
+    monkeypatch.delitem(prompt_pass_module._passes, llama_engine.loaded.model, raising=False)  # and prompt pass
     conversation = llama_engine.scripted(["tell me about your dog"])
     expected = hf_greedy(llama_engine, conversation.messages(), 8)
-    with caplog.at_level(logging.WARNING, logger="chatcore.serving.static_step"):
+    with caplog.at_level(logging.WARNING, logger="chatcore.serving"):
         response = llama_engine.respond(conversation, decoder="greedy", max_new_tokens=8)
         response.text()
     assert response.token_ids == expected
-    lines = [record.getMessage() for record in caplog.records if record.name == "chatcore.serving.static_step"]
+    lines = [record.getMessage() for record in caplog.records if record.name.startswith("chatcore.serving")]
     assert lines == [
+        PROMPT_COMPILING,
+        "fast path: compiling the prompt pass failed, running it uncompiled: no working C++ compiler",
         COMPILING,
         "fast path: compiling the decode step failed, running it uncompiled: no working C++ compiler",
     ]

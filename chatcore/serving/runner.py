@@ -54,6 +54,7 @@ from chatcore.serving.jobs import Faults, Job, PlainFaults, Sink
 from chatcore.serving.logprobs import chosen_logprobs
 from chatcore.serving.packed_prompts import packed_prompts
 from chatcore.serving.prefix_cache import PrefixCache, common_length
+from chatcore.serving.prompt_pass import prompt_pass
 from chatcore.serving.shared_batch import SharedBatch
 from chatcore.steering import compose
 from chatcore.step import Step, StepOutput, StepState, model_step
@@ -97,6 +98,9 @@ class Runner:
         self.jobs: list[Job] = []
         self.batch = SharedBatch(self.model, self.device)
         self._model_step = model_step(self.model)
+        # A shared reply's prompt: compiled under CHATCORE_FAST_PATH=compile (chatcore.serving.prompt_pass).
+        compiled = prompt_pass(self.model) if self.batch.fast_path else None
+        self._prompt_step = self._model_step if compiled is None else model_step(self.model, compiled)
         self._can_merge: bool | None = None
         self._deferred: set[Job] = set()  # replies whose prompt waits a step (see _prefill_together)
         self.steps = 0  # forward passes of the shared batch (for tests and benchmarks)
@@ -205,13 +209,13 @@ class Runner:
     def _inner(self, job: Job) -> Step:
         """The step a job's steerers wrap: the model on the job's own cache (eager jobs, and a
         shared job's prompt), or the job's rows of the shared pass."""
-        model = self._model_step
+        model, prompt = self._model_step, self._prompt_step
 
         def shared_rows(state: StepState) -> StepOutput:
             if job.shared_logits is not None:
                 return StepOutput(logits=job.shared_logits, cache=None)
             # The prompt step: every row holds the same prompt, so it runs once, for the first row.
-            output = model(
+            output = prompt(
                 state.replace(
                     input_ids=state.input_ids[:1],
                     attention_mask=state.attention_mask[:1],
