@@ -20,8 +20,9 @@ so every side decodes exactly --tokens tokens:
   --kernels: the kernels of one replay);
 - decode, batch 32: 32 conversations through the scheduler against generate on a batch of 32;
 - PPLM (3 iterations) against plain decoding and one CoCon training step against a plain
-  forward and backward: ``bench/pplm_speed.py`` (against plain decoding on the fast path
-  and off it) and ``bench/cocon_speed.py --train`` (batch 64, --cocon-history tokens on
+  forward and backward: ``bench/pplm_speed.py`` (under each of --pplm-modes: against plain
+  decoding on the fast path, off it, and with both compiled: PPLM's layers and the plain
+  step) and ``bench/cocon_speed.py --train`` (batch 64, --cocon-history tokens on
   CUDA) on the same folder, each bounded by --step-timeout seconds.
 
 Without CUDA the same runs at a tiny shape (``--shapes tiny``, the default there) with the
@@ -356,6 +357,11 @@ def main() -> None:
     parser.add_argument("--corpus", default="chitchat", help="dialogues of the CoCon step: chitchat or a JSONL file")
     parser.add_argument("--workdir", default=None, help="build the models here and keep them (default: a temp folder)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: decode, pplm, cocon")
+    parser.add_argument(
+        "--pplm-modes",
+        default="on,off,compile",
+        help="CHATCORE_FAST_PATH settings PPLM runs under (compile: its layers compiled too)",
+    )
     parser.add_argument("--step-timeout", type=int, default=240, help="seconds for each of pplm and cocon")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -392,7 +398,7 @@ def main() -> None:
                 decode(folder, args, cuda, weight_bytes)
             common = ["--model", str(folder), *(["--threads", str(args.threads)] if args.threads else [])]
             if "pplm" not in skip:
-                for mode in ("on", "off"):
+                for mode in args.pplm_modes.split(","):
                     print(f"  PPLM (3 iterations) vs plain top-k, fast path {mode}:")
                     run_bench(
                         "pplm_speed.py",

@@ -31,7 +31,9 @@ The names, by what a plugin author does with them:
   options generated from a :class:`Settings` model's fields (default, bounds, help);
   :func:`output_folder`, :func:`output_file` and :func:`run_folder`, a command's ``--out``
   checked (and its folder made) before the work starts;
-- errors: :class:`ChatcoreError` and its kinds, shown to the user in one line.
+- errors: :class:`ChatcoreError` and its kinds, shown to the user in one line;
+- speed: :func:`fast_path_mode`, the ``CHATCORE_FAST_PATH`` setting (under ``compile`` a
+  steerer that runs passes of its own may compile them too, as PPLM does).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from chatcore.cli.train import train_group
 from chatcore.decoding import Candidate, Decoder, GenerationSession, RepetitionSettings, Sampled, TokenDecoder
 from chatcore.errors import ChatcoreError, CorpusError, ModelLoadError, OptionError
 from chatcore.evaluation.metrics import contains_any, is_degenerate
+from chatcore.fast_path_setting import fast_path_mode
 from chatcore.hookspecs import hookimpl
 from chatcore.models import (
     BUNDLED_DIR,
@@ -124,6 +127,7 @@ __all__ = [
     "collect_words",
     "contains_any",
     "encode_text",
+    "fast_path_mode",
     "hookimpl",
     "is_degenerate",
     "load_model",

@@ -434,3 +434,67 @@ def test_the_lean_path_agrees_for_a_discriminator(loaded, tmp_path):
     assert [int(t) for t in lean_tokens] == [int(t) for t in generic_tokens]
     for ours, theirs in zip(lean_scores, generic_scores):
         assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_the_compiled_layers_compute_what_the_eager_ones_do(loaded, tiny_family, monkeypatch, architecture):
+    """``CHATCORE_FAST_PATH=compile``: the runner's layers run through torch.compile (forward
+    and, for the iterations' gradients, backward) and steer to the eager runner's scores."""
+    import shutil
+
+    from chatcore.plugins.pplm import compiled
+    from chatcore.serving.static_step import FAST_PATH_ENV
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("torch.compile on the CPU needs a C++ compiler")
+    model = loaded if architecture == "gpt2" else tiny_family(architecture)
+    settings = {"stepsize": 0.3, "carry": True, "window_length": 3}
+    eager_scores, eager_tokens, eager = steered_run(model, settings, inner=False)
+    monkeypatch.setenv(FAST_PATH_ENV, "compile")
+    scores, tokens, steered = steered_run(model, settings, inner=False)
+    runner = steered.perturbation.runner
+    assert runner is not None and all(isinstance(layer, compiled.CompiledLayer) for layer in runner.layers)
+    assert not any(isinstance(layer, compiled.CompiledLayer) for layer in eager.perturbation.runner.layers)
+    if compiled._failed:
+        pytest.skip("torch.compile could not compile the layers on this machine")
+    assert {kind.__name__ for kind, _ in compiled._compiled} >= {type(runner.layers[0].layer).__name__}
+    assert torch.equal(tokens, eager_tokens)
+    for ours, theirs in zip(scores, eager_scores):
+        assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+def test_a_compile_that_fails_leaves_the_layers_uncompiled(loaded, monkeypatch, caplog):
+    """Where torch.compile cannot make the layers' functions, one warning says so and the
+    runner steers as uncompiled; a failure of the uncompiled layer too is raised as it is."""
+    import logging
+
+    from chatcore.plugins.pplm import compiled
+    from chatcore.serving.static_step import FAST_PATH_ENV
+
+    def broken(function, **settings):
+        def run(*arguments):
+            raise RuntimeError("no working C++ compiler")
+
+        return run
+
+    settings = {"stepsize": 0.3, "carry": True}
+    expected_scores, expected_tokens, _ = steered_run(loaded, settings, inner=False)
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setenv(FAST_PATH_ENV, "compile")
+    with caplog.at_level(logging.WARNING, logger=compiled.__name__):
+        scores, tokens, _ = steered_run(loaded, settings, inner=False)
+    assert torch.equal(tokens, expected_tokens)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(scores, expected_scores))
+    lines = [record.getMessage() for record in caplog.records if record.name == compiled.__name__]
+    assert lines == [
+        compiled.COMPILING,
+        "pplm: compiling the perturbed passes' layers failed, running them uncompiled: no working C++ compiler",
+    ]
+    monkeypatch.setattr(compiled, "_failed", False)
+    layer = Runner(loaded.model).layers[0]
+    with pytest.raises(RuntimeError, match="mat1 and mat2|size|shape"):  # the input's fault, not the compiler's
+        layer.project(torch.zeros(1, 3), None)
+    assert not compiled._failed

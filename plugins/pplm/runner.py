@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chatcore.api import FULL_ATTENTION, anatomy_of
+from chatcore.api import FULL_ATTENTION, anatomy_of, fast_path_mode
 
 from .attention import SingleQueryAttention
 from .deltas import LowRankDeltas
@@ -143,6 +143,10 @@ class Runner:
         self.head_dim = anatomy.head_dim
         family = GPT2Layer if model.config.model_type == "gpt2" else RotaryLayer
         self.layers: list[Layer] = [family(anatomy, index) for index in range(anatomy.n_layer)]
+        if fast_path_mode() == "compile":  # on a GPU: fewer, fused kernels (chatcore.plugins.pplm.compiled)
+            from .compiled import compiled_layers
+
+            self.layers = compiled_layers(self.layers)
 
     def usable(self) -> bool:
         """False while the model trains (dropout is on): then its own forward must run."""
