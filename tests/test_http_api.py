@@ -571,6 +571,10 @@ def test_answered_requests_are_logged_and_a_follow_up_continues_its_conversation
     bot = continued.messages[3]
     assert bot.seed == 4 and bot.decoder and not bot.interrupted
     assert bot.provenance["usage"]["completion_tokens"] == bot.token_count >= 1
+    # the message dated when the request came, the reply when it ended
+    took = (bot.created - continued.messages[2].created).total_seconds()
+    assert took == pytest.approx(bot.provenance["timings"]["total_s"], abs=0.002)
+    assert continued.messages[1].created < continued.messages[2].created
     assert [(m.role, m.text) for m in by_first_text["hello"].messages][:3] == [
         ("user", "hello"),
         ("bot", "hey"),

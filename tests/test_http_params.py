@@ -112,6 +112,12 @@ def test_streamed_logprobs_are_the_same_tokens(client, model):
     # the second request starts from the prefix cache: the same numbers up to float rounding
     assert all(math.isclose(a.logprob, b.logprob, abs_tol=1e-4) for a, b in zip(streamed, expected))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    # each chunk lists the tokens of its own text (the text goes a whole word at a time, after its tokens)
+    greedy = client.chat.completions.create(**{**asked, "temperature": 0, "max_tokens": 12}, stream=True)
+    pieces = [c.choices[0] for c in greedy if c.choices and c.choices[0].delta.content]
+    assert len(pieces) > 2
+    for piece in pieces:
+        assert b"".join(bytes(e.bytes) for e in piece.logprobs.content).decode() == piece.delta.content
     plain = client.chat.completions.create(model=model, messages=HI, max_tokens=3)
     assert plain.choices[0].logprobs is None
 
@@ -164,6 +170,19 @@ def test_completions_continue_the_raw_prompt(client, model, serving_engine):
 
     streamed = client.completions.create(model=model, prompt=[prompt], max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    # streamed with log-probabilities: each chunk's tokens spell its text, their offsets in the whole reply
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True, logprobs=0
+        )
+        if c.choices and c.choices[0].text
+    ]
+    assert len(chunks) > 2 and "".join(c.text for c in chunks) == choice.text
+    offset = 0
+    for chunk in chunks:
+        assert "".join(chunk.logprobs.tokens) == chunk.text and chunk.logprobs.text_offset[0] == offset
+        offset += len(chunk.text)
     echoed = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, echo=True, n=2)
     assert [c.text for c in echoed.choices] == [prompt + choice.text] * 2
 

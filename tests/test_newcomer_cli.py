@@ -237,7 +237,12 @@ def test_eval_names_the_topics_when_the_attribute_is_neither_a_topic_nor_a_file(
 def test_personas_are_saved_listed_used_and_removed(run, tiny_model_dir, data_home):
     assert "no personas yet" in run("personas").stdout
     assert run("personas", "add", "pirate", "You are a pirate.").stdout.startswith("saved persona 'pirate' in ")
-    again = run("personas", "add", "pirate", "You are a pirate.  Say arr.")
+    kept = run("personas", "add", "pirate", "You are a pirate.  Say arr.")
+    assert kept.exit_code == 1 and kept.stderr.strip() == (
+        "Error: persona 'pirate' exists: give --force to replace it (`chatcore personas show pirate` prints it)"
+    )
+    assert (data_home / "personas" / "pirate.txt").read_text() == "You are a pirate.\n"
+    again = run("personas", "add", "pirate", "You are a pirate.  Say arr.", "--force")
     assert again.exit_code == 0 and again.stdout.startswith("replaced persona 'pirate' in ")  # said, not silent
     assert (data_home / "personas" / "pirate.txt").read_text() == "You are a pirate. Say arr.\n"
     assert run("personas").stdout == "pirate  You are a pirate. Say arr.\n"

@@ -10,6 +10,7 @@ import time
 import unicodedata
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 from chatcore.adapters.http_api.errors import ApiError
@@ -228,6 +229,40 @@ class Piece:
     tokens: "list[TokenLogprob]" = field(default_factory=list)
 
 
+class TokensByText:
+    """A streamed reply's tokens held until the text they complete is sent: the text goes out
+    a whole word at a time (and held back while it may begin a stop string), so a token is
+    listed in the piece whose text holds its last character, not in the piece sent when it
+    arrived. A token that completes no character yet (part of one) ends where the next
+    character does. Log-probabilities are None when the request asked for none."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[TokenLogprob | None, int | None]] = []  # (log-probability, end in the text)
+        self._decoded = 0  # characters decoded so far
+        self._sent = 0  # characters sent so far
+
+    def push(self, logprob: TokenLogprob | None, decoded: str) -> None:
+        """A token came, decoding to ``decoded`` (empty while it completes no character)."""
+        self._held.append((logprob, None))
+        if decoded:
+            self._decoded += len(decoded)
+            self._held = [(each, self._decoded if end is None else end) for each, end in self._held]
+
+    def sent(self, characters: int) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens whose text is all sent, once ``characters`` more are."""
+        self._sent += characters
+        done = 0
+        while done < len(self._held) and (end := self._held[done][1]) is not None and end <= self._sent:
+            done += 1
+        taken, self._held = self._held[:done], self._held[done:]
+        return [each for each, _ in taken if each is not None]
+
+    def rest(self) -> list[TokenLogprob]:
+        """Every held token's log-probability (the reply ended: its last piece lists them)."""
+        taken, self._held = self._held, []
+        return [each for each, _ in taken if each is not None]
+
+
 @dataclass(eq=False)  # each reply is its own, hashable by identity
 class Completion:
     """A submitted reply as the HTTP handler reads it: text deltas, then counts and the finish reason."""
@@ -320,8 +355,14 @@ class Completion:
         provenance.update(timings=timings, usage=self.usage(), finish_reason=self.finish_reason)
         if self.error is not None:
             provenance["error"] = self.error
+        finished = datetime.now(timezone.utc)
         return Exchange(
-            list(messages), self.text if self.shown else "", provenance, interrupted=self.finish_reason is None
+            list(messages),
+            self.text if self.shown else "",
+            provenance,
+            interrupted=self.finish_reason is None,
+            received=finished - timedelta(seconds=time.perf_counter() - self.handle.submitted),
+            finished=finished,
         )
 
     @classmethod
@@ -384,22 +425,22 @@ class Completion:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
         stops = StopStrings(self.stops)
         words = WholeWords()
-        tokens: list[TokenLogprob] = []
+        tokens = TokensByText()
         try:
             while True:
                 event, self.first = (self.first, None) if self.first is not None else (await self._next(), None)
                 if isinstance(event, Token):
                     self.completion_tokens += 1
                     self.token_times.append(time.perf_counter())
-                    if event.logprob is not None:
-                        tokens.append(event.logprob)
-                    text = words.push(stops.push(detokenizer.push(event.token_id)))
+                    decoded = detokenizer.push(event.token_id)
+                    tokens.push(event.logprob, decoded)
+                    text = words.push(stops.push(decoded))
                     if stops.hit:  # the end the client asked for: the text before it is all there
                         text += words.flush()
-                    if text or (stops.hit and tokens):
+                    sent = tokens.sent(len(text)) if not stops.hit else tokens.rest()
+                    if text or (stops.hit and sent):
                         self.text += text
-                        yield Piece(text, tokens)
-                        tokens = []
+                        yield Piece(text, sent)
                     if stops.hit:
                         self.finish_reason = "stop"
                         return
@@ -414,9 +455,10 @@ class Completion:
                     self.error = "the reply was cut short: the server is stopping"
                     raise ApiError(503, self.error, None, "server_stopping")
                 tail = words.push(stops.push(detokenizer.flush()) + stops.flush()) + words.flush()
-                if tail or tokens:
+                rest = tokens.rest()
+                if tail or rest:
                     self.text += tail
-                    yield Piece(tail, tokens)
+                    yield Piece(tail, rest)
                 self.finish_reason = "stop" if stops.hit or event.reason != "length" else "length"
                 return
         finally:

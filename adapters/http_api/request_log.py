@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class Exchange:
     reply: str
     provenance: dict[str, Any] = field(default_factory=dict)
     interrupted: bool = False
+    received: "datetime | None" = None  # when the request came (its messages' time in the log)
+    finished: "datetime | None" = None  # when its reply ended (the reply's time)
 
 
 def thread_key(messages: "Sequence[Message]") -> str:
@@ -92,11 +95,21 @@ class RequestLog:
         try:
             assert self.plugin is not None and self.engine is not None
             system = next((m.text for m in exchange.messages if m.role == "system"), None)
+            now = datetime.now(timezone.utc)
+            received, finished = exchange.received or now, exchange.finished or now
             turns = [
-                Turn("user" if m.role == "user" else "bot", m.text) for m in exchange.messages if m.role != "system"
+                Turn("user" if m.role == "user" else "bot", m.text, created=received)
+                for m in exchange.messages
+                if m.role != "system"
             ]
             turns.append(
-                Turn("bot", exchange.reply, interrupted=exchange.interrupted, meta={"provenance": exchange.provenance})
+                Turn(
+                    "bot",
+                    exchange.reply,
+                    created=finished,
+                    interrupted=exchange.interrupted,
+                    meta={"provenance": exchange.provenance},
+                )
             )
             history = exchange.messages[:-1]
             continued = self._threads.pop(thread_key(history), None) if history else None

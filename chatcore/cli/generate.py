@@ -93,7 +93,7 @@ def generate(
 
     A single TURN is one message. Several TURNS are a scripted conversation whose
     turns alternate between user and bot, ending with the user. Give "-" to read
-    turns from standard input, one per line.
+    turns from standard input, one per line (blank lines are skipped).
 
     With --continue (or --cid ID), the one message is added as a turn to the latest
     (or that) logged conversation, with its earlier turns as context, and the message

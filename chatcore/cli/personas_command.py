@@ -44,8 +44,9 @@ def show(name: str) -> None:
 @click.argument("name")
 @click.argument("text", required=False)
 @click.option("--file", "text_file", type=click.Path(), default=None, help="Read the text from a UTF-8 file.")
-def add(name: str, text: str | None, text_file: str | None) -> None:
-    """Save TEXT (or --file's text) as persona NAME, replacing one of that name."""
+@click.option("--force", is_flag=True, help="Replace a persona of that name.")
+def add(name: str, text: str | None, text_file: str | None, force: bool) -> None:
+    """Save TEXT (or --file's text) as persona NAME (--force replaces one of that name)."""
     from chatcore.errors import OptionError
     from chatcore.personas import persona_path, save_persona
     from chatcore.prompting import read_system_file
@@ -53,6 +54,10 @@ def add(name: str, text: str | None, text_file: str | None) -> None:
     if (text is None) == (text_file is None):
         raise OptionError('give the persona\'s text, or --file PATH: chatcore personas add NAME "TEXT"')
     existed = persona_path(name).is_file()
+    if existed and not force:
+        raise OptionError(
+            f"persona {name!r} exists: give --force to replace it (`chatcore personas show {name}` prints it)"
+        )
     path = save_persona(name, text if text is not None else read_system_file(str(text_file)))
     click.echo(f"{'replaced' if existed else 'saved'} persona {name!r} in {path}")
 

@@ -106,6 +106,7 @@ def eval_command(
     if json_path:
         check_output_path(json_path)
     system = system_prompt_option(system_text, system_file)
+    check_prompt_source(prompts)
     use_threads(threads)
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
     if Path(prompts).is_file():
@@ -144,6 +145,21 @@ def eval_command(
         raise ChatcoreError(f"every context failed ({len(errors)}), e.g.: {errors[0]['error']}")
     if errors:
         click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
+
+
+def check_prompt_source(prompts: str) -> None:
+    """``--prompts``: a prompt set's name or a file; a folder, or a path to no file, is refused
+    in one line before the model loads (a registered set's name is checked then too)."""
+    from chatcore.registry import registry_of
+
+    path = Path(prompts)
+    if path.is_file():
+        return
+    if path.is_dir():
+        raise OptionError(f"--prompts: {prompts} is a folder, not a prompt file (a .jsonl or .txt file)")
+    if "/" in prompts or "\\" in prompts or path.suffix in (".jsonl", ".txt"):
+        raise OptionError(f"--prompts: no such file: {prompts}")
+    registry_of().prompt_set(prompts)  # an unknown name: one line, with the names known
 
 
 def load_vocabulary(attribute: str) -> set[str]:

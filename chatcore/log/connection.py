@@ -257,6 +257,8 @@ class StoreConnection:
                 raise NotALogError(f"{self.display_url} is an in-memory database: it holds no conversation log")
             return parsed
         path = Path(database).expanduser()
+        if path.is_dir():
+            raise NotALogError(f"{path} is a folder, not a conversation log file (name the file in it)")
         if not create:
             if not path.is_file():
                 raise NotALogError(f"no conversation log at {path} (a chat creates it; check the path or URL)")

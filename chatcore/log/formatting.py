@@ -50,7 +50,7 @@ def local_time(moment: datetime, seconds: bool = False) -> str:
 
 
 def summary_table(summaries: Sequence["ConversationSummary"]) -> str:
-    rows = [("ID", "LAST ACTIVE", "ADAPTER", "MSGS", "TITLE")]
+    rows = [("ID", "LAST ACTIVE", "ADAPTER", "TURNS", "TITLE")]  # turns: superseded replies not counted
     for summary in summaries:
         rows.append(
             (
