@@ -16,7 +16,9 @@ a plain forward and backward of the same model (all its weights trainable, next-
 loss) on the same batch of windows; medians of --repeats alternating runs and their ratio
 (the target is at most 3x), the operators each dispatches (views left out: on a GPU,
 where a step is bound by launching kernels, about one launch each) and their ratio, then
-the share of the CoCon step each part takes.
+the share of the CoCon step each part takes. With --compile the frozen model's passes run
+through torch.compile on both sides (``train cocon --compile``), after a warm-up step that
+compiles them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="Time a training step instead (see above).")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--continuation", type=int, default=24)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="--train: compile the frozen model's passes (cocon's and the plain one's)",
+    )
     parser.add_argument("--corpus", default="chitchat", help='"chitchat" or a JSONL file of dialogues (--train)')
     args = parser.parse_args()
     if args.train:
@@ -152,6 +159,12 @@ def train_step(args) -> None:
             layer_norm_epsilon=norm_epsilon(model.config),
         )
     ).to(device)
+    forward = model
+    if args.compile:  # the frozen model's halves compiled, and the plain peer's pass as well
+        from chatcore.plugins.cocon.compiled import compile_halves
+
+        compile_halves(split)
+        forward = torch.compile(model, dynamic=True)
     losses_fn = CoconLosses(CoconPipeline(split, block), config)
     discriminator = HiddenDiscriminator(split.n_embd).to(device)
     stream = encode_dialogues(load_corpus(args.corpus)[:2000], tokenizer)
@@ -179,7 +192,7 @@ def train_step(args) -> None:
         sync()
         start = time.perf_counter()
         with autocast:
-            logits = model(input_ids=windows[:, :-1]).logits
+            logits = forward(input_ids=windows[:, :-1]).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
         loss.backward()
         sync()
@@ -202,6 +215,9 @@ def train_step(args) -> None:
         f"training step: cocon (self, null, cycle, adversarial) {cocon_s * 1000:.1f} ms   plain forward+backward "
         f"{plain_s * 1000:.1f} ms   ratio {cocon_s / plain_s:.2f}x"
     )
+    if args.compile:
+        print("operators: not counted (compiled kernels are not dispatched one operator at a time)")
+        return
     cocon_ops, plain_ops = operators(cocon), operators(plain)
     print(
         f"operators a step runs (forward and backward, views left out; on a GPU about one kernel launch each): "

@@ -362,6 +362,9 @@ def main() -> None:
         default="on,off,compile",
         help="CHATCORE_FAST_PATH settings PPLM runs under (compile: its layers compiled too)",
     )
+    parser.add_argument(
+        "--cocon-compile", action="store_true", help="CoCon compiled too off CUDA (on CUDA it always runs)"
+    )
     parser.add_argument("--step-timeout", type=int, default=240, help="seconds for each of pplm and cocon")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -403,20 +406,22 @@ def main() -> None:
                     run_bench(
                         "pplm_speed.py",
                         [*common, "--lengths", "20", "--history", "64", "--repeats", "2"],
-                        args.step_timeout,
+                        args.step_timeout * (2 if mode == "compile" else 1),  # and the compilation
                         {FAST_PATH_ENV: mode},
                     )
             if "cocon" not in skip:
-                print("  CoCon training step vs a plain forward and backward:")
-                run_bench(
-                    "cocon_speed.py",
-                    [
-                        *common,
-                        *["--train", "--history", str(cocon_history), "--repeats", "2", "--corpus", args.corpus],
-                        *(["--batch", "64"] if cuda else []),
-                    ],
-                    args.step_timeout,
-                )
+                for compiled in (False, True) if cuda or args.cocon_compile else (False,):
+                    print(f"  CoCon training step vs a plain forward and backward{', compiled' if compiled else ''}:")
+                    run_bench(
+                        "cocon_speed.py",
+                        [
+                            *common,
+                            *["--train", "--history", str(cocon_history), "--repeats", "2", "--corpus", args.corpus],
+                            *(["--batch", "64"] if cuda else []),
+                            *(["--compile"] if compiled else []),
+                        ],
+                        args.step_timeout * (2 if compiled else 1),  # and the compilation
+                    )
 
 
 if __name__ == "__main__":

@@ -1178,3 +1178,86 @@ def test_cocon_on_smollm2_splits_exactly_and_replies_with_a_fresh_block(smollm2,
     )
     assert response.text() and len(response.token_ids) == 4
     assert response.provenance["details"]["cocon"]["split_layer"] == 10
+
+
+@pytest.mark.slow
+def test_the_compiled_halves_compute_what_the_eager_ones_do(loaded):
+    """``--compile``: LM-beta through torch.compile (LM-alpha is compiled the same way, through
+    the same code) gives the eager half's hidden states and the gradients a training step
+    takes through it, over a window and then one token after it from the cache."""
+    import shutil
+
+    from chatcore.plugins.cocon.compiled import CompiledHalf
+    from chatcore.plugins.cocon.model_split import SplitModel
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("torch.compile on the CPU needs a C++ compiler")
+    eager, compiled = SplitModel(loaded.model, 1), SplitModel(loaded.model, 1)
+    compiled.beta = CompiledHalf(compiled.beta)  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, loaded.model.config.vocab_size, (2, 7), generator=generator)
+    results = []
+    for split in (eager, compiled):
+        cache = split.new_cache()
+        positions = torch.arange(6).expand(2, -1)
+        embedded = split.embed(positions, input_ids=ids[:, :6])
+        inputs = split.pass_inputs(embedded, positions, cache=cache)
+        hidden = split.alpha(embedded, inputs).detach().requires_grad_(True)
+        window = split.beta(hidden, inputs)
+        step = split.embed(positions[:, -1:] + 1, input_ids=ids[:, 6:])  # one token after them, from the cache
+        step_inputs = split.pass_inputs(step, positions[:, -1:] + 1, cache=cache)
+        last = split.beta(split.alpha(step, step_inputs), step_inputs)
+        loss = split.head(window).logsumexp(-1).sum() + split.head(last).logsumexp(-1).sum()
+        (gradient,) = torch.autograd.grad(loss, hidden)
+        results.append((window.detach(), last.detach(), gradient))
+    if compiled.beta.compiled is None:
+        pytest.skip("torch.compile could not compile the halves on this machine")
+    assert compiled.beta.calls == 2
+    for ours, theirs in zip(results[1], results[0]):
+        assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+
+
+def test_training_with_compile_runs_the_halves_through_it(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """``train cocon --compile`` sends every pass of the frozen model through the compiled halves
+    (here torch.compile hands the function back as it is, so the run equals one without);
+    where compiling fails, one warning, and the run goes on uncompiled with the same result."""
+    import logging
+
+    from chatcore.plugins.cocon import compiled
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
+
+    corpus = tmp_path / "dialogues.jsonl"
+    turns = ["what did you cook today?", "a curry with lentils and rice", "sounds spicy", "only a little"]
+    corpus.write_text((json.dumps({"turns": turns}) + "\n") * 6)
+    config = dict(
+        model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, steps=2, **TINY_RUN, warmup_steps=1, device="cpu"
+    )
+    plain = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "plain"), **config), progress=False)
+    halves: list[compiled.CompiledHalf] = []
+    made = compiled.CompiledHalf.__init__
+
+    def noted(self, eager, warned=None):
+        made(self, eager, warned)
+        halves.append(self)
+
+    monkeypatch.setattr(compiled.CompiledHalf, "__init__", noted)
+    monkeypatch.setattr(torch, "compile", lambda function, **settings: function)
+    same = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "same"), compile=True, **config), progress=False)
+    assert same.heldout == plain.heldout and len(halves) == 2 and all(half.calls > 0 for half in halves)
+
+    def broken(function, **settings):
+        def run(*arguments, **keywords):
+            raise RuntimeError("no working C++ compiler")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=compiled.__name__):
+        fallen = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "fallen"), compile=True, **config), progress=False)
+    assert fallen.heldout == plain.heldout
+    lines = [record.getMessage() for record in caplog.records if record.name == compiled.__name__]
+    assert lines == [
+        compiled.COMPILING,
+        "cocon: compiling the frozen model's halves failed, running them uncompiled: no working C++ compiler",
+    ]

@@ -47,6 +47,7 @@ OPTIONS = (
     "device",
     "precision",
     "threads",
+    "compile",
 )
 RENAMES: dict[str, str | tuple[str, ...]] = {
     "model": ("-m", "--model"),

@@ -141,6 +141,8 @@ class CoconTrainConfig(Settings):
     save_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     threads: Annotated[int, Field(ge=1, le=1024)] | None = None
     """torch CPU threads (default: torch's own choice)."""
+    compile: bool = False
+    """Run the frozen model's passes through torch.compile (on a GPU: fewer, fused kernels; the first steps wait)."""
 
     # Built once per run and never assigned afterwards, so the validator below may fill in
     # the defaults that follow other settings without running itself again.
@@ -272,6 +274,10 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
             f"{n_layer}; give 1 to {n_layer - 1}"
         )
     split = SplitModel(model, split_layer)
+    if config.compile:
+        from .compiled import compile_halves
+
+        compile_halves(split)
     block_config = CoconConfig(
         n_embd=split.n_embd,
         n_head=split.n_head,
