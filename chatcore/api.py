@@ -17,7 +17,8 @@ The names, by what a plugin author does with them:
   :class:`StepOutput`), :func:`model_step`;
 - decoders: :class:`Decoder`, :class:`TokenDecoder` (one token per step, with
   :class:`RepetitionSettings`), :class:`GenerationSession` (what a decoder and a steerer
-  see of a reply), and candidate sampling for decoders that choose among N sampled
+  see of a reply; :func:`selects_from_scores` marks a ``select`` that picks an index of its
+  scores), and candidate sampling for decoders that choose among N sampled
   replies (:class:`CandidateDecoder`, :class:`CandidateSettings`, :class:`Sampled`,
   :class:`Candidate`, :class:`ContinuationScore`, the top-k sampler they share);
 - score processors, transformers' warpers behind one call (``temperature``, ``top_k`` ...);
@@ -42,7 +43,15 @@ from chatcore.anatomy import FULL_ATTENTION, Anatomy, BlockInputs, UnsupportedMo
 from chatcore.cli.files import output_file, output_folder, run_folder
 from chatcore.cli.options import options_from_model
 from chatcore.cli.train import train_group
-from chatcore.decoding import Candidate, Decoder, GenerationSession, RepetitionSettings, Sampled, TokenDecoder
+from chatcore.decoding import (
+    Candidate,
+    Decoder,
+    GenerationSession,
+    RepetitionSettings,
+    Sampled,
+    TokenDecoder,
+    selects_from_scores,
+)
 from chatcore.errors import ChatcoreError, CorpusError, ModelLoadError, OptionError
 from chatcore.evaluation.metrics import contains_any, is_degenerate
 from chatcore.fast_path_setting import fast_path_mode
@@ -138,6 +147,7 @@ __all__ = [
     "plain_cache",
     "read_word_file",
     "scripted_messages",
+    "selects_from_scores",
     "special_token_texts",
     "temperature",
     "top_k",

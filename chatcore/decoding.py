@@ -103,6 +103,16 @@ class Sampled:
         return self.forward / self.tokens if self.tokens else 0.0
 
 
+def selects_from_scores(select: Any) -> Any:
+    """Marks a decoder's ``select`` as choosing, for every row, an index of the scores it is
+    given (an argmax, a draw from them), as the built-in decoders do. The runner may then
+    feed its tokens to the model's next pass before reading them (on a GPU, where that
+    pass runs meanwhile); the tokens of an unmarked ``select`` are read and checked first.
+    A subclass's own ``select`` is unmarked until it says so too."""
+    select.selects_from_scores = True
+    return select
+
+
 class Decoder(Configurable):
     """Base class for decoders: a ``name``, a ``Settings`` model, and the rules below.
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field, NonNegativeInt, PositiveInt
 
-from chatcore.decoding import Decoder, RepetitionSettings, Sampled, TokenDecoder
+from chatcore.decoding import Decoder, RepetitionSettings, Sampled, TokenDecoder, selects_from_scores
 from chatcore.processors import ScoreProcessor, Temperature, TopP, min_p, temperature, top_k, top_p
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ class TopKDecoder(TokenDecoder):
             processors.append(min_p(settings.min_p))
         return processors
 
+    @selects_from_scores
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
         import torch
 
@@ -118,6 +119,7 @@ class CandidateDecoder(Decoder):
     def processors(self) -> list[ScoreProcessor]:
         return self.sampler().processors()
 
+    @selects_from_scores
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
         """Draw each row's next token from softmax(scores), as the top-k decoder does, but
         only over the row's ``top_k`` best scores. After the top-k processor every other

@@ -170,19 +170,55 @@ def check_composition(steerers: Sequence[type[Steerer]]) -> None:
 LAYER_ATTRIBUTE = "chatcore_step_layer"
 
 
-def _tag_failures(step: Step, layer: str) -> Step:
+def _tag_failures(step: Step, layer: str, inner: list[Any] | None = None) -> Step:
     """Mark an exception escaping ``step`` with the layer it came from, unless an inner
-    layer already did: the innermost layer that raised is the one to blame."""
+    layer already did: the innermost layer that raised is the one to blame.
+
+    ``inner``: for a steerer's layer, where the step it wraps leaves its output's logits; the
+    steerer's own output is checked against them (a StepOutput whose logits have the inner
+    logits' shape), so that a steerer returning something else is blamed, not whatever
+    reads its scores next."""
 
     def tagged(state: StepState) -> StepOutput:
         try:
-            return step(state)
+            if inner is not None:
+                inner.clear()
+            output = step(state)
+            if inner is not None:
+                _check_output(output, inner)
+            return output
         except Exception as error:
             if not hasattr(error, LAYER_ATTRIBUTE):
                 setattr(error, LAYER_ATTRIBUTE, layer)
             raise
 
     return tagged
+
+
+def _check_output(output: Any, inner: list[Any]) -> None:
+    """A steerer's step output, where it called the step it wraps this time and that gave a
+    StepOutput: a StepOutput too, whose logits have the same shape."""
+    wrapped = getattr(inner[-1], "shape", None) if inner else None
+    if wrapped is None:
+        return
+    shape = getattr(getattr(output, "logits", None), "shape", None)
+    if not isinstance(output, StepOutput) or shape is None:
+        raise TypeError(f"its step returned {type(output).__name__}, not a StepOutput with logits")
+    if tuple(shape) != tuple(wrapped):
+        raise ValueError(
+            f"its step returned logits of shape {tuple(shape)}, where the step it wraps gave {tuple(wrapped)}"
+        )
+
+
+def _noting(step: Step, inner: list[Any]) -> Step:
+    """``step``, leaving its output's logits in ``inner`` for the steerer that wraps it."""
+
+    def noted(state: StepState) -> StepOutput:
+        output = step(state)
+        inner.append(output.logits if isinstance(output, StepOutput) else None)
+        return output
+
+    return noted
 
 
 def failed_layer(error: BaseException) -> str | None:
@@ -198,11 +234,12 @@ def compose(step: Step, steerers: Sequence[Steerer]) -> Step:
     step = _tag_failures(step, "model")
     for steerer in steerers:
         layer = f"steerer:{steerer.name}"
+        inner: list[Any] = []
         try:
-            wrapped = steerer.wrap(step)
+            wrapped = steerer.wrap(_noting(step, inner))
         except Exception as error:  # a failure while wrapping is the steerer's too
             if not hasattr(error, LAYER_ATTRIBUTE):
                 setattr(error, LAYER_ATTRIBUTE, layer)
             raise
-        step = _tag_failures(wrapped, layer)
+        step = _tag_failures(wrapped, layer, inner)
     return step

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import chatcore
-from chatcore.api import RepetitionSettings, TokenDecoder
+from chatcore.api import RepetitionSettings, TokenDecoder, selects_from_scores
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +22,7 @@ class GreedyDecoder(TokenDecoder):
     Settings = GreedySettings
     selects_rows_alone = True
 
+    @selects_from_scores
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
         return scores.argmax(dim=-1)
 

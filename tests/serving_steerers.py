@@ -87,6 +87,55 @@ class Slow(Steerer):
 
 
 @dataclass
+class WrongSettings:
+    what: str = "far"
+
+
+class WrongIds(ScriptedDecoder):
+    """Chooses what no decoder should from its second step on: ``far`` an id past the
+    vocabulary, ``negative`` -5, ``float`` a float tensor, ``shape`` two ids a row."""
+
+    name = "wrong-ids"
+    description = "chooses impossible token ids (tests)"
+    Settings = WrongSettings
+
+    def script(self, session: GenerationSession) -> list[int]:
+        self.width = session.model.model.config.vocab_size
+        return [11, 12, 13, 14]
+
+    def select(self, scores, generator):
+        import torch
+
+        tokens = super().select(scores, generator)
+        if self._position <= 2:  # its first two tokens
+            return tokens
+        what = self.settings.what
+        if what == "float":
+            return tokens.float() + 0.5
+        if what == "shape":
+            return torch.stack([tokens, tokens], dim=1)
+        return torch.full_like(tokens, self.width + 1000 if what == "far" else -5)
+
+
+class WrongScores(Steerer):
+    """Returns what no steerer should from its second step on: ``none`` nothing, ``narrow``
+    the first 100 scores only."""
+
+    name = "wrong-scores"
+    Settings = WrongSettings
+    shares_batch = True
+
+    def wrap(self, step: Step) -> Step:
+        def wrong(state: StepState) -> StepOutput:
+            output = step(state)
+            if state.step < 2:
+                return output
+            return None if self.settings.what == "none" else output.replace(logits=output.logits[:, :100])  # type: ignore[return-value]
+
+        return wrong
+
+
+@dataclass
 class Gate:
     """What ``gated-text`` writes, and two events: ``written`` once every token of ``text``
     is out, ``release`` to let the reply end (it ends as soon as it is set)."""
@@ -137,10 +186,12 @@ class ServingTestPlugin:
         register(HeldBeside)
         register(Slow)
         register(Blocking)
+        register(WrongScores)
 
     @chatcore.hookimpl
     def register_decoders(self, register: Callable[[type], None]) -> None:
         register(GatedText)
+        register(WrongIds)
 
 
 @pytest.fixture

@@ -411,3 +411,25 @@ def test_eval_takes_the_sampling_options_the_other_commands_take(run, tiny_model
     assert replies[0] == replies[1] and len(replies[0]) == 2
     both = run(*common, "--temperature", "0.5", "--decoder", "top-k temperature=0.3")
     assert both.exit_code != 0 and "both given" in both.output
+
+
+def test_a_plugin_failing_mid_reply_ends_generate_with_one_line_after_the_partial_reply(tiny_model_dir):
+    """The partial reply stays on standard output on a line of its own; standard error has the
+    one error line naming the plugin (not the warning a long-running process gives besides)."""
+    from serving_steerers import ServingTestPlugin
+
+    from chatcore import plugin_manager
+
+    host = plugin_manager.PluginHost()
+    host.load_entry_points()
+    host.register(ServingTestPlugin(), "test-serving")
+    plugin_manager.set_plugin_host(host)
+    result = CliRunner().invoke(
+        build_cli(),
+        ["generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "--steer", "failing-shared at_step=3", "hi"],
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stdout.endswith("\n") and result.stdout.strip()
+    assert error_lines(result) == [
+        "Error: plugin 'test-serving': steerer 'failing-shared' failed while generating: RuntimeError: boom"
+    ]

@@ -111,6 +111,43 @@ def test_a_failing_steerer_fails_its_row_alone(serving_engine):
         list(bad.tokens())
 
 
+@pytest.mark.parametrize(
+    "decoder, steerers, says",
+    [
+        ("wrong-ids what=far", [], "decoder 'wrong-ids' failed while generating: ValueError: select chose token id"),
+        ("wrong-ids what=negative", [], "ValueError: select chose token id -5, outside the scores' 0 to"),
+        ("wrong-ids what=float", [], "TypeError: select returned torch.float32 values: token ids are integers"),
+        ("wrong-ids what=shape", [], "ValueError: select returned shape (1, 2) for 1 row(s): (1,) is needed"),
+        (
+            "greedy",
+            [("wrong-scores", {"what": "none"})],
+            "steerer 'wrong-scores' failed while generating: TypeError: its step returned NoneType",
+        ),
+        (
+            "greedy",
+            [("wrong-scores", {"what": "narrow"})],
+            "steerer 'wrong-scores' failed while generating: ValueError: its step returned logits of shape (1, 100)",
+        ),
+    ],
+)
+def test_a_plugin_choosing_impossible_tokens_fails_its_row_alone(serving_engine, decoder, steerers, says):
+    """A decoder that chooses ids outside the vocabulary (or not ids), or a steerer returning no
+    scores or fewer of them, ends its own reply with an error naming it; the replies sharing
+    the batch with it go on as alone."""
+    options = ReplyOptions(decoder="greedy", max_new_tokens=10, min_new_tokens=10)
+    expected = alone(serving_engine, PROMPTS[0], options)
+    name, _, setting = decoder.partition(" ")
+    settings = dict([setting.split("=")]) if setting else {}
+    wrong = ReplyOptions(decoder=name, decoder_settings=settings, steerers=steerers, max_new_tokens=10)
+    with Scheduler(serving_engine) as scheduler:
+        good = scheduler.submit([Message("user", PROMPTS[0])], options)
+        bad = scheduler.submit([Message("user", PROMPTS[2])], wrong)
+        assert good.wait(60) and bad.wait(60)
+    assert bad.finish_reason == "error" and isinstance(bad.error, PluginError), bad.error
+    assert says in str(bad.error) and len(bad.token_ids) == 2
+    assert good.error is None and good.token_ids == expected
+
+
 @pytest.mark.parametrize("steerer", ["negate", "negate-beside"])  # on the scheduler's thread, on the worker
 def test_steerers_that_cannot_share_are_decoded_beside_the_batch(serving_engine, steerer):
     options = [ReplyOptions(decoder="greedy", max_new_tokens=8, steerers=[(steerer, {})]), OPTIONS[1]]

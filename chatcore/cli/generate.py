@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 from typing import TYPE_CHECKING
@@ -107,6 +108,11 @@ def generate(
     from chatcore.prompting import validate_format_name
     from chatcore.registry import registry_of
 
+    # A plugin failing while generating ends this command with its error as the last line:
+    # the warning that says so in a long-running process would say it twice here.
+    plugins_log = logging.getLogger("chatcore.plugins")
+    click.get_current_context().call_on_close(lambda level=plugins_log.level: plugins_log.setLevel(level))
+    plugins_log.setLevel(logging.ERROR)
     if turns == ("-",):
         turns = read_turns(sys.stdin.buffer.read())
     else:
@@ -161,8 +167,15 @@ def show(response: "Response", as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(response.to_dict(), indent=2, ensure_ascii=False))
         return
-    for delta in response:
-        click.echo(delta, nl=False)
+    started = False
+    try:
+        for delta in response:
+            click.echo(delta, nl=False)
+            started = started or bool(delta)
+    except Exception:
+        if started:  # the error goes on a line of its own, after what was shown of the reply
+            click.echo()
+        raise
     click.echo()
     note = budget_note(response)
     if note is not None:

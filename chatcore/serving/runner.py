@@ -315,7 +315,7 @@ class Runner:
                 with torch.inference_mode():
                     scores = self._processed(first, torch.cat([job.shared_logits for job in jobs]))  # type: ignore[misc]
                     if type(first.decoder).selects_rows_alone:
-                        tokens = first.decoder.select(scores, first.session.generator)
+                        tokens = checked_ids(first.decoder.select(scores, first.session.generator), len(jobs))
                         picked = [tokens[index : index + 1] for index in range(len(jobs))]
                     else:
                         picked = [
@@ -352,8 +352,8 @@ class Runner:
             return
         if len(self.jobs) != len(batch.jobs) or self._deferred:
             return
-        if not all(job.rows == 1 and job in chosen for job in batch.jobs):
-            return
+        if not all(job.rows == 1 and job in chosen and selects_from_scores(job.decoder) for job in batch.jobs):
+            return  # (a decoder that may choose any id has its tokens read and checked first)
         if all(job.generated + 1 >= job.session.max_new_tokens for job in batch.jobs):
             return
         try:
@@ -619,7 +619,7 @@ class Runner:
 
         session = job.session
         scores = self._processed(job, logits)
-        tokens = job.decoder.select(scores, session.generator)
+        tokens = checked_ids(job.decoder.select(scores, session.generator), job.rows)
         if job.rows > 1:  # a one-row reply ends at its stop token, so it is never fed one
             tokens = torch.where(job.finished, torch.full_like(tokens, self.loaded.eos_token_id), tokens)
         if job.logprobs is not None and session.logprobs is not None:
@@ -648,6 +648,14 @@ class Runner:
         end the job when its rows are done."""
         import torch
 
+        if job.rows == 1:
+            token = host[0] if host is not None else int(tokens[0])
+            if not 0 <= token < job.width:
+                raise ValueError(f"select chose token id {token}, outside the scores' 0 to {job.width - 1}")
+        else:  # these rows are read every step already (the rows that have ended)
+            low, high = (int(value) for value in torch.aminmax(tokens))
+            if low < 0 or high >= job.width:
+                raise ValueError(f"select chose token id {low if low < 0 else high}, outside 0 to {job.width - 1}")
         if not job.host_tokens:
             job.sequences[:, job.length] = tokens
         job.length += 1
@@ -656,7 +664,6 @@ class Runner:
             job.observer(tokens)
         budget_spent = job.generated >= job.session.max_new_tokens
         if job.rows == 1:  # no row has stopped before (it would have ended): its attention is all 1
-            token = host[0] if host is not None else int(tokens[0])
             job.chosen.append(token)
             if token in job.stop_set:
                 self._end(job, "stop")
@@ -711,6 +718,26 @@ class Runner:
         finally:  # whatever happens, the caller learns that the reply is over
             job.cache = job.shared_logits = None
             job.sink._end(reason, error)
+
+
+def checked_ids(tokens: Any, rows: int) -> "torch.Tensor":
+    """A decoder's ``select`` output, checked for what can be seen without reading it: a
+    (rows,) tensor of integer ids (their range is checked where they are read)."""
+    import torch
+
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"select returned {type(tokens).__name__}: a ({rows},) tensor of token ids is needed")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"select returned {tokens.dtype} values: token ids are integers")
+    if tuple(tokens.shape) != (rows,):
+        raise ValueError(f"select returned shape {tuple(tokens.shape)} for {rows} row(s): ({rows},) is needed")
+    return tokens
+
+
+def selects_from_scores(decoder: Any) -> bool:
+    """Whether ``decoder``'s select is marked as choosing an index of its scores for every row
+    (:func:`chatcore.decoding.selects_from_scores`), so its tokens may feed the next pass unread."""
+    return bool(getattr(type(decoder).select, "selects_from_scores", False))
 
 
 def scores_width(model: Any) -> int:
