@@ -232,6 +232,7 @@ def compose(step: Step, steerers: Sequence[Steerer]) -> Step:
     Every layer is tagged so that a failure names the steerer (or the model) it came from.
     """
     step = _tag_failures(step, "model")
+    seen: list[tuple[str, list[Any]]] = []  # each steerer's layer, and what the step it wraps gave it
     for steerer in steerers:
         layer = f"steerer:{steerer.name}"
         inner: list[Any] = []
@@ -242,4 +243,32 @@ def compose(step: Step, steerers: Sequence[Steerer]) -> Step:
                 setattr(error, LAYER_ATTRIBUTE, layer)
             raise
         step = _tag_failures(wrapped, layer, inner)
+        seen.append((layer, inner))
+    setattr(step, SEEN_ATTRIBUTE, seen)
     return step
+
+
+SEEN_ATTRIBUTE = "chatcore_layers_seen"
+
+
+def scores_spoiled_by(step: Step, logits: Any) -> str | None:
+    """The layer of a composed ``step`` (``"steerer:NAME"``) whose output at its last call first
+    had a row with no finite score or a NaN, given ``logits``, the outermost layer's output;
+    None where none had (or the model's own scores were so already). Reads the scores: for
+    finding whom to blame once selecting from them has failed, not for every step."""
+    import torch
+
+    def spoiled(scores: Any) -> bool:
+        if not isinstance(scores, torch.Tensor) or scores.dim() == 0:
+            return False
+        finite = torch.isfinite(scores) | (scores == float("-inf"))  # -inf bans a token; NaN, +inf spoil
+        return bool((~finite).any()) or bool((~torch.isfinite(scores)).all(dim=-1).any())
+
+    seen: list[tuple[str, list[Any]]] = getattr(step, SEEN_ATTRIBUTE, [])
+    outputs = [inner[-1] if inner else None for _, inner in seen[1:]] + [logits]
+    if seen and spoiled(seen[0][1][-1] if seen[0][1] else None):
+        return None  # the model gave them so
+    for (layer, _), output in zip(seen, outputs):
+        if spoiled(output):
+            return layer
+    return None

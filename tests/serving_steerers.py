@@ -119,18 +119,25 @@ class WrongIds(ScriptedDecoder):
 
 class WrongScores(Steerer):
     """Returns what no steerer should from its second step on: ``none`` nothing, ``narrow``
-    the first 100 scores only."""
+    the first 100 scores only, ``nan`` NaN scores, ``banned`` every score -inf."""
 
     name = "wrong-scores"
     Settings = WrongSettings
     shares_batch = True
 
     def wrap(self, step: Step) -> Step:
+        import torch
+
         def wrong(state: StepState) -> StepOutput:
             output = step(state)
             if state.step < 2:
                 return output
-            return None if self.settings.what == "none" else output.replace(logits=output.logits[:, :100])  # type: ignore[return-value]
+            what = self.settings.what
+            if what == "nan":
+                return output.replace(logits=output.logits * float("nan"))
+            if what == "banned":  # every token banned
+                return output.replace(logits=torch.full_like(output.logits, float("-inf")))
+            return None if what == "none" else output.replace(logits=output.logits[:, :100])  # type: ignore[return-value]
 
         return wrong
 

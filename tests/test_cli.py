@@ -426,7 +426,16 @@ def test_a_plugin_failing_mid_reply_ends_generate_with_one_line_after_the_partia
     plugin_manager.set_plugin_host(host)
     result = CliRunner().invoke(
         build_cli(),
-        ["generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "--steer", "failing-shared at_step=3", "hi"],
+        [
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            "--decoder",
+            "greedy",
+            "--steer",
+            "failing-shared at_step=3",
+            "hi",
+        ],
     )
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.stdout.endswith("\n") and result.stdout.strip()

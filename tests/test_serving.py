@@ -128,6 +128,16 @@ def test_a_failing_steerer_fails_its_row_alone(serving_engine):
             [("wrong-scores", {"what": "narrow"})],
             "steerer 'wrong-scores' failed while generating: ValueError: its step returned logits of shape (1, 100)",
         ),
+        (
+            "top-k",
+            [("wrong-scores", {"what": "nan"})],
+            "steerer 'wrong-scores' failed while generating: ValueError: its step left scores with NaN",
+        ),
+        (
+            "top-k",
+            [("wrong-scores", {"what": "banned"})],
+            "steerer 'wrong-scores' failed while generating: ValueError: its step left scores with NaN or a row of no",
+        ),
     ],
 )
 def test_a_plugin_choosing_impossible_tokens_fails_its_row_alone(serving_engine, decoder, steerers, says):

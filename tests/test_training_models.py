@@ -211,3 +211,19 @@ def test_a_tokenizer_named_as_no_model_is_refused_in_one_line(tmp_path, corpus):
     )
     assert result.exit_code != 0
     assert "'./no-such-model' does not exist" in result.output and "Traceback" not in result.output
+
+
+def test_resuming_with_another_model_shape_is_one_clear_line(tmp_path, corpus):
+    """``--resume`` without the shape settings the run started with (the defaults build a
+    larger model): one line saying so, not the checkpoint loader's traceback."""
+    shape = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--n-positions", "128", "--block-size", "64"]
+    common = ["train", "model", "--corpus", str(corpus), "--no-filter", "--out", str(tmp_path / "run")]
+    common += ["--tokenizer", "chatcore-tiny", "--batch-size", "8", "--quiet", "--device", "cpu"]
+    first = CliRunner().invoke(build_cli(), [*common, *shape, "--epochs", "1"])
+    assert first.exit_code == 0, first.output
+    again = CliRunner().invoke(build_cli(), [*common, "--resume", "--epochs", "2"])
+    assert again.exit_code == 1 and isinstance(again.exception, SystemExit) and "Traceback" not in again.output
+    lines = [line for line in again.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("Error: --resume: the checkpoint in ") and "size mismatch for" in lines[0]
+    assert lines[0].endswith(": give the settings it was started with")

@@ -56,7 +56,7 @@ from chatcore.serving.packed_prompts import packed_prompts
 from chatcore.serving.prefix_cache import PrefixCache, common_length
 from chatcore.serving.prompt_pass import prompt_pass
 from chatcore.serving.shared_batch import SharedBatch
-from chatcore.steering import compose
+from chatcore.steering import LAYER_ATTRIBUTE, compose, scores_spoiled_by
 from chatcore.step import Step, StepOutput, StepState, model_step
 
 if TYPE_CHECKING:
@@ -619,7 +619,17 @@ class Runner:
 
         session = job.session
         scores = self._processed(job, logits)
-        tokens = checked_ids(job.decoder.select(scores, session.generator), job.rows)
+        try:
+            tokens = checked_ids(job.decoder.select(scores, session.generator), job.rows)
+        except Exception as error:  # scores a steerer left unusable are the steerer's fault
+            layer = scores_spoiled_by(job.step, logits) if session.steerers else None
+            if layer is None:
+                raise
+            spoiled = ValueError(
+                f"its step left scores with NaN or a row of no finite score ({type(error).__name__}: {error})"
+            )
+            setattr(spoiled, LAYER_ATTRIBUTE, layer)
+            raise spoiled from error
         if job.rows > 1:  # a one-row reply ends at its stop token, so it is never fed one
             tokens = torch.where(job.finished, torch.full_like(tokens, self.loaded.eos_token_id), tokens)
         if job.logprobs is not None and session.logprobs is not None:

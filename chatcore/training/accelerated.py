@@ -194,8 +194,18 @@ def save_checkpoint(accelerator: "Accelerator", folder: Path) -> None:
 
 
 def load_checkpoint(accelerator: "Accelerator", folder: Path) -> None:
-    """Restore the state :func:`save_checkpoint` wrote into the prepared objects."""
-    accelerator.load_state(str(folder))
+    """Restore the state :func:`save_checkpoint` wrote into the prepared objects; a checkpoint
+    of another shape than the run's (other model settings) is refused in one line."""
+    try:
+        accelerator.load_state(str(folder))
+    except RuntimeError as error:
+        mismatch = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), None)
+        if mismatch is None:
+            raise
+        raise ChatcoreError(
+            f"--resume: the checkpoint in {folder} was trained with other settings for the model's shape "
+            f"({mismatch.rstrip('.')}): give the settings it was started with"
+        ) from None
     # The checkpoint was taken between optimizer steps: accumulation starts afresh (with
     # this run's grad_accum, which may differ from the saved run's).
     accelerator.step = 0
