@@ -1261,3 +1261,42 @@ def test_training_with_compile_runs_the_halves_through_it(tiny_model_dir, tmp_pa
         compiled.COMPILING,
         "cocon: compiling the frozen model's halves failed, running them uncompiled: no working C++ compiler",
     ]
+
+
+def test_ctrl_c_ends_training_after_its_step_with_a_checkpoint_resume_continues(tiny_model_dir, tmp_path, monkeypatch):
+    """The first Ctrl-C (SIGINT) stops ``train cocon`` after the step under way, as a chunk's
+    end does: a checkpoint, and ``--resume`` ends with the uncut run's block."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from chatcore.plugins.cocon import losses as module
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
+    from chatcore.training.accelerated import read_progress
+
+    corpus = tmp_path / "dialogues.jsonl"
+    turns = ["what did you cook today?", "a curry with lentils and rice", "sounds spicy", "only a little"]
+    corpus.write_text((json.dumps({"turns": turns}) + "\n") * 6)
+    config = dict(
+        model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, steps=4, **TINY_RUN, warmup_steps=2, device="cpu"
+    )
+    whole = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "whole"), **config), progress=False)
+    calls = []
+    losses = module.CoconLosses
+
+    class Interrupted(losses):  # the user presses Ctrl-C during the second step
+        def __call__(self, *arguments, **keywords):
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)
+            return super().__call__(*arguments, **keywords)
+
+    monkeypatch.setattr(module, "CoconLosses", Interrupted)
+    first = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "cut"), **config), progress=False)
+    assert first.steps == 2 and read_progress(tmp_path / "cut" / "checkpoint")["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    monkeypatch.setattr(module, "CoconLosses", losses)
+    second = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "cut"), **config), resume=True, progress=False)
+    assert second.steps == 4 and second.heldout == whole.heldout
+    mine, theirs = (load_file(tmp_path / run / "checkpoint" / "model.safetensors") for run in ("cut", "whole"))
+    assert all(torch.equal(mine[key], theirs[key]) for key in mine)

@@ -85,7 +85,9 @@ def cocon_command(out_dir: str, resume: bool, quiet: bool, **settings: Any) -> N
         raise OptionError(str(error)) from None
     run_folder(out_dir, resume, ("checkpoint", "block"))
     result = train_cocon(config, resume=resume, progress=not quiet)
-    losses = ", ".join(f"{name} {value:.4f}" for name, value in result.heldout.items())
+    losses = ", ".join(f"{name} {value:.4f}" for name, value in result.heldout.items()) or "none yet"
+    at = result.heldout_step if result.heldout and result.heldout_step != result.steps else None
+    losses += f" (at step {at})" if at else ""
     click.echo(
         f"{result.steps} steps in {result.seconds:.0f} s; held-out loss: {losses}; "
         f"{result.parameters:,} block parameters; block in {result.block_dir}"

@@ -37,6 +37,7 @@ The losses (Chan et al., 2021, section 3), each with its weight:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from chatcore.api import ChatcoreError, Settings
+from chatcore.training.interrupt import StopRequest
 
 if TYPE_CHECKING:
     from .block import CoconBlock
@@ -173,8 +175,9 @@ class CoconTrainResult:
     steps: int
     seconds: float
     parameters: int
-    heldout: dict[str, float]
+    heldout: dict[str, float]  # the latest held-out evaluation's losses (none before the first)
     block_dir: str
+    heldout_step: int = 0  # the step of that evaluation
 
 
 def norm_epsilon(model_config: Any) -> float:
@@ -381,68 +384,70 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     # random state, the generator and the weights are those an uncut run has at that step.
     chunk_end = config.steps if config.run_steps is None else min(config.steps, step + config.run_steps)
     deadline = None if config.time_limit is None else time.perf_counter() + 60.0 * config.time_limit
-    while step < config.steps:
-        if step >= chunk_end or (deadline is not None and time.perf_counter() >= deadline):
-            elapsed = time.perf_counter() - started
-            if not history or history[-1]["step"] != step:
-                save(heldout)
-            break
-        with_cycle = config.cycle_weight > 0 and step >= config.cycle_from_step
-        with_adv = config.adv_weight > 0 and step >= config.adv_from_step
-        for group in disc_optimizer.param_groups:  # the discriminator follows the block's schedule
-            group["lr"] = schedule.get_last_lr()[0]
-        windows = sampler.sample(config.batch_size, generator).to(device)
-        with autocast():
-            batch = losses_fn(windows, generator, with_cycle, with_adv)
-            losses, fake = batch.losses, batch.fake
-            if fake is not None:
-                # Non-saturating generator loss: the block's outputs should look real.
-                losses["adv"] = F.binary_cross_entropy_with_logits(
-                    discriminator(fake).float(), torch.ones(fake.size(0), device=device)
-                )
-        weights = {
-            "self": config.self_weight,
-            "null": config.null_weight,
-            "cycle": config.cycle_weight,
-            "adv": config.adv_weight,
-        }
-        total = sum(weights[name] * value for name, value in losses.items())
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(total)
-        accelerator.clip_grad_norm_(block.parameters(), config.grad_clip)
-        optimizer.step()
-        discriminator.zero_grad(set_to_none=True)  # the generator loss above left gradients there
-
-        if fake is not None and step % config.disc_every == 0:
+    # Ctrl-C ends the run as a chunk does: after the step, with a checkpoint.
+    with StopRequest(bar.write if progress else lambda line: print(line, file=sys.stderr)) as stop:
+        while step < config.steps:
+            if step >= chunk_end or stop.requested or (deadline is not None and time.perf_counter() >= deadline):
+                elapsed = time.perf_counter() - started
+                if not history or history[-1]["step"] != step:
+                    save(heldout)
+                break
+            with_cycle = config.cycle_weight > 0 and step >= config.cycle_from_step
+            with_adv = config.adv_weight > 0 and step >= config.adv_from_step
+            for group in disc_optimizer.param_groups:  # the discriminator follows the block's schedule
+                group["lr"] = schedule.get_last_lr()[0]
+            windows = sampler.sample(config.batch_size, generator).to(device)
             with autocast():
-                assert batch.real is not None
-                real_logits = discriminator(batch.real.detach()).float()
-                fake_logits = discriminator(fake.detach()).float()
-                disc_loss = F.binary_cross_entropy_with_logits(
-                    real_logits, torch.ones_like(real_logits)
-                ) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
-            disc_optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(disc_loss)
-            disc_optimizer.step()
-            losses["disc"] = disc_loss
+                batch = losses_fn(windows, generator, with_cycle, with_adv)
+                losses, fake = batch.losses, batch.fake
+                if fake is not None:
+                    # Non-saturating generator loss: the block's outputs should look real.
+                    losses["adv"] = F.binary_cross_entropy_with_logits(
+                        discriminator(fake).float(), torch.ones(fake.size(0), device=device)
+                    )
+            weights = {
+                "self": config.self_weight,
+                "null": config.null_weight,
+                "cycle": config.cycle_weight,
+                "adv": config.adv_weight,
+            }
+            total = sum(weights[name] * value for name, value in losses.items())
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(total)
+            accelerator.clip_grad_norm_(block.parameters(), config.grad_clip)
+            optimizer.step()
+            discriminator.zero_grad(set_to_none=True)  # the generator loss above left gradients there
 
-        schedule.step()
-        step += 1
-        for name, value in losses.items():
-            current = float(value.detach())
-            running[name] = 0.9 * running.get(name, current) + 0.1 * current
-        bar.set_postfix({name: f"{value:.3f}" for name, value in running.items()})
-        bar.update(1)
-        if step % config.eval_every == 0 or step == config.steps:
-            elapsed = time.perf_counter() - started
-            heldout = heldout_losses(pipeline, heldout_windows, config, autocast, token_counts)
-            history.append({"step": step, **heldout})
-            bar.write(
-                f"step {step}/{config.steps}  held-out loss: plain {heldout['plain']:.4f}  "
-                f"no content {heldout['null']:.4f}  self-reconstruction {heldout['self']:.4f}  "
-                f"one-token content {heldout['word']:.4f}  KL(plain || no content) {heldout['null_kl']:.4f}"
-            )
-            save(heldout)
+            if fake is not None and step % config.disc_every == 0:
+                with autocast():
+                    assert batch.real is not None
+                    real_logits = discriminator(batch.real.detach()).float()
+                    fake_logits = discriminator(fake.detach()).float()
+                    disc_loss = F.binary_cross_entropy_with_logits(
+                        real_logits, torch.ones_like(real_logits)
+                    ) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
+                disc_optimizer.zero_grad(set_to_none=True)
+                accelerator.backward(disc_loss)
+                disc_optimizer.step()
+                losses["disc"] = disc_loss
+
+            schedule.step()
+            step += 1
+            for name, value in losses.items():
+                current = float(value.detach())
+                running[name] = 0.9 * running.get(name, current) + 0.1 * current
+            bar.set_postfix({name: f"{value:.3f}" for name, value in running.items()})
+            bar.update(1)
+            if step % config.eval_every == 0 or step == config.steps:
+                elapsed = time.perf_counter() - started
+                heldout = heldout_losses(pipeline, heldout_windows, config, autocast, token_counts)
+                history.append({"step": step, **heldout})
+                bar.write(
+                    f"step {step}/{config.steps}  held-out loss: plain {heldout['plain']:.4f}  "
+                    f"no content {heldout['null']:.4f}  self-reconstruction {heldout['self']:.4f}  "
+                    f"one-token content {heldout['word']:.4f}  KL(plain || no content) {heldout['null_kl']:.4f}"
+                )
+                save(heldout)
     bar.close()
     elapsed = time.perf_counter() - started
     result = CoconTrainResult(
@@ -451,6 +456,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         parameters=sum(p.numel() for p in block.parameters()),
         heldout={k: v for k, v in heldout.items() if k != "step"},
         block_dir=str(out_dir / BLOCK_DIR),
+        heldout_step=int(history[-1]["step"]) if history else 0,
     )
     (out_dir / "result.json").write_text(json.dumps(asdict(result), indent=2) + "\n")
     return result
