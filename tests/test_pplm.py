@@ -693,6 +693,15 @@ def test_train_discriminator_command(tiny_model_dir, tmp_path):
     )
     result = CliRunner().invoke(group, ["train", "discriminator", "--out", str(out)])
     assert result.exit_code != 0 and "exactly one of --data" in str(result.exception)
+    before = out.read_bytes()
+    again = ["train", "discriminator", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out)]
+    kept = CliRunner().invoke(group, again)
+    assert kept.exit_code != 0 and f"--out {str(out)!r} exists: give --force to replace it" in str(kept.exception)
+    assert out.read_bytes() == before  # the trained head is kept
+    text = CliRunner().invoke(group, [*again[:-1], str(tmp_path / "h6.txt")])
+    assert text.exit_code != 0 and "a head is written as a .safetensors file" in str(text.exception)
+    replaced = CliRunner().invoke(group, [*again, "--epochs", "2", "--per-class", "10", "--force"])
+    assert replaced.exit_code == 0, replaced.output
 
 
 def test_the_settings_table_shows_every_knob_with_its_default():

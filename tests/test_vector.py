@@ -62,6 +62,12 @@ def test_train_vector_writes_the_mean_difference_with_the_models_hash(loaded, ti
     towards, _ = mean_activation(loaded, 1, POSITIVE.splitlines())
     away, _ = mean_activation(loaded, 1, NEGATIVE.splitlines())
     assert torch.allclose(load_file(str(tmp_path / "food.safetensors"))["vector"], towards - away)
+    before = (tmp_path / "food.safetensors").read_bytes()
+    kept = train(tiny_model_dir, contrast_files, tmp_path / "food", "--layer", "0")
+    assert kept.exit_code == 1 and "exists: give --force to replace it" in kept.output, kept.output
+    assert (tmp_path / "food.safetensors").read_bytes() == before  # the vector made is kept
+    assert train(tiny_model_dir, contrast_files, tmp_path / "food", "--layer", "0", "--force").exit_code == 0
+    assert json.loads((tmp_path / "food.json").read_text())["layer"] == 0
 
 
 def test_strength_zero_is_the_plain_reply_and_a_strong_vector_changes_it(

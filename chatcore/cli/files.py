@@ -42,14 +42,17 @@ def output_folder(path: str, option: str = "--out") -> Path:
     return target
 
 
-def output_file(path: str, option: str = "--out") -> Path:
+def output_file(path: str, option: str = "--out", replace: bool = True) -> Path:
     """``path`` as a file to write, its folder created if missing, or OptionError saying in one
-    line why it cannot be written: before any long work."""
+    line why it cannot be written: before any long work. ``replace=False``: an existing file is
+    refused too (the command's ``--force`` replaces it)."""
     from chatcore.errors import OptionError
 
     target = Path(path)
     if target.is_dir():
         raise OptionError(f"cannot write {option} {path!r}: it is a folder")
+    if not replace and target.exists():
+        raise OptionError(f"{option} {path!r} exists: give --force to replace it, or another {option}")
     folder = next((above for above in target.parents if above.exists()), None)
     if folder is not None and not folder.is_dir():
         raise OptionError(f"cannot write {option} {path!r}: {str(folder)!r} is not a folder")

@@ -28,12 +28,14 @@ from .train_discriminator import TrainSettings
 )
 @options_from_model(TrainSettings, ("layer", "per_class", "epochs", "learning_rate", "seed"), {"learning_rate": "--lr"})
 @click.option("--device", default=None)
+@click.option("--force", is_flag=True, help="Replace an existing --out file.")
 def train_discriminator_command(
     model: str,
     data: str | None,
     builtin: str | None,
     out_path: str,
     device: str | None,
+    force: bool,
     **settings: Any,
 ) -> None:
     """Train a PPLM discriminator head on a frozen model.
@@ -53,7 +55,9 @@ def train_discriminator_command(
     if (data is None) == (builtin is None):
         raise OptionError("give exactly one of --data FILE and --builtin sentiment")
     training = TrainSettings(**settings)  # out-of-range values fail before the model loads
-    output_file(out_path)
+    if not out_path.endswith(".safetensors"):
+        raise OptionError(f"--out {out_path!r}: a head is written as a .safetensors file (name it so)")
+    output_file(out_path, replace=force)
     examples = read_labelled_file(data) if data is not None else sentiment_examples()
     loaded = load_model(model, device=device)
     result = train_discriminator(

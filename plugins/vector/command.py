@@ -41,6 +41,7 @@ from .vectors import BUILTIN_PAIRS
     help="Where to write the vector: OUT.safetensors and OUT.json.",
 )
 @click.option("--device", default=None, help="auto, cpu, cuda, cuda:N or mps.")
+@click.option("--force", is_flag=True, help="Replace an existing vector at --out.")
 def train_vector_command(
     model: str,
     positive: str | None,
@@ -49,6 +50,7 @@ def train_vector_command(
     layer: int | None,
     out_path: str,
     device: str | None,
+    force: bool,
 ) -> None:
     """Make a steering vector: the mean residual activation of the --positive texts minus that of
     the --negative texts after block --layer (contrastive activation addition).
@@ -70,7 +72,7 @@ def train_vector_command(
         positive_file, negative_file = positive, negative
     towards, away = read_texts(positive_file), read_texts(negative_file)
     for written in vector_files(out_path):  # before the model loads and the texts run
-        output_file(str(written))
+        output_file(str(written), replace=force)
     loaded = load_model(model, device=device)
     found = build_vector(
         loaded, towards, away, layer, (positive_file, negative_file), progress=lambda line: click.echo(line, err=True)
@@ -78,6 +80,6 @@ def train_vector_command(
     tensors, meta = save_vector(found, out_path)
     info = found.info
     click.echo(
-        f"wrote {tensors} and {meta.name}: layer {info.layer}, norm {info.norm:.4g} "
+        f"wrote {tensors} and {meta}: layer {info.layer}, norm {info.norm:.4g} "
         f"(residual norm there {info.residual_norm:.4g}), model {info.model_name} hash {info.model_hash}"
     )
