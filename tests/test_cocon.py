@@ -1263,7 +1263,9 @@ def test_training_with_compile_runs_the_halves_through_it(tiny_model_dir, tmp_pa
     ]
 
 
-def test_ctrl_c_ends_training_after_its_step_with_a_checkpoint_resume_continues(tiny_model_dir, tmp_path, monkeypatch):
+def test_ctrl_c_ends_training_after_its_step_with_a_checkpoint_resume_continues(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
     """The first Ctrl-C (SIGINT) stops ``train cocon`` after the step under way, as a chunk's
     end does: a checkpoint, and ``--resume`` ends with the uncut run's block."""
     import signal
@@ -1296,7 +1298,13 @@ def test_ctrl_c_ends_training_after_its_step_with_a_checkpoint_resume_continues(
     assert first.steps == 2 and read_progress(tmp_path / "cut" / "checkpoint")["step"] == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     monkeypatch.setattr(module, "CoconLosses", losses)
+    capsys.readouterr()
     second = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "cut"), **config), resume=True, progress=False)
     assert second.steps == 4 and second.heldout == whole.heldout
     mine, theirs = (load_file(tmp_path / run / "checkpoint" / "model.safetensors") for run in ("cut", "whole"))
     assert all(torch.equal(mine[key], theirs[key]) for key in mine)
+    assert "resuming with other settings" not in capsys.readouterr().err
+    longer = {**config, "steps": 5, "batch_size": 2}  # not as the run started: said, then done as asked
+    train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "cut"), **longer), resume=True, progress=False)
+    said = capsys.readouterr().err
+    assert "chatcore: resuming with other settings than the run had: batch_size 4 -> 2, steps 4 -> 5" in said

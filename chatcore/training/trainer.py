@@ -298,13 +298,12 @@ def train(
             if best_step >= 0:
                 best_step = round(best_step * steps_per_epoch / saved["steps_per_epoch"])
             if is_main:
-                logger.warning(
-                    "resuming with %d blocks per step instead of %s: continuing at step %d of %d",
-                    global_batch,
-                    saved["global_batch"],
-                    step,
-                    total_steps,
-                )
+                before = saved.get("config", {}).get("block_size", config.block_size)
+                if saved["global_batch"] != global_batch:
+                    change = f"{global_batch} blocks per step instead of {saved['global_batch']}"
+                else:  # the same count of blocks, of another length: another count of them an epoch
+                    change = f"blocks of {config.block_size} tokens instead of {before}"
+                logger.warning("resuming with %s: continuing at step %d of %d", change, step, total_steps)
         move_schedule(schedule, step, config.learning_rate)
 
     show = progress and is_main

@@ -170,6 +170,20 @@ class CoconTrainConfig(Settings):
         return self
 
 
+# Settings that change how a run is cut or where it runs, not what it computes: a chunk may differ in them.
+CHUNK_SETTINGS = frozenset({"out_dir", "run_steps", "time_limit", "threads", "device", "compile", "eval_every"})
+
+
+def settings_changed(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """The settings that differ between a checkpoint's run and this one, as ``name a -> b, ...``
+    (those of :data:`CHUNK_SETTINGS` left out); empty when none does."""
+    return ", ".join(
+        f"{name} {saved[name]!r} -> {now[name]!r}"
+        for name in sorted(set(saved) & set(now) - CHUNK_SETTINGS)
+        if saved[name] != now[name]
+    )
+
+
 @dataclass
 class CoconTrainResult:
     steps: int
@@ -347,6 +361,13 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         saved = state.values
         step, elapsed, history = saved["step"], saved["elapsed"], saved["history"]
         init_training = saved["init_training"]
+        changed = settings_changed(saved.get("config") or {}, config.model_dump())
+        if changed:
+            print(
+                f"chatcore: resuming with other settings than the run had: {changed} (its chunks then "
+                f"do not end as one uncut run would)",
+                file=sys.stderr,
+            )
         generator.set_state(saved["generator"])
         move_schedule(schedule, step, config.learning_rate)
 
