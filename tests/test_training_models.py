@@ -227,3 +227,24 @@ def test_resuming_with_another_model_shape_is_one_clear_line(tmp_path, corpus):
     assert len(lines) == 1, lines
     assert lines[0].startswith("Error: --resume: the checkpoint in ") and "size mismatch for" in lines[0]
     assert lines[0].endswith(": give the settings it was started with")
+
+
+def test_a_corpus_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    """Windows tools save UTF-8 with a byte-order mark: it is no part of the first line; a line
+    that is not JSON says where it breaks."""
+    from chatcore.errors import CorpusError
+    from chatcore.training.corpus import data_lines, load_corpus
+
+    lines = [json.dumps({"turns": ["hi there", "hello, how are you?"]}), json.dumps(["fine", "good to hear"])]
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    marked.write_text("\n".join(lines) + "\n", encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_corpus(str(marked)) == load_corpus(str(plain)) and len(load_corpus(str(plain))) == 2
+    assert data_lines(marked, "prompt file") == data_lines(plain, "prompt file")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"turns": ["a\tb"]}\n'.replace("\\t", "\t"), encoding="utf-8")
+    with pytest.raises(
+        CorpusError, match=r"broken.jsonl:1: not valid JSON \(Invalid control character at column \d+\)"
+    ):
+        load_corpus(str(broken))

@@ -67,7 +67,7 @@ def data_lines(path: str | Path, what: str) -> list[tuple[int, str]]:
     if not path.is_file():
         raise CorpusError(f"no such {what} {str(path)!r}")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a leading byte-order mark is no text
     except UnicodeDecodeError:
         raise CorpusError(f"{what} {str(path)!r} is not UTF-8 text") from None
     return [
@@ -82,7 +82,9 @@ def json_line(path: str | Path, number: int, line: str) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as error:
-        raise CorpusError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        raise CorpusError(
+            f"{path}:{number}: not valid JSON ({error.msg.removesuffix(' at')} at column {error.colno})"
+        ) from None
 
 
 def load_jsonl(path: str | Path) -> list[Dialogue]:
@@ -91,7 +93,7 @@ def load_jsonl(path: str | Path) -> list[Dialogue]:
     if not path.exists():
         raise CorpusError(f"corpus file not found: {path}")
     dialogues = []
-    with path.open(encoding="utf-8", errors="strict") as handle:
+    with path.open(encoding="utf-8-sig", errors="strict") as handle:
         try:
             lines = list(handle)
         except UnicodeDecodeError as error:
@@ -102,7 +104,9 @@ def load_jsonl(path: str | Path) -> list[Dialogue]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise CorpusError(f"{path}:{number}: not valid JSON ({error.msg})") from error
+            raise CorpusError(
+                f"{path}:{number}: not valid JSON ({error.msg.removesuffix(' at')} at column {error.colno})"
+            ) from error
         if isinstance(record, list):
             record = {"turns": record}
         if not isinstance(record, dict) or not isinstance(record.get("turns"), list):
