@@ -605,6 +605,18 @@ def test_an_interrupted_run_resumes_exactly(tiny_model_dir, tmp_path, monkeypatc
     assert resumed.heldout == whole.heldout
 
 
+def cooking_run(tiny_model_dir, tmp_path, steps: int = 4, warmup_steps: int = 2) -> dict:
+    """``train cocon`` settings for a few steps of the tiny model on a corpus of one dialogue about
+    cooking, written into ``tmp_path``."""
+    corpus = tmp_path / "dialogues.jsonl"
+    turns = ["what did you cook today?", "a curry with lentils and rice", "sounds spicy", "only a little"]
+    corpus.write_text((json.dumps({"turns": turns}) + "\n") * 6)
+    return dict(
+        model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, steps=steps, **TINY_RUN, warmup_steps=warmup_steps,
+        device="cpu",
+    )  # fmt: skip
+
+
 def test_training_in_chunks_equals_one_run(tiny_model_dir, tmp_path):
     """Two invocations (--run-steps 3, then --resume) end with the weights, optimizer states and
     held-out losses of one uncut run: the chunk stops off an evaluation step with a checkpoint."""
@@ -613,12 +625,7 @@ def test_training_in_chunks_equals_one_run(tiny_model_dir, tmp_path):
     from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
     from chatcore.training.accelerated import read_progress
 
-    corpus = tmp_path / "dialogues.jsonl"
-    turns = ["what did you cook today?", "a curry with lentils and rice", "sounds spicy", "only a little"]
-    corpus.write_text((json.dumps({"turns": turns}) + "\n") * 6)
-    config = dict(
-        model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, steps=4, **TINY_RUN, warmup_steps=2, device="cpu"
-    )
+    config = cooking_run(tiny_model_dir, tmp_path)
     whole = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "whole"), **config), progress=False)
     first = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "cut"), run_steps=3, **config), progress=False)
     assert first.steps == 3 and read_progress(tmp_path / "cut" / "checkpoint")["step"] == 3
@@ -1226,12 +1233,7 @@ def test_training_with_compile_runs_the_halves_through_it(tiny_model_dir, tmp_pa
     from chatcore.plugins.cocon import compiled
     from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
 
-    corpus = tmp_path / "dialogues.jsonl"
-    turns = ["what did you cook today?", "a curry with lentils and rice", "sounds spicy", "only a little"]
-    corpus.write_text((json.dumps({"turns": turns}) + "\n") * 6)
-    config = dict(
-        model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, steps=2, **TINY_RUN, warmup_steps=1, device="cpu"
-    )
+    config = cooking_run(tiny_model_dir, tmp_path, steps=2, warmup_steps=1)
     plain = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "plain"), **config), progress=False)
     halves: list[compiled.CompiledHalf] = []
     made = compiled.CompiledHalf.__init__
@@ -1276,12 +1278,7 @@ def test_ctrl_c_ends_training_after_its_step_with_a_checkpoint_resume_continues(
     from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
     from chatcore.training.accelerated import read_progress
 
-    corpus = tmp_path / "dialogues.jsonl"
-    turns = ["what did you cook today?", "a curry with lentils and rice", "sounds spicy", "only a little"]
-    corpus.write_text((json.dumps({"turns": turns}) + "\n") * 6)
-    config = dict(
-        model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, steps=4, **TINY_RUN, warmup_steps=2, device="cpu"
-    )
+    config = cooking_run(tiny_model_dir, tmp_path)
     whole = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "whole"), **config), progress=False)
     calls = []
     losses = module.CoconLosses
