@@ -131,12 +131,14 @@ class Registry:
                     registry.ambiguous[name] = plugins
                     for entry in entries:
                         table[f"{entry.plugin}{QUALIFIER}{name}"] = entry
-                    host.report(
-                        " and ".join(repr(p) for p in plugins),
-                        f"hook {hook}",
-                        f"{name!r} is registered by each of them, so by none: use "
-                        + " or ".join(f"{p}{QUALIFIER}{name}" for p in plugins),
-                    )
+                    for plugin in plugins:  # a problem of each, as `chatcore plugins` lists them
+                        others = ", ".join(repr(other) for other in plugins if other != plugin)
+                        host.report(
+                            plugin,
+                            f"hook {hook}",
+                            f"{name!r} is registered by {others} too, so by none: use "
+                            + " or ".join(f"{p}{QUALIFIER}{name}" for p in plugins),
+                        )
 
         tables = (registry.decoders, registry.steerers, registry.prompt_sets, registry.prompt_formats)
         for hook, table, base in zip(REGISTRATION_HOOKS, tables, (Decoder, Steerer, None, PromptFormat)):

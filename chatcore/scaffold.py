@@ -289,7 +289,8 @@ def write_plugin(name: str, parent: str | Path = ".", kind: Kind = "steerer") ->
     names = PluginNames.from_name(name)
     taken = installed_as(names)
     if taken is not None:
-        raise ChatcoreError(f"{taken}: choose another name (chatcore new-plugin my-{name}), or uninstall it first")
+        remedy = "" if "built-in" in taken else ", or uninstall it first"
+        raise ChatcoreError(f"{taken}: choose another name (chatcore new-plugin my-{name}){remedy}")
     parent = Path(parent)
     if not parent.is_dir():
         raise ChatcoreError(f"no such folder: {parent}")
@@ -321,5 +322,7 @@ def installed_as(names: PluginNames) -> str | None:
     for entry_point in metadata.entry_points(group="chatcore"):
         if entry_point.name == names.entry_point:
             owner = entry_point.dist.name if entry_point.dist else "another package"
+            if owner == "chatcore":
+                return f"{names.entry_point!r} is a built-in plugin of chatcore"
             return f"the chatcore plugin name {names.entry_point!r} is taken by {owner}"
     return None

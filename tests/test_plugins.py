@@ -231,8 +231,11 @@ def test_a_name_two_plugins_register_is_neither_plugins_and_both_are_reachable_q
     assert registry.decoder("second/echo") is classes["second"]
     with pytest.raises(UnknownNameError, match="registered by several plugins: name one, first/echo or second/echo"):
         registry.decoder("echo")
-    ((plugins, stage),) = problems_of(host)
-    assert plugins == "'first' and 'second'" and stage == "hook register_decoders"
+    assert problems_of(host) == [("first", "hook register_decoders"), ("second", "hook register_decoders")]
+    assert str(host.problems[0]) == (
+        "plugin 'first' failed at hook register_decoders: 'echo' is registered by 'second' too, so by none: "
+        "use first/echo or second/echo"
+    )
 
 
 def test_an_unknown_name_mentions_plugins_that_failed_to_load(host):

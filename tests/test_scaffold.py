@@ -205,6 +205,15 @@ def test_a_name_an_installed_package_uses_is_refused_in_one_line(new_plugin) -> 
     assert not (folder / "chatcore-steering-vectors").exists()
 
 
+def test_a_built_in_plugins_name_is_refused_as_built_in(new_plugin) -> None:
+    result, folder = new_plugin("greedy")
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "'greedy' is a built-in plugin of chatcore: choose another name (chatcore new-plugin my-greedy)" in (
+        result.output
+    )
+    assert "uninstall" not in result.output and not (folder / "chatcore-greedy").exists()
+
+
 def test_the_skeleton_registers_the_slow_marker_and_ships_its_data_files() -> None:
     project = tomllib.loads(render(PluginNames.from_name("shout"))["pyproject.toml"])
     assert any(marker.startswith("slow:") for marker in project["tool"]["pytest"]["ini_options"]["markers"])

@@ -248,3 +248,17 @@ def test_a_corpus_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
         CorpusError, match=r"broken.jsonl:1: not valid JSON \(Invalid control character at column \d+\)"
     ):
         load_corpus(str(broken))
+
+
+def test_a_run_that_fails_before_writing_leaves_no_out_folder(tmp_path):
+    """Too little text for one step: the one-line error, and no empty --out folder left behind
+    (a folder that was there before is kept)."""
+    corpus = tmp_path / "two.jsonl"
+    corpus.write_text('{"turns": ["hi", "yo"]}\n{"turns": ["ok", "fine"]}\n')
+    for out, existed in ((tmp_path / "new-run", False), (tmp_path / "kept", True)):
+        if existed:
+            out.mkdir()
+        arguments = ["train", "model", "--corpus", str(corpus), "--out", str(out), "--tokenizer", "chatcore-tiny"]
+        result = CliRunner().invoke(build_cli(), [*arguments, "--no-filter", "--quiet", "--device", "cpu"])
+        assert result.exit_code == 1 and "the corpus makes 0 blocks" in result.stderr, result.output
+        assert out.is_dir() == existed

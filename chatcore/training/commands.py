@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -256,21 +257,27 @@ def train_model(
     except ValueError as error:
         raise OptionError(str(error)) from None
     filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
+    made = not Path(out_dir).exists()
     run_folder(out_dir, resume, ("checkpoint", "best"))
-    result = train_model_command(
-        corpus,
-        config,
-        shape,
-        tokenizer_path=tokenizer_path,
-        init_from=init_from,
-        reverse=reverse,
-        heldout=heldout,
-        vocab_size=vocab_size,
-        resume=resume,
-        progress=not quiet,
-        filter_config=filtering,
-        on_filter_report=report_writer(filter_report),
-    )
+    try:
+        result = train_model_command(
+            corpus,
+            config,
+            shape,
+            tokenizer_path=tokenizer_path,
+            init_from=init_from,
+            reverse=reverse,
+            heldout=heldout,
+            vocab_size=vocab_size,
+            resume=resume,
+            progress=not quiet,
+            filter_config=filtering,
+            on_filter_report=report_writer(filter_report),
+        )
+    except BaseException:
+        if made and Path(out_dir).is_dir() and not any(Path(out_dir).iterdir()):
+            Path(out_dir).rmdir()  # a run that failed before writing anything leaves no folder behind
+        raise
     if not distributed_context().is_main:
         return
     click.echo(
