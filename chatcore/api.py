@@ -31,7 +31,8 @@ The names, by what a plugin author does with them:
   command to (from its ``register_commands`` hook); :func:`options_from_model`, click
   options generated from a :class:`Settings` model's fields (default, bounds, help);
   :func:`output_folder`, :func:`output_file` and :func:`run_folder`, a command's ``--out``
-  checked (and its folder made) before the work starts;
+  checked (and its folder made) before the work starts, and :func:`removed_if_left_empty`
+  to take a run's folder away again when the command fails before writing in it;
 - errors: :class:`ChatcoreError` and its kinds, shown to the user in one line;
 - speed: :func:`fast_path_mode`, the ``CHATCORE_FAST_PATH`` setting (under ``compile`` a
   steerer that runs passes of its own may compile them too, as PPLM does).
@@ -40,7 +41,7 @@ The names, by what a plugin author does with them:
 from __future__ import annotations
 
 from chatcore.anatomy import FULL_ATTENTION, Anatomy, BlockInputs, UnsupportedModelError, anatomy_of
-from chatcore.cli.files import output_file, output_folder, run_folder
+from chatcore.cli.files import output_file, output_folder, removed_if_left_empty, run_folder
 from chatcore.cli.options import options_from_model
 from chatcore.cli.train import train_group
 from chatcore.decoding import (
@@ -93,6 +94,7 @@ __all__ = [
     "output_file",
     "output_folder",
     "run_folder",
+    "removed_if_left_empty",
     "AUTO",
     "Anatomy",
     "BUNDLED_DIR",

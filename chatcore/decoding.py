@@ -109,8 +109,16 @@ def selects_from_scores(select: Any) -> Any:
     feed its tokens to the model's next pass before reading them (on a GPU, where that
     pass runs meanwhile); the tokens of an unmarked ``select`` are read and checked first.
     A subclass's own ``select`` is unmarked until it says so too."""
-    select.selects_from_scores = True
+    setattr(select, SELECTS_FROM_SCORES, True)
     return select
+
+
+SELECTS_FROM_SCORES = "selects_from_scores"
+
+
+def marked_from_scores(decoder: Any) -> bool:
+    """Whether ``decoder``'s own ``select`` is marked with :func:`selects_from_scores`."""
+    return bool(getattr(type(decoder).select, SELECTS_FROM_SCORES, False))
 
 
 class Decoder(Configurable):

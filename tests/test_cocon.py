@@ -1305,3 +1305,19 @@ def test_ctrl_c_ends_training_after_its_step_with_a_checkpoint_resume_continues(
     train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "cut"), **longer), resume=True, progress=False)
     said = capsys.readouterr().err
     assert "chatcore: resuming with other settings than the run had: batch_size 4 -> 2, steps 4 -> 5" in said
+
+
+def test_a_run_with_nothing_to_train_on_leaves_no_out_folder(tiny_model_dir, tmp_path):
+    """A corpus whose one dialogue goes to the held-out split: the one-line error, and the run's
+    folder, made for it, taken away again."""
+    from click.testing import CliRunner
+
+    from chatcore.cli import build_cli
+
+    corpus = tmp_path / "one.jsonl"
+    corpus.write_text(json.dumps({"turns": ["hi there", "hello"]}) + "\n")
+    out = tmp_path / "run"
+    arguments = ["train", "cocon", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--out", str(out)]
+    result = CliRunner().invoke(build_cli(), [*arguments, "--heldout", "0.5", "--device", "cpu", "--quiet"])
+    assert result.exit_code == 1 and "the training split is empty" in result.stderr, result.output
+    assert not out.exists()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -60,6 +62,21 @@ def output_file(path: str, option: str = "--out", replace: bool = True) -> Path:
     if target.exists() and not os.access(target, os.W_OK):
         raise OptionError(f"cannot write {option} {path!r}: permission denied")
     return target
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(path: str) -> Iterator[None]:
+    """The folder ``path``, where it does not exist yet and the block fails before writing
+    anything in it (a run's folder made by :func:`run_folder`, then too little text to train
+    on), is removed again: a failed command leaves nothing behind."""
+    made = not Path(path).exists()
+    try:
+        yield
+    except BaseException:
+        folder = Path(path)
+        if made and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
 
 
 def run_folder(path: str, resume: bool, kept: tuple[str, ...] = ("checkpoint",), option: str = "--out") -> Path:

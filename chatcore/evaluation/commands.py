@@ -84,13 +84,11 @@ def eval_command(
     length in words, share of degenerate replies, the attribute share, and tokens/s;
     with a "human" row for prompt sets that carry the human replies.
     """
-    from pathlib import Path
 
     from chatcore.cli.files import check_output_path, open_output
     from chatcore.cli.specs import parse_spec
     from chatcore.cpu import use_threads
     from chatcore.engine import Engine, ReplyOptions, validate_options
-    from chatcore.evaluation.prompts import load_prompt_file
     from chatcore.evaluation.runner import evaluate
     from chatcore.prompting import system_prompt_option, validate_format_name
     from chatcore.registry import registry_of
@@ -106,14 +104,10 @@ def eval_command(
     if json_path:
         check_output_path(json_path)
     system = system_prompt_option(system_text, system_file)
-    check_prompt_source(prompts)
+    load_contexts = prompt_source(prompts)
     use_threads(threads)
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
-    if Path(prompts).is_file():
-        contexts = load_prompt_file(prompts)
-    else:
-        contexts = engine.registry.prompt_set(prompts)()
-    contexts = contexts[:limit]
+    contexts = load_contexts()[:limit]
     vocabulary = load_vocabulary(attribute) if attribute else None
     label = " + ".join([decoder] + [name for name, _ in steerers])
     if batch > 1:
@@ -147,19 +141,22 @@ def eval_command(
         click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
 
 
-def check_prompt_source(prompts: str) -> None:
-    """``--prompts``: a prompt set's name or a file; a folder, or a path to no file, is refused
-    in one line before the model loads (a registered set's name is checked then too)."""
+def prompt_source(prompts: str) -> Callable[[], list[Any]]:
+    """``--prompts``, a prompt file or a registered prompt set's name, as what loads its
+    contexts; a folder, a path to no file or an unknown name is refused in one line before
+    the model loads."""
+    from chatcore.evaluation.prompts import load_prompt_file
     from chatcore.registry import registry_of
 
     path = Path(prompts)
     if path.is_file():
-        return
+        return lambda: load_prompt_file(path)
     if path.is_dir():
         raise OptionError(f"--prompts: {prompts} is a folder, not a prompt file (a .jsonl or .txt file)")
     if "/" in prompts or "\\" in prompts or path.suffix in (".jsonl", ".txt"):
         raise OptionError(f"--prompts: no such file: {prompts}")
-    registry_of().prompt_set(prompts)  # an unknown name: one line, with the names known
+    prompt_set: Callable[[], list[Any]] = registry_of().prompt_set(prompts)  # an unknown name: one line
+    return prompt_set
 
 
 def load_vocabulary(attribute: str) -> set[str]:

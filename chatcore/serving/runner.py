@@ -45,7 +45,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from chatcore.decoding import Sampled, restrict_scores, to_device, within
+from chatcore.decoding import Sampled, marked_from_scores, restrict_scores, to_device, within
 from chatcore.errors import ChatcoreError
 from chatcore.models import cache_holding, output_cache, plain_cache
 from chatcore.processors import chain, rowwise_signature
@@ -352,7 +352,7 @@ class Runner:
             return
         if len(self.jobs) != len(batch.jobs) or self._deferred:
             return
-        if not all(job.rows == 1 and job in chosen and selects_from_scores(job.decoder) for job in batch.jobs):
+        if not all(job.rows == 1 and job in chosen and marked_from_scores(job.decoder) for job in batch.jobs):
             return  # (a decoder that may choose any id has its tokens read and checked first)
         if all(job.generated + 1 >= job.session.max_new_tokens for job in batch.jobs):
             return
@@ -742,12 +742,6 @@ def checked_ids(tokens: Any, rows: int) -> "torch.Tensor":
     if tuple(tokens.shape) != (rows,):
         raise ValueError(f"select returned shape {tuple(tokens.shape)} for {rows} row(s): ({rows},) is needed")
     return tokens
-
-
-def selects_from_scores(decoder: Any) -> bool:
-    """Whether ``decoder``'s select is marked as choosing an index of its scores for every row
-    (:func:`chatcore.decoding.selects_from_scores`), so its tokens may feed the next pass unread."""
-    return bool(getattr(type(decoder).select, "selects_from_scores", False))
 
 
 def scores_width(model: Any) -> int:

@@ -107,7 +107,6 @@ def report_writer(path: str | None, examples: int = 2) -> Callable[[FilterReport
 
     def write(report: FilterReport) -> None:
         import json
-        from pathlib import Path
 
         click.echo(report.format(examples=examples))
         if path:
@@ -174,7 +173,6 @@ def train_filter(
     settings first.
     """
     import json
-    from pathlib import Path
 
     from chatcore.cli.files import output_file
     from chatcore.training.filtering import filter_dialogues
@@ -246,7 +244,7 @@ def train_model(
     \b
         torchrun --nproc_per_node=N -m chatcore.cli train model ...
     """
-    from chatcore.cli.files import run_folder
+    from chatcore.cli.files import removed_if_left_empty, run_folder
     from chatcore.errors import OptionError
     from chatcore.training.pipeline import train_model_command
     from chatcore.training.trainer import distributed_context
@@ -257,9 +255,8 @@ def train_model(
     except ValueError as error:
         raise OptionError(str(error)) from None
     filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
-    made = not Path(out_dir).exists()
-    run_folder(out_dir, resume, ("checkpoint", "best"))
-    try:
+    with removed_if_left_empty(out_dir):
+        run_folder(out_dir, resume, ("checkpoint", "best"))
         result = train_model_command(
             corpus,
             config,
@@ -274,10 +271,6 @@ def train_model(
             filter_config=filtering,
             on_filter_report=report_writer(filter_report),
         )
-    except BaseException:
-        if made and Path(out_dir).is_dir() and not any(Path(out_dir).iterdir()):
-            Path(out_dir).rmdir()  # a run that failed before writing anything leaves no folder behind
-        raise
     if not distributed_context().is_main:
         return
     click.echo(

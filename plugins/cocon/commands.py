@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from chatcore.api import OptionError, options_from_model, run_folder
+from chatcore.api import OptionError, options_from_model, removed_if_left_empty, run_folder
 
 from .training import CoconTrainConfig
 
@@ -83,8 +83,9 @@ def cocon_command(out_dir: str, resume: bool, quiet: bool, **settings: Any) -> N
         config = CoconTrainConfig(out_dir=out_dir, **settings)
     except ValueError as error:
         raise OptionError(str(error)) from None
-    run_folder(out_dir, resume, ("checkpoint", "block"))
-    result = train_cocon(config, resume=resume, progress=not quiet)
+    with removed_if_left_empty(out_dir):
+        run_folder(out_dir, resume, ("checkpoint", "block"))
+        result = train_cocon(config, resume=resume, progress=not quiet)
     losses = ", ".join(f"{name} {value:.4f}" for name, value in result.heldout.items()) or "none yet"
     at = result.heldout_step if result.heldout and result.heldout_step != result.steps else None
     losses += f" (at step {at})" if at else ""
