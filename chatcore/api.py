@@ -70,7 +70,7 @@ from chatcore.models import (
     output_cache,
     plain_cache,
 )
-from chatcore.options import Settings
+from chatcore.options import ON_THIS_MACHINE, OnThisMachine, Settings
 from chatcore.processors import ScoreProcessor, min_p, temperature, top_k, top_p
 from chatcore.prompting import (
     AUTO,
@@ -119,6 +119,8 @@ __all__ = [
     "Sampled",
     "ScoreProcessor",
     "Settings",
+    "OnThisMachine",
+    "ON_THIS_MACHINE",
     "Steerer",
     "Step",
     "StepOutput",

@@ -20,7 +20,7 @@ from chatcore.conversation import Conversation
 from chatcore.decoding import Decoder
 from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import DEFAULT_MODEL, LoadedModel, load_model, sampling_defaults
-from chatcore.options import Configurable, Settings, settings_fields
+from chatcore.options import Configurable, Settings, machine_settings, settings_fields
 from chatcore.plugin_manager import PluginHost, get_plugin_host
 from chatcore.prompting import (
     AUTO,
@@ -106,13 +106,22 @@ def build_plugin_object(host: PluginHost, registry: Registry, kind: str, name: s
         raise PluginError(plugin, f"{kind} {name!r} failed to start: {type(error).__name__}: {error}") from error
 
 
-def validate_options(options: ReplyOptions, registry: Registry | None = None, host: PluginHost | None = None) -> None:
+def validate_options(
+    options: ReplyOptions,
+    registry: Registry | None = None,
+    host: PluginHost | None = None,
+    *,
+    machine_names: bool = True,
+) -> None:
     """Check a whole reply configuration without loading a model: the decoder's and the
     steerers' names, whether the steerers can work together (:func:`check_composition`),
     then each one's settings; the first problem is an OptionError in one line.
 
     Every entry point calls this (or :meth:`Engine.check_options`, which adds what needs
     the model) when a configuration is given, before it is accepted or anything is logged.
+    With ``machine_names=False`` (a request from elsewhere) a setting marked
+    :class:`~chatcore.options.OnThisMachine` may only take its default or a bundled name
+    (see :func:`refuse_machine_names`).
     """
     host = host or get_plugin_host()
     registry = registry or registry_of(host)
@@ -122,8 +131,36 @@ def validate_options(options: ReplyOptions, registry: Registry | None = None, ho
     for kind, name, cls, settings in [("decoder", options.decoder, decoder, options.decoder_settings)] + [
         ("steerer", name, cls, settings) for cls, (name, settings) in zip(steerers, options.steerers)
     ]:
+        if not machine_names:
+            refuse_machine_names(kind, name, cls, settings or {})
         build_plugin_object(
             host, registry, kind, name, lambda cls=cls, settings=settings: cls.from_options(settings or {})
+        )
+
+
+def refuse_machine_names(kind: str, name: str, cls: type[Configurable], settings: Mapping[str, Any]) -> None:
+    """Refuse (OptionError) a raw setting marked :class:`~chatcore.options.OnThisMachine`
+    whose value is neither its default nor one of ``cls.setting_choices`` (the bundled
+    names): what a request from elsewhere may not set, since it would make this machine
+    open a file of its choosing or load a model. Checked before the settings are built,
+    since building them may already read the file. The operator's own configuration is
+    not checked."""
+    marked = machine_settings(cls.Settings)
+    for key, value in settings.items():
+        field = key.replace("-", "_")
+        if field not in marked:
+            continue
+        marker, default = marked[field]
+        text = "" if value is None else str(value).strip()
+        if text.lower() in ("", "none") or value == default or text == str(default):
+            continue
+        choices = cls.setting_choices(field)
+        if text in choices:
+            continue
+        offered = f" (it may be one of: {', '.join(choices)})" if choices else ""
+        raise OptionError(
+            f"{kind} {name!r}: `{field}` names a {marker.what} on the machine that runs chatcore, which a "
+            f"request cannot set{offered}; its operator can allow it (--allow-local-files)"
         )
 
 

@@ -38,9 +38,12 @@ T = TypeVar("T")
 C = TypeVar("C", bound="Configurable")
 
 __all__ = [
+    "ON_THIS_MACHINE",
     "Configurable",
+    "OnThisMachine",
     "Settings",
     "check_settings_class",
+    "machine_settings",
     "parse_key_values",
     "parse_settings",
     "settings_dict",
@@ -49,6 +52,39 @@ __all__ = [
     "settings_rows",
     "settings_schema",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class OnThisMachine:
+    """A setting's marker: its value names something on the machine chatcore runs on (a
+    file, a folder, a model to load or download), as in
+    ``file: Annotated[str | None, ON_THIS_MACHINE] = None``.
+
+    Entry points whose users are elsewhere (the HTTP server, the Discord bot) let a
+    request set such a setting only to one of :meth:`Configurable.setting_choices` (the
+    bundled names) or to its default, unless the operator allowed more; otherwise anyone
+    who can send a request could make the server read its files (a word file's words show
+    in the replies' scores) or load any model. Mark every setting of a plugin that opens
+    a path or loads a model.
+    """
+
+    what: str = "file or model"
+
+
+ON_THIS_MACHINE = OnThisMachine()
+
+
+def machine_settings(settings_cls: type) -> dict[str, tuple[OnThisMachine, Any]]:
+    """The settings of ``settings_cls`` marked :class:`OnThisMachine`, by name: each
+    marker with the setting's default."""
+    if settings_cls is object:
+        return {}
+    marked = {}
+    for name, info in _field_infos(settings_cls).items():
+        marker = next((item for item in info.metadata if isinstance(item, OnThisMachine)), None)
+        if marker is not None:
+            marked[name] = (marker, info.get_default(call_default_factory=True))
+    return marked
 
 
 class Settings(BaseModel):

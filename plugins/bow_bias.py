@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 import chatcore
 from chatcore.api import (
+    OnThisMachine,
     OptionError,
     Settings,
     Steerer,
@@ -45,7 +46,7 @@ class BowBiasSettings(Settings):
     """Words or phrases (comma list)."""
     topic: str | None = None
     """A built-in word list (food, sports, ...)."""
-    file: str | None = None
+    file: Annotated[str | None, OnThisMachine("word file")] = None
     """A word file, one word or phrase per line."""
     strength: Annotated[float, Field(ge=-100.0, le=100.0)] = 2.0
     """Added to each word's token scores (negative: avoid the words)."""

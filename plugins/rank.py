@@ -16,6 +16,7 @@ Candidates come from the same batched, quorum-stopped pass as ``mmi``'s.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Annotated
 
 from pydantic import model_validator
 
@@ -25,6 +26,7 @@ from chatcore.api import (
     CandidateDecoder,
     CandidateSettings,
     GenerationSession,
+    OnThisMachine,
     Sampled,
     check_word_sources,
     collect_words,
@@ -38,7 +40,7 @@ class RankSettings(CandidateSettings):
     """A built-in word list (food, sports, ...)."""
     words: tuple[str, ...] = ()
     """Words or phrases (comma list)."""
-    file: str | None = None
+    file: Annotated[str | None, OnThisMachine("word file")] = None
     """A word file, one word or phrase per line."""
 
     @model_validator(mode="after")

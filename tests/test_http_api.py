@@ -265,6 +265,17 @@ def test_plugins_lists_decoders_and_steerers_with_the_schema_of_their_settings(s
             "top_p",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}, 404, "model"),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "model": "M",
+                "max_tokens": 3,
+                **{"max_completion_tokens": 6},
+            },
+            400,
+            None,
+        ),
+        ('{"messages": [{"role": "user", "content": "hi"}], "model": "M", "temperature": NaN}', 400, "temperature"),
         ({"messages": [{"role": "user", "content": "x" * 30_000}], "model": "M"}, 413, None),
         ("[" * 5_000 + "]" * 5_000, 400, None),  # nested deeper than the parser goes
         ('{"a":' * 3_000 + "1" + "}" * 3_000, 400, None),
@@ -734,3 +745,111 @@ def test_a_stop_string_the_client_asked_for_is_a_normal_end_not_an_interruption(
     (conversation,) = read_log(db)
     bot = conversation.messages[-1]
     assert (bot.text, bot.interrupted, bot.provenance["finish_reason"]) == ("Hello there, ", False, "stop")
+
+
+def test_two_end_users_with_the_same_words_keep_their_own_conversations(logged):
+    """A follow-up continues the conversation of the `user` who sends it, never another one's
+    that began with the same words; the user is each message's author."""
+    from chatcore.log.store import ConversationStore
+
+    client, request_log, db = logged
+    model = model_name(client)
+    first = [{"role": "user", "content": "kilo: hello there"}]
+    asked = dict(model=model, messages=first, max_tokens=4, temperature=0)
+    alice = client.chat.completions.create(**asked, user="alice").choices[0].message.content
+    bob = client.chat.completions.create(**asked, user="bob").choices[0].message.content
+    assert alice == bob  # greedy: the same words get the same reply
+    secret = {"role": "user", "content": "kilo: my pin is 9999"}
+    after = [*first, {"role": "assistant", "content": alice}, secret]
+    client.chat.completions.create(model=model, messages=after, max_tokens=4, temperature=0, user="alice")
+    request_log.flush()
+    conversations = read_log(db)
+    by_length = sorted(conversations, key=lambda c: len(c.messages))
+    assert [len(c.messages) for c in by_length] == [2, 4]
+    assert {m.author_id for m in by_length[0].messages if m.role == "user"} == {"bob"}
+    assert [m.author_id for m in by_length[1].messages if m.role == "user"] == ["alice", "alice"]
+    with ConversationStore(f"sqlite:///{db}") as store:
+        assert store.delete_author("alice") == 2
+    assert "9999" not in str([[m.text for m in c.messages] for c in read_log(db)])
+
+
+def test_a_conversation_deleted_while_served_stays_deleted(logged):
+    """The client's next turn still carries the deleted messages: it starts a new conversation
+    that holds only that turn and its reply, titled by it."""
+    from chatcore.log.store import ConversationStore
+
+    client, request_log, db = logged
+    model = model_name(client)
+    first = [{"role": "user", "content": "sierra: my number is 123-45-6789"}]
+    answer = client.chat.completions.create(model=model, messages=first, max_tokens=4, seed=1)
+    request_log.flush()
+    (logged_first,) = read_log(db)
+    with ConversationStore(f"sqlite:///{db}") as store:
+        store.delete_conversation(logged_first.id)
+    after = [*first, {"role": "assistant", "content": answer.choices[0].message.content}]
+    after.append({"role": "user", "content": "sierra: please forget that"})
+    reply = client.chat.completions.create(model=model, messages=after, max_tokens=4, seed=2)
+    request_log.flush()
+    (kept,) = read_log(db)
+    assert kept.id != logged_first.id and kept.title == "sierra: please forget that"
+    assert [(m.role, m.text) for m in kept.messages] == [
+        ("user", "sierra: please forget that"),
+        ("bot", reply.choices[0].message.content),
+    ]
+    # and the turn after goes on in that new conversation
+    after += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "ok"}]
+    client.chat.completions.create(model=model, messages=after, max_tokens=4, seed=3)
+    request_log.flush()
+    (kept,) = read_log(db)
+    assert [m.text for m in kept.messages][2] == "ok" and len(kept.messages) == 4
+
+
+def test_raw_completions_are_logged_with_the_raw_format(logged):
+    client, request_log, db = logged
+    client.completions.create(model=model_name(client), prompt="Once upon a time", max_tokens=3, seed=1)
+    request_log.flush()
+    (conversation,) = read_log(db)
+    assert conversation.prompt_format == "raw" and conversation.messages[0].text == "Once upon a time"
+
+
+def test_a_json_reply_whose_client_left_is_not_logged(logged, gate, monkeypatch):
+    """The client of a JSON reply never got any of it: the log keeps nothing of the request
+    (its retry would otherwise follow an empty turn), as for a reply refused at its start."""
+    import threading
+
+    from chatcore.adapters.http_api.completions import Completion
+
+    client, request_log, db = logged
+    gone, ended = threading.Event(), threading.Event()
+    exchange, cancel = Completion.exchange, Completion.cancel
+
+    def exchange_and_tell(self, *arguments, **keywords):
+        try:
+            return exchange(self, *arguments, **keywords)
+        finally:
+            ended.set()
+
+    def cancel_and_tell(self):
+        cancel(self)
+        gone.set()
+
+    monkeypatch.setattr(Completion, "exchange", exchange_and_tell)
+    monkeypatch.setattr(Completion, "cancel", cancel_and_tell)
+    body = json.dumps(
+        {"model": model_name(client), "messages": [{"role": "user", "content": "tell me"}], "decoder": "gated-text"}
+    )
+    url = client.base_url
+    connection = socket.create_connection((url.host, url.port))
+    connection.sendall(
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+        ).encode()
+    )
+    assert gate.written.wait(60)  # "Hello there, my frie" decoded; the JSON body waits for the end
+    connection.close()
+    assert gone.wait(60)  # the server saw the client leave while the reply was still running
+    gate.release.set()
+    assert ended.wait(60)
+    request_log.flush()
+    assert read_log(db) == []

@@ -515,3 +515,30 @@ def test_serve_refuses_bad_limits_and_names_before_loading_the_model():
         assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output, option
     result = runner.invoke(build_cli(), ["serve", "--model", "nope", "--served-model-name", " "])
     assert result.exit_code == 1 and "`--served-model-name` is empty" in result.output
+
+
+def test_a_client_gone_in_the_middle_of_its_body_leaves_no_traceback(serving_engine, caplog):
+    """A request whose client hangs up before its body ended is answered (to nobody) like any
+    bad request: one counted 400, nothing in the server's log."""
+    import socket
+    import threading
+
+    with running(serving_engine) as (scheduler, server, client):
+        metrics = server.server.config.app.state.metrics
+        answered = threading.Event()
+        record_status = metrics.record_status
+
+        def record_and_tell(path: str, status: int) -> None:
+            record_status(path, status)
+            if path.endswith("/chat/completions"):
+                answered.set()
+
+        metrics.record_status = record_and_tell
+        with caplog.at_level(logging.INFO):
+            connection = socket.create_connection((server.host, server.port))
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            connection.sendall(head.encode() + b"Content-Length: 100\r\n\r\n{")
+            connection.close()
+            assert answered.wait(60)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+        assert b'route="/v1/chat/completions",status="400"' in metrics.exposition()

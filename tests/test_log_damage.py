@@ -354,3 +354,21 @@ def test_an_index_past_rebuilding_in_place_is_reported_in_one_answer_and_not_wri
     assert repaired.exit_code == 1 and "the rebuild failed" in repaired.output, repaired.output
     assert "recovers every conversation" in repaired.output
     assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("left", ["nothing", "conversations without messages", "half a page"])
+def test_a_salvage_that_finds_little_or_nothing_says_so_in_one_line(logs_cli, tmp_path, left):
+    path = tmp_path / "log.sqlite3"
+    if left == "half a page":
+        fill(path, conversations=4, per_conversation=4)
+        path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    else:
+        with ConversationStore(sqlite_url(path)) as store:
+            if left == "conversations without messages":
+                store.ensure_conversation("empty", title="nothing said")
+    exported = logs_cli("export", "--salvage", "--db", str(path))
+    said = exported.stdout + exported.stderr
+    assert "Traceback" not in said and "Error" not in said.replace("Error:", ""), said
+    assert "salvage: recovered" in exported.stderr or exported.exit_code == 1, said
+    if exported.exit_code == 1:
+        assert len(exported.stderr.strip().splitlines()) == 1, said

@@ -167,6 +167,33 @@ def test_searching_a_huge_message_shows_only_the_text_around_the_match(tmp_path:
 
 
 # -- one file per log ---------------------------------------------------------------------------------
+def test_a_conversation_deleted_under_a_chat_stays_deleted(chat_engine: Any, tmp_path: Path) -> None:
+    """`chatcore logs delete` while the chat goes on: the next turns go to a new conversation,
+    titled by its first turn, and the deleted turns (the old title included) are not written again."""
+    path = tmp_path / "log.sqlite3"
+    store = ConversationStore(sqlite_url(path))
+    told: list[str] = []
+    chat_engine.host.register(ConversationLogPlugin(store, notify=told.append, journal_dir=tmp_path / "j"), "log")
+    conversation = chat_engine.conversation()
+    chat(chat_engine, conversation, ["my secret is 6789", "two"])
+    with ConversationStore(sqlite_url(path)) as other:
+        assert other.delete_conversation(conversation.id) == 4
+    chat(chat_engine, conversation, ["three", "four"])
+    assert len(told) == 1 and "was deleted from the log" in told[0]
+    with ConversationStore(sqlite_url(path)) as reader:
+        (kept,) = reader.list_conversations()
+        assert kept.id != conversation.id and kept.title == "three"
+        assert logged_texts(reader, kept.id) == [
+            ("user", "three"),
+            ("bot", "a fixed reply"),
+            ("user", "four"),
+            ("bot", "a fixed reply"),
+        ]
+        assert reader.search("6789") == []
+    store.close()
+
+
+# -- one file per log ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("change", ["replaced", "restored from a copy", "deleted"])
 def test_a_log_file_changed_under_a_chat_keeps_its_own_content_and_the_chat_once(
     chat_engine: Any, tmp_path: Path, change: str

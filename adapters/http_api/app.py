@@ -26,7 +26,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -69,7 +69,9 @@ class ServeConfig:
     request may wait for a batch slot before it gets 503 (None: no limit). request_timeout:
     seconds a reply may take in all before it is cut with 504 or an error event (None: no limit).
     served_model_names: the model's ids in the API, the first listed first. cors_origins: see below.
-    max_n: the most choices (``n``) one request may ask for."""
+    max_n: the most choices (``n``) one request may ask for. allow_local_files: whether a request's
+    decoder and steerer settings may name files and models on this machine (see
+    :class:`chatcore.options.OnThisMachine`); off, only their bundled names."""
 
     api_key: str | None = None
     system: str | None = None
@@ -81,6 +83,7 @@ class ServeConfig:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; empty: none (no CORS headers)
     max_n: int = DEFAULT_MAX_N
     max_new_tokens: int | None = None  # the budget of requests that give no max_tokens (None: 64)
+    allow_local_files: bool = False
 
 
 def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Starlette:
@@ -145,7 +148,14 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         if parsed.model not in names:
             raise unknown_model(parsed.model, names)
         messages = to_messages(parsed, config.system)
-        options = to_options(parsed, engine.registry, len(engine.tokenizer), config.max_n, config.max_new_tokens)
+        options = to_options(
+            parsed,
+            engine.registry,
+            len(engine.tokenizer),
+            config.max_n,
+            config.max_new_tokens,
+            machine_names=config.allow_local_files,
+        )
         return await answer(request, parsed, messages, options, "chat")
 
     async def completions(request: Request) -> Response:
@@ -154,7 +164,14 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         if parsed.model not in names:
             raise unknown_model(parsed.model, names)
         messages = prompt_messages(parsed)
-        options = to_options(parsed, engine.registry, len(engine.tokenizer), config.max_n, config.max_new_tokens)
+        options = to_options(
+            parsed,
+            engine.registry,
+            len(engine.tokenizer),
+            config.max_n,
+            config.max_new_tokens,
+            machine_names=config.allow_local_files,
+        )
         echo = messages[0].text if parsed.echo else ""
         return await answer(request, parsed, messages, options, "text", raw, echo)
 
@@ -189,8 +206,14 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
                 watcher.cancel()  # the streaming response watches the connection itself
                 usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
                 streaming = True
-                return ReplyStream(events(group, usage, lambda: ended(messages, group)), lambda: ended(messages, group))
+                return ReplyStream(
+                    events(group, usage, lambda: ended(messages, group, parsed.user)),
+                    lambda: ended(messages, group, parsed.user),
+                )
             body = await group.body()
+            for completion in group.completions:
+                if completion.client_gone:  # the client left before the body: it never got the text
+                    completion.shown = False
         except BaseException:
             group.cancel_handles()
             if not streaming:  # the client gets an error, not the text written so far
@@ -200,10 +223,10 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         finally:
             watcher.cancel()
             if not streaming:
-                ended(messages, group)
+                ended(messages, group, parsed.user)
         return JSONResponse(body)
 
-    def ended(messages: list[Any], group: Choices) -> None:
+    def ended(messages: list[Any], group: Choices, user: str | None) -> None:
         """Once per choice, however it ended: log it, count it, forget it."""
         for completion in group.completions:
             if completion.recorded:
@@ -213,9 +236,11 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             completion.stop_timers()
             live.discard(completion)
             metrics.record_reply(completion)
-            exchange = completion.exchange(messages)
-            # A reply cut before it showed anything (refused, failed, waited too long, cut
-            # before its first word) leaves the conversation as it was: nothing to keep.
+            exchange = completion.exchange(messages, user)
+            # The log keeps what the client got: a reply cut before any of it reached the
+            # client (refused, failed, waited too long, cut before its first word, or a JSON
+            # body whose client had gone) leaves the conversation as it was, so that the
+            # client's retry of the same messages is not logged after an empty reply.
             if config.log is not None and (exchange.reply or not exchange.interrupted):
                 config.log.record(exchange)
 
@@ -309,11 +334,14 @@ async def read_json(request: Request, limit: int) -> Any:
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {int(declared):,} bytes; the limit is {limit:,}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit:,} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the limit of {limit:,} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody to answer: no traceback in the server's log either
+        raise ApiError(400, "the client closed the connection before the request body ended") from None
     raw = b"".join(chunks)
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -347,6 +375,8 @@ def validation_error(error: ValidationError) -> ApiError:
         return ApiError(400, f"Unrecognized request argument supplied: {param}", param)
     if first["type"] == "missing":
         return ApiError(400, f"Missing required parameter: {param!r}", param)
+    if not param:  # a rule over several fields
+        return ApiError(400, str(first["msg"]).removeprefix("Value error, "))
     return ApiError(400, f"Invalid value for {param!r}: {first['msg']}", param)
 
 

@@ -121,6 +121,12 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     help="Keep the conversations served in the conversation log [off; on when --db is given].",
 )
 @click.option("--db", default=None, help="Conversation log: SQLAlchemy URL or SQLite file [$CHATCORE_DB or user data].")
+@click.option(
+    "--allow-local-files",
+    is_flag=True,
+    help="Let requests name files, folders and models on this machine in decoder and steerer settings "
+    "(`file=`, `path=`, `block=`, `discriminator=`, `reverse_model=`) [off: only the bundled names].",
+)
 @device_option
 @threads_option
 @click.option(
@@ -149,6 +155,7 @@ def serve(
     prefix_cache_mb: int,
     log: bool | None,
     db: str | None,
+    allow_local_files: bool,
     device: str | None,
     threads: int | None,
     dtype: str,
@@ -230,6 +237,7 @@ def serve(
                 cors_origins=cors_origins,
                 max_n=max_n,
                 max_new_tokens=reply_budget(max_new_tokens, model, 64),
+                allow_local_files=allow_local_files,
             )
             app = build_app(scheduler, config)
             click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)

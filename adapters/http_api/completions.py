@@ -108,6 +108,8 @@ def to_options(
     vocab_size: int | None = None,
     max_n: int = DEFAULT_MAX_N,
     default_budget: int | None = None,
+    *,
+    machine_names: bool = False,
 ) -> "ReplyOptions":
     """Decoder, steerers, seed, budget (``default_budget``, the server's, when the request gives
     none) and log-probabilities; checked by the registry before anything is queued.
@@ -117,6 +119,8 @@ def to_options(
     greedy at temperature 0; the greedy decoder refuses a temperature above 0 or a top_p
     below 1); ``presence_penalty``, ``frequency_penalty`` (when not 0) and ``logit_bias`` too
     (greedy and top-k take them); ``decoder`` and ``steer`` are the command line's spec strings.
+    Settings that name files or models on this machine take only their bundled names
+    unless ``machine_names`` (the server's --allow-local-files).
     """
     from chatcore.cli.specs import parse_spec
     from chatcore.engine import DEFAULT_DECODER, DEFAULT_MAX_NEW_TOKENS, ReplyOptions, validate_options
@@ -180,7 +184,7 @@ def to_options(
         logprobs=request.top_logprobs_asked(),
     )
     try:
-        validate_options(options, registry)
+        validate_options(options, registry, machine_names=machine_names)
     except ChatcoreError as error:
         message = str(error)
         param = "steer" if "steerer" in message and request.steer else "decoder"
@@ -342,11 +346,12 @@ class Completion:
                 continue
             raise self._interrupted(event)
 
-    def exchange(self, messages: list["Message"]) -> "Exchange":
+    def exchange(self, messages: list["Message"], user: str | None = None) -> "Exchange":
         """What the conversation log keeps of this request: its messages and the reply as sent
         (marked interrupted when it did not end by itself: client gone, an error, the server
         stopping; none of it when an error response went out instead). A reply that ended at
-        a stop string the client asked for ended by itself."""
+        a stop string the client asked for ended by itself. ``user``: the request's ``user``
+        (the end user it names, kept as the author of the user's messages)."""
         from chatcore.adapters.http_api.request_log import Exchange
 
         provenance = dict(self.handle.provenance)
@@ -363,6 +368,7 @@ class Completion:
             interrupted=self.finish_reason is None,
             received=finished - timedelta(seconds=time.perf_counter() - self.handle.submitted),
             finished=finished,
+            user=user,
         )
 
     @classmethod

@@ -4,9 +4,13 @@ An HTTP client sends the whole conversation with every request, so a request bec
 a conversation in the log (adapter ``http``) the first time its history is seen: its
 system prompt, the turns it brings and the reply. A later request whose messages are
 exactly an earlier request's messages plus that reply, then a new user message (what a
-chat client sends for the next turn), continues the same conversation: only its new
-user message and the reply are written. Continuations are recognised in memory for the
-newest ``MAX_THREADS`` conversations; after a restart the next turn starts a new one.
+chat client sends for the next turn), and that names the same ``user`` (OpenAI's field
+for the end user; none alike), continues the same conversation: only its new user
+message and the reply are written. Two end users who send the same words never share a
+conversation, and the ``user`` is kept as the author of the user's messages
+(``chatcore logs delete --author USER`` removes them). Continuations are recognised in
+memory for the newest ``MAX_THREADS`` conversations; after a restart the next turn starts
+a new one.
 
 Writing never slows or fails a request: the log and its store live on a thread of
 their own, the handler only queues the exchange, and a database that fails keeps its
@@ -47,11 +51,13 @@ class Exchange:
     interrupted: bool = False
     received: "datetime | None" = None  # when the request came (its messages' time in the log)
     finished: "datetime | None" = None  # when its reply ended (the reply's time)
+    user: str | None = None  # the request's ``user``: the end user, author of the user's messages
 
 
-def thread_key(messages: "Sequence[Message]") -> str:
-    """A digest of a conversation's messages (roles and texts, system prompt included)."""
-    data = json.dumps([[message.role, message.text] for message in messages], ensure_ascii=False)
+def thread_key(messages: "Sequence[Message]", user: str | None = None) -> str:
+    """A digest of a conversation's messages (roles and texts, system prompt included) and
+    of the end user who sends them."""
+    data = json.dumps([user, [[message.role, message.text] for message in messages]], ensure_ascii=False)
     return hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -89,6 +95,15 @@ class RequestLog:
         except RuntimeError:  # closed: the server is stopping
             logger.warning("the conversation log is closed: an exchange was not logged")
 
+    def flush(self) -> None:
+        """Wait until every exchange queued so far is in the database (or its journal)."""
+
+        def written() -> None:
+            if self.plugin is not None:
+                self.plugin.flush()
+
+        self._executor.submit(written).result()
+
     def _write(self, exchange: Exchange) -> None:
         from chatcore.conversation import Conversation, Turn
 
@@ -97,8 +112,11 @@ class RequestLog:
             system = next((m.text for m in exchange.messages if m.role == "system"), None)
             now = datetime.now(timezone.utc)
             received, finished = exchange.received or now, exchange.finished or now
+            author = {"author_id": exchange.user} if exchange.user else {}
             turns = [
-                Turn("user" if m.role == "user" else "bot", m.text, created=received)
+                Turn("user", m.text, created=received, meta=dict(author))
+                if m.role == "user"
+                else Turn("bot", m.text, created=received)
                 for m in exchange.messages
                 if m.role != "system"
             ]
@@ -112,17 +130,18 @@ class RequestLog:
                 )
             )
             history = exchange.messages[:-1]
-            continued = self._threads.pop(thread_key(history), None) if history else None
+            continued = self._threads.pop(thread_key(history, exchange.user), None) if history else None
             conversation = Conversation(
                 id=continued,
                 turns=turns,
                 system=system,
-                prompt_format=self.engine.prompt_format.name,
+                # the format the reply was made with: "raw" for /v1/completions' prompts
+                prompt_format=str(exchange.provenance.get("prompt_format") or self.engine.prompt_format.name),
                 adapter=ADAPTER,
             )
             # A continued conversation has its earlier turns in the log already.
             self.plugin.log_conversation(conversation, self.engine.loaded, start=len(turns) - 2 if continued else 0)
-            self._remember(thread_key([*exchange.messages, _assistant(exchange.reply)]), conversation.id)
+            self._remember(thread_key([*exchange.messages, _assistant(exchange.reply)], exchange.user), conversation.id)
         except Exception:  # the log must never take the server down
             logger.exception("logging an exchange failed")
 

@@ -9,9 +9,9 @@ silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatcore.serving.logprobs import MAX_TOP_LOGPROBS
 
@@ -22,7 +22,7 @@ MAX_TOKENS_LIMIT = 4096
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextPart(Strict):
@@ -116,6 +116,15 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> Self:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(
+                f"`max_tokens` ({self.max_tokens}) and `max_completion_tokens` ({self.max_completion_tokens}) "
+                "disagree: give one (`max_tokens` is the older name)"
+            )
+        return self
 
     def budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

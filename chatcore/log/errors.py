@@ -26,3 +26,7 @@ class LogUnavailableError(LogError):
 
 class ConversationTakenError(LogError):
     """Another chat has written into the conversation since this one last read or wrote it."""
+
+
+class ConversationDeletedError(LogError):
+    """The conversation this chat has written into is no longer in the log (``chatcore logs delete``)."""

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import chatcore
 from chatcore.log.deadline import DeadlineWorker
-from chatcore.log.errors import ConversationTakenError, LogError, LogUnavailableError
+from chatcore.log.errors import ConversationDeletedError, ConversationTakenError, LogError, LogUnavailableError
 from chatcore.log.journal import SpillJournal
 from chatcore.log.private_files import open_private_append
 from chatcore.log.turn_writes import (
@@ -68,6 +68,7 @@ from chatcore.log.turn_writes import (
     conversation_fields,
     count_tokens,
     response_fields,
+    title_from,
     turn_fields,
     write_key,
 )
@@ -144,6 +145,9 @@ class ConversationLogPlugin:
         self.writer = uuid.uuid4().hex  # this chat, as the messages' ``writer`` column names it
         self._since: dict[str, int] = {}  # per conversation: the newest logged message this chat had read
         self._forks: dict[str, str] = {}  # conversation -> the new one its turns go to (another chat writes it)
+        self._written: set[str] = (
+            set()
+        )  # conversations this chat has written into (one deleted since is not made again)
         self._live: weakref.WeakValueDictionary[str, Conversation] = weakref.WeakValueDictionary()
         self.write_deadline_s = write_deadline_s
         self.failing_wait_s = min(FAILING_WAIT_S, write_deadline_s)
@@ -368,6 +372,7 @@ class ConversationLogPlugin:
             f"{gone}: a new one was created there and this conversation is written into it again from its first turn"
         )
         # Writes still waiting go to the new file; this conversation's are replaced by all its turns.
+        self._written.clear()  # the new file holds none of them: a conversation missing there was not deleted
         self._pending = [w for w in self._pending if w["conversation_id"] != conversation.id]
         for turn in conversation.turns:
             self._pending.append(self._turn_write(conversation, turn, self._model))
@@ -405,13 +410,20 @@ class ConversationLogPlugin:
         if store is not None:
             store.write_wait_s = RETRY_WAIT_S if self.failing is not None else None
         deadline_s = self.failing_wait_s if self.failing is not None else self.write_deadline_s
+        written_before = write["conversation_id"] in self._written
         try:
             self._writer.run(
                 lambda: (store or self._open()).add_message(
-                    write["conversation_id"], write["role"], write["text"], write_key=write["key"], **write["fields"]
+                    write["conversation_id"],
+                    write["role"],
+                    write["text"],
+                    write_key=write["key"],
+                    written_before=written_before,
+                    **write["fields"],
                 ),
                 deadline_s,
             )
+            self._written.add(write["conversation_id"])
         except LogUnavailableError as error:
             if self.failing is None:
                 self.notify(
@@ -424,6 +436,8 @@ class ConversationLogPlugin:
             return False
         except ConversationTakenError:
             self._fork(write)
+        except ConversationDeletedError:
+            self._restart(write)
         except LogError as error:  # refused for good: set it aside, never block the writes after it
             self.rejected += 1
             self._set_aside(write, error)
@@ -447,6 +461,29 @@ class ConversationLogPlugin:
         for copy in copies:
             if not self._write(copy):
                 self._keep(copy)
+
+    def _restart(self, write: Write) -> None:
+        """The conversation was deleted from the log (``chatcore logs delete``) while this chat went
+        on: its turns from this one on go to a new conversation, which holds none of the deleted
+        turns, its title (if any) from this turn rather than from the deleted first message."""
+        deleted = write["conversation_id"]
+        self._written.discard(deleted)
+        chat = next((original for original, fork in self._forks.items() if fork == deleted), deleted)
+        self._forks[chat] = new = uuid.uuid4().hex
+        self.notify(
+            f"conversation {deleted[:12]} was deleted from the log; this chat's next turns go to a new "
+            f"conversation {new[:12]}"
+        )
+        fields = dict(write["fields"], writer_since=0)
+        conversation = dict(fields.get("conversation") or {})
+        conversation.update(
+            created=fields.get("created"), title=title_from(write["text"]) if write["role"] == "user" else None
+        )
+        fields["conversation"] = conversation
+        key = hashlib.sha256(f"{new}\0{write['key']}".encode()).hexdigest()[:32]
+        restarted = dict(write, conversation_id=new, key=key, fields=fields)
+        if not self._write(restarted):
+            self._keep(restarted)
 
     def _open(self) -> "ConversationStore":
         """Open the log that could not be opened at the start (on the writer thread). Any failure

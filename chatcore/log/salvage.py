@@ -152,7 +152,8 @@ def _open_pages(path: Path) -> tuple[Any, IO[bytes]]:
             return SQLite3(source, wal=None), file
     except (DissectError, EOFError, ValueError, struct.error) as error:
         file.close()
-        raise LogError(f"{path} cannot be read as an SQLite file: {error}") from None
+        reason = str(error).strip() or ("it is too short" if path.stat().st_size < 512 else type(error).__name__)
+        raise LogError(f"{path} cannot be read as an SQLite file: {reason}") from None
 
 
 def _freelist(db: Any, limit: int) -> set[int]:
@@ -405,12 +406,15 @@ def _store_rows(
             .all()
         ):
             connection.exec_driver_sql(f'DROP TRIGGER "{trigger}"')
-        connection.exec_driver_sql(insert("conversations", conversation_layout), [tuple(r) for r in conversations])
-        # OR IGNORE: a damaged row may repeat another's unique write key; the first one is kept.
-        connection.exec_driver_sql(
-            insert("messages", message_layout).replace("INSERT", "INSERT OR IGNORE", 1),
-            [tuple(r) for r in sorted(messages, key=lambda row: row[0])],
-        )
+        # (an executemany of no rows is not one of no statement: each insert only with rows to insert)
+        if conversations:
+            connection.exec_driver_sql(insert("conversations", conversation_layout), [tuple(r) for r in conversations])
+        if messages:
+            # OR IGNORE: a damaged row may repeat another's unique write key; the first one is kept.
+            connection.exec_driver_sql(
+                insert("messages", message_layout).replace("INSERT", "INSERT OR IGNORE", 1),
+                [tuple(r) for r in sorted(messages, key=lambda row: row[0])],
+            )
 
 
 def salvaged_store(ctx: "click.Context", url: str | None, problems: list[str]) -> tuple["ConversationStore", Path]:

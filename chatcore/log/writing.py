@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from chatcore.log.errors import ConversationTakenError, LogError
+from chatcore.log.errors import ConversationDeletedError, ConversationTakenError, LogError
 from chatcore.log.models import ConversationRow, MessageRow, utc_now
 from chatcore.log.normalise import NUL_SYMBOL, REPLACEMENT, Normaliser, storable
 from chatcore.log.reading import StoreReading
@@ -121,6 +121,7 @@ class StoreWriting(StoreReading):
         conversation: dict[str, Any] | None = None,
         writer: str | None = None,
         writer_since: int = 0,
+        written_before: bool = False,
     ) -> int:
         """Append one message and commit; returns its id.
 
@@ -139,6 +140,10 @@ class StoreWriting(StoreReading):
         this writer has read) raises :class:`ConversationTakenError` instead of
         interleaving two chats, and a retried reply supersedes only this writer's replies and
         those it had read.
+
+        ``written_before``: the writer has written into this conversation already; if its
+        row is gone (deleted meanwhile), :class:`ConversationDeletedError` is raised rather
+        than the conversation made again under its old id.
         """
         try:
             return self._insert_message(
@@ -162,6 +167,7 @@ class StoreWriting(StoreReading):
                 conversation=conversation,
                 writer=writer,
                 writer_since=writer_since,
+                written_before=written_before,
             )
         except LogError as error:
             # The same write committed by another attempt meanwhile (one that outlived its
@@ -196,12 +202,15 @@ class StoreWriting(StoreReading):
         conversation: dict[str, Any] | None,
         writer: str | None,
         writer_since: int,
+        written_before: bool,
     ) -> int:
         with self._session("add a message", write=True) as session:
             if write_key is not None:
                 stored = session.scalar(sa.select(MessageRow.id).where(MessageRow.write_key == write_key))
                 if stored is not None:
                     return int(stored)
+            if written_before and session.get(ConversationRow, conversation_id) is None:
+                raise ConversationDeletedError(f"conversation {conversation_id} was deleted from the log")
             if writer is not None:
                 other = session.scalar(
                     sa.select(MessageRow.writer)

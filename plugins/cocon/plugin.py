@@ -20,7 +20,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
 import chatcore
-from chatcore.api import ChatcoreError, OptionError, Settings, Steerer, Step, StepOutput, StepState, encode_text
+from chatcore.api import (
+    ChatcoreError,
+    OnThisMachine,
+    OptionError,
+    Settings,
+    Steerer,
+    Step,
+    StepOutput,
+    StepState,
+    encode_text,
+)
 
 if TYPE_CHECKING:
     from chatcore.api import GenerationSession, LoadedModel
@@ -43,7 +53,9 @@ class CoconSettings(Settings):
     tau: tuple[Annotated[float, Field(ge=-TAU_LIMIT, le=TAU_LIMIT)], ...] = ()
     """The content bias: one value for every content, or one per content; none given: the
     block's own default (`default_tau` in its cocon_config.json, 0 if it has none)."""
-    block: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] | None = None
+    block: Annotated[
+        Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] | None, OnThisMachine("block folder")
+    ] = None
     """A bundled block name or a block folder; default: the bundled block trained for the
     loaded model."""
     leading_space: bool = True
@@ -95,6 +107,14 @@ class CoconSteerer(Steerer):
     )
     Settings = CoconSettings
     replaces_model = True
+
+    @classmethod
+    def setting_choices(cls, name: str) -> list[str]:
+        if name == "block":
+            from .store import bundled_blocks
+
+            return [path.name for path in bundled_blocks()]
+        return super().setting_choices(name)
 
     def __init__(self, settings: CoconSettings | None = None) -> None:
         super().__init__(settings)

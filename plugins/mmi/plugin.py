@@ -31,8 +31,10 @@ from chatcore.api import (
     CandidateDecoder,
     CandidateSettings,
     GenerationSession,
+    OnThisMachine,
     OptionError,
     Sampled,
+    bundled_reverse_models,
 )
 
 if TYPE_CHECKING:
@@ -47,7 +49,9 @@ AUTO_REVERSE = "auto"
 class MMISettings(CandidateSettings):
     """Candidate sampling (see CandidateSettings), the reverse model, and the selection rule."""
 
-    reverse_model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] = AUTO_REVERSE
+    reverse_model: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1), OnThisMachine("model")] = (
+        AUTO_REVERSE
+    )
     """`auto`: the bundled reverse model that shares the model's tokenizer (chatcore-tiny-reverse,
     smollm2-reverse); else a bundled name, local folder or hub id."""
     source_turns: PositiveInt = 1
@@ -132,6 +136,12 @@ class MMIDecoder(CandidateDecoder):
     name = "mmi"
     description = "samples N replies in one batch and keeps the one the reverse model finds most specific"
     Settings = MMISettings
+
+    @classmethod
+    def setting_choices(cls, name: str) -> list[str]:
+        if name == "reverse_model":
+            return [AUTO_REVERSE, *bundled_reverse_models()]
+        return super().setting_choices(name)
 
     @classmethod
     def setup(cls, model: "LoadedModel", settings: MMISettings) -> "LoadedModel":

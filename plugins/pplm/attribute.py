@@ -243,13 +243,14 @@ def builtin_heads() -> list[str]:
 
 
 def resolve_head(name_or_path: str) -> Path:
-    """A shipped head by name (``sentiment``) or a head file."""
+    """A shipped head by name (``sentiment``; first, so that a shipped name always means
+    the shipped head) or a head file."""
+    shipped = HEADS_DIR / f"{name_or_path}.safetensors"
+    if "/" not in name_or_path and "\\" not in name_or_path and shipped.is_file():
+        return shipped
     path = Path(name_or_path)
     if path.is_file():
         return path
-    shipped = HEADS_DIR / f"{name_or_path}.safetensors"
-    if shipped.is_file():
-        return shipped
     known = ", ".join(builtin_heads()) or "none shipped"
     raise OptionError(f"`discriminator`: no head file {name_or_path!r} and no shipped head of that name ({known})")
 

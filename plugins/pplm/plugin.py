@@ -9,12 +9,20 @@ Also registers ``chatcore train discriminator`` (:mod:`chatcore.plugins.pplm.com
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import model_validator
 
 import chatcore
-from chatcore.api import OptionError, Steerer, Step, builtin_topics, check_word_sources, collect_words
+from chatcore.api import (
+    OnThisMachine,
+    OptionError,
+    Steerer,
+    Step,
+    builtin_topics,
+    check_word_sources,
+    collect_words,
+)
 
 from .config import PerturbConfig
 
@@ -32,9 +40,9 @@ class PPLMSettings(PerturbConfig):
     """A built-in word list (food, sports, ...)."""
     words: tuple[str, ...] = ()
     """Words or phrases (comma list)."""
-    file: str | None = None
+    file: Annotated[str | None, OnThisMachine("word file")] = None
     """A word file, one word or phrase per line."""
-    discriminator: str | None = None
+    discriminator: Annotated[str | None, OnThisMachine("head file")] = None
     """A discriminator head: a bundled name or a folder (`chatcore train discriminator`)."""
     class_label: str | None = None
     """The discriminator's class to steer towards."""
@@ -76,7 +84,13 @@ class PPLMSteerer(Steerer):
 
     @classmethod
     def setting_choices(cls, name: str) -> list[str]:
-        return builtin_topics() if name == "topic" else super().setting_choices(name)
+        if name == "topic":
+            return builtin_topics()
+        if name == "discriminator":
+            from .attribute import builtin_heads
+
+            return builtin_heads()
+        return super().setting_choices(name)
 
     def __init__(self, settings: PPLMSettings | None = None) -> None:
         super().__init__(settings)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, model_validator
 
-from chatcore.api import Settings, Steerer, Step, StepOutput, StepState, anatomy_of
+from chatcore.api import OnThisMachine, Settings, Steerer, Step, StepOutput, StepState, anatomy_of
 
 from .vectors import (
     BUILTIN_PAIRS,
@@ -50,7 +50,7 @@ DEFAULT_STRENGTH = 0.15
 
 
 class VectorSettings(Settings):
-    path: str | None = None
+    path: Annotated[str | None, OnThisMachine("vector file")] = None
     """A vector from `chatcore train vector` (NAME, NAME.safetensors or NAME.json)."""
     pairs: str | None = None
     """A built-in contrast set, read on the model when first used: happy (happy - sad), food
