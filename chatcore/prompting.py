@@ -49,6 +49,10 @@ class PromptFormat:
     description: ClassVar[str] = ""
     # Whether a kept history may start with an assistant turn after truncation.
     history_may_start_with_assistant: ClassVar[bool] = False
+    # Whether a whole conversation whose first turn is the assistant's (a scripted one, a
+    # client's) is rendered as it is; False: it starts at its first user turn. A format may
+    # decide it per model.
+    assistant_may_open: bool = True
 
     def __init__(self, tokenizer: Any, generation_config: Any = None, model_name: str = "the model") -> None:
         self.tokenizer = tokenizer
@@ -110,7 +114,11 @@ class PromptFormat:
         turns = list(messages[len(system) :])
         if not turns:
             raise ChatcoreError("the conversation has no turns to reply to")
-        starts = [i for i, m in enumerate(turns) if self.history_may_start_with_assistant or m.role != "assistant"]
+        starts = [
+            i
+            for i, m in enumerate(turns)
+            if self.history_may_start_with_assistant or m.role != "assistant" or (i == 0 and self.assistant_may_open)
+        ]
         if not starts:
             starts = [len(turns) - 1]
         # Fewer turns never make a longer prompt: binary search the oldest start that fits.

@@ -78,6 +78,7 @@ class ChatTemplateFormat(PromptFormat):
         self._template(probe)  # a template that cannot render a plain user turn fails here, naming the model
         self._end_of_turn = self._find_end_of_turn()
         self.default_system = None if self.folds_system else self._find_default_system()
+        self.assistant_may_open = self._assistant_may_open()
 
     @classmethod
     def supports(cls, tokenizer: Any) -> bool:
@@ -112,6 +113,17 @@ class ChatTemplateFormat(PromptFormat):
             return False
         except Exception:
             return True
+
+    def _assistant_may_open(self) -> bool:
+        """Whether the template renders a history whose first turn is the assistant's; many
+        templates check that turns alternate from a user turn and raise otherwise, and then
+        such a history starts at its first user turn."""
+        opening = [{"role": "assistant", "content": _HOLE.format(0)}, {"role": "user", "content": _HOLE.format(1)}]
+        try:
+            text = self._template(opening)
+        except ChatcoreError:
+            return False
+        return _HOLE.format(0) in text and _HOLE.format(1) in text
 
     def _find_end_of_turn(self) -> set[int]:
         """The first special token after an assistant message's text, in a rendered conversation."""

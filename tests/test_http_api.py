@@ -187,7 +187,7 @@ def test_requests_without_the_key_get_401(serving):
         bad.models.list()
     assert caught.value.status_code == 401 and "API key" in caught.value.message
     response = call(f"{serving[1].url}/models")
-    assert response.status_code == 401
+    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
     assert response.json()["error"]["code"] == "invalid_api_key"
 
 

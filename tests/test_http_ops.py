@@ -271,8 +271,11 @@ def test_a_request_that_waits_past_max_queue_wait_gets_503_and_leaves_the_queue(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_reply_past_the_request_timeout_is_cut(serving_engine, stream):
-    with running(serving_engine, request_timeout=0.01) as (scheduler, server, client):
+def test_a_reply_past_the_request_timeout_is_cut(serving_engine, stream, caplog):
+    with (
+        caplog.at_level(logging.WARNING, "chatcore.serve"),
+        running(serving_engine, request_timeout=0.01) as (scheduler, server, client),
+    ):
         model = client.models.list().data[0].id
         with held(f"timeout-{stream}"):
             steer = [f"blocking gate=timeout-{stream} at_step=0"]
@@ -285,6 +288,10 @@ def test_a_reply_past_the_request_timeout_is_cut(serving_engine, stream):
             assert scheduler.in_flight() == 0  # cancelled: its slot is free before the gate opens
         scrape = metrics(server)
     assert scrape[("chatcore_replies_total", (("outcome", "timeout"),))] == 1
+    # the operator sees it in one line of the server's log
+    assert [r.getMessage() for r in caplog.records if "request_timeout" in r.getMessage()] == [
+        "504 request_timeout: the reply took longer than the server's limit of 0.01 s"
+    ]
 
 
 # -- 4. shutdown ---------------------------------------------------------------------------------

@@ -285,3 +285,29 @@ def test_a_reply_records_the_system_prompt_it_was_made_with(chat_engine):
     third = chat_engine.send(conversation, "bye", max_new_tokens=2, seed=0)
     third.text()
     assert [r.provenance["system"] for r in (first, second, third)] == ["first persona", "second persona", None]
+
+
+# Like Mistral's and Gemma's templates: turns must alternate from a user turn.
+ALTERNATING_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_conversation_opened_by_the_bot_keeps_that_turn_where_the_template_allows_it(chat_engine, tmp_path):
+    """A scripted conversation with an even number of turns starts with the bot's: kept where the
+    template renders it (ChatML), left out (counted as dropped) where the template refuses it."""
+    from chatcore.prompting import scripted_messages
+
+    messages = scripted_messages(["my name is Bob", "what is my name?"])
+    assert [m.role for m in messages] == ["assistant", "user"]
+    plan = chat_engine.prompt_format.fit(messages, 200)
+    assert (plan.turns_used, plan.turns_dropped) == (2, 0) and plan.messages == messages
+
+    folder = build_tiny_model(tmp_path / "alternating", architecture="llama", chat_template=ALTERNATING_TEMPLATE)
+    strict = make_engine(str(folder)).prompt_format
+    assert strict.assistant_may_open is False
+    plan = strict.fit(messages, 200)
+    assert (plan.turns_used, plan.turns_dropped) == (1, 1) and plan.messages == messages[1:]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -255,6 +256,10 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
     async def api_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, ApiError)
         headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+        if error.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        if error.status == 429:  # the operator sees the server turn work away (a timeout says so where it cuts)
+            logging.getLogger("chatcore.serve").warning("429 %s %s: %s", request.method, request.url.path, error)
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     async def http_error(request: Request, error: Exception) -> Response:

@@ -6,6 +6,7 @@ into OpenAI's chunks and bodies."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import unicodedata
 from collections.abc import AsyncIterator
@@ -333,6 +334,8 @@ class Completion:
         self.interrupted_by = interrupt.kind
         status, code, message = INTERRUPTS[interrupt.kind]
         self.error = message.format(seconds=self.limits.get(interrupt.kind, 0))
+        if interrupt.kind != "shutdown":  # the shutdown says in one line how many replies it cut
+            logging.getLogger("chatcore.serve").warning("%d %s: %s", status, code, self.error)
         return ApiError(status, self.error, None, code)
 
     async def _next(self) -> "Event":
