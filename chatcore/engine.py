@@ -9,6 +9,7 @@ for delta in engine.send(conversation, "hi, how are you?"):
 from __future__ import annotations
 
 import random
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -185,6 +186,7 @@ class Engine:
         self.sampling_defaults = sampling_defaults(self.loaded)
         self._formats: dict[str, PromptFormat] = {}
         self._setups: OrderedDict[tuple[type, str], Any] = OrderedDict()  # decoders' and steerers' setup results
+        self._setups_lock = threading.Lock()  # the scheduler makes setups on a thread of their own
         self.prompt_format = self.make_prompt_format(prompt_format)
 
     @property
@@ -222,19 +224,41 @@ class Engine:
     def make_decoder(self, name: str, settings: Mapping[str, Any] | None = None) -> Decoder:
         """The decoder ``name`` with ``settings``; settings not given take the model's own
         recommended sampling where the decoder has them (:func:`chatcore.models.sampling_defaults`)."""
+        decoder = self._decoder_object(name, settings)
+        decoder.shared = self._shared_setup(decoder)
+        return decoder
+
+    def _decoder_object(self, name: str, settings: Mapping[str, Any] | None) -> Decoder:
         cls = self.registry.decoder(name)
         fields = settings_fields(cls.Settings)  # names only: building the JSON schema took ~8 ms per reply
         given = dict(settings or {})
         merged = {**{k: v for k, v in self.sampling_defaults.items() if k in fields and k not in given}, **given}
-        decoder = self._construct(lambda: cls.from_options(merged), "decoder", name)
-        decoder.shared = self._shared_setup(decoder)
+        decoder: Decoder = self._construct(lambda: cls.from_options(merged), "decoder", name)
         return decoder
 
-    def make_steerer(self, name: str, settings: Mapping[str, Any] | None = None) -> Steerer:
+    def _steerer_object(self, name: str, settings: Mapping[str, Any] | None) -> Steerer:
         cls = self.registry.steerer(name)
-        steerer = self._construct(lambda: cls.from_options(settings or {}), "steerer", name)
+        steerer: Steerer = self._construct(lambda: cls.from_options(settings or {}), "steerer", name)
+        return steerer
+
+    def make_steerer(self, name: str, settings: Mapping[str, Any] | None = None) -> Steerer:
+        steerer = self._steerer_object(name, settings)
         steerer.shared = self._shared_setup(steerer)
         return steerer
+
+    def setups_missing(self, options: ReplyOptions) -> bool:
+        """Whether a reply with ``options`` would first make a decoder's or steerer's setup
+        (load a reverse model, read a block, compute a vector): what the scheduler makes on a
+        thread of its own, so that the replies it decodes go on meanwhile. Options that cannot
+        be built count as ready: their error comes where the reply is prepared."""
+        try:
+            built: list[Configurable] = [self._decoder_object(options.decoder, options.decoder_settings)]
+            built += [self._steerer_object(name, settings) for name, settings in options.steerers]
+        except ChatcoreError:
+            return False
+        keys = [key for key in map(self._setup_key, built) if key is not None]
+        with self._setups_lock:
+            return any(key not in self._setups for key in keys)
 
     def check_options(self, options: ReplyOptions) -> None:
         """Refuse ``options`` now if a reply could not be made with them: what
@@ -290,18 +314,28 @@ class Engine:
 
     def _shared_setup(self, plugin_object: Configurable) -> Any:
         """``setup(model, settings)`` of a decoder's or steerer's class, run once per settings and kept."""
+        key = self._setup_key(plugin_object)
+        if key is None:
+            return None
+        with self._setups_lock:
+            if key in self._setups:
+                self._setups.move_to_end(key)
+                return self._setups[key]
+        cls = type(plugin_object)
+        shared = self._construct(lambda: cls.setup(self.loaded, plugin_object.settings), cls.kind, plugin_object.name)
+        with self._setups_lock:
+            self._setups[key] = shared
+            while len(self._setups) > MAX_SHARED_SETUPS:
+                self._setups.popitem(last=False)
+        return shared
+
+    @staticmethod
+    def _setup_key(plugin_object: Configurable) -> tuple[type, str] | None:
+        """What a setup is kept by (its class and settings); None for a class without one."""
         cls = type(plugin_object)
         if cls.setup.__func__ is Configurable.setup.__func__:  # type: ignore[attr-defined]
             return None
-        key = (cls, repr(plugin_object.settings))
-        if key in self._setups:
-            self._setups.move_to_end(key)
-            return self._setups[key]
-        shared = self._construct(lambda: cls.setup(self.loaded, plugin_object.settings), cls.kind, plugin_object.name)
-        self._setups[key] = shared
-        while len(self._setups) > MAX_SHARED_SETUPS:
-            self._setups.popitem(last=False)
-        return shared
+        return (cls, repr(plugin_object.settings))
 
     def _construct(self, build: Any, kind: str, name: str) -> Any:
         return build_plugin_object(self.host, self.registry, kind, name, build)

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -193,6 +194,7 @@ class ServingTestPlugin:
         register(HeldBeside)
         register(Slow)
         register(Blocking)
+        register(HeldSetup)
         register(WrongScores)
 
     @chatcore.hookimpl
@@ -250,6 +252,30 @@ class Blocking(Steerer):
             return step(state)
 
         return blocking
+
+
+@dataclass
+class HeldSetupSettings:
+    gate: str = "setup"
+
+
+class HeldSetup(Steerer):
+    """A steerer whose setup (as loading a model would) waits until the test opens its gate;
+    its steps change nothing."""
+
+    name = "held-setup"
+    Settings = HeldSetupSettings
+    shares_batch = True
+
+    @classmethod
+    def setup(cls, model: Any, settings: HeldSetupSettings) -> object:
+        held = step_gate(settings.gate)
+        held.entered.set()
+        held.release.wait(timeout=120)  # a failed test must not hang the suite
+        return settings.gate
+
+    def wrap(self, step: Step) -> Step:
+        return step
 
 
 class HeldBeside(Blocking):

@@ -314,11 +314,16 @@ def test_auto_refuses_a_model_whose_tokenizer_no_bundled_reverse_model_shares(lo
     assert f"--reverse --tokenizer {loaded.name} --out DIR" in message
 
 
-def test_a_mismatched_reverse_model_is_refused_naming_the_bundled_one_that_fits(bundled_model, mmi_host):
+def test_a_mismatched_reverse_model_is_refused_naming_the_bundled_one_that_fits(bundled_model, mmi_host, monkeypatch):
+    from chatcore.plugins.mmi import reranking
+
     engine = Engine(bundled_model, host=mmi_host)
     options = ReplyOptions(decoder="mmi", decoder_settings={"reverse_model": "smollm2-reverse"}, max_new_tokens=4)
+    loads: list[str] = []
+    monkeypatch.setattr(reranking, "load_reverse_model", lambda name, device="cpu": loads.append(name))
     with pytest.raises(OptionError) as refused:
         engine.check_options(options)
+    assert loads == []  # refused by its tokenizer, before its weights load
     message = str(refused.value)
     assert "\n" not in message and "'smollm2-reverse' uses another tokenizer than" in message
     assert "reverse_model=chatcore-tiny-reverse" in message and "reverse_model=auto" in message

@@ -636,3 +636,31 @@ def test_a_burst_sharing_a_system_prompt_is_read_at_once_whatever_the_prefix_cac
     reused = [h.provenance.get("prefix_cached_tokens", 0) for h in handles]
     if runner._can_merge:  # Mistral's sliding-window caches decode beside the batch, uncached
         assert (min(reused[1:]) > 10) is bool(budget)
+
+
+def test_a_setup_is_made_beside_the_replies_in_flight(serving_engine):
+    """A reply whose steerer must first be set up (as loading a reverse model) does not stop the
+    batch: a reply submitted after it runs to its end while the setup waits, and the held reply
+    follows once its setup is made; a cancel during the setup ends it at once."""
+    from serving_steerers import step_gate
+
+    with Scheduler(serving_engine, max_batch=4) as scheduler:
+        held = step_gate("setup-beside")
+        slow = ReplyOptions(decoder="greedy", max_new_tokens=4, steerers=[("held-setup", {"gate": "setup-beside"})])
+        waiting = scheduler.submit([Message("user", "hi")], slow)
+        assert held.entered.wait(60)  # its setup has begun
+        plain = scheduler.submit([Message("user", "hello")], ReplyOptions(decoder="greedy", max_new_tokens=4))
+        assert plain.wait(60) and plain.finish_reason in ("length", "stop")
+        assert not waiting.finished.is_set()
+        held.release.set()
+        assert waiting.wait(60) and waiting.finish_reason in ("length", "stop")
+        # the setup changed nothing of the reply: the same tokens as the plain greedy reply to "hi"
+        assert waiting.token_ids == alone(serving_engine, "hi", ReplyOptions(decoder="greedy", max_new_tokens=4))
+
+        cancelled_gate = step_gate("setup-cancelled")
+        options = ReplyOptions(decoder="greedy", steerers=[("held-setup", {"gate": "setup-cancelled"})])
+        cancelled = scheduler.submit([Message("user", "hi")], options)
+        assert cancelled_gate.entered.wait(60)
+        cancelled.cancel()
+        assert cancelled.wait(60) and cancelled.finish_reason == "cancelled"
+        cancelled_gate.release.set()

@@ -12,6 +12,11 @@ ones, and between admissions calls :meth:`Runner.step <chatcore.serving.runner.R
 which advances every reply by one token (:mod:`chatcore.serving.runner`: the shared
 batch, the prefix cache, chunked prefill and the replies with step steerers beside it).
 
+A request whose decoder or steerer needs a setup not made yet (a reverse model to load,
+a block to read, a vector to compute: :meth:`Engine.setups_missing
+<chatcore.engine.Engine.setups_missing>`) has it made on a thread of its own and then
+joins the queue's head, so that the replies in flight never wait for it.
+
 Past ``max_batch`` replies in flight and ``max_waiting`` waiting, ``submit`` raises
 :class:`ServerBusy`. A reply whose plugin fails ends with that error alone; the model
 failing in the shared pass ends every reply in it.
@@ -23,6 +28,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +56,7 @@ class Request:
     options: "ReplyOptions"
     handle: Handle
     prompt_format: "PromptFormat | None" = None
+    set_up: bool = False  # its setups were made off the scheduler's thread (once is enough)
 
 
 class Scheduler:
@@ -83,6 +90,8 @@ class Scheduler:
         self._can_merge: bool | None = None
         # Replies submitted and not yet ended or cancelled: what the queue's bound counts.
         self._accepted: set[Handle] = set()
+        self._setups: ThreadPoolExecutor | None = None  # makes decoders' and steerers' setups
+        self._in_setup: list[Request] = []  # requests whose setups are being made
 
     # -- the callers' side -------------------------------------------------------------
     def submit(
@@ -157,6 +166,8 @@ class Scheduler:
             thread = self._thread
         if thread is not None:
             thread.join(timeout)
+        if self._setups is not None:  # a setup under way ends its request as cancelled
+            self._setups.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "Scheduler":
         return self
@@ -170,6 +181,41 @@ class Scheduler:
                 if request.handle is handle:  # not started yet: gone from the queue at once
                     self.waiting.remove(request)
                     handle._end("cancelled")
+            if any(request.handle is handle for request in self._in_setup):
+                handle._end("cancelled")  # at once: its setup's end is not awaited
+            self._lock.notify()
+
+    # -- setups off the thread -------------------------------------------------------------
+    def _set_up_beside(self, request: Request) -> None:
+        """Make ``request``'s setups on the setup thread; it rejoins the queue's head after."""
+        request.set_up = True
+        with self._lock:
+            if self._setups is None:
+                self._setups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-setup")
+            setups = self._setups
+            self._in_setup.append(request)
+        try:
+            setups.submit(self._set_up, request)
+        except RuntimeError:  # shut down: the scheduler is stopping
+            request.handle._end("cancelled")
+
+    def _set_up(self, request: Request) -> None:
+        handle = request.handle
+        try:
+            if not handle.cancelled:
+                self.engine.check_options(request.options)  # makes the setups, which the engine keeps
+        except ChatcoreError as error:
+            handle._end("error", error)
+        except Exception as error:  # never let one request take the thread down
+            handle._end("error", ChatcoreError(f"the reply failed to start: {type(error).__name__}: {error}"))
+        with self._lock:
+            self._in_setup.remove(request)
+            if handle.finished.is_set():
+                return
+            if self._stopping or handle.cancelled:
+                handle._end("cancelled")
+                return
+            self.waiting.appendleft(request)
             self._lock.notify()
 
     # -- the thread --------------------------------------------------------------------
@@ -198,6 +244,9 @@ class Scheduler:
         handle = request.handle
         if handle.cancelled:
             handle._end("cancelled")
+            return
+        if not request.set_up and self.engine.setups_missing(request.options):
+            self._set_up_beside(request)
             return
         try:
             reply = self.engine.prepare_reply(request.messages, request.options, request.prompt_format)

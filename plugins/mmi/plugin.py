@@ -161,6 +161,11 @@ class MMIDecoder(CandidateDecoder):
                 if not settings.allow_retokenize:
                     raise OptionError(no_match_message(model.name))
                 name = DEFAULT_REVERSE_MODEL
+        if not settings.allow_retokenize and name in bundled_reverse_models():
+            # A bundled reverse model's tokenizer is read without its weights: a mismatch is
+            # refused before the model loads.
+            if not reranking.same_tokenizer(model.tokenizer, reranking.bundled_tokenizer(name)):
+                raise OptionError(mismatch_message(name, model.name, reranking.matching_reverse_model(model.tokenizer)))
         reverse = reranking.load_reverse_model(name, device=model.device)
         if not settings.allow_retokenize and not reranking.same_tokenizer(model.tokenizer, reverse.tokenizer):
             raise OptionError(mismatch_message(name, model.name, reranking.matching_reverse_model(model.tokenizer)))

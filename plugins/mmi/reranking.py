@@ -158,13 +158,13 @@ def matching_reverse_model(tokenizer: Any) -> str | None:
     """The first bundled reverse model that turns text into the same ids as ``tokenizer``
     (``reverse_model=auto``), or None when no bundled one shares it."""
     for name in bundled_reverse_models():
-        if same_tokenizer(tokenizer, _bundled_tokenizer(name)):
+        if same_tokenizer(tokenizer, bundled_tokenizer(name)):
             return name
     return None
 
 
 @functools.cache
-def _bundled_tokenizer(name: str) -> Any:
+def bundled_tokenizer(name: str) -> Any:
     # Bundled folders never change while chatcore runs; a tokenizer is read once.
     return load_tokenizer(name)
 
