@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from chatcore.engine import ReplyOptions
 from chatcore.log import ConversationLogPlugin
 from chatcore.log.location import sqlite_url
 from chatcore.log.store import ConversationStore
+from chatcore.plugins.greedy import GreedyDecoder, GreedySettings
+from chatcore.plugins.prompt_formats import DialoGPTFormat
 from chatcore.steering import Steerer
 from chatcore.text import encode_text
 
@@ -376,6 +379,210 @@ def test_ctrl_c_keeps_the_reply_up_to_its_last_whole_word_and_the_log_says_so(
     else:
         assert (chat.current.turns[-1].text, chat.current.turns[-1].interrupted) == (kept, True)
         assert [(m.role, m.text, m.interrupted) for m in messages][1:] == [("bot", kept, True)]
+
+
+@pytest.mark.parametrize(
+    "written, pressed, shown, kept",
+    [
+        # Ctrl-C before the retry wrote a whole word: the reply it was to replace stays, in the log too.
+        ("Hellothere", lambda _, flushes: flushes == 3, "[interrupted]", None),
+        # Ctrl-C once it had written some: its words replace the old reply, which the log marks superseded.
+        ("Hello there, my frie", lambda text, _: "my" in text, "Hello there, my [interrupted]", "Hello there, my"),
+    ],
+)
+def test_a_retry_stopped_by_ctrl_c_leaves_the_chat_and_the_log_agreeing(
+    serving_engine, store, gate, written, pressed, shown, kept
+):
+    from chatcore.serving import Scheduler
+
+    gate.text = written
+    chat = logged_state(serving_engine, store)
+    chat.scheduler = Scheduler(serving_engine)  # as `chatcore chat` decodes
+    lines = ["/retry"]
+
+    def read_line() -> str:
+        if lines:
+            return lines.pop()
+        raise EOFError
+
+    out = CtrlCWhen(pressed)
+    try:
+        run(chat, "hello there")
+        old = chat.current.turns[1]
+        run(chat, "/decoder gated-text")
+        run(chat, "/max 40")
+        run_loop(chat, read_line, out)
+    finally:
+        gate.release.set()
+        chat.scheduler.close()
+    with store as opened:
+        logged = opened.get_conversation(chat.current.id).messages
+        resumed = opened.resume(chat.current.id).turns
+    if kept is None:
+        note = "note: the retry was stopped before its first word: the previous reply is kept"
+        assert out.getvalue() == f"bot> {shown}\n{note}\n\n"
+        assert chat.current.turns[1:] == [old]
+        assert [(m.role, m.text, m.superseded) for m in logged] == [
+            ("user", "hello there", False),
+            ("bot", old.text, False),
+        ]
+        assert run(chat, "/why").output.startswith("decoder greedy")  # the reply kept, not the retry
+    else:
+        assert out.getvalue() == f"bot> {shown}\n\n"
+        assert [(t.role, t.text, t.interrupted) for t in chat.current.turns][1:] == [("bot", kept, True)]
+        assert [(m.role, m.superseded) for m in logged] == [("user", False), ("bot", True), ("bot", False)]
+    assert [(t.role, t.text) for t in resumed] == [(t.role, t.text) for t in chat.current.turns]  # --continue agrees
+
+
+# -- Ctrl-C while a slash command loads what it needs ----------------------------------------------
+class HeldLoad:
+    """A load (a reverse model, an attribute head) that the test holds open: ``started`` once it
+    runs, ``release`` lets it end."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+
+HELD_LOADS: dict[str, HeldLoad] = {}
+
+
+def held_load(gate: str) -> str:
+    load = HELD_LOADS.setdefault(gate, HeldLoad())
+    load.started.set()
+    try:
+        assert load.release.wait(60), "the test never released the load"
+    except KeyboardInterrupt as error:
+        # What torch does with a Ctrl-C that lands in its C code: another error comes out.
+        raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from error
+    return gate
+
+
+class HeldLoadSettings(GreedySettings):
+    gate: str = "default"
+
+
+class HeldLoadDecoder(GreedyDecoder):
+    name = "held-load"
+    Settings = HeldLoadSettings
+
+    @classmethod
+    def setup(cls, model, settings):
+        return held_load(settings.gate)
+
+
+class HeldLoadSteerer(Steerer):
+    name = "held-load"
+    Settings = HeldLoadSettings
+
+    @classmethod
+    def setup(cls, model, settings):
+        return held_load(settings.gate)
+
+    def wrap(self, step):  # pragma: no cover - no reply is made
+        return step
+
+
+class HeldLoadPlugin:
+    @chatcore.hookimpl
+    def register_decoders(self, register):
+        register(HeldLoadDecoder)
+
+    @chatcore.hookimpl
+    def register_steerers(self, register):
+        register(HeldLoadSteerer)
+
+
+@pytest.mark.parametrize("command", ["/decoder", "/steer"])
+def test_ctrl_c_while_a_command_loads_cancels_it_and_changes_nothing(state, command):
+    state.engine.host.register(HeldLoadPlugin(), "held-load")
+    line = f"{command} held-load gate={command}"
+    load = HELD_LOADS[command] = HeldLoad()
+    before = state.options.model_copy(deep=True)
+
+    def press_ctrl_c() -> None:
+        if load.started.wait(60):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c)
+    presser.start()
+    try:
+        outcome = handle_line(state, line)
+    finally:
+        presser.join()
+        load.release.set()
+    assert (outcome.output, outcome.error) == (f"{command} cancelled; nothing changed", True)
+    assert state.options == before
+    # Given again, the command waits for the load it cancelled (it was never cut short) and uses it.
+    again = handle_line(state, line)
+    assert not again.error and "held-load" in again.output and state.options != before
+
+
+class PressedInAFinalizer:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)  # as Ctrl-C can land in asyncio's BaseEventLoop.__del__
+
+
+class FinalizingFormat(DialoGPTFormat):
+    """Building it runs a finalizer, which Ctrl-C interrupts."""
+
+    name = "finalizing"
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        PressedInAFinalizer()  # dropped at once: its finalizer runs here
+
+
+class FinalizingFormatPlugin:
+    @chatcore.hookimpl
+    def register_prompt_formats(self, register):
+        register(FinalizingFormat)
+
+
+def test_ctrl_c_that_lands_in_a_finalizer_still_cancels_the_command(state):
+    state.engine.host.register(FinalizingFormatPlugin(), "finalizing")
+    before = (state.format_name, state.prompt_format, state.current.prompt_format)
+    outcome = handle_line(state, "/format finalizing")  # Python cannot raise in a finalizer: only print
+    assert outcome.output == "/format cancelled; nothing changed"
+    assert (state.format_name, state.prompt_format, state.current.prompt_format) == before
+
+
+def test_a_command_without_arguments_refuses_them(state):
+    run(state, "hello")
+    before = (state.current.id, list(state.current.turns), state.multiline)
+    for name, command in COMMANDS.items():
+        if command.usage == name:
+            assert_one_line_error(
+                run(state, f"{name} extra words"), f"{name} takes no arguments, got 'extra words' (usage: {name})"
+            )
+    for alias in ("/q", "/exit", "/QUIT"):
+        refused = run(state, f"{alias} now")
+        assert not refused.quit
+        assert_one_line_error(refused, "/quit takes no arguments, got 'now' (usage: /quit)")
+    assert (state.current.id, list(state.current.turns), state.multiline) == before
+    assert run(state, "/q").quit and run(state, "/new ").output.startswith("new conversation")
+
+
+def test_the_command_lines_sampling_stays_the_default_of_decoders_chosen_later(state):
+    state.sampling_shortcuts = {"temperature": 0.9, "top_p": 0.5}
+    for line, settings in [
+        ("/decoder top-k", {"temperature": "0.9", "top_p": "0.5"}),
+        ('/decoder "top-k top_k=20"', {"top_k": "20", "temperature": "0.9", "top_p": "0.5"}),
+        ("/decoder top-k temperature=0.3", {"temperature": "0.3", "top_p": "0.5"}),  # the spec's own wins
+    ]:
+        shown = run(state, line).output
+        assert state.options.decoder_settings == settings and "\n" not in shown
+        assert f"temperature={settings['temperature']}" in shown and "top_p=0.5" in shown
+    greedy = run(state, "/decoder greedy").output.splitlines()
+    assert greedy[0].startswith("decoder: greedy") and state.options.decoder_settings == {}
+    assert greedy[1] == (
+        "note: greedy does not use the command line's --temperature 0.9 (it has no such setting); "
+        "--top-p 0.5 (it has no such setting)"
+    )
+    state.sampling_shortcuts = {"temperature": 0.0}  # --temperature 0: greedy decoding
+    zero = run(state, "/decoder top-k")
+    assert not zero.error and state.options.decoder_settings == {}
+    assert zero.output.splitlines()[1].startswith("note: top-k does not use the command line's --temperature 0 (")
 
 
 def test_why_shows_steering(state):
@@ -918,6 +1125,12 @@ def test_chat_system_prompt_and_format_options(cli, tiny_model_dir, tmp_path):
     assert too_long.exit_code == 1 and "the system prompt takes" in too_long.stderr and "bot>" not in too_long.stdout
 
 
+def test_the_chat_command_keeps_its_sampling_flags_for_decoders_chosen_later(cli, tiny_model_dir):
+    chatted = cli("chat", "--model", str(tiny_model_dir), "--no-log", "--temperature", "0.9", input="/decoder top-k\n")
+    assert chatted.exit_code == 0, chatted.output
+    assert chatted.stdout.startswith("decoder: top-k ") and "temperature=0.9" in chatted.stdout
+
+
 def test_building_the_cli_imports_no_heavy_module():
     code = (
         "import sys\n"
@@ -968,9 +1181,28 @@ SLOW_STEERER = textwrap.dedent("""
                 return step(state)
             return slowed
 
+    @dataclass
+    class HeldLoadSettings:
+        fifo: str = ""
+
+    class HeldLoadSteerer(Steerer):
+        name = "held-load"
+        description = "loads until the test writes to its fifo, so that a command can be cancelled"
+        Settings = HeldLoadSettings
+
+        @classmethod
+        def setup(cls, model, settings):
+            print("held-load: loading", flush=True)
+            with open(settings.fifo) as fifo:  # until the test closes its end
+                fifo.read()
+
+        def wrap(self, step):
+            return step
+
     @chatcore.hookimpl
     def register_steerers(register):
         register(SlowSteerer)
+        register(HeldLoadSteerer)
 """)
 
 
@@ -1133,8 +1365,22 @@ def test_chatcore_chat_in_a_pseudo_terminal(tiny_model_dir, tmp_path, repl_host)
         term.send("\x03")  # ... and Ctrl-C cuts it
         term.expect(r"\[interrupted\]")
         term.expect(r"you>")
+        fifo = tmp_path / "load.fifo"
+        os.mkfifo(fifo)
+        holder = os.open(fifo, os.O_RDWR)  # the load reads until this is closed (opening never blocks)
+        try:
+            term.send(f"/steer held-load fifo={fifo}\r")
+            loading = term.expect(r"held-load: loading\n")
+            term.send("\x03")  # Ctrl-C while a command loads what it needs cancels the command ...
+            cancelled = term.expect(r"/steer cancelled; nothing changed\n")
+            assert cancelled.start() == loading.end()  # in one line (no ^C echoed into it)
+            term.expect(r"you>")
+            term.expect(r"steer: slow \|")  # ... and changes nothing
+        finally:
+            os.close(holder)  # the load it left runs on, and ends
         term.send("/quit\r")
         assert term.wait() == 0
+        assert "Traceback" not in term.text() and "Exception ignored" not in term.text()
     finally:
         term.close()
 

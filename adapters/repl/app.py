@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -25,6 +25,8 @@ class ChatConfig:
 
     model: str = "chatcore-tiny"
     decoder_spec: str = "top-k"
+    # --temperature and --top-p (in decoder_spec already): the defaults of decoders chosen in the chat
+    sampling_shortcuts: dict[str, float] = field(default_factory=dict)
     steer_specs: tuple[str, ...] = ()
     system: str | None = None  # the system prompt; with a resumed conversation, it replaces the logged one
     prompt_format: str = "auto"
@@ -123,6 +125,7 @@ def build_state(
             log_off_reason=off_reason,
             next_seed=config.seed,
             scheduler=Scheduler(engine, max_batch=1),
+            sampling_shortcuts=dict(config.sampling_shortcuts),
         )
         if store is not None and resume_id is not None:
             state.switch_to(store.resume(resume_id))
@@ -141,6 +144,9 @@ def build_state(
 
 
 def close_state(state: "ChatState", say: Callable[[str], None] = print) -> None:
+    if state.loading:
+        say("finishing the loading a cancelled command started ...")
+    state.finish_loading()
     if state.scheduler is not None:
         state.scheduler.close()
     if state.log_plugin is not None:

@@ -88,6 +88,9 @@ def chat(
         ChatConfig(
             model=model,
             decoder_spec=decoder_spec,
+            sampling_shortcuts={
+                name: value for name, value in (("temperature", temperature), ("top_p", top_p)) if value is not None
+            },
             steer_specs=steer_specs,
             system=system,
             prompt_format=prompt_format,

@@ -7,7 +7,8 @@ Bad input and bad settings come back as a one-line error, never as an exception
 propagate).
 
 A line starting with ``/`` is a command; start it with ``//`` to send a message that
-begins with ``/``.
+begins with ``/``. A command that fails, or during which Ctrl-C is pressed, changes nothing
+(see :mod:`~chatcore.adapters.repl.cancelling`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from chatcore.log.formatting import SHORT_ID, display_safe, one_line, summary_ta
 from chatcore.text import undecodable_at
 
 if TYPE_CHECKING:
-    from chatcore.adapters.repl.state import ChatState
+    from chatcore.adapters.repl.state import ChatState, Saved
+    from chatcore.conversation import Conversation, Turn
     from chatcore.response import Response
 
 KEYS_HELP = """keys: Enter sends; Esc-Enter (or Alt-Enter) adds a line; /multi swaps the two.
-      Ctrl-C stops a reply (the partial reply is kept, marked interrupted) or clears the line;
+      Ctrl-C stops a reply (the partial reply is kept, marked interrupted), cancels a command
+      (nothing changes) or clears the line;
       Ctrl-D or /quit exits. Tab completes commands, decoder and steerer names and settings.
       Start a message with // to send a line that begins with /."""
 
@@ -51,6 +54,10 @@ class Command:
     usage: str
     summary: str
     run: Callable[["ChatState", str], Outcome]
+
+    @property
+    def takes_arguments(self) -> bool:
+        return self.usage != self.name  # "/new" takes none, "/max [N]" does
 
 
 COMMANDS: dict[str, Command] = {}
@@ -87,20 +94,41 @@ def run_command(state: "ChatState", line: str) -> Outcome:
     found = COMMANDS.get(name)
     if found is None:
         return failure(f"unknown command {one_line(name, 40)!r}; /help lists the commands")
+    rest = rest.strip()
+    if rest and not found.takes_arguments:
+        return failure(f"{found.name} takes no arguments, got {one_line(rest, 40)!r} (usage: {found.usage})")
+    from chatcore.adapters.repl.cancelling import ctrl_c_noted
+
+    saved = state.save()
     try:
-        return found.run(state, rest.strip())
+        with ctrl_c_noted() as presses:
+            outcome = found.run(state, rest)
+    except KeyboardInterrupt:
+        return cancelled(state, saved, found.name, None)
     except ChatcoreError as error:
-        return failure(error)
+        state.restore(saved)
+        outcome = failure(error)
+    if presses.pressed:  # it ran on (Ctrl-C is only noted outside the wait for loading): undone
+        return cancelled(state, saved, found.name, outcome.reply)
+    return outcome
+
+
+def cancelled(state: "ChatState", saved: "Saved", name: str, reply: "Response | None") -> Outcome:
+    """Ctrl-C during a command: what it changed is put back, and a reply it started (``/retry``'s)
+    is stopped unread, so it records nothing."""
+    state.restore(saved)
+    if reply is not None:
+        reply.interrupt()
+    return Outcome(output=f"{name} cancelled; nothing changed", error=True)
 
 
 # -- showing settings ---------------------------------------------------------------
 
 
 def describe_decoder(state: "ChatState") -> str:
-    options = state.options
-    decoder = state.engine.make_decoder(options.decoder, options.decoder_settings).describe()
-    settings = format_settings(decoder["settings"])
-    return f"{decoder['name']} {settings}".strip()
+    name, given = state.options.decoder, dict(state.options.decoder_settings)
+    decoder = state.background(lambda: state.engine.make_decoder(name, given)).describe()
+    return f"{decoder['name']} {format_settings(decoder['settings'])}".strip()
 
 
 def describe_model_defaults(state: "ChatState") -> str:
@@ -113,10 +141,12 @@ def describe_model_defaults(state: "ChatState") -> str:
 
 
 def describe_steerers(state: "ChatState") -> list[str]:
+    specs = list(state.options.steerers)
+    steerers = state.background(lambda: [state.engine.make_steerer(name, raw) for name, raw in specs])
     lines = []
-    for name, raw in state.options.steerers:
-        steerer = state.engine.make_steerer(name, raw).describe()
-        lines.append(f"{steerer['name']} {format_settings(steerer['settings'])}".strip())
+    for steerer in steerers:
+        described = steerer.describe()
+        lines.append(f"{described['name']} {format_settings(described['settings'])}".strip())
     return lines
 
 
@@ -166,10 +196,39 @@ def decoder_command(state: "ChatState", rest: str) -> Outcome:
             output=f"decoder: {describe_decoder(state)}\navailable: {available(state.engine.registry.decoders)}"
         )
     name, settings = parse_spec(unquote_spec(rest))
+    settings, not_applied = with_command_line_sampling(state, name, settings)
     options = state.options.replace(decoder=name, decoder_settings=settings)
-    state.engine.check_options(options)  # the whole configuration, before anything changes
+    state.check_options(options)  # the whole configuration, before anything changes
     state.options.decoder, state.options.decoder_settings = name, settings
-    return Outcome(output=f"decoder: {describe_decoder(state)}")
+    return Outcome(output=f"decoder: {describe_decoder(state)}" + (f"\nnote: {not_applied}" if not_applied else ""))
+
+
+def with_command_line_sampling(state: "ChatState", name: str, settings: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """``settings`` of the decoder ``name`` with the command line's ``--temperature`` and ``--top-p``
+    for those its spec leaves out, and what was not applied (a setting the decoder does not
+    have, a value it refuses: a one-line note), or ""."""
+    if not state.sampling_shortcuts:
+        return settings, ""
+    from chatcore.options import settings_fields
+
+    cls = state.engine.registry.decoder(name)  # an unknown name fails here, in one line
+    fields = settings_fields(cls.Settings)
+    merged = dict(settings)
+    skipped = []
+    for setting, value in state.sampling_shortcuts.items():
+        flag = f"--{setting.replace('_', '-')} {value:g}"
+        if setting in settings:
+            continue
+        if setting not in fields:
+            skipped.append(f"{flag} (it has no such setting)")
+            continue
+        try:
+            cls.from_options({setting: repr(value)})
+        except (ChatcoreError, ValueError, TypeError) as error:
+            skipped.append(f"{flag} ({one_line(str(error), 120)})")
+            continue
+        merged[setting] = repr(value)
+    return merged, f"{name} does not use the command line's {'; '.join(skipped)}" if skipped else ""
 
 
 @command(
@@ -196,7 +255,7 @@ def steer_command(state: "ChatState", rest: str) -> Outcome:
         return Outcome(output=f"steering off: {', '.join(names)} (still on: {left})")
     name, settings = parse_spec(unquote_spec(rest))
     steerers = with_steerer(state.options.steerers, name, settings)
-    state.engine.check_options(state.options.replace(steerers=steerers))  # all of it, before anything changes
+    state.check_options(state.options.replace(steerers=steerers))  # all of it, before anything changes
     state.options.steerers = steerers
     return Outcome(output="steering: " + "; ".join(describe_steerers(state)))
 
@@ -233,7 +292,7 @@ def set_command(state: "ChatState", rest: str) -> Outcome:
     changes = parse_key_values(split_settings(rest))
     settings = {**state.options.decoder_settings, **changes}
     options = state.options.replace(decoder_settings=settings)
-    state.engine.check_options(options)  # the decoder's own settings model validates, before anything changes
+    state.check_options(options)  # the decoder's own settings model validates, before anything changes
     state.options.decoder_settings = settings
     return Outcome(output=f"decoder: {describe_decoder(state)}")
 
@@ -330,13 +389,29 @@ def history_command(state: "ChatState", rest: str) -> Outcome:
 
 @command("/retry", "/retry", "drop the last reply and generate a new one")
 def retry_command(state: "ChatState", rest: str) -> Outcome:
-    turns = state.current.turns
-    if not any(turn.role == "user" for turn in turns):
+    conversation = state.current
+    if not any(turn.role == "user" for turn in conversation.turns):
         return failure("nothing to retry: send a message first")
-    if turns[-1].role == "bot":
-        # The log keeps the dropped reply, marked superseded by the new one.
-        turns.pop()
-    return Outcome(reply=state.reply())
+    if conversation.turns[-1].role != "bot":
+        return Outcome(reply=state.reply())  # the last reply was stopped before its first word: none to drop
+    # The log keeps the dropped reply, marked superseded once the new one is written.
+    dropped = conversation.turns.pop()
+    reply = state.reply()  # what fails here is undone by the dispatcher: the reply comes back
+    reply.on_done(lambda ended: keep_unless_replaced(state, conversation, dropped, ended))
+    return Outcome(reply=reply)
+
+
+def keep_unless_replaced(state: "ChatState", conversation: "Conversation", dropped: "Turn", reply: "Response") -> None:
+    """A retried reply stopped (or failed) before its first whole word is not a turn, so it
+    supersedes nothing in the log: the reply it was to replace comes back, and the chat and
+    the log agree on the conversation."""
+    if conversation.turns and conversation.turns[-1].role == "bot":
+        return  # the new reply (whole or cut short) replaced it
+    conversation.turns.append(dropped)
+    if state.last_response is reply:
+        state.last_response = None  # /why explains the reply kept
+    how = "failed" if reply.error is not None else "was stopped"
+    state.notify(f"the retry {how} before its first word: the previous reply is kept")
 
 
 def _last_provenance(state: "ChatState") -> dict[str, Any] | None:

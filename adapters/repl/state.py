@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from chatcore.conversation import Conversation
+    from chatcore.conversation import Conversation, Turn
     from chatcore.engine import Engine, ReplyOptions
     from chatcore.log.plugin import ConversationLogPlugin
     from chatcore.log.store import ConversationStore
@@ -15,9 +17,26 @@ if TYPE_CHECKING:
     from chatcore.serving import Scheduler
 
 ADAPTER = "repl"
+T = TypeVar("T")
 
 
 LOG_PLUGIN_NAME = "conversation-log:repl"
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What a slash command may change, as it was before the command (see :meth:`ChatState.save`)."""
+
+    options: "ReplyOptions"
+    conversation: "Conversation"
+    turns: list["Turn"]
+    conversation_system: str | None
+    conversation_format: str | None
+    system: str | None
+    prompt_format: str | None
+    next_seed: int | None
+    multiline: bool
+    last_response: "Response | None"
 
 
 @dataclass
@@ -31,6 +50,10 @@ class ChatState:
     ``system`` and ``prompt_format`` (None: the engine's) carry over to the next
     conversation (``/new``) like the decoder does; a resumed conversation brings its
     own logged system prompt.
+
+    ``sampling_shortcuts``: the command line's ``--temperature`` and ``--top-p``
+    (``{"temperature": 0.9}``); they stay the defaults of the decoders chosen later in the
+    chat (``/decoder``), for the settings a decoder has and its spec leaves out.
     """
 
     engine: "Engine"
@@ -48,10 +71,88 @@ class ChatState:
     # Decodes the replies when set (the chat command sets one): the next turn then runs only
     # its new tokens, the earlier ones coming from the scheduler's prefix cache.
     scheduler: "Scheduler | None" = None
+    sampling_shortcuts: dict[str, float] = field(default_factory=dict)
+    # One loading at a time: a command given again after Ctrl-C waits for the loading it
+    # cancelled to end (and then finds what it built), rather than loading it twice at once.
+    _loading: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _loaders: list[threading.Thread] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.conversation is None:
             self.new_conversation()
+
+    def background(self, work: Callable[[], T]) -> T:
+        """``work()`` (building a decoder or steerer: loading a model, a head, vectors) on a thread
+        of its own, waited for here: Ctrl-C during a command stops the wait and not the work, so
+        torch's loading is never cut in the middle (see :mod:`~chatcore.adapters.repl.cancelling`)."""
+        from chatcore.adapters.repl.cancelling import wait_for
+
+        future: Future[T] = Future()
+
+        def run() -> None:
+            with self._loading:
+                if not future.set_running_or_notify_cancel():
+                    return  # cancelled while it waited for the loading before it
+                try:
+                    future.set_result(work())
+                except BaseException as error:
+                    future.set_exception(error)
+
+        self._loaders = [thread for thread in self._loaders if thread.is_alive()]
+        thread = threading.Thread(target=run, name="chat-loading", daemon=True)
+        self._loaders.append(thread)
+        thread.start()
+        try:
+            return wait_for(future)
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+
+    @property
+    def loading(self) -> bool:
+        """Whether loading that a cancelled command started is still going on."""
+        return any(thread.is_alive() for thread in self._loaders)
+
+    def finish_loading(self) -> None:
+        """Wait for the loading a cancelled command left running: a program that ends while
+        another thread is inside torch's loading code can crash on its way out."""
+        for thread in self._loaders:
+            thread.join()
+        self._loaders = []
+
+    def check_options(self, options: "ReplyOptions") -> None:
+        """Refuse ``options`` now if a reply could not be made with them (the engine's check,
+        which builds the decoder and steerers: see :meth:`background`)."""
+        self.background(lambda: self.engine.check_options(options))
+
+    def save(self) -> Saved:
+        """What a slash command may change, to be put back with :meth:`restore`."""
+        conversation = self.current
+        return Saved(
+            options=self.options.model_copy(deep=True),
+            conversation=conversation,
+            turns=list(conversation.turns),
+            conversation_system=conversation.system,
+            conversation_format=conversation.prompt_format,
+            system=self.system,
+            prompt_format=self.prompt_format,
+            next_seed=self.next_seed,
+            multiline=self.multiline,
+            last_response=self.last_response,
+        )
+
+    def restore(self, saved: Saved) -> None:
+        """Put back what :meth:`save` saved (a command that failed or was cancelled changes nothing)."""
+        self.options = saved.options
+        self.conversation = conversation = saved.conversation
+        conversation.turns[:] = saved.turns
+        conversation.system = saved.conversation_system
+        conversation.prompt_format = saved.conversation_format
+        self.system = saved.system
+        self.prompt_format = saved.prompt_format
+        self.next_seed = saved.next_seed
+        self.multiline = saved.multiline
+        self.last_response = saved.last_response
 
     @property
     def current(self) -> "Conversation":

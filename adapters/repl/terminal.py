@@ -7,7 +7,8 @@ are read plainly so that ``chatcore chat < script.txt`` works too.
 A reply is printed a whole word at a time (the unfinished end waits for the next
 delta). Ctrl-C while it streams raises KeyboardInterrupt in the loop; the reply is then
 interrupted, which keeps its text up to its last whole word (what was printed) in the
-conversation, marked interrupted (and the log records it so). Ctrl-C at the prompt clears the line; Ctrl-D exits.
+conversation, marked interrupted (and the log records it so). Ctrl-C while a slash command
+runs cancels it (see ``cancelling``). Ctrl-C at the prompt clears the line; Ctrl-D exits.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def run_loop(
     while_streaming: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     err: IO[str] | None = None,
 ) -> None:
-    """Read lines until /quit or end of input, answering each; ``while_streaming`` wraps each reply.
+    """Read lines until /quit or end of input, answering each; ``while_streaming`` wraps each line's
+    command or reply.
 
     Replies and what commands print go to ``out``; errors and notes to ``err`` (default: ``out``,
     as on a terminal; standard error when the chat reads a pipe)."""
@@ -191,15 +193,16 @@ def run_loop(
             err.write(f"error: {error}\n")
             continue
         try:
-            with plugin_problems_held() as problems:
+            # Keys typed while a command runs or a reply streams wait for the next prompt (and
+            # Ctrl-C, which cancels the command or stops the reply, is not echoed into them).
+            with plugin_problems_held() as problems, while_streaming():
                 outcome = handle_line(state, line)
                 if outcome.output:
                     (err if outcome.error else out).write(outcome.output + "\n")
                     err.flush()
                 shown = outcome.output if outcome.error else ""
                 if outcome.reply is not None:
-                    with while_streaming():
-                        shown += stream_reply(outcome.reply, out)
+                    shown += stream_reply(outcome.reply, out)
             for problem in problems:
                 if f"'{getattr(problem, 'plugin', '')}'" not in shown:
                     state.notify(str(problem))
