@@ -442,3 +442,53 @@ def test_a_plugin_failing_mid_reply_ends_generate_with_one_line_after_the_partia
     assert error_lines(result) == [
         "Error: plugin 'test-serving': steerer 'failing-shared' failed while generating: RuntimeError: boom"
     ]
+
+
+def test_generate_continue_writes_what_an_ended_chat_journaled_before_it_reads(
+    run, tiny_model_dir, engine, tmp_path, monkeypatch
+):
+    """A chat whose log was locked ends with its turns in the journal; `generate --continue` then
+    writes them before it reads the conversation, and goes on in that one conversation."""
+    import sqlite3
+
+    from chatcore.log import ConversationLogPlugin
+    from chatcore.log.location import sqlite_url
+    from chatcore.log.store import ConversationStore
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # the journal's folder is in it
+    path = tmp_path / "log.sqlite3"
+    url = sqlite_url(path)
+    store = ConversationStore(url, timeout_s=0.05)
+    plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0)
+    assert engine.host.register(plugin, "conversation-log")
+    conversation = engine.conversation(adapter="repl")
+    engine.send(conversation, "one", decoder="greedy", max_new_tokens=2).text()
+    locker = sqlite3.connect(path, isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")  # another process holding the write lock
+    engine.send(conversation, "two", decoder="greedy", max_new_tokens=2).text()
+    assert plugin.close() == 2  # the chat ends: its turns wait in the journal
+    locker.rollback()
+    locker.close()
+    engine.host.unregister("conversation-log")
+    store.close()
+
+    result = run("generate", "-m", str(tiny_model_dir), "-d", "greedy", "-n", "2", "--db", url, "--continue", "three")
+    assert result.exit_code == 0, result.output
+    assert "another chat" not in result.output
+    with ConversationStore(url, create=False) as reader:
+        assert [summary.id for summary in reader.list_conversations()] == [conversation.id]
+        messages = reader.get_conversation(conversation.id).messages
+        assert [m.text for m in messages if m.role == "user"] == ["one", "two", "three"]
+    assert list((tmp_path / "data" / "chatcore" / "log-journal").glob("*.jsonl")) == []
+
+
+def test_serve_and_chat_refuse_a_log_they_cannot_open_in_one_line_naming_the_remedy(run, tmp_path):
+    missing = tmp_path / "no" / "such"
+    damaged = tmp_path / "cut.sqlite3"
+    damaged.write_bytes(b"SQLite format 3\x00" + b"\x10\x00\x02\x02" + b"\x00" * 1980)  # a header, then nothing
+    salvage = f"`chatcore logs export --salvage --db {damaged} -o saved.jsonl` recovers what it holds"
+    no_model = str(tmp_path / "no-model")  # the log is opened first; were it opened, the model would fail at once
+    for command in (("serve", "--port", "0", "-m", no_model), ("chat", "--continue", "-m", no_model)):
+        assert_clean_failure(run(*command, "--db", str(missing / "log.sqlite3")), f"no folder {missing} ")
+        assert_clean_failure(run(*command, "--db", str(damaged)), "cannot open: ", salvage)
+    assert not (tmp_path / "no").exists()

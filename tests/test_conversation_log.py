@@ -213,6 +213,54 @@ def test_the_url_comes_from_the_option_the_environment_or_the_data_folder(tmp_pa
         ConversationStore("not a url://")
 
 
+def test_a_folder_given_by_hand_must_exist_and_only_the_user_data_folder_is_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.delenv("CHATCORE_DB", raising=False)
+    missing = tmp_path / "no" / "such"
+    for given in (str(missing / "log.sqlite3"), f"sqlite:///{missing}/log.sqlite3"):
+        with pytest.raises(LogError) as refused:
+            ConversationStore(resolve_url(given))
+        assert f"no folder {missing} " in str(refused.value) and "\n" not in str(refused.value)
+        monkeypatch.setenv("CHATCORE_DB", given)
+        with pytest.raises(LogError, match=f"no folder {missing} "):
+            ConversationStore(resolve_url())
+        monkeypatch.delenv("CHATCORE_DB")
+    assert not (tmp_path / "no").exists()  # no folder tree made for a mistyped path
+    with ConversationStore(resolve_url()) as store:  # the default place: made as needed, private
+        assert store.file_path == tmp_path / "data" / "chatcore" / "conversations.sqlite3"
+        assert store.file_path.parent.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("given", [":memory:", "sqlite:///:memory:", "sqlite://"])
+def test_memory_is_a_log_kept_in_memory_while_the_process_runs(engine, tmp_path, monkeypatch, logs_cli, given):
+    """`--db :memory:` on a chat or the server: SQLite's memory, not a file named `:memory:`; the
+    log's thread writes it and the chat's reads it (SQLAlchemy's own `:memory:` is one per thread)."""
+    monkeypatch.chdir(tmp_path)
+    store = ConversationStore(resolve_url(given))
+    assert store.file_path is None and store.display_url.startswith(":memory: (kept in memory only")
+    plugin = ConversationLogPlugin(store, journal_dir=tmp_path / "journal")
+    assert engine.host.register(plugin, "conversation-log")
+    conversation = engine.conversation()
+    engine.send(conversation, "kept in memory", decoder="greedy", max_new_tokens=2).text()
+    plugin.close()
+    engine.host.unregister("conversation-log")
+    assert [m.text for m in store.get_conversation(conversation.id).messages][0] == "kept in memory"
+    with ConversationStore(store.url) as same:  # another store in this process reaches the same log
+        assert same.count_conversations() == 1
+    store.close()
+    with ConversationStore(resolve_url(given)) as fresh:  # each one starts empty
+        assert fresh.count_conversations() == 0
+    assert list(tmp_path.iterdir()) == []  # no file, no journal
+
+    refused = logs_cli("list", "--db", given)  # nothing to read there
+    assert refused.exit_code == 1 and refused.stderr.strip().splitlines() == [
+        "Error: :memory: is SQLite's in-memory database: it holds no conversation log to read (a chat, a bot or "
+        "the server given --db :memory: keeps its log there only while it runs)"
+    ]
+    assert logs_cli("where", "--db", given).exit_code == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- the hooks, through a real engine -------------------------------------------------------
 def test_the_hooks_write_every_turn_with_its_provenance(engine, store, log_plugin, db_path, notices):
     conversation = engine.conversation(adapter="test", channel_key="room-1")
@@ -506,7 +554,7 @@ def test_listing_uses_indexes_not_a_scan_of_the_messages(store):
 
 def test_logs_never_create_a_log_for_a_mistyped_path(logs_cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for where in ("sqlite//x.db", "missing/log.sqlite3", "sqlite:///:memory:"):
+    for where in ("sqlite//x.db", "missing/log.sqlite3", "sqlite:///:memory:", ":memory:"):
         result = logs_cli("list", "--db", where)
         assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, where
         assert "no conversation log at" in result.stderr or "in-memory" in result.stderr

@@ -15,6 +15,8 @@ import random
 import shutil
 import signal
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -290,6 +292,46 @@ def test_writes_journaled_at_exit_are_replayed_by_the_next_process(
     assert list((tmp_path / "journal").glob("*.jsonl")) == []
 
 
+def test_a_resumed_conversation_holds_what_an_ended_chat_journaled_and_goes_on_as_one(
+    chat_engine: Any, backend: Backend, tmp_path: Path
+) -> None:
+    """`chat --continue` after a chat that could only journal its turns: the journal is written when
+    the log opens, before the conversation is read. Read without them, the resumed chat's next
+    write found them (another writer's, written since it read) and went on in a new conversation."""
+    journal = tmp_path / "journal"
+    url = backend.new_url()
+    with ConversationStore(url, journal_dir=journal) as first:
+        plugin = ConversationLogPlugin(first, notify=lambda message: None, journal_dir=journal)
+        chat_engine.host.register(plugin, "conversation-log")
+        conversation = chat_engine.conversation()
+        chat(chat_engine, conversation, ["one"])
+        plugin.close()
+        chat_engine.host.unregister("conversation-log")
+
+    with ConversationStore(url, timeout_s=0.05, journal_dir=journal) as second:  # --continue, with the log down
+        resumed = second.resume(conversation.id)
+        plugin = ConversationLogPlugin(second, notify=lambda message: None, retry_after_s=0.0, journal_dir=journal)
+        chat_engine.host.register(plugin, "conversation-log")
+        with unavailable(second, backend):
+            chat(chat_engine, resumed, ["two"])
+            assert plugin.close() == 2  # the chat ends with its turns in the journal
+        chat_engine.host.unregister("conversation-log")
+
+    told: list[str] = []
+    with ConversationStore(url, journal_dir=journal) as third:  # --continue, the log back
+        again = third.resume(conversation.id)
+        assert [t.text for t in again.turns if t.role == "user"] == ["one", "two"]
+        plugin = ConversationLogPlugin(third, notify=told.append, journal_dir=journal)
+        chat_engine.host.register(plugin, "conversation-log")
+        chat(chat_engine, again, ["three"])
+        plugin.close()
+        assert told == []  # no "being written by another chat as well"
+        assert [summary.id for summary in third.list_conversations()] == [conversation.id]
+        users = [text for role, text in logged_texts(third, conversation.id) if role == "user"]
+        assert users == ["one", "two", "three"]
+    assert list(journal.glob("*.jsonl")) == []
+
+
 # -- 5. values the database cannot store, and a write it refuses -------------------------------------
 def test_a_nul_in_a_reply_is_stored_and_the_turns_after_it_too(
     chat_engine: Any, backend: Backend, tmp_path: Path
@@ -339,7 +381,13 @@ def test_a_write_the_database_refuses_is_set_aside_and_the_rest_go_on(
     ]
     rejected = list((tmp_path / "journal").glob("*-rejected.jsonl"))
     assert len(rejected) == 1 and "a fixed reply" in rejected[0].read_text()
+    plugin.close()
     store.close()
+    # What was set aside is a record beside the journal, not a journal: the next opener leaves it be.
+    with ConversationStore(store.url, journal_dir=tmp_path / "journal") as later:
+        ConversationLogPlugin(later, journal_dir=tmp_path / "journal").close()
+        assert later.count_messages() == 5
+    assert rejected[0].exists() and "a fixed reply" in rejected[0].read_text()
 
 
 # -- PostgreSQL: a dropped connection is replaced ----------------------------------------------------------
@@ -476,6 +524,27 @@ def test_an_export_that_cannot_be_written_is_one_line(written_log: Path, tmp_pat
     assert os.stat(fresh).st_mode & 0o777 == 0o600
 
 
+@pytest.mark.parametrize(
+    "args",
+    [("export",), ("export", "--format", "markdown"), ("list",), ("show", "kept"), ("search", "question")],
+)
+def test_standard_output_closed_early_ends_a_logs_command_quietly(written_log: Path, args: tuple[str, ...]) -> None:
+    """`chatcore logs export | head -1`: the reader gone is no error, as for any Unix tool (click exits 1)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the first write, as `head -1` is after its line
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "chatcore.cli", "logs", *args, "--db", str(written_log)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            env=dict(os.environ, CHATCORE_PLUGINS=""),
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1 and done.stderr.decode() == "", done.stderr.decode()
+
+
 # -- private by default --------------------------------------------------------------------------------
 def mode(path: Path) -> int:
     return os.stat(path).st_mode & 0o777
@@ -485,8 +554,8 @@ def test_the_log_its_companions_and_the_journal_are_private(chat_engine: Any, tm
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     old_umask = os.umask(0o022)  # the usual umask, which used to leave every chat readable by all
     try:
-        folder = tmp_path / "new" / "folders"
-        path = folder / "log.sqlite3"
+        folder = tmp_path / "data" / "chatcore"  # the user data folder, made when missing (with its parent)
+        path = folder / "conversations.sqlite3"
         store = ConversationStore(sqlite_url(path), timeout_s=0.05)
         journal = tmp_path / "data" / "chatcore" / "log-journal"
         plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0, journal_dir=journal)

@@ -308,6 +308,32 @@ def test_a_log_whose_header_is_damaged_is_pointed_at_the_salvage_of_that_very_fi
     assert f"logs export --salvage --db '{path}' -o saved.jsonl" in checked.output
 
 
+@pytest.mark.parametrize("damage", ["cut short", "junk over the header"])
+def test_a_log_too_damaged_to_open_points_a_chat_the_server_and_logs_at_its_salvage(logs_cli, tmp_path, damage):
+    """`chatcore serve --db FILE` (and a chat, the bot) on a file SQLite cannot open: the one line
+    names the salvage of that very file, as `logs check` does."""
+    path = tmp_path / "my log.sqlite3"
+    fill(path, conversations=2, per_conversation=4)
+    if damage == "cut short":
+        with open(path, "r+b") as file:
+            file.truncate(2000)  # half of the first page
+    else:
+        with open(path, "r+b") as file:
+            file.write(b"X" * 100)
+    before = path.read_bytes()
+    salvage_command = f"`chatcore logs export --salvage --db '{path}' -o saved.jsonl` recovers what it holds"
+    with pytest.raises(LogError) as refused:
+        ConversationStore(sqlite_url(path))  # opened for writing, as a chat, the bot and the server open it
+    message = str(refused.value)
+    assert message.startswith(f"conversation log {sqlite_url(path)}: cannot open: ") and "\n" not in message
+    assert message.endswith(salvage_command)
+    for args in (("list",), ("show", "0"), ("check",)):
+        result = logs_cli(*args, "--db", str(path))
+        assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+        assert result.output.count(salvage_command) == 1, result.output
+    assert path.read_bytes() == before
+
+
 def test_a_broken_index_page_is_told_apart_from_damaged_rows_and_left_to_the_salvage(logs_cli, tmp_path):
     """Random bytes over an index page's header: SQLite cannot check the file, nor REINDEX or drop
     the index; every table still reads without it, so the rows are not blamed, and salvage has them all."""

@@ -354,6 +354,7 @@ def test_a_reply_retried_after_resuming_supersedes_the_earlier_chats_reply_in_th
 
 def test_a_journal_is_replayed_by_any_spelling_of_its_database(chat_engine: Any, tmp_path: Path) -> None:
     folder = tmp_path / "logs"
+    folder.mkdir()
     (tmp_path / "link").symlink_to(folder, target_is_directory=True)
     store = ConversationStore(f"sqlite:///{folder}/log.sqlite3?synchronous=full", timeout_s=0.05)
     plugin = ConversationLogPlugin(store, retry_after_s=0.0, journal_dir=tmp_path / "journal")

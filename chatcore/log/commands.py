@@ -5,7 +5,7 @@ SQLAlchemy is imported only when a subcommand runs, so ``chatcore --help`` stays
 
 from __future__ import annotations
 
-import shlex
+import errno
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,24 +37,6 @@ def open_store(ctx: click.Context, db_url: str | None) -> "ConversationStore":
     store = ConversationStore(resolve_url(db_url or group_url), create=False)
     ctx.call_on_close(store.close)
     return store
-
-
-# SQLite's own words for a damaged file (SQLITE_NOTADB, SQLITE_CORRUPT, SQLITE_NOMEM on a damaged
-# page) and chatcore's: what `logs export --salvage` is for.
-DAMAGE_SIGNS = ("not a database", "malformed", "damaged", "ran out of memory")
-
-
-def salvage_target(ctx: click.Context, db_url: str | None) -> str | None:
-    """The SQLite file the command names, as `--db` takes it, when it is one that exists."""
-    from chatcore.log.connection import sqlite_file
-    from chatcore.log.errors import LogError
-    from chatcore.log.location import resolve_url
-
-    try:
-        path = sqlite_file(resolve_url(db_url or (ctx.find_object(dict) or {}).get("db_url")))
-    except LogError:
-        return None
-    return str(path) if path is not None and path.is_file() else None
 
 
 @click.group("logs")
@@ -219,6 +201,8 @@ def export_command(
         if output:
             stream.close()
     except OSError as error:
+        if output is None and error.errno == errno.EPIPE:
+            raise  # the reader has gone (`| head`): click ends quietly, as for every other command
         where = output or "standard output"
         raise click.ClickException(
             f"cannot write {where}: {error.strerror or error}; {count} conversation(s) were written before it"
@@ -246,20 +230,8 @@ def check_command(ctx: click.Context, repair: bool, db_url: str | None) -> None:
     does it too). Damaged rows are never written into: `logs export --salvage` recovers them.
     """
     from chatcore.log.check import check_report
-    from chatcore.log.errors import LogError, NotALogError
 
-    try:
-        store = open_store(ctx, db_url)
-    except NotALogError as error:
-        raise click.ClickException(str(error)) from None
-    except LogError as error:
-        url = salvage_target(ctx, db_url)
-        if url is None or not any(sign in str(error) for sign in DAMAGE_SIGNS):
-            # a server, no file, or a fault that is not damage (locked, read-only): nothing to salvage
-            raise click.ClickException(str(error)) from None
-        raise click.ClickException(
-            f"{error}; `chatcore logs export --salvage --db {shlex.quote(url)} -o saved.jsonl` recovers what it holds"
-        ) from None
+    store = open_store(ctx, db_url)  # a file too damaged to open: its error names the salvage command
     code = check_report(store, repair, click.echo)
     if code:
         ctx.exit(code)
@@ -317,6 +289,7 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
+    from chatcore.log.connection import MEMORY_REFUSED, is_memory, sqlite_file
     from chatcore.log.location import resolve_url
 
     url = resolve_url(db_url or (ctx.find_object(dict) or {}).get("db_url"))
@@ -324,16 +297,10 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
         parsed = make_url(url)
     except ArgumentError:
         raise click.ClickException(f"{url!r} is not a database URL") from None
+    if is_memory(parsed):
+        raise click.ClickException(MEMORY_REFUSED)
     click.echo(parsed.render_as_string(hide_password=True))
-    log_path = None
-    database = parsed.database
-    if (
-        parsed.get_backend_name() == "sqlite"
-        and database
-        and database != ":memory:"
-        and not database.startswith("file:")
-    ):
-        log_path = Path(database).expanduser()
+    log_path = sqlite_file(parsed)
     for line in loose_files(log_path):
         click.echo(f"warning: {line}", err=True)
 

@@ -13,7 +13,9 @@ may work, after dropping the pooled connections).
 from __future__ import annotations
 
 import os
+import shlex
 import sqlite3
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from chatcore.log import schema
 from chatcore.log.errors import LogError, LogUnavailableError, NotALogError
+from chatcore.log.location import is_default_folder
 from chatcore.log.private_files import create_private_file, make_private_folder
 
 SYNCHRONOUS_LEVELS = ("normal", "full")
@@ -92,6 +95,29 @@ def postgres_connect_args(parsed: sa.URL) -> dict[str, Any]:
     return args
 
 
+MEMORY_DISPLAY = ":memory: (kept in memory only: gone when this process exits)"
+"""How a log kept in memory is named to the person (``--db :memory:`` on a chat, a bot or the server)."""
+
+MEMORY_REFUSED = (
+    ":memory: is SQLite's in-memory database: it holds no conversation log to read (a chat, a bot or the "
+    "server given --db :memory: keeps its log there only while it runs)"
+)
+
+DAMAGE_SIGNS = ("not a database", "malformed", "damaged", "ran out of memory")
+"""SQLite's own words for a damaged file (SQLITE_NOTADB, SQLITE_CORRUPT, SQLITE_NOMEM on a damaged
+page) and chatcore's: what ``logs export --salvage`` is for."""
+
+
+def salvage_hint(path: Path) -> str:
+    """The command that recovers what the damaged SQLite file at ``path`` holds, as one clause."""
+    return f"`chatcore logs export --salvage --db {shlex.quote(str(path))} -o saved.jsonl` recovers what it holds"
+
+
+def is_memory(parsed: sa.URL) -> bool:
+    """An SQLite URL of SQLite's in-memory database (``sqlite://``, ``sqlite:///:memory:``)."""
+    return parsed.get_backend_name() == "sqlite" and (not parsed.database or parsed.database == ":memory:")
+
+
 def reason(error: BaseException) -> str:
     """The first line of what went wrong, for a one-line message (the driver's own error when there is one)."""
     original = getattr(error, "orig", None) or error
@@ -139,7 +165,15 @@ class StoreConnection:
         self.is_postgres = parsed.get_backend_name() == "postgresql"
         connect_args: dict[str, Any] = {}
         self.synchronous = "normal"
-        if self.is_sqlite:
+        self._memory_keeper: sqlite3.Connection | None = None
+        self.in_memory = create and is_memory(parsed)
+        """A log kept in memory for the life of the process (``--db :memory:``), never a file."""
+        damage_path = sqlite_file(parsed)  # the file to point a salvage at, should it not open
+        if self.in_memory:
+            parsed = self._memory_database(parsed)
+            self.url = parsed.render_as_string(hide_password=False)  # another store here reaches the same one
+            self.display_url = MEMORY_DISPLAY
+        elif self.is_sqlite:
             parsed = self._take_synchronous(parsed)
             parsed = self._check_sqlite_location(parsed, create)
             # check_same_thread off: adapters may write from a worker thread; the
@@ -167,8 +201,16 @@ class StoreConnection:
         self.fts = False
         try:
             self._prepare_schema()
+        except NotALogError:
+            self.close()
+            raise
+        except LogError as error:
+            self.close()
+            if damage_path is None or not damage_path.is_file() or not any(sign in str(error) for sign in DAMAGE_SIGNS):
+                raise  # a server, no file, or a fault that is not damage (locked, read-only): nothing to salvage
+            raise type(error)(f"{error}; {salvage_hint(damage_path)}") from error.__cause__
         except BaseException:
-            self.db.dispose()
+            self.close()
             raise
         self._companions: dict[str, tuple[int, int] | None] = {}
         self._note_identity()
@@ -249,12 +291,29 @@ class StoreConnection:
         return parsed.difference_update_query(["synchronous"])
 
     # -- opening ------------------------------------------------------------------
+    def _memory_database(self, parsed: sa.URL) -> sa.URL:
+        """SQLite's in-memory database, shared by this store's connections (each of SQLAlchemy's
+        own ``:memory:`` connections would be a database of its own, one per thread).
+
+        A database of SQLite's ``memdb`` VFS whose name starts with ``/`` is one database for every
+        connection in the process that opens that name, locked as a file is; it lives while one
+        connection to it is open, so the store holds one until it closes."""
+        name = f"/chatcore-log-{uuid.uuid4().hex}"
+        try:
+            self._memory_keeper = sqlite3.connect(f"file:{name}?vfs=memdb", uri=True, check_same_thread=False)
+        except sqlite3.Error as error:
+            raise LogError(
+                f"cannot keep the conversation log in memory: {error} (SQLite {sqlite3.sqlite_version}; "
+                "3.36 or newer has the memdb VFS)"
+            ) from None
+        return parsed.set(database=f"file:{name}", query={"vfs": "memdb", "uri": "true"})
+
     def _check_sqlite_location(self, parsed: sa.URL, create: bool) -> sa.URL:
         """The URL to open: checked, its folder made (``create``), or opened immutable (a read-only folder)."""
         database = parsed.database
         if not database or database == ":memory:" or database.startswith("file:"):
             if not create and (not database or database == ":memory:"):
-                raise NotALogError(f"{self.display_url} is an in-memory database: it holds no conversation log")
+                raise NotALogError(MEMORY_REFUSED)
             return parsed
         path = Path(database).expanduser()
         if path.is_dir():
@@ -270,6 +329,14 @@ class StoreConnection:
                 # as an immutable file.
                 return parsed.set(database=f"file:{path}?mode=ro&immutable=1", query={"uri": "true"})
             return parsed
+        folder = path.parent
+        if not folder.is_dir() and not is_default_folder(folder):
+            # Only the user data folder is made when missing: a folder in a path given by hand that
+            # does not exist is a mistyped path far more often than a wish for a new folder tree.
+            raise LogError(
+                f"cannot create the conversation log {path}: no folder {folder} (create it first, or give a "
+                "file in a folder that exists)"
+            )
         try:
             make_private_folder(path.parent)
         except OSError as error:
@@ -301,6 +368,9 @@ class StoreConnection:
 
     def close(self) -> None:
         self.db.dispose()
+        if self._memory_keeper is not None:  # the in-memory log goes with it
+            self._memory_keeper.close()
+            self._memory_keeper = None
 
     def __enter__(self) -> Self:
         return self

@@ -15,20 +15,28 @@ spelling of the same database's URL finds it) and its process, and is
 held with an exclusive ``flock`` while its process lives; a file nobody holds is an
 orphan and is adopted. Replaying twice is harmless: every write carries a key that
 the store recognises (``messages.write_key``).
+
+The orphans are replayed when a chat, a bot or the server opens the log
+(:func:`replay_left_writes`), before it reads anything: a conversation resumed then holds
+the turns an ended chat could only journal, and goes on as one conversation.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from chatcore.log.private_files import open_private_append
+
+if TYPE_CHECKING:
+    from chatcore.log.store import ConversationStore
 
 try:
     import fcntl
@@ -36,6 +44,7 @@ except ImportError:  # Windows: files are not shared between processes, nothing 
     fcntl = None  # type: ignore[assignment]
 
 _DATETIME = "$datetime"
+REJECTED_SUFFIX = "-rejected.jsonl"
 
 
 def _encode(value: Any) -> Any:
@@ -85,13 +94,72 @@ def _lock(stream: IO[str]) -> bool:
         return False
 
 
+def journal_files(folder: Path, url: str) -> list[Path]:
+    """The journal files in ``folder`` of the database at ``url`` (any process's), oldest first.
+
+    Named ``<database>-<pid>-<random>.jsonl``: the writes set aside beside them
+    (``<database>-rejected.jsonl``, see the log's plugin) are a record, never replayed."""
+    prefixes = {_digest(database_identity(url)), _digest(url)}  # and as older versions named them
+    try:
+        if not folder.is_dir():
+            return []
+        found = {
+            path
+            for prefix in prefixes
+            for path in folder.glob(f"{prefix}-*-*.jsonl")
+            if not path.name.endswith(REJECTED_SUFFIX)
+        }
+    except OSError:  # a folder this user may not read (another user's data folder): nothing to adopt
+        return []
+    return sorted(found, key=_modified)
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # gone meanwhile (adopted and replayed by another process)
+        return 0.0
+
+
+# What the log's plugin says about the database itself: the plugin of the chat that opened the
+# store says it again about its own writes, so a replay at opening leaves it to that one.
+_SAID_BY_THE_CHAT = ("conversation log unavailable", "conversation log available again")
+
+
+def replay_left_writes(store: "ConversationStore", folder: Path | None = None) -> None:
+    """Write into ``store`` the journaled writes of processes that ended before the database took
+    them (``folder``: the journal's, by default ``log-journal`` in the user data folder).
+
+    Called when a chat, a bot or the server opens the log, before it reads a conversation: a
+    ``--continue`` then resumes the conversation with the turns an ended chat could only journal,
+    rather than without them (its next write would then find them, written since it read, and
+    go on in a new conversation). Replayed as the log's plugin replays them (in order, each once,
+    one refused for its content set aside); what the database cannot take now stays for the
+    chat's own plugin. What the replay finds (a conversation deleted or written by another chat
+    meanwhile, a write set aside) is logged as a warning."""
+    from chatcore.log.plugin import JOURNAL_FOLDER, ConversationLogPlugin
+
+    if folder is None:
+        from chatcore.log.location import user_data_path
+
+        folder = user_data_path() / JOURNAL_FOLDER
+    if not journal_files(folder, store.url) or store.quick_check() is not None:
+        return  # nothing left, or a damaged file, which is never written into
+    told: list[str] = []
+    ConversationLogPlugin(store, notify=told.append, journal_dir=folder).close()
+    logger = logging.getLogger("chatcore.conversation_log")
+    for message in told:
+        if message != store.repaired and not message.startswith(_SAID_BY_THE_CHAT):
+            logger.warning("%s", message)
+
+
 class SpillJournal:
     """Append and replay the waiting writes of one process for one database."""
 
     def __init__(self, folder: Path, url: str) -> None:
         self.folder = folder
+        self.url = url
         self.prefix = _digest(database_identity(url))
-        self._legacy_prefix = _digest(url)  # files named by the URL's spelling, as older versions did
         self.path = folder / f"{self.prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
         self._own: IO[str] | None = None
         self._adopted: list[tuple[Path, IO[str]]] = []
@@ -100,11 +168,8 @@ class SpillJournal:
 
     def adopt_orphans(self) -> None:
         """Take over the files of ended processes that logged to the same database."""
-        if not self.folder.is_dir():
-            return
         held = {path for path, _ in self._adopted} | {self.path}
-        found = {*self.folder.glob(f"{self.prefix}-*.jsonl"), *self.folder.glob(f"{self._legacy_prefix}-*.jsonl")}
-        for path in sorted(found, key=lambda path: path.stat().st_mtime if path.exists() else 0):
+        for path in journal_files(self.folder, self.url):
             if path in held:
                 continue
             try:

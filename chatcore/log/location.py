@@ -13,6 +13,10 @@ ENV_DB = "CHATCORE_DB"
 APP_NAME = "chatcore"
 DEFAULT_FILENAME = "conversations.sqlite3"
 HISTORY_FILENAME = "repl_history"  # the REPL's input history, beside the log
+MEMORY = ":memory:"
+MEMORY_URL = "sqlite:///:memory:"
+"""``--db :memory:``: a chat, bot or server keeps its log in memory, for as long as it runs;
+the ``logs`` commands refuse it (there is nothing to read)."""
 
 
 def user_data_path() -> Path:
@@ -20,6 +24,12 @@ def user_data_path() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+
+
+def is_default_folder(folder: Path) -> bool:
+    """Whether ``folder`` is the user data folder, which chatcore makes when it is missing
+    (a folder named in ``--db`` or ``$CHATCORE_DB`` must exist)."""
+    return folder.expanduser().resolve() == user_data_path().expanduser().resolve()
 
 
 def default_url() -> str:
@@ -34,10 +44,13 @@ def resolve_url(explicit: str | None = None) -> str:
     """The database URL to use: an explicit URL or path, ``$CHATCORE_DB``, or the default file.
 
     A value without ``://`` is taken as the path of an SQLite file, so
-    ``--db chats.db`` works as well as ``--db sqlite:///chats.db``.
+    ``--db chats.db`` works as well as ``--db sqlite:///chats.db``; ``:memory:`` is SQLite's
+    in-memory database (:data:`MEMORY_URL`), as in SQLite itself, not a file of that name.
     """
     for candidate in (explicit, os.environ.get(ENV_DB)):
         if candidate is not None and candidate.strip():
             value = candidate.strip()
+            if value == MEMORY:
+                return MEMORY_URL
             return value if "://" in value else sqlite_url(value)
     return default_url()

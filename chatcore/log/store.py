@@ -22,8 +22,11 @@ pg_trgm GIN index, and ``LIKE`` otherwise.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from chatcore.log.check import StoreCheck
 from chatcore.log.errors import LogError, LogUnavailableError, UnknownConversationError
+from chatcore.log.journal import replay_left_writes
 from chatcore.log.writing import NUL_SYMBOL, REPLACEMENT, StoreWriting, storable
 
 __all__ = [
@@ -56,12 +59,32 @@ class ConversationStore(StoreWriting, StoreCheck):
     checked first (:meth:`check_on_open`): damaged indexes are rebuilt (:attr:`repaired`
     says so), damaged rows are noted in :attr:`damage` and never written into. With
     ``defer_check=True`` the check waits for the caller (:attr:`check_deferred`).
+
+    A store opened for writing then writes what processes that ended could only journal
+    (:func:`~chatcore.log.journal.replay_left_writes`; ``journal_dir``: the journal's folder,
+    by default ``log-journal`` in the user data folder), so that what is read next (a
+    conversation resumed) holds it. With ``defer_check`` the log's plugin does it once the
+    check passes.
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 3.0, create: bool = True, defer_check: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 3.0,
+        create: bool = True,
+        defer_check: bool = False,
+        journal_dir: Path | None = None,
+    ) -> None:
         super().__init__(url, timeout_s=timeout_s, create=create)
         # ``defer_check``: the caller runs the check (a chat's log plugin, in the background,
         # journaling the turns until it passes) instead of the open waiting for it.
         self.check_deferred = create and self.file_path is not None and defer_check
         if create and self.file_path is not None and not defer_check:
             self.check_on_open()
+        if create and not self.in_memory and not self.check_deferred:
+            try:
+                replay_left_writes(self, journal_dir)
+            except BaseException:
+                self.close()
+                raise
