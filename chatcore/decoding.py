@@ -24,7 +24,7 @@ from pydantic import NonNegativeInt
 
 from chatcore.options import Configurable, Settings
 from chatcore.processors import (
-    LogitBiasValue,
+    LogitBias,
     OccurrencePenaltyValue,
     RepetitionPenalty,
     ScoreProcessor,
@@ -205,5 +205,5 @@ class RepetitionSettings(Settings):
     """Subtract this from the score of every token the reply already holds (OpenAI's; 0: off)."""
     frequency_penalty: OccurrencePenaltyValue = 0.0
     """Subtract this times its count in the reply from each token's score (OpenAI's; 0: off)."""
-    logit_bias: dict[NonNegativeInt, LogitBiasValue] = {}
+    logit_bias: LogitBias = {}
     """Token id -> a bias added to its score, as OpenAI's ``logit_bias`` (-100 bans the token)."""

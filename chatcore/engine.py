@@ -53,7 +53,8 @@ class ReplyOptions(Settings):
     decoder_settings: dict[str, Any] = {}
     """The decoder's settings, as given (checked when the decoder is built)."""
     steerers: list[tuple[str, dict[str, Any]]] = []
-    """(name, settings) of each steerer, in order."""
+    """(name, settings) of each steerer, in order; a spec string (``"pplm topic=food"``) is
+    read as such a pair, and a spec string or a pair alone as a list of one."""
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     """The random seed, 0 to 2**63 - 1 (None: a fresh one per reply)."""
     max_new_tokens: PositiveInt = DEFAULT_MAX_NEW_TOKENS
@@ -64,6 +65,14 @@ class ReplyOptions(Settings):
     """Keep each chosen token's log-probability and this many best alternatives' (None: none);
     the reply's Handle.logprobs holds them (see chatcore.serving.logprobs)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _read_steerer_specs(cls, values: Any) -> Any:
+        # Before the text conventions of Settings, which would split a spec string at its commas.
+        if isinstance(values, Mapping) and "steerers" in values:
+            return {**values, "steerers": steerer_pairs(values["steerers"])}
+        return values
+
     @model_validator(mode="after")
     def _min_within_max(self) -> ReplyOptions:
         if self.min_new_tokens > self.max_new_tokens:
@@ -72,6 +81,43 @@ class ReplyOptions(Settings):
                 f"got {self.min_new_tokens!r}"
             )
         return self
+
+
+STEERERS_EXAMPLE = "['bow-bias topic=food'] or [('bow-bias', {'topic': 'food'})]"
+
+
+def steerer_pairs(given: Any) -> Any:
+    """``steerers`` as :class:`ReplyOptions` keeps them, (name, settings) pairs: each spec string
+    parsed (``"pplm topic=food"``), a spec string or a pair alone a list of one. What is neither
+    a spec string nor a (name, settings) pair is refused in one line saying what an entry must be."""
+    from chatcore.cli.specs import parse_spec
+    from chatcore.text import shown_value
+
+    if isinstance(given, str):
+        return [parse_spec(given)] if given.strip() else []
+    if not isinstance(given, (list, tuple)):
+        raise OptionError(
+            f"`steerers` must be a list of steerer specs, e.g. {STEERERS_EXAMPLE}; got {shown_value(given)}"
+        )
+    if len(given) == 2 and isinstance(given[0], str) and isinstance(given[1], Mapping):
+        given = [given]  # one (name, settings) pair: no list's entry is a mapping
+    pairs = []
+    for entry in given:
+        if isinstance(entry, str):
+            pairs.append(parse_spec(entry))
+        elif (
+            isinstance(entry, (list, tuple))
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], Mapping)
+        ):
+            pairs.append((entry[0], dict(entry[1])))
+        else:
+            raise OptionError(
+                "each of `steerers` must be a spec string ('bow-bias topic=food') or a (name, settings) pair "
+                f"such as ('bow-bias', {{'topic': 'food'}}), got {shown_value(entry)}"
+            )
+    return pairs
 
 
 @dataclass
@@ -275,7 +321,10 @@ class Engine:
         decoder = self.make_decoder(options.decoder, options.decoder_settings)
         outside = [t for t in getattr(decoder.settings, "logit_bias", None) or {} if t >= len(self.tokenizer)]
         if outside:
-            raise OptionError(f"`logit_bias` keys must be token ids below {len(self.tokenizer)}, got {min(outside)!r}")
+            raise OptionError(
+                f"decoder {options.decoder!r}: `logit_bias` keys must be token ids below {len(self.tokenizer)}, "
+                f"got {min(outside)!r}"
+            )
         return decoder
 
     def options_for(self, options: ReplyOptions | None = None, **overrides: Any) -> ReplyOptions:
@@ -304,13 +353,7 @@ class Engine:
             if both:
                 raise OptionError(f"`{both[0]}` is given in the decoder's spec and in decoder_settings: give it once")
             overrides = {**overrides, "decoder": name, "decoder_settings": {**settings, **given}}
-        steerers = overrides.get("steerers")
-        if isinstance(steerers, (list, tuple)) and any(isinstance(steerer, str) for steerer in steerers):
-            overrides = {
-                **overrides,
-                "steerers": [parse_spec(steerer) if isinstance(steerer, str) else steerer for steerer in steerers],
-            }
-        return options.replace(**overrides)
+        return options.replace(**overrides)  # ReplyOptions reads the steerers' spec strings
 
     def _shared_setup(self, plugin_object: Configurable) -> Any:
         """``setup(model, settings)`` of a decoder's or steerer's class, run once per settings and kept."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatcore.errors import ModelLoadError
+from chatcore.errors import ChatcoreError, ModelLoadError
 from chatcore.gguf import converted_model_folder, is_gguf_path
 
 if TYPE_CHECKING:
@@ -255,7 +255,7 @@ def load_tokenizer(name: str) -> Any:
     path = str(folder) if folder.is_dir() and not (folder / "config.json").exists() else resolve_model_path(name)
     from transformers import AutoTokenizer
 
-    with loading(name, path, f"a tokenizer from {name!r}"):
+    with loading(name, path, f"a tokenizer from {name!r}", weights=False):
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"the tokenizer of {name!r} has no EOS token, which separates turns")
@@ -263,16 +263,69 @@ def load_tokenizer(name: str) -> Any:
 
 
 @contextlib.contextmanager
-def loading(name: str, path: str, what: str) -> Iterator[None]:
+def loading(name: str, path: str, what: str, weights: bool = True) -> Iterator[None]:
     """Quiet loading from ``path`` (``name`` resolved); a failure is one ModelLoadError line:
-    ``cannot load {what}`` for a local path, what the hub said for a hub id."""
+    ``cannot load {what}`` for a local path, with what makes its folder unusable where that
+    can be seen (:func:`folder_problems`; ``weights``: whether the load needs the weights),
+    what the hub said for a hub id."""
     try:
         with quiet_loading():
             yield
-    except (OSError, ValueError) as error:
+    except ChatcoreError:
+        raise
+    except Exception as error:
         if Path(path).exists():
-            raise ModelLoadError(f"cannot load {what}: {error}") from error
-        raise ModelLoadError(hub_failure(name, error)) from error
+            # transformers fails on a damaged folder with any exception type, over several lines.
+            problems = folder_problems(Path(path), weights)
+            if problems:
+                raise ModelLoadError(
+                    f"cannot load {what}: the folder is not a usable model: {'; '.join(problems)}"
+                ) from error
+            raise ModelLoadError(f"cannot load {what}: {one_line(error)}") from error
+        if isinstance(error, (OSError, ValueError)):
+            raise ModelLoadError(hub_failure(name, error)) from error
+        raise
+
+
+# Files a tokenizer is read from, and the endings of weight files, in transformers' folders.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def folder_problems(folder: Path, weights: bool = True) -> list[str]:
+    """What visibly keeps a local folder from loading as a model, as short phrases (none
+    when nothing is seen): a config.json that is no JSON object or names no known
+    ``model_type``, no tokenizer files, no weights (where ``weights`` are needed)."""
+    import json
+
+    problems = []
+    config_file = folder / "config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            config = None
+            problems.append("its config.json is not valid JSON")
+        if config is not None and not isinstance(config, dict):
+            problems.append("its config.json is not a JSON object")
+        elif isinstance(config, dict):
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+            model_type = config.get("model_type")
+            if not isinstance(model_type, str) or not model_type:
+                problems.append("its config.json names no `model_type`")
+            elif model_type not in CONFIG_MAPPING_NAMES:
+                problems.append(f"its config.json names `model_type` {model_type!r}, which transformers does not know")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        problems.append("it has no tokenizer file such as tokenizer.json")
+    if weights and not any(file.suffix in WEIGHT_SUFFIXES for file in folder.iterdir() if file.is_file()):
+        problems.append("it has no weights such as model.safetensors")
+    return problems
+
+
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (transformers' run over several)."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def load_causal_lm(path: str, dtype: Any) -> Any:

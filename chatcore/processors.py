@@ -30,7 +30,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, cast
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field, NonNegativeInt
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +56,48 @@ Temperature = Annotated[float, Field(ge=MIN_SCORE_DIVISOR, le=MAX_TEMPERATURE)]
 RepetitionPenalty = Annotated[float, Field(ge=MIN_SCORE_DIVISOR)]
 OccurrencePenaltyValue = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 LogitBiasValue = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+
+
+def is_token_id(key: Any) -> bool:
+    """Whether ``key`` names a token id: a non-negative integer, or its digits (JSON's keys are text)."""
+    if isinstance(key, bool):
+        return False
+    if isinstance(key, int):
+        return key >= 0
+    if isinstance(key, float):
+        return key.is_integer() and key >= 0
+    return isinstance(key, str) and key.strip().isascii() and key.strip().isdecimal()
+
+
+def token_id_error(key: Any) -> ValueError:
+    """A ``logit_bias`` key that is no token id, named as the key it is (the vocabulary size is
+    the model's: the engine checks the upper bound against it)."""
+    from chatcore.text import shown_value
+
+    digits = key.strip().removeprefix("-") if isinstance(key, str) else ""
+    shown = key.strip() if digits.isascii() and digits.isdecimal() else shown_value(key)
+    return ValueError(f"`logit_bias` keys must be token ids in [0, vocab size), got {shown}")
+
+
+def logit_bias_value_error(token_id: Any, value: float) -> ValueError:
+    bounds = f"between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
+    return ValueError(f"`logit_bias` values must be {bounds}, got {value:g} for token {token_id}")
+
+
+def _checked_entries(bias: Any) -> Any:
+    # Before pydantic reads them: its own message would show a key "-1" as the number -1.0,
+    # and a key or a value out of bounds as an entry out of an unnamed range.
+    if isinstance(bias, dict):
+        for key, value in bias.items():
+            if not is_token_id(key):
+                raise token_id_error(key)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise logit_bias_value_error(key, value)
+    return bias
+
+
+LogitBias = Annotated[dict[NonNegativeInt, LogitBiasValue], BeforeValidator(_checked_entries)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 
 
@@ -142,10 +184,10 @@ class TokenBias:
 def logit_bias(bias: dict[int, float]) -> ScoreProcessor:
     """Add ``bias[token_id]`` to that token's score (-100 bans it in practice, 100 all but forces it)."""
     for token_id, value in bias.items():
-        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-            raise ValueError(f"`logit_bias` keys must be token ids (non-negative integers), got {token_id!r}")
+        if not isinstance(token_id, int) or not is_token_id(token_id):
+            raise token_id_error(token_id)
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise ValueError(f"`logit_bias` values must be between -100 and 100, got {value} for token {token_id}")
+            raise logit_bias_value_error(token_id, value)
     return TokenBias(bias)
 
 

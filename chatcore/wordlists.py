@@ -18,15 +18,19 @@ def builtin_topics() -> list[str]:
     return sorted(p.stem for p in WORDLIST_DIR.glob("*.txt"))
 
 
-def read_word_file(path: str | Path) -> list[str]:
-    """One word or phrase per line; blank lines and lines starting with # are skipped."""
+def read_word_file(path: str | Path, setting: str = "`file`") -> list[str]:
+    """One word or phrase per line; blank lines and lines starting with # are skipped. A path
+    that is no readable word file is an OptionError naming ``setting`` (the option or setting
+    that gave the path)."""
     from chatcore.errors import CorpusError
     from chatcore.training.corpus import data_lines
 
+    if Path(path).is_dir():
+        raise OptionError(f"{setting}: {str(path)!r} is a folder, not a word file (one word or phrase per line)")
     try:
         return [line.strip() for _, line in data_lines(path, "word file")]
     except CorpusError as error:
-        raise OptionError(f"`file`: {error}") from None
+        raise OptionError(f"{setting}: {error}") from None
 
 
 def check_word_sources(topic: str | None, file: str | None) -> None:

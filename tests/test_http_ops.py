@@ -425,7 +425,8 @@ def test_penalties_and_logit_bias_match_the_engine(engine, serving_engine):
     vocabulary = len(engine.tokenizer)
     outside = ReplyOptions(decoder="greedy", decoder_settings={"logit_bias": {vocabulary + 5: -100, 3: 1}})
     with pytest.raises(
-        OptionError, match=rf"^`logit_bias` keys must be token ids below {vocabulary}, got {vocabulary + 5}$"
+        OptionError,
+        match=rf"^decoder 'greedy': `logit_bias` keys must be token ids below {vocabulary}, got {vocabulary + 5}$",
     ):
         engine.prepare_reply([Message("user", asked)], outside)
 

@@ -275,6 +275,36 @@ def test_local_paths_that_are_not_models_are_one_line(tmp_path, name, message):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("config", "reasons"),
+    [
+        ("{}", ["its config.json names no `model_type`", "no tokenizer file", "no weights"]),
+        ("[1]", ["its config.json is not a JSON object"]),  # transformers fails with a TypeError there
+        ("not json", ["its config.json is not valid JSON"]),
+        ('{"model_type": "no-such-kind"}', ["names `model_type` 'no-such-kind', which transformers does not know"]),
+    ],
+)
+def test_a_folder_that_is_no_usable_model_is_one_line_saying_why(tmp_path, config, reasons):
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(str(tmp_path), device="cpu")
+    message = str(caught.value)
+    assert message.startswith(f"cannot load model '{tmp_path}': the folder is not a usable model: "), message
+    assert all(reason in message for reason in reasons) and "\n" not in message, message
+
+
+def test_a_folder_with_a_tokenizer_but_an_empty_config_names_the_config(tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((BUNDLED_DIR / "chatcore-tiny" / name).read_bytes())
+    (tmp_path / "config.json").write_text("{}")
+    result = CliRunner().invoke(build_cli(), ["generate", "--model", str(tmp_path), "hi"], catch_exceptions=True)
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output, result.exception
+    assert result.stderr == (
+        f"Error: cannot load model '{tmp_path}': the folder is not a usable model: "
+        "its config.json names no `model_type`; it has no weights such as model.safetensors\n"
+    )
+
+
 def test_an_unknown_name_offline_says_what_it_is_not(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as caught:

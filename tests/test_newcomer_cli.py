@@ -342,3 +342,122 @@ def test_settings_show_a_mapping_as_the_json_that_set_takes_back():
 
     shown = format_settings({"top_k": 40, "logit_bias": {"28": -100.0}, "words": ["a", "b"], "empty": {}})
     assert shown == 'top_k=40 logit_bias={"28":-100.0} words=a,b'
+
+
+# -- input refused in one line, before the model loads ---------------------------------------------
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails a test whose command loads a model: its input should have been refused first."""
+    import chatcore.engine
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(chatcore.engine, "load_model", no_model)
+
+
+def test_eval_refuses_an_attribute_file_without_words_or_a_folder(run, tmp_path, no_model_load):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# a comment, then nothing\n\n")
+    one_line_failure(run("eval", "--attribute", str(empty), "--limit", "1"), "--attribute", "holds no words")
+    one_line_failure(
+        run("eval", "--attribute", str(tmp_path), "--limit", "1"), f"--attribute: '{tmp_path}' is a folder"
+    )
+
+
+def test_eval_refuses_an_empty_json_path(run, no_model_load):
+    one_line_failure(run("eval", "--json", "", "--limit", "1"), "--json must name a file", "got ''")
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["eval", "--limit", "1"], ["chat"]])
+def test_an_empty_device_is_refused(run, command, no_model_load):
+    one_line_failure(run(command[0], "--device", "", *command[1:]), "--device must name a device", "got ''")
+
+
+def test_eval_whose_every_context_fails_says_so_without_a_table(run, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "long.txt"
+    prompts.write_text(("word " * 2000).strip() + "\n")  # past the 8,000 characters of a message
+    report = tmp_path / "report.json"
+    result = run("eval", "-m", str(tiny_model_dir), "--prompts", str(prompts), "-n", "2", "--json", str(report))
+    one_line_failure(result, "every context failed (1)", "characters long")
+    assert result.stdout == ""
+    assert "characters long" in json.loads(report.read_text())["samples"][0]["error"]  # the report still says why
+
+
+def test_generate_names_the_turn_that_is_empty(run, no_model_load):
+    one_line_failure(run("generate", "hi", "", "there"), "turn 2 of 3 is empty")
+    one_line_failure(run("generate", "hi", "x" * 9000, "there"), "turn 2 of 3 is 9,000 characters long")
+    one_line_failure(run("generate", " "), "the message is empty")
+
+
+def test_a_word_file_that_is_a_folder_is_said_to_be_one(run, tmp_path, no_model_load):
+    for spec in (f"bow-bias file={tmp_path}", f"rank file={tmp_path}"):
+        flag = "--steer" if spec.startswith("bow-bias") else "--decoder"
+        one_line_failure(run("generate", flag, spec, "hi"), f"`file`: '{tmp_path}' is a folder, not a word file")
+
+
+@pytest.mark.parametrize(
+    "bias, needle",
+    [
+        ('{"-1": 1}', "decoder 'greedy': `logit_bias` keys must be token ids in [0, vocab size), got -1"),
+        ('{"abc": 1}', "decoder 'greedy': `logit_bias` keys must be token ids in [0, vocab size), got 'abc'"),
+        ('{"5": 1000}', "decoder 'greedy': `logit_bias` values must be between -100 and 100, got 1000 for token 5"),
+        ('{"999999": 1}', "decoder 'greedy': `logit_bias` keys must be token ids below "),
+    ],
+)
+def test_logit_bias_keys_and_values_are_refused_as_what_they_are(run, tiny_model_dir, bias, needle):
+    error = one_line_failure(run("generate", "-m", str(tiny_model_dir), "--decoder", f"greedy logit_bias={bias}", "hi"))
+    assert error.startswith("Error: " + needle), error
+
+
+# -- the Python API's steerers ----------------------------------------------------------------------
+def test_steerers_take_a_spec_string_alone_and_refuse_other_entries_in_one_line(engine):
+    from chatcore.errors import OptionError
+
+    expected = engine.reply_to(
+        ["hi"], ReplyOptions(seed=1, max_new_tokens=4, steerers=[("bow-bias", {"topic": "food"})])
+    )
+    conversation = engine.conversation()
+    alone = engine.send(conversation, "hi", seed=1, max_new_tokens=4, steerers="bow-bias topic=food")
+    assert alone.text() == expected.text() and alone.provenance["steerers"] == expected.provenance["steerers"]
+    assert ReplyOptions(steerers=("bow-bias", {"words": ["a", "b"]})).steerers == [("bow-bias", {"words": ["a", "b"]})]
+    assert ReplyOptions(steerers=["bow-bias words=a,b"]).steerers == [("bow-bias", {"words": "a,b"})]
+    turns = len(conversation.turns)
+    for steerers, needle in (
+        ([("bow-bias", {"topic": "food"}, 1)], "each of `steerers` must be a spec string ('bow-bias topic=food') or a"),
+        ([3], "(name, settings) pair such as ('bow-bias', {'topic': 'food'}), got 3"),
+        (3, "`steerers` must be a list of steerer specs, e.g. ['bow-bias topic=food']"),
+    ):
+        with pytest.raises(OptionError) as caught:
+            engine.send(conversation, "hi again", steerers=steerers)
+        assert needle in str(caught.value) and "\n" not in str(caught.value), caught.value
+        assert "validation" not in str(caught.value)
+    assert len(conversation.turns) == turns  # a refused message is not added
+
+
+# -- discord without a connection -------------------------------------------------------------------
+@pytest.mark.asyncio
+@pytest.mark.parametrize("answered", [0, 2])
+async def test_the_discord_bot_says_what_it_answered_in_words_when_it_stops(
+    tiny_model_dir, monkeypatch, caplog, answered
+):
+    import logging
+
+    from chatcore.adapters.discord_bot import run
+    from chatcore.adapters.discord_bot.bot import ChatBot
+    from chatcore.adapters.discord_bot.config import DiscordSettings
+    from chatcore.errors import ChatcoreError
+
+    async def unreachable(bot: ChatBot, token: str) -> None:
+        # What a machine without network meets, after the bot answered `answered` messages.
+        bot.stats.replies = answered
+        bot.stats.errors = 1 if answered else 0
+        raise OSError("Cannot connect to host discord.com:443")
+
+    monkeypatch.setattr(ChatBot, "start", unreachable)
+    settings = DiscordSettings(model=str(tiny_model_dir), log=False, shutdown_grace_s=5)
+    with caplog.at_level(logging.INFO, logger="chatcore"), pytest.raises(ChatcoreError, match="cannot reach Discord"):
+        await run.serve(settings, "MTA3.token.value")
+    stopped = [record.getMessage() for record in caplog.records if record.getMessage().startswith("stopped")]
+    assert stopped == (["stopped: 2 replies sent, 1 failed"] if answered else [])
+    assert not any("BotStats(" in record.getMessage() for record in caplog.records)

@@ -126,6 +126,28 @@ def test_logit_bias_adds_to_the_chosen_tokens_and_checks_its_values():
     assert logit_bias({0: 100.0, 9: 1.0})(torch.tensor([[1], [2]]), rows).tolist() == [[100, 0, 0, 0, 0, 0]] * 2
     with pytest.raises(ValueError, match="`logit_bias` values must be between -100 and 100, got 101"):
         logit_bias({3: 101})
+    with pytest.raises(ValueError, match=r"^`logit_bias` keys must be token ids in \[0, vocab size\), got -1$"):
+        logit_bias({-1: 1.0})
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        ({"-1": 1}, "`logit_bias` keys must be token ids in [0, vocab size), got -1"),
+        ({-2: 1}, "`logit_bias` keys must be token ids in [0, vocab size), got -2"),
+        ({"1.5": 1}, "`logit_bias` keys must be token ids in [0, vocab size), got '1.5'"),
+        ({"abc": 1}, "`logit_bias` keys must be token ids in [0, vocab size), got 'abc'"),
+        ({"5": 1000}, "`logit_bias` values must be between -100 and 100, got 1000 for token 5"),
+    ],
+)
+def test_logit_bias_settings_name_a_bad_key_as_a_key_and_a_bad_value_with_its_range(bias, message):
+    from chatcore.decoding import RepetitionSettings
+    from chatcore.errors import OptionError
+
+    with pytest.raises(OptionError) as caught:
+        RepetitionSettings(logit_bias=bias)
+    assert str(caught.value) == message
+    assert RepetitionSettings(logit_bias={"5": -100, 7: 2.5}).logit_bias == {5: -100.0, 7: 2.5}
 
 
 def test_no_repeat_ngram_bans_completions_of_seen_ngrams():

@@ -157,13 +157,40 @@ def test_built_in_pairs_steer_a_llama_family_model(tiny_llama, host):
         ({"pairs": "weather"}, "`pairs` must be one of food, happy, sports"),
         ({"pairs": "food", "strength": 10}, "`strength` must be between -4 and 4"),
         ({"pairs": "food", "layer": 7}, "`layer` must be between 0 and 1 on this model, got 7"),
-        ({"path": "/no/such/vector"}, "vector.safetensors does not exist"),
+        ({"path": "/no/such/vector"}, "/no/such/vector.safetensors does not exist"),
     ],
 )
 def test_bad_settings_are_refused_when_chosen_in_one_line(vector_engine, settings, message):
     with pytest.raises(ChatcoreError, match=message) as caught:
         vector_engine.check_options(ReplyOptions(steerers=[("vector", settings)]))
     assert "\n" not in str(caught.value)
+
+
+def test_a_path_that_is_no_saved_vector_says_what_it_is(vector_engine, tiny_model_dir, contrast_files, tmp_path):
+    assert train(tiny_model_dir, contrast_files, tmp_path / "food").exit_code == 0
+    made = json.loads((tmp_path / "food.json").read_text())
+    for stem, metadata in [("empty", {}), ("typed", {**made, "layer": "x"}), ("listed", [1])]:
+        (tmp_path / f"{stem}.safetensors").write_bytes((tmp_path / "food.safetensors").read_bytes())
+        (tmp_path / f"{stem}.json").write_text(json.dumps(metadata))
+    (tmp_path / "alone.safetensors").write_bytes((tmp_path / "food.safetensors").read_bytes())
+    (tmp_path / "garbled.safetensors").write_text("garbage")
+    (tmp_path / "garbled.json").write_text(json.dumps(made))
+    ours = "is not a vector's metadata from `chatcore train vector`"
+    for path, message in [
+        ("empty", f"empty.json {ours} (it lacks layer, width, model_hash and 6 more)"),
+        ("typed", "typed.json: `layer` must be an integer, got 'x'"),
+        ("listed", f"listed.json {ours} (it holds no JSON object)"),
+        ("alone.safetensors", "its metadata {tmp}/alone.json is missing beside alone.safetensors"),
+        ("garbled", "{tmp}/garbled.safetensors cannot be read as safetensors"),
+        ("{tmp}", "'{tmp}' is a folder, not a vector"),
+    ]:
+        shown = path.format(tmp=tmp_path) if path == "{tmp}" else str(tmp_path / path)
+        with pytest.raises(ChatcoreError) as caught:
+            vector_engine.check_options(ReplyOptions(steerers=[("vector", {"path": shown})]))
+        error = str(caught.value)
+        assert error.startswith(f"steering vector '{shown}': "), error
+        assert message.format(tmp=tmp_path) in error and "\n" not in error, error
+        assert "VectorInfo" not in error and "TypeError" not in error
 
 
 def test_train_vector_input_errors_are_one_line(tiny_model_dir, tmp_path):
@@ -176,6 +203,7 @@ def test_train_vector_input_errors_are_one_line(tiny_model_dir, tmp_path):
         (["--positive", str(tmp_path / "missing.txt"), "--negative", str(empty)], "does not exist"),
         (["--positive", str(empty)], "give --positive FILE and --negative FILE"),
         (["--pairs", "food", "--layer", "9"], "`layer` must be between 0 and 1"),
+        (["--pairs", "food", "--device", ""], "--device must name a device (auto, cpu, cuda, cuda:N or mps), got ''"),
     ]:
         result = runner.invoke(
             cli, ["train", "vector", "--model", str(tiny_model_dir), "--out", str(tmp_path / "v"), *arguments]

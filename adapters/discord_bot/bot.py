@@ -105,6 +105,27 @@ class BotStats:
     errors: int = 0
     interrupted: int = 0
 
+    def __str__(self) -> str:
+        """In words: "3 replies sent (1 cut short), 1 failed"."""
+        sent = f"{self.replies} {'reply' if self.replies == 1 else 'replies'} sent"
+        if self.interrupted:
+            sent += f" ({self.interrupted} cut short)"
+        others = [
+            f"{count} {what}"
+            for count, what in (
+                (self.busy, "turned away while busy"),
+                (self.cooldown, "held back by the cooldown"),
+                (self.errors, "failed"),
+            )
+            if count
+        ]
+        return ", ".join([sent, *others])
+
+    @property
+    def any(self) -> bool:
+        """Whether the bot took up any message."""
+        return any((self.replies, self.busy, self.cooldown, self.errors, self.interrupted))
+
 
 @dataclass
 class ChannelSetup:
@@ -473,7 +494,8 @@ class ChatBot(discord.Client):
             await asyncio.wait(handlers, timeout=10)
         await self.worker.stop(self.settings.shutdown_grace_s)
         await self.close()
-        logger.info("stopped: %s", self.stats)
+        if self.stats.any:  # a bot that took up nothing (one that never connected) says only why it stopped
+            logger.info("stopped: %s", self.stats)
 
 
 def cut_reply_text(text: str, stop_reason: str | None) -> str:

@@ -132,11 +132,16 @@ def generate(
     from chatcore.errors import ChatcoreError
     from chatcore.text import clean_message, undecodable_at
 
-    for turn in turns:
+    for number, turn in enumerate(turns, start=1):
+        # Of several turns, the one at fault is named: "turn 2 of 3 is empty".
+        which = f"turn {number} of {len(turns)}" if len(turns) > 1 else "the message"
         bad = undecodable_at(turn)  # Python decodes arguments with surrogateescape: a bad byte is no character
         if bad is not None:
-            raise ChatcoreError(f"the message is not UTF-8 text (bad byte at position {bad})")
-        clean_message(turn)
+            raise ChatcoreError(f"{which} is not UTF-8 text (bad byte at position {bad})")
+        try:
+            clean_message(turn)
+        except ChatcoreError as error:
+            raise ChatcoreError(str(error).replace("the message", which, 1)) from error
     validate_options(options)
     validate_format_name(prompt_format, registry_of())
     system = system_prompt_with_persona(system_text, system_file, persona)

@@ -195,7 +195,19 @@ def options_from_model(
     return apply
 
 
-device_option = click.option("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when present).")
+def checked_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--device`` as given; an empty one is refused in one line (the model would otherwise
+    land on the default device without a word)."""
+    if value is not None and not value.strip():
+        from chatcore.errors import OptionError
+
+        raise OptionError(f"--device must name a device (auto, cpu, cuda, cuda:N or mps), got {value!r}")
+    return value
+
+
+device_option = click.option(
+    "--device", default=None, callback=checked_device, help="cpu, cuda, cuda:1 ... (default: cuda when present)."
+)
 
 dtype_option = click.option(
     "--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True

@@ -11,6 +11,7 @@ import click
 
 import chatcore
 from chatcore.cli.options import (
+    device_option,
     dtype_option,
     max_new_tokens_option,
     model_option,
@@ -45,7 +46,7 @@ from chatcore.errors import ChatcoreError, OptionError
 @click.option(
     "--samples", type=click.IntRange(0, 100_000), default=5, show_default=True, help="Sample replies to print."
 )
-@click.option("--device", default=None)
+@device_option
 @threads_option
 @dtype_option
 @prompt_options("System prompt (persona) for every reply.")
@@ -101,14 +102,15 @@ def eval_command(
     # Everything that needs no model fails before the model loads.
     validate_options(options)
     validate_format_name(prompt_format, registry_of())
-    if json_path:
+    if json_path is not None:
+        if not json_path.strip():
+            raise OptionError(f"--json must name a file to write the report to, got {json_path!r}")
         check_output_path(json_path)
     system = system_prompt_option(system_text, system_file)
-    load_contexts = prompt_source(prompts)
+    contexts = prompt_source(prompts)()[:limit]
+    vocabulary = load_vocabulary(attribute) if attribute is not None else None
     use_threads(threads)
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
-    contexts = load_contexts()[:limit]
-    vocabulary = load_vocabulary(attribute) if attribute else None
     label = " + ".join([decoder] + [name for name, _ in steerers])
     if batch > 1:
         from chatcore.serving import Scheduler
@@ -126,17 +128,17 @@ def eval_command(
             )
     else:
         report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed, system=system)
+    errors = [s for s in report.samples if "error" in s]
+    if json_path is not None:  # written even when every context failed: it holds each one's error
+        with open_output(json_path) as stream:
+            stream.write(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+    if errors and len(errors) == len(report.samples):
+        # One line: the failure itself, which every context met (a table of no replies says nothing more).
+        raise ChatcoreError(f"every context failed ({len(errors)}), e.g.: {errors[0]['error']}")
     click.echo(report.table())
     shown = [s for s in report.samples if "reply" in s][:samples]
     for sample in shown:
         click.echo(f"\n> {sample['context'][-1]}\n{sample['reply']}")
-    errors = [s for s in report.samples if "error" in s]
-    if json_path:
-        with open_output(json_path) as stream:
-            stream.write(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
-    if errors and len(errors) == len(report.samples):
-        # One line: the failure itself, which every context met.
-        raise ChatcoreError(f"every context failed ({len(errors)}), e.g.: {errors[0]['error']}")
     if errors:
         click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
 
@@ -160,13 +162,19 @@ def prompt_source(prompts: str) -> Callable[[], list[Any]]:
 
 
 def load_vocabulary(attribute: str) -> set[str]:
+    """``--attribute``'s words: a built-in topic's or a word file's; a file that is missing, a
+    folder or holds no words is refused in one line, as the word-list steerers refuse it."""
     from chatcore.wordlists import WORDLIST_DIR, builtin_topics, read_word_file
 
     if attribute in builtin_topics():
-        return set(read_word_file(WORDLIST_DIR / f"{attribute}.txt"))
-    if not Path(attribute).expanduser().exists():
+        return set(read_word_file(WORDLIST_DIR / f"{attribute}.txt", "--attribute"))
+    path = Path(attribute).expanduser()
+    if not attribute.strip() or not path.exists():
         raise OptionError(f"--attribute: no topic or word file {attribute!r} (topics: {', '.join(builtin_topics())})")
-    return set(read_word_file(attribute))
+    words = set(read_word_file(path, "--attribute"))
+    if not words:
+        raise OptionError(f"--attribute: the word file {attribute!r} holds no words (one word or phrase per line)")
+    return words
 
 
 @chatcore.hookimpl(trylast=True)

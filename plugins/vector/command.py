@@ -62,6 +62,8 @@ def train_vector_command(
 
     from .vectors import build_vector, builtin_pair_files, read_texts, save_vector, vector_files
 
+    if device is not None and not device.strip():  # load_model would take it for auto
+        raise OptionError(f"--device must name a device (auto, cpu, cuda, cuda:N or mps), got {device!r}")
     if pairs is not None:
         if positive is not None or negative is not None:
             raise OptionError("give either --pairs or --positive and --negative, not both")

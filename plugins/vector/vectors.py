@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import types
+import typing
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -222,20 +224,75 @@ def load_vector(path: str | Path) -> SteeringVector:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    shown = f"steering vector {str(path)!r}"
+    if Path(path).expanduser().is_dir():
+        raise OptionError(
+            f"{shown}: {str(path)!r} is a folder, not a vector (NAME.safetensors and NAME.json, "
+            "as `chatcore train vector` writes them)"
+        )
     tensors, meta = vector_files(path)
-    for file in (tensors, meta):
-        if not file.is_file():
-            raise OptionError(
-                f"steering vector {str(path)!r}: {file.name} does not exist (make one: chatcore train vector)"
-            )
+    if not tensors.is_file():
+        raise OptionError(f"{shown}: {tensors} does not exist (make one: chatcore train vector)")
+    if not meta.is_file():
+        raise OptionError(
+            f"{shown}: its metadata {meta} is missing beside {tensors.name} (`chatcore train vector` writes both)"
+        )
     try:
-        info = VectorInfo(**json.loads(meta.read_text(encoding="utf-8")))
+        data = json.loads(meta.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise OptionError(f"{shown}: {meta} cannot be read as JSON ({error})") from None
+    info = vector_info(data, f"{shown}: {meta}")
+    try:
         vector = load_file(str(tensors))["vector"]
-    except (ValueError, TypeError, KeyError, SafetensorError, OSError) as error:
-        raise OptionError(f"steering vector {str(path)!r} cannot be read: {type(error).__name__}: {error}") from None
+    except KeyError:
+        raise OptionError(f"{shown}: {tensors} holds no 'vector' tensor (make one: chatcore train vector)") from None
+    except (SafetensorError, OSError, ValueError) as error:
+        raise OptionError(f"{shown}: {tensors} cannot be read as safetensors ({error})") from None
     if vector.dim() != 1 or vector.numel() != info.width:
-        raise OptionError(f"steering vector {str(path)!r} holds {tuple(vector.shape)}, not ({info.width},)")
+        raise OptionError(f"{shown} holds {tuple(vector.shape)}, not ({info.width},)")
     return SteeringVector(vector.float(), info)
+
+
+def vector_info(data: Any, shown: str) -> VectorInfo:
+    """The metadata of ``NAME.json`` as a VectorInfo, or OptionError saying in one line why the
+    file is none (``shown`` names it): not an object, keys missing or unknown, a value of the
+    wrong type."""
+    kinds = typing.get_type_hints(VectorInfo)
+    not_ours = "is not a vector's metadata from `chatcore train vector`"
+    if not isinstance(data, dict):
+        raise OptionError(f"{shown} {not_ours} (it holds no JSON object)")
+    required = [f.name for f in fields(VectorInfo) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        listed = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise OptionError(f"{shown} {not_ours} (it lacks {listed})")
+    unknown = sorted(str(key) for key in data if key not in kinds)
+    if unknown:
+        raise OptionError(f"{shown} {not_ours} (unknown keys: {', '.join(unknown)})")
+    for name, value in data.items():
+        if not _is_kind(value, kinds[name]):
+            raise OptionError(f"{shown}: `{name}` must be {_kind_name(kinds[name])}, got {value!r}")
+    return VectorInfo(**data)
+
+
+def _is_kind(value: Any, kind: Any) -> bool:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return any(_is_kind(value, option) for option in typing.get_args(kind))
+    kind = typing.get_origin(kind) or kind
+    if kind is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
+def _kind_name(kind: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "text", dict: "a JSON object", type(None): "null"}
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join(_kind_name(option) for option in typing.get_args(kind))
+    return names.get(typing.get_origin(kind) or kind, str(kind))
 
 
 def check_model(found: SteeringVector, loaded: "LoadedModel", shown: str) -> None:
