@@ -357,16 +357,9 @@ def test_ctrl_c_keeps_the_reply_up_to_its_last_whole_word_and_the_log_says_so(
     chat = logged_state(serving_engine, store)
     chat.options = ReplyOptions(decoder="gated-text", max_new_tokens=40)
     chat.scheduler = Scheduler(serving_engine)  # as `chatcore chat` decodes
-    lines = ["tell me a story"]
-
-    def read_line() -> str:
-        if lines:
-            return lines.pop()
-        raise EOFError
-
     out = CtrlCWhen(pressed)
     try:
-        run_loop(chat, read_line, out)
+        run_loop(chat, lines_then_end(["tell me a story"]), out)
     finally:
         gate.release.set()
         chat.scheduler.close()
@@ -398,13 +391,7 @@ def test_a_retry_stopped_by_ctrl_c_leaves_the_chat_and_the_log_agreeing(
     gate.text = written
     chat = logged_state(serving_engine, store)
     chat.scheduler = Scheduler(serving_engine)  # as `chatcore chat` decodes
-    lines = ["/retry"]
-
-    def read_line() -> str:
-        if lines:
-            return lines.pop()
-        raise EOFError
-
+    read_line = lines_then_end(["/retry"])
     out = CtrlCWhen(pressed)
     try:
         run(chat, "hello there")
@@ -691,17 +678,22 @@ class FailingHookPlugin:
         raise RuntimeError("hook down")
 
 
-def chat_lines(state, *lines):
-    """``lines`` through the terminal loop; what it printed."""
+def lines_then_end(lines):
+    """A terminal's line reader: ``lines`` one by one, then the end of input (Ctrl-D)."""
     pending = list(lines)
 
-    def read_line():
+    def read_line() -> str:
         if not pending:
             raise EOFError
         return pending.pop(0)
 
+    return read_line
+
+
+def chat_lines(state, *lines):
+    """``lines`` through the terminal loop; what it printed."""
     out = io.StringIO()
-    run_loop(state, read_line, out)
+    run_loop(state, lines_then_end(lines), out)
     return out.getvalue()
 
 

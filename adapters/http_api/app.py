@@ -149,7 +149,11 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         if parsed.model not in names:
             raise unknown_model(parsed.model, names)
         messages = to_messages(parsed, config.system)
-        options = to_options(
+        return await answer(request, parsed, messages, options_of(parsed), "chat")
+
+    def options_of(parsed: Sampling) -> "ReplyOptions":
+        """The request's reply options, under this server's limits."""
+        return to_options(
             parsed,
             engine.registry,
             len(engine.tokenizer),
@@ -157,7 +161,6 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             config.max_new_tokens,
             machine_names=config.allow_local_files,
         )
-        return await answer(request, parsed, messages, options, "chat")
 
     async def completions(request: Request) -> Response:
         accepting(request)
@@ -165,16 +168,8 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         if parsed.model not in names:
             raise unknown_model(parsed.model, names)
         messages = prompt_messages(parsed)
-        options = to_options(
-            parsed,
-            engine.registry,
-            len(engine.tokenizer),
-            config.max_n,
-            config.max_new_tokens,
-            machine_names=config.allow_local_files,
-        )
         echo = messages[0].text if parsed.echo else ""
-        return await answer(request, parsed, messages, options, "text", raw, echo)
+        return await answer(request, parsed, messages, options_of(parsed), "text", raw, echo)
 
     async def answer(
         request: Request,
