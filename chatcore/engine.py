@@ -211,6 +211,11 @@ def refuse_machine_names(kind: str, name: str, cls: type[Configurable], settings
         )
 
 
+def _has_setup(cls: type[Configurable]) -> bool:
+    """Whether a decoder's or steerer's class makes a setup of its own."""
+    return cls.setup.__func__ is not Configurable.setup.__func__  # type: ignore[attr-defined]
+
+
 class Engine:
     """Owns one model (and tokenizer) and builds decoders and steerers from the registry."""
 
@@ -298,6 +303,10 @@ class Engine:
         thread of its own, so that the replies it decodes go on meanwhile. Options that cannot
         be built count as ready: their error comes where the reply is prepared."""
         try:
+            classes: list[type[Configurable]] = [self.registry.decoder(options.decoder)]
+            classes += [self.registry.steerer(name) for name, _ in options.steerers]
+            if not any(map(_has_setup, classes)):  # most replies: nothing to build twice on the scheduler's thread
+                return False
             built: list[Configurable] = [self._decoder_object(options.decoder, options.decoder_settings)]
             built += [self._steerer_object(name, settings) for name, settings in options.steerers]
         except ChatcoreError:
@@ -376,9 +385,7 @@ class Engine:
     def _setup_key(plugin_object: Configurable) -> tuple[type, str] | None:
         """What a setup is kept by (its class and settings); None for a class without one."""
         cls = type(plugin_object)
-        if cls.setup.__func__ is Configurable.setup.__func__:  # type: ignore[attr-defined]
-            return None
-        return (cls, repr(plugin_object.settings))
+        return (cls, repr(plugin_object.settings)) if _has_setup(cls) else None
 
     def _construct(self, build: Any, kind: str, name: str) -> Any:
         return build_plugin_object(self.host, self.registry, kind, name, build)

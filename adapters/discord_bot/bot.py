@@ -122,7 +122,7 @@ class BotStats:
         return ", ".join([sent, *others])
 
     @property
-    def any(self) -> bool:
+    def took_up_any(self) -> bool:
         """Whether the bot took up any message."""
         return any((self.replies, self.busy, self.cooldown, self.errors, self.interrupted))
 
@@ -494,7 +494,7 @@ class ChatBot(discord.Client):
             await asyncio.wait(handlers, timeout=10)
         await self.worker.stop(self.settings.shutdown_grace_s)
         await self.close()
-        if self.stats.any:  # a bot that took up nothing (one that never connected) says only why it stopped
+        if self.stats.took_up_any:  # a bot that took up nothing (one that never connected) says only why it stopped
             logger.info("stopped: %s", self.stats)
 
 
