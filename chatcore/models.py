@@ -150,8 +150,9 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
 def pick_device(device: str | None) -> str:
-    """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``; anything else is refused."""
-    if device in (None, "", "auto"):
+    """``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``; anything else is refused,
+    an empty name included (it would otherwise mean ``auto`` without a word)."""
+    if device in (None, "auto"):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1321,3 +1321,42 @@ def test_a_run_with_nothing_to_train_on_leaves_no_out_folder(tiny_model_dir, tmp
     result = CliRunner().invoke(build_cli(), [*arguments, "--heldout", "0.5", "--device", "cpu", "--quiet"])
     assert result.exit_code == 1 and "the training split is empty" in result.stderr, result.output
     assert not out.exists()
+
+
+def test_a_backward_that_fails_to_compile_reruns_the_step_uncompiled(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """``train cocon --compile``: the backward's kernels compile at the first backward, after a
+    forward that worked. A failure there turns the halves uncompiled, with one warning, and the
+    step runs again from its start: the run ends as one without ``--compile`` does."""
+    import logging
+
+    from chatcore.plugins.cocon import compiled
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
+
+    config = cooking_run(tiny_model_dir, tmp_path, steps=2, warmup_steps=1)
+    plain = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "plain"), **config), progress=False)
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            return tensor.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("backward kernel failed to compile")
+
+    def backward_fails(function, **settings):
+        def run(*arguments, **keywords):
+            hidden = function(*arguments, **keywords)
+            return FailingBackward.apply(hidden) if hidden.requires_grad else hidden
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", backward_fails)
+    with caplog.at_level(logging.WARNING, logger=compiled.__name__):
+        fallen = train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "fallen"), compile=True, **config), progress=False)
+    assert fallen.heldout == plain.heldout
+    lines = [record.getMessage() for record in caplog.records if record.name == compiled.__name__]
+    assert lines == [
+        compiled.COMPILING,
+        "cocon: compiling the frozen model's halves failed, running them uncompiled: backward kernel failed to compile",
+    ]

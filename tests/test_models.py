@@ -330,7 +330,7 @@ def test_a_known_model_without_its_package_says_how_to_install_it(monkeypatch):
         load_model("absent", device="cpu")
 
 
-@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cpu:0", "gpu"])
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cpu:0", "gpu", "", " "])
 def test_unknown_devices_are_refused_with_the_accepted_ones(device):
     with pytest.raises(ModelLoadError, match=r"^unknown device .*: use auto, cpu, cuda, cuda:N or mps$"):
         pick_device(device)

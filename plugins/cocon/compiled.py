@@ -11,7 +11,10 @@ over a growing cache share a handful of graphs. The CoCon block, the losses and 
 discriminator stay as they are.
 
 A compile that fails logs one warning and the halves run uncompiled from then on; a
-failure the uncompiled half has too is the input's, raised as it is.
+failure the uncompiled half has too is the input's, raised as it is. The backward pass's
+kernels compile at the first backward, after a forward that worked: a failure there is
+caught by the training step, which turns the halves uncompiled (:func:`uncompile_halves`)
+and runs the step again from its start.
 """
 
 from __future__ import annotations
@@ -46,13 +49,17 @@ class CompiledHalf:
             output = self.compiled(*arguments, **keywords)
         except Exception as error:
             output = self.eager(*arguments, **keywords)  # fails too where the input is at fault
-            if not self.warned[0]:
-                log.warning("cocon: compiling the frozen model's halves failed, running them uncompiled: %s", error)
-            self.warned[0] = True
-            self.compiled = None
+            self.give_up(error)
             return output
         self.calls += 1
         return output
+
+    def give_up(self, error: BaseException) -> None:
+        """Run uncompiled from now on; the first half of a model to give up warns."""
+        if not self.warned[0]:
+            log.warning("cocon: compiling the frozen model's halves failed, running them uncompiled: %s", error)
+        self.warned[0] = True
+        self.compiled = None
 
 
 def compile_halves(split: SplitModel) -> None:
@@ -61,3 +68,13 @@ def compile_halves(split: SplitModel) -> None:
     warned = [False]
     split.alpha = CompiledHalf(split.alpha, warned)  # type: ignore[method-assign]
     split.beta = CompiledHalf(split.beta, warned)  # type: ignore[method-assign]
+
+
+def uncompile_halves(split: SplitModel, error: BaseException) -> bool:
+    """After ``error`` in a training step's pass or backward: where ``split``'s halves still run
+    compiled, run them uncompiled from now on (one warning) and say True, so that the step runs
+    again; False where nothing was compiled (the error is not the compiler's)."""
+    halves = [half for half in (split.alpha, split.beta) if isinstance(half, CompiledHalf) and half.compiled]
+    for half in halves:
+        half.give_up(error)
+    return bool(halves)

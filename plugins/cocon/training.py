@@ -260,6 +260,7 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     from chatcore.training.schedule import move_schedule, warmup_cosine
 
     from .block import CoconBlock, CoconConfig
+    from .compiled import compile_halves, uncompile_halves
     from .heldout import heldout_losses
     from .losses import CoconLosses, HiddenDiscriminator
     from .model_split import SplitModel
@@ -292,8 +293,6 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         )
     split = SplitModel(model, split_layer)
     if config.compile:
-        from .compiled import compile_halves
-
         compile_halves(split)
     block_config = CoconConfig(
         n_embd=split.n_embd,
@@ -397,6 +396,27 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
             training["init_block_training"] = init_training
         save_block(block, out_dir / BLOCK_DIR, base_model, training, dtype=config.save_dtype)
 
+    weights = {"self": config.self_weight, "null": config.null_weight, "cycle": config.cycle_weight}
+    weights["adv"] = config.adv_weight
+
+    def cuda_rng_state() -> Any:
+        return torch.cuda.get_rng_state(device) if device.startswith("cuda") else None
+
+    def block_gradients(with_cycle: bool, with_adv: bool) -> Any:
+        """Draw a batch, compute its losses and leave their gradients on the block."""
+        windows = sampler.sample(config.batch_size, generator).to(device)
+        with autocast():
+            batch = losses_fn(windows, generator, with_cycle, with_adv)
+            if batch.fake is not None:
+                # Non-saturating generator loss: the block's outputs should look real.
+                batch.losses["adv"] = F.binary_cross_entropy_with_logits(
+                    discriminator(batch.fake).float(), torch.ones(batch.fake.size(0), device=device)
+                )
+        total = sum(weights[name] * value for name, value in batch.losses.items())
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(total)
+        return batch
+
     bar = tqdm(total=config.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
     started = time.perf_counter() - elapsed
     heldout: dict[str, float] = history[-1] if history else {}
@@ -417,24 +437,19 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
             with_adv = config.adv_weight > 0 and step >= config.adv_from_step
             for group in disc_optimizer.param_groups:  # the discriminator follows the block's schedule
                 group["lr"] = schedule.get_last_lr()[0]
-            windows = sampler.sample(config.batch_size, generator).to(device)
-            with autocast():
-                batch = losses_fn(windows, generator, with_cycle, with_adv)
-                losses, fake = batch.losses, batch.fake
-                if fake is not None:
-                    # Non-saturating generator loss: the block's outputs should look real.
-                    losses["adv"] = F.binary_cross_entropy_with_logits(
-                        discriminator(fake).float(), torch.ones(fake.size(0), device=device)
-                    )
-            weights = {
-                "self": config.self_weight,
-                "null": config.null_weight,
-                "cycle": config.cycle_weight,
-                "adv": config.adv_weight,
-            }
-            total = sum(weights[name] * value for name, value in losses.items())
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(total)
+            drawn = (generator.get_state(), torch.random.get_rng_state(), cuda_rng_state())  # windows, dropout
+            try:
+                batch = block_gradients(with_cycle, with_adv)
+            except Exception as error:
+                # --compile: a backward kernel that fails to compile fails here, after its forward.
+                if not (config.compile and uncompile_halves(split, error)):
+                    raise
+                generator.set_state(drawn[0])  # the step again, uncompiled, as it was drawn
+                torch.random.set_rng_state(drawn[1])
+                if drawn[2] is not None:
+                    torch.cuda.set_rng_state(drawn[2], device)
+                batch = block_gradients(with_cycle, with_adv)
+            losses, fake = batch.losses, batch.fake
             accelerator.clip_grad_norm_(block.parameters(), config.grad_clip)
             optimizer.step()
             discriminator.zero_grad(set_to_none=True)  # the generator loss above left gradients there
