@@ -174,7 +174,12 @@ def test_health_needs_no_key_and_shows_the_queue(serving_engine):
         status, _, body = get(server, "/health")
         health = json.loads(body)
         assert status == 200 and health["status"] == "ok" and health["model_loaded"] is True
-        assert (health["queue_depth"], health["in_flight"], health["model"]) == (0, 0, client.models.list().data[0].id)
+        assert (health["queue_depth"], health["setting_up"], health["in_flight"], health["model"]) == (
+            0,
+            0,
+            0,
+            client.models.list().data[0].id,
+        )
         blocked_reply(scheduler, "health")
         waiting = scheduler.submit([Message("user", "hello")], ReplyOptions(max_new_tokens=2))
         health = json.loads(get(server, "/health")[2])
@@ -200,6 +205,9 @@ def test_metrics_match_what_the_clients_saw(serving_engine):
         second = [chunk for chunk in stream][-1].usage
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=model, messages=HI, extra_body={"decoder": "beam-search"})
+        crowded = [{"role": "system", "content": "word " * 3000}, *HI]  # the scheduler finds it leaves no room
+        with pytest.raises(openai.BadRequestError, match="system prompt"):
+            client.chat.completions.create(model=model, messages=crowded)
         with pytest.raises(openai.InternalServerError):
             client.chat.completions.create(model=model, messages=HI, extra_body={"steer": ["failing-shared at_step=0"]})
         with pytest.raises(openai.AuthenticationError):
@@ -213,7 +221,7 @@ def test_metrics_match_what_the_clients_saw(serving_engine):
 
     route = "/v1/chat/completions"
     assert value("chatcore_http_requests_total", route=route, status="200") == 2
-    assert value("chatcore_http_requests_total", route=route, status="400") == 1
+    assert value("chatcore_http_requests_total", route=route, status="400") == 2
     assert value("chatcore_http_requests_total", route=route, status="500") == 1
     assert value("chatcore_http_requests_total", route="/v1/models", status="401") == 1
     assert value("chatcore_http_requests_total", route="/v1/models/{model}", status="200") == 1
@@ -224,6 +232,7 @@ def test_metrics_match_what_the_clients_saw(serving_engine):
     assert value("chatcore_prompt_tokens_total") > sum(u.prompt_tokens for u in usage)
     finished = sum(value("chatcore_replies_total", outcome=reason) for reason in ("stop", "length"))
     assert finished == 2 and value("chatcore_replies_total", outcome="error") == 1
+    assert value("chatcore_replies_total", outcome="refused") == 1  # the request's fault, not the server's
     assert value("chatcore_plugin_failures_total", plugin="test-serving") == 1
     assert value("chatcore_time_to_first_token_seconds_count") == 2
     assert value("chatcore_time_per_output_token_seconds_count") == sum(u.completion_tokens - 1 for u in usage)

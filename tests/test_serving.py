@@ -651,9 +651,10 @@ def test_a_setup_is_made_beside_the_replies_in_flight(serving_engine):
         assert held.entered.wait(60)  # its setup has begun
         plain = scheduler.submit([Message("user", "hello")], ReplyOptions(decoder="greedy", max_new_tokens=4))
         assert plain.wait(60) and plain.finish_reason in ("length", "stop")
-        assert not waiting.finished.is_set()
+        assert not waiting.finished.is_set() and scheduler.setting_up() == 1  # as /health shows it
         held.release.set()
         assert waiting.wait(60) and waiting.finish_reason in ("length", "stop")
+        assert scheduler.setting_up() == 0
         # the setup changed nothing of the reply: the same tokens as the plain greedy reply to "hi"
         assert waiting.token_ids == alone(serving_engine, "hi", ReplyOptions(decoder="greedy", max_new_tokens=4))
 

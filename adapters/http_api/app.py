@@ -126,6 +126,7 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             "model": model,
             "model_loaded": True,  # the server listens only once the model has loaded
             "queue_depth": len(scheduler.waiting),
+            "setting_up": scheduler.setting_up(),
             "in_flight": scheduler.in_flight(),
             "max_batch": scheduler.max_batch,
         }

@@ -305,12 +305,16 @@ class Completion:
 
     @property
     def outcome(self) -> str:
-        """How the reply ended, for the metrics: a finish reason, the Interrupt's kind, ``error`` or ``cancelled``."""
+        """How the reply ended, for the metrics: a finish reason, the Interrupt's kind, ``refused``
+        (the request's fault, answered 400), ``error`` (the server's, 500) or ``cancelled``."""
         if self.interrupted_by is not None:
             return self.interrupted_by
         if self.finish_reason is not None:
             return self.finish_reason
-        return "error" if self.error is not None else "cancelled"
+        if self.error is None:
+            return "cancelled"
+        refused = self.failure is not None and api_error(self.failure, self.handle).status < 500
+        return "refused" if refused else "error"
 
     def interrupt_after(self, kind: Literal["queue-wait", "timeout"], seconds: float | None) -> None:
         """Put an Interrupt of ``kind`` in the event queue ``seconds`` from now (None: never)."""

@@ -45,6 +45,11 @@ class SchedulerCollector:
         scheduler = self.scheduler
         in_flight = scheduler.in_flight()
         yield GaugeMetricFamily("chatcore_queue_depth", "Requests waiting for a batch slot.", len(scheduler.waiting))
+        yield GaugeMetricFamily(
+            "chatcore_setting_up",
+            "Requests waiting for their plugin's setup (a model or head loading).",
+            scheduler.setting_up(),
+        )
         yield GaugeMetricFamily("chatcore_batch_rows", "Replies being decoded now.", in_flight)
         yield GaugeMetricFamily(
             "chatcore_batch_capacity", "Replies decoded at once at most (--max-batch).", scheduler.max_batch
@@ -81,7 +86,8 @@ class ServeMetrics:
         )
         self.replies = Counter(
             "chatcore_replies",
-            "Replies ended, by outcome: stop, length, error, cancelled (client gone), "
+            "Replies ended, by outcome: stop, length, refused (the request's fault, 400), error (the server's), "
+            "cancelled (client gone), "
             "queue-wait (--max-queue-wait), timeout (--request-timeout), shutdown.",
             ["outcome"],
             registry=registry,

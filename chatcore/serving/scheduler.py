@@ -143,6 +143,12 @@ class Scheduler:
         with self._lock:
             return self._stopping or len(self._accepted) >= self.max_batch + self.max_waiting
 
+    def setting_up(self) -> int:
+        """Requests whose decoder's or steerer's setup is being made beside the batch (a reverse
+        model or a head loading); each joins the queue's head once its setup is made."""
+        with self._lock:
+            return len(self._in_setup)
+
     def in_flight(self) -> int:
         """Replies being decoded; a cancelled one no longer counts, so its slot is free at once."""
         return sum(not job.sink.cancelled for job in self.runner.jobs)
