@@ -58,6 +58,18 @@ class Response:
         # counts what its first token's does; else when it is first read.
         self._started: float | None = started
 
+    @classmethod
+    def ended(
+        cls, tokenizer: Any, token_ids: list[int], text: str, provenance: dict[str, Any], interrupted: bool = False
+    ) -> "Response":
+        """A reply that was decoded and sent elsewhere (an HTTP completion), as ``on_response``
+        sees one: ``text`` is what the client got."""
+        response = cls(lambda: iter(()), tokenizer, provenance)
+        response.token_ids = list(token_ids)
+        response._chunks = [text] if text else []
+        response.done, response.interrupted = True, interrupted
+        return response
+
     def on_done(self, callback: Callable[["Response"], None]) -> None:
         """Run ``callback(response)`` when the reply ends (at once if it already has)."""
         if self.done:

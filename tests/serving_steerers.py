@@ -94,7 +94,8 @@ class WrongSettings:
 
 class WrongIds(ScriptedDecoder):
     """Chooses what no decoder should from its second step on: ``far`` an id past the
-    vocabulary, ``negative`` -5, ``float`` a float tensor, ``shape`` two ids a row."""
+    vocabulary, ``negative`` -5, ``float`` a float tensor, ``shape`` two ids a row; ``nan``
+    the argmax of scores its own processor made NaN."""
 
     name = "wrong-ids"
     description = "chooses impossible token ids (tests)"
@@ -111,16 +112,24 @@ class WrongIds(ScriptedDecoder):
         if self._position <= 2:  # its first two tokens
             return tokens
         what = self.settings.what
+        if what == "nan":  # an argmax does not fail on NaN: it picks one
+            return scores.argmax(dim=-1)
         if what == "float":
             return tokens.float() + 0.5
         if what == "shape":
             return torch.stack([tokens, tokens], dim=1)
         return torch.full_like(tokens, self.width + 1000 if what == "far" else -5)
 
+    def processors(self):
+        if self.settings.what != "nan":
+            return super().processors()
+        return [lambda ids, scores: scores * float("nan") if self._position >= 2 else scores]
+
 
 class WrongScores(Steerer):
     """Returns what no steerer should from its second step on: ``none`` nothing, ``narrow``
-    the first 100 scores only, ``nan`` NaN scores, ``banned`` every score -inf."""
+    the first 100 scores only, ``nan`` NaN scores, ``banned`` every score -inf,
+    ``chatcore-error`` a ChatcoreError."""
 
     name = "wrong-scores"
     Settings = WrongSettings
@@ -136,6 +145,10 @@ class WrongScores(Steerer):
             what = self.settings.what
             if what == "nan":
                 return output.replace(logits=output.logits * float("nan"))
+            if what == "chatcore-error":  # as a chatcore function the steerer called would raise
+                from chatcore.api import ChatcoreError
+
+                raise ChatcoreError("layer 99 is outside the model's blocks")
             if what == "banned":  # every token banned
                 return output.replace(logits=torch.full_like(output.logits, float("-inf")))
             return None if what == "none" else output.replace(logits=output.logits[:, :100])  # type: ignore[return-value]

@@ -444,6 +444,30 @@ def test_a_plugin_failing_mid_reply_ends_generate_with_one_line_after_the_partia
     ]
 
 
+def test_a_hook_failing_in_generate_is_said_and_the_reply_stands(tiny_model_dir, caplog):
+    """An ``on_response`` that raises ends nothing: the reply is printed, and the failure is
+    said (a decoder's or steerer's failure is said once, by the command's error line)."""
+    import logging
+
+    import chatcore
+    from chatcore import plugin_manager
+
+    class Listener:
+        @chatcore.hookimpl
+        def on_response(self, conversation, response):
+            raise RuntimeError("on_response boom")
+
+    host = plugin_manager.PluginHost()
+    host.load_entry_points()
+    host.register(Listener(), "listener")
+    plugin_manager.set_plugin_host(host)
+    with caplog.at_level(logging.WARNING, logger="chatcore.plugins"):
+        result = CliRunner().invoke(build_cli(), ["generate", "--model", str(tiny_model_dir), "-n", "4", "hi"])
+    assert result.exit_code == 0 and result.stdout.strip() and "Traceback" not in result.output
+    said = [record.getMessage() for record in caplog.records if record.name == "chatcore.plugins"]
+    assert said == ["plugin 'listener' failed at hook on_response: RuntimeError: on_response boom"]
+
+
 def test_generate_continue_writes_what_an_ended_chat_journaled_before_it_reads(
     run, tiny_model_dir, engine, tmp_path, monkeypatch
 ):

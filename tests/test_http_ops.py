@@ -559,3 +559,45 @@ def test_a_client_gone_in_the_middle_of_its_body_leaves_no_traceback(serving_eng
             assert answered.wait(60)
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
         assert b'route="/v1/chat/completions",status="400"' in metrics.exposition()
+
+
+def test_plugins_hooks_see_each_request_as_a_turn_and_a_continuation_as_the_same_conversation(serving_engine):
+    """``on_user_message`` and ``on_response`` fire for HTTP requests as for every other entry
+    point: the request's last user message, then the reply as the client got it; the next
+    turn of a conversation (same messages, that reply, a new message, same ``user``) keeps its id."""
+    import threading
+
+    import chatcore
+
+    seen: list[tuple[str, str | None, str, str]] = []
+    twice = threading.Event()
+
+    class Listener:
+        @chatcore.hookimpl
+        def on_user_message(self, conversation, turn):
+            seen.append(("user", conversation.id, turn.text, conversation.turns[-1].text))
+
+        @chatcore.hookimpl
+        def on_response(self, conversation, response):
+            assert response.done and conversation.turns[-1].text == response.text()
+            seen.append(("reply", conversation.id, response.text(), str(len(response.token_ids))))
+            if sum(kind == "reply" for kind, *_ in seen) == 2:
+                twice.set()
+
+    serving_engine.host.register(Listener(), "listener")
+    try:
+        with running(serving_engine) as (scheduler, server, client):
+            model = client.models.list().data[0].id
+            opening = [{"role": "user", "content": "hi there, how are you?"}]
+            first = client.chat.completions.create(model=model, messages=opening, max_tokens=6, user="ann")
+            said = first.choices[0].message.content
+            following = [*opening, {"role": "assistant", "content": said}, {"role": "user", "content": "and then?"}]
+            second = client.chat.completions.create(model=model, messages=following, max_tokens=6, user="ann")
+            assert twice.wait(60)
+    finally:
+        serving_engine.host.pm.unregister(name="listener")
+    (_, first_id, asked, last), (_, reply_id, text, tokens) = seen[0], seen[1]
+    assert (asked, last, text) == ("hi there, how are you?", "hi there, how are you?", said) and first_id == reply_id
+    assert int(tokens) == first.usage.completion_tokens
+    assert seen[2][:3] == ("user", first_id, "and then?")
+    assert seen[3][:3] == ("reply", first_id, second.choices[0].message.content)

@@ -129,6 +129,26 @@ def test_a_failing_steerer_fails_its_row_alone(serving_engine):
             "steerer 'wrong-scores' failed while generating: ValueError: its step returned logits of shape (1, 100)",
         ),
         (
+            "wrong-ids what=nan",
+            [],
+            "decoder 'wrong-ids' failed while generating: ValueError: select chose a token whose score is nan",
+        ),
+        (
+            "greedy",
+            [("wrong-scores", {"what": "nan"})],
+            "steerer 'wrong-scores' failed while generating: ValueError: its step left scores with NaN",
+        ),
+        (
+            "greedy",
+            [("wrong-scores", {"what": "chatcore-error"})],
+            "steerer 'wrong-scores' failed while generating: ChatcoreError: layer 99 is outside the model's blocks",
+        ),
+        (
+            "greedy",
+            [("wrong-scores", {"what": "banned"})],
+            "steerer 'wrong-scores' failed while generating: ValueError: its step left scores with NaN or a row of no",
+        ),
+        (
             "top-k",
             [("wrong-scores", {"what": "nan"})],
             "steerer 'wrong-scores' failed while generating: ValueError: its step left scores with NaN",

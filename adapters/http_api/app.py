@@ -39,6 +39,7 @@ from chatcore.adapters.http_api.completions import (
     to_options,
 )
 from chatcore.adapters.http_api.errors import ApiError, error_body
+from chatcore.adapters.http_api.exchange_hooks import ExchangeHooks, hooks_implemented
 from chatcore.adapters.http_api.logprobs import TokenTexts
 from chatcore.adapters.http_api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from chatcore.adapters.http_api.metrics import CountingRequests, ServeMetrics
@@ -94,6 +95,7 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
     model = names[0]
     metrics = ServeMetrics(scheduler)
     live = LiveReplies()
+    hooks = ExchangeHooks(scheduler.engine) if hooks_implemented(scheduler.engine) else None
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -238,8 +240,11 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             # client (refused, failed, waited too long, cut before its first word, or a JSON
             # body whose client had gone) leaves the conversation as it was, so that the
             # client's retry of the same messages is not logged after an empty reply.
-            if config.log is not None and (exchange.reply or not exchange.interrupted):
-                config.log.record(exchange)
+            if exchange.reply or not exchange.interrupted:
+                if config.log is not None:
+                    config.log.record(exchange)
+                if hooks is not None:
+                    hooks.fire(exchange)  # on_user_message, on_response
 
     async def tokenize_route(request: Request) -> Response:
         authorize(request)
@@ -294,6 +299,7 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
     )
     app.state.live = live  # the server's shutdown cuts these (see .server.GracefulServer)
     app.state.metrics = metrics
+    app.state.hooks = hooks  # closed by the server's command once it has stopped
     return app
 
 

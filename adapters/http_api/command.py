@@ -241,7 +241,11 @@ def serve(
             )
             app = build_app(scheduler, config)
             click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
-            make_server(app, shutdown_grace).run(sockets=[listener])
+            try:
+                make_server(app, shutdown_grace).run(sockets=[listener])
+            finally:
+                if app.state.hooks is not None:
+                    app.state.hooks.close()  # the plugins see every reply that went out
             click.echo("chatcore: stopped", err=True)
     finally:
         if request_log is not None:

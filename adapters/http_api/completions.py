@@ -376,6 +376,7 @@ class Completion:
             received=finished - timedelta(seconds=time.perf_counter() - self.handle.submitted),
             finished=finished,
             user=user,
+            token_ids=list(self.handle.token_ids) if self.shown else [],
         )
 
     @classmethod

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from chatcore.conversation import Conversation
     from chatcore.engine import Engine
     from chatcore.log.plugin import ConversationLogPlugin
     from chatcore.log.store import ConversationStore
@@ -52,6 +53,7 @@ class Exchange:
     received: "datetime | None" = None  # when the request came (its messages' time in the log)
     finished: "datetime | None" = None  # when its reply ended (the reply's time)
     user: str | None = None  # the request's ``user``: the end user, author of the user's messages
+    token_ids: list[int] = field(default_factory=list)  # the reply's tokens, as decoded
 
 
 def thread_key(messages: "Sequence[Message]", user: str | None = None) -> str:
@@ -61,13 +63,68 @@ def thread_key(messages: "Sequence[Message]", user: str | None = None) -> str:
     return hashlib.sha256(data.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+class Threads:
+    """Which conversation a request continues: by its messages and end user, for the newest
+    ``MAX_THREADS`` conversations (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._threads: OrderedDict[str, str] = OrderedDict()  # thread key -> conversation id
+
+    def continued(self, exchange: Exchange) -> str | None:
+        """The id of the conversation ``exchange`` continues (forgotten here: it is remembered
+        again with the reply), or None."""
+        history = exchange.messages[:-1]
+        return self._threads.pop(thread_key(history, exchange.user), None) if history else None
+
+    def remember(self, exchange: Exchange, conversation_id: str) -> None:
+        """``exchange`` with its reply is ``conversation_id`` so far."""
+        key = thread_key([*exchange.messages, _assistant(exchange.reply)], exchange.user)
+        self._threads[key] = conversation_id
+        while len(self._threads) > MAX_THREADS:
+            self._threads.popitem(last=False)
+
+
+def exchange_conversation(exchange: Exchange, engine: "Engine", conversation_id: str | None = None) -> "Conversation":
+    """``exchange`` as a conversation: its messages, then the reply (a new id unless given)."""
+    from chatcore.conversation import Conversation, Turn
+
+    system = next((m.text for m in exchange.messages if m.role == "system"), None)
+    now = datetime.now(timezone.utc)
+    received, finished = exchange.received or now, exchange.finished or now
+    author = {"author_id": exchange.user} if exchange.user else {}
+    turns = [
+        Turn("user", m.text, created=received, meta=dict(author))
+        if m.role == "user"
+        else Turn("bot", m.text, created=received)
+        for m in exchange.messages
+        if m.role != "system"
+    ]
+    turns.append(
+        Turn(
+            "bot",
+            exchange.reply,
+            created=finished,
+            interrupted=exchange.interrupted,
+            meta={"provenance": exchange.provenance},
+        )
+    )
+    return Conversation(
+        id=conversation_id,
+        turns=turns,
+        system=system,
+        # the format the reply was made with: "raw" for /v1/completions' prompts
+        prompt_format=str(exchange.provenance.get("prompt_format") or engine.prompt_format.name),
+        adapter=ADAPTER,
+    )
+
+
 class RequestLog:
     """Queues exchanges for the conversation log, written on the log's own thread."""
 
     def __init__(self, db: str | None = None, engine: "Engine | None" = None) -> None:
         self.engine = engine  # set before the first exchange (the log is opened before the model loads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-http-log")
-        self._threads: OrderedDict[str, str] = OrderedDict()  # thread key -> conversation id
+        self._threads = Threads()
         self._closed = False
         self.store: "ConversationStore | None" = None
         self.plugin: "ConversationLogPlugin | None" = None
@@ -105,50 +162,16 @@ class RequestLog:
         self._executor.submit(written).result()
 
     def _write(self, exchange: Exchange) -> None:
-        from chatcore.conversation import Conversation, Turn
-
         try:
             assert self.plugin is not None and self.engine is not None
-            system = next((m.text for m in exchange.messages if m.role == "system"), None)
-            now = datetime.now(timezone.utc)
-            received, finished = exchange.received or now, exchange.finished or now
-            author = {"author_id": exchange.user} if exchange.user else {}
-            turns = [
-                Turn("user", m.text, created=received, meta=dict(author))
-                if m.role == "user"
-                else Turn("bot", m.text, created=received)
-                for m in exchange.messages
-                if m.role != "system"
-            ]
-            turns.append(
-                Turn(
-                    "bot",
-                    exchange.reply,
-                    created=finished,
-                    interrupted=exchange.interrupted,
-                    meta={"provenance": exchange.provenance},
-                )
-            )
-            history = exchange.messages[:-1]
-            continued = self._threads.pop(thread_key(history, exchange.user), None) if history else None
-            conversation = Conversation(
-                id=continued,
-                turns=turns,
-                system=system,
-                # the format the reply was made with: "raw" for /v1/completions' prompts
-                prompt_format=str(exchange.provenance.get("prompt_format") or self.engine.prompt_format.name),
-                adapter=ADAPTER,
-            )
+            continued = self._threads.continued(exchange)
+            conversation = exchange_conversation(exchange, self.engine, continued)
             # A continued conversation has its earlier turns in the log already.
+            turns = conversation.turns
             self.plugin.log_conversation(conversation, self.engine.loaded, start=len(turns) - 2 if continued else 0)
-            self._remember(thread_key([*exchange.messages, _assistant(exchange.reply)], exchange.user), conversation.id)
+            self._threads.remember(exchange, conversation.id)
         except Exception:  # the log must never take the server down
             logger.exception("logging an exchange failed")
-
-    def _remember(self, key: str, conversation_id: str) -> None:
-        self._threads[key] = conversation_id
-        while len(self._threads) > MAX_THREADS:
-            self._threads.popitem(last=False)
 
     def close(self) -> None:
         """Write what is queued (what the database cannot take waits in the journal) and close.

@@ -49,6 +49,14 @@ def budget_note(response: "Response") -> str | None:
     return f"[cut at {budget} {'token' if budget == 1 else 'tokens'}: -n/--max-tokens raises the budget]"
 
 
+def said_by_the_error(record: logging.LogRecord) -> bool:
+    """False for a plugin problem that a reply's error says (a decoder or steerer failing
+    while generating), True for the others (a hook failing)."""
+    problem = record.args[0] if isinstance(record.args, tuple) and record.args else None
+    stage = str(getattr(problem, "stage", ""))
+    return not stage.startswith(("decoder ", "steerer "))
+
+
 @click.command()
 @click.argument("turns", nargs=-1, required=True)
 @reply_options("System prompt (persona) for the reply.")
@@ -108,11 +116,12 @@ def generate(
     from chatcore.prompting import validate_format_name
     from chatcore.registry import registry_of
 
-    # A plugin failing while generating ends this command with its error as the last line:
-    # the warning that says so in a long-running process would say it twice here.
+    # A decoder or steerer failing while generating ends this command with its error as the
+    # last line: the warning that says so in a long-running process would say it twice here.
+    # A hook failing (on_response raising) ends nothing, and is said.
     plugins_log = logging.getLogger("chatcore.plugins")
-    click.get_current_context().call_on_close(lambda level=plugins_log.level: plugins_log.setLevel(level))
-    plugins_log.setLevel(logging.ERROR)
+    plugins_log.addFilter(said_by_the_error)
+    click.get_current_context().call_on_close(lambda: plugins_log.removeFilter(said_by_the_error))
     if turns == ("-",):
         turns = read_turns(sys.stdin.buffer.read())
     else:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from chatcore.decoding import Sampled, marked_from_scores, restrict_scores, to_device, within
-from chatcore.errors import ChatcoreError
+from chatcore.errors import ChatcoreError, OptionError, PluginError
 from chatcore.models import cache_holding, output_cache, plain_cache
 from chatcore.processors import chain, rowwise_signature
 from chatcore.serving.ahead import Ahead, TokenRead
@@ -56,7 +56,7 @@ from chatcore.serving.packed_prompts import packed_prompts
 from chatcore.serving.prefix_cache import PrefixCache, common_length
 from chatcore.serving.prompt_pass import prompt_pass
 from chatcore.serving.shared_batch import SharedBatch
-from chatcore.steering import LAYER_ATTRIBUTE, compose, scores_spoiled_by
+from chatcore.steering import LAYER_ATTRIBUTE, compose, failed_layer, scores_spoiled_by
 from chatcore.step import Step, StepOutput, StepState, model_step
 
 if TYPE_CHECKING:
@@ -424,7 +424,13 @@ class Runner:
             self._end(job, reason, error)
 
     def _blame(self, job: Job, error: Exception) -> ChatcoreError:
-        if isinstance(error, ChatcoreError):
+        """The reply's one-line error. chatcore's own errors stand as they are, but for one a
+        steerer's code raised (or a chatcore function it called): that is the steerer's failure,
+        named as one; an OptionError stays the request's (a setting that does not fit)."""
+        layer = failed_layer(error) or ""
+        if isinstance(error, ChatcoreError) and (
+            isinstance(error, (OptionError, PluginError)) or not layer.startswith("steerer:")
+        ):
             return error
         failure = self.faults.blame(error, job.decoder)
         failure.__cause__ = error
@@ -621,6 +627,17 @@ class Runner:
         scores = self._processed(job, logits)
         try:
             tokens = checked_ids(job.decoder.select(scores, session.generator), job.rows)
+            if session.steerers or not marked_from_scores(job.decoder):
+                # Where scores a plugin made reach a select that does not fail on NaN (an argmax),
+                # the chosen token's score tells: NaN, or -inf (a banned token, or no finite score).
+                # (Read here, where these replies' tokens are read at once anyway.)
+                ids = tokens.view(-1)
+                checked = (ids >= 0) & (ids < scores.shape[-1])  # ids out of range: refused on recording
+                if job.rows > 1:
+                    checked &= ~job.finished
+                picked = scores.gather(1, ids.clamp(0, scores.shape[-1] - 1)[:, None]).view(-1)[checked]
+                if not bool(torch.isfinite(picked).all()):
+                    raise ValueError(f"select chose a token whose score is {picked[~torch.isfinite(picked)][0]}")
         except Exception as error:  # scores a steerer left unusable are the steerer's fault
             layer = scores_spoiled_by(job.step, logits) if session.steerers else None
             if layer is None:
