@@ -33,6 +33,7 @@ The names, by what a plugin author does with them:
   :func:`output_folder`, :func:`output_file` and :func:`run_folder`, a command's ``--out``
   checked (and its folder made) before the work starts, and :func:`removed_if_left_empty`
   to take a run's folder away again when the command fails before writing in it;
+- evaluation: :class:`EvalContext` (what a ``register_prompt_sets`` loader returns);
 - errors: :class:`ChatcoreError` and its kinds, shown to the user in one line;
 - speed: :func:`fast_path_mode`, the ``CHATCORE_FAST_PATH`` setting (under ``compile`` a
   steerer that runs passes of its own may compile them too, as PPLM does).
@@ -55,6 +56,7 @@ from chatcore.decoding import (
 )
 from chatcore.errors import ChatcoreError, CorpusError, ModelLoadError, OptionError
 from chatcore.evaluation.metrics import contains_any, is_degenerate
+from chatcore.evaluation.prompts import EvalContext
 from chatcore.fast_path_setting import fast_path_mode
 from chatcore.hookspecs import hookimpl
 from chatcore.models import (
@@ -108,6 +110,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "DEFAULT_REVERSE_MODEL",
     "Decoder",
+    "EvalContext",
     "FULL_ATTENTION",
     "GenerationSession",
     "LoadedModel",

@@ -49,7 +49,7 @@ class ReplyOptions(Settings):
     """How to produce one reply. Decoder and steerers are names plus raw settings."""
 
     decoder: str = DEFAULT_DECODER
-    """The decoder's name."""
+    """The decoder's name; a (name, settings) pair is read as the name and its settings."""
     decoder_settings: dict[str, Any] = {}
     """The decoder's settings, as given (checked when the decoder is built)."""
     steerers: list[tuple[str, dict[str, Any]]] = []
@@ -70,7 +70,15 @@ class ReplyOptions(Settings):
     def _read_steerer_specs(cls, values: Any) -> Any:
         # Before the text conventions of Settings, which would split a spec string at its commas.
         if isinstance(values, Mapping) and "steerers" in values:
-            return {**values, "steerers": steerer_pairs(values["steerers"])}
+            values = {**values, "steerers": steerer_pairs(values["steerers"])}
+        decoder = values.get("decoder") if isinstance(values, Mapping) else None
+        if isinstance(decoder, (list, tuple)) and len(decoder) == 2 and isinstance(decoder[1], Mapping):
+            # decoder=("top-k", {"top_k": 20}), as steerers take their pairs
+            given = dict(values.get("decoder_settings") or {})
+            both = sorted(set(decoder[1]) & set(given))
+            if both:
+                raise OptionError(f"`{both[0]}` is given in the decoder's pair and in decoder_settings: give it once")
+            values = {**values, "decoder": decoder[0], "decoder_settings": {**dict(decoder[1]), **given}}
         return values
 
     @model_validator(mode="after")

@@ -81,6 +81,7 @@ class PluginHost:
     # -- loading -----------------------------------------------------------------
     def report(self, plugin: str, stage: str, error: BaseException | str) -> None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        message = message.strip().splitlines()[0] if message.strip() else message  # one line (pydantic's run on)
         problem = PluginProblem(plugin, stage, message)
         if problem in self.problems:
             # A hook that fails the same way on every reply is recorded (and said) once: a bot

@@ -81,7 +81,7 @@ class Registry:
             current = {"plugin": "?"}
             claims: dict[str, list[Entry]] = {}
 
-            def register(item: Any, loader: Callable[[], Any] | None = None) -> None:
+            def checked(item: Any, loader: Callable[[], Any] | None) -> tuple[str, Any]:
                 if loader is not None:  # register(name, loader) for prompt sets
                     name, value = str(item), loader
                 else:
@@ -94,6 +94,18 @@ class Registry:
                     raise TypeError(f"{hook}: {item!r} has no name")
                 if QUALIFIER in name:
                     raise TypeError(f"{hook}: {name!r}: names cannot contain {QUALIFIER!r}")
+                if any(character.isspace() or character in "=\"'" for character in name):
+                    # a spec (`--steer "NAME key=value"`) could not name it
+                    raise TypeError(f"{hook}: {name!r}: names cannot contain spaces, '=' or quotes")
+                return name, value
+
+            def register(item: Any, loader: Callable[[], Any] | None = None) -> None:
+                """One registration; a refused one is reported and the hook's others go on."""
+                try:
+                    name, value = checked(item, loader)
+                except Exception as error:
+                    host.report(current["plugin"], f"hook {hook}", error)
+                    return
                 entries = claims.setdefault(name, [])
                 if any(entry.plugin == current["plugin"] for entry in entries):
                     host.report(
@@ -146,6 +158,9 @@ class Registry:
         return registry
 
     def _lookup(self, table: dict[str, Entry], kind: str, name: str) -> Any:
+        plugin, qualified, bare = name.partition(QUALIFIER)
+        if qualified and name not in table and bare in table and table[bare].plugin == plugin:
+            return table[bare].value  # a qualified name stays good once its clash is gone
         if name not in table:
             if name in self.ambiguous:
                 choices = " or ".join(f"{p}{QUALIFIER}{name}" for p in self.ambiguous[name])

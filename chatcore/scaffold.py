@@ -37,10 +37,15 @@ class PluginNames:
 
     @classmethod
     def from_name(cls, name: str) -> "PluginNames":
+        if name.startswith("chatcore-"):
+            raise OptionError(
+                f"give `NAME` without 'chatcore-' ({name.removeprefix('chatcore-')!r}): "
+                f"the package is named chatcore-NAME"
+            )
         if not NAME_PATTERN.fullmatch(name):
             raise OptionError(
-                f"`NAME` must be lower-case letters and digits, words joined by single hyphens "
-                f"(like my-steerer), got {name!r}"
+                f"`NAME` must start with a letter and be lower-case letters and digits, words joined by "
+                f"single hyphens (like my-steerer), got {name!r}"
             )
         snake = name.replace("-", "_")
         return cls(
@@ -120,6 +125,10 @@ class $class_name(Steerer):
     name = "$name"
     description = "adds `strength` to the end-of-turn score (shorter or longer replies)"
     Settings = ${class_name}Settings
+    # A score steerer: it calls its inner step once and edits only the scores, so its
+    # replies share the batch (and its fast path). Set False once `wrap` runs the model
+    # itself or changes what the step reads (docs/hooks.md, "Steerers").
+    shares_batch = True
 
     def prepare(self, session: "GenerationSession") -> None:
         # Once per reply, before the first step: read the model, encode text, load files.
@@ -195,7 +204,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import Field
 
 import chatcore
-from chatcore.api import RepetitionSettings, ScoreProcessor, TokenDecoder, temperature
+from chatcore.api import RepetitionSettings, ScoreProcessor, TokenDecoder, selects_from_scores, temperature
 
 if TYPE_CHECKING:
     import torch
@@ -218,6 +227,7 @@ class $class_name(TokenDecoder):
         # Applied to each step's scores in this order; the repetition controls first.
         return [*self.repetition_processors(), temperature(self.settings.temperature)]
 
+    @selects_from_scores  # it picks an index of its scores' rows: no check of its ids is needed
     def select(self, scores: "torch.Tensor", generator: "torch.Generator") -> "torch.Tensor":
         import torch
 

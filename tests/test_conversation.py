@@ -512,6 +512,17 @@ def test_the_python_api_takes_spec_strings_and_says_where_a_stray_option_belongs
         seed=1,
     )
     assert spec.text() == plain.text() and spec.provenance["decoder"] == plain.provenance["decoder"]
+    pair = engine.send(
+        engine.conversation(), "hi", decoder=("greedy", {"no_repeat_ngram_size": 2}), max_new_tokens=3, seed=1
+    )
+    assert pair.text() == plain.text() and pair.provenance["decoder"] == plain.provenance["decoder"]
+    with pytest.raises(OptionError, match="`no_repeat_ngram_size` is given in the decoder's pair and in"):
+        engine.send(
+            conversation,
+            "hi",
+            decoder=("greedy", {"no_repeat_ngram_size": 2}),
+            decoder_settings={"no_repeat_ngram_size": 3},
+        )
     for stray, where in (("temperature", "decoder_settings"), ("steer", "steerers=")):
         with pytest.raises(OptionError, match=f"unknown reply option '{stray}'.*{where}"):
             engine.send(conversation, "hi", **{stray: 0.5})

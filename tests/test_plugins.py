@@ -236,6 +236,42 @@ def test_a_name_two_plugins_register_is_neither_plugins_and_both_are_reachable_q
         "plugin 'first' failed at hook register_decoders: 'echo' is registered by 'second' too, so by none: "
         "use first/echo or second/echo"
     )
+    # a script that followed the advice keeps working once the clash is gone
+    host.unregister(order[0])
+    alone = Registry.build(host)
+    assert alone.decoder("echo") is classes[order[1]] and alone.decoder(f"{order[1]}/echo") is classes[order[1]]
+    with pytest.raises(UnknownNameError):
+        alone.decoder(f"{order[0]}/echo")
+
+
+def test_a_refused_registration_leaves_the_hooks_other_registrations(host):
+    """One bad ``register(...)`` call is reported alone: what the hook registers after it stays."""
+
+    class Mixed:
+        @chatcore.hookimpl
+        def register_decoders(self, register):
+            register(type("Slashed", (GreedyDecoder,), {"name": "has/slash"}))
+            register(type("Spaced", (GreedyDecoder,), {"name": "Upper Name"}))
+            register("not a class")
+            register(EchoDecoder)
+
+    host.register(Mixed(), "mixed")
+    registry = Registry.build(host)
+    assert registry.decoder("echo") is EchoDecoder
+    messages = [problem.message for problem in host.problems if problem.plugin == "mixed"]
+    assert messages == [
+        "TypeError: register_decoders: 'has/slash': names cannot contain '/'",
+        "TypeError: register_decoders: 'Upper Name': names cannot contain spaces, '=' or quotes",
+        "TypeError: register_decoders: expected a Decoder subclass, got 'not a class'",
+    ]
+
+
+def test_a_problem_is_reported_in_one_line():
+    from chatcore.plugin_manager import PluginHost
+
+    host = PluginHost()
+    host.report("wordy", "import", ValueError("Unable to generate a schema\n\nIf you got this error ...\n"))
+    assert str(host.problems[0]) == "plugin 'wordy' failed at import: ValueError: Unable to generate a schema"
 
 
 def test_an_unknown_name_mentions_plugins_that_failed_to_load(host):

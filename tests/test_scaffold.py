@@ -50,6 +50,11 @@ def test_bad_names_are_refused_with_the_rule(name: str) -> None:
         PluginNames.from_name(name)
 
 
+def test_a_name_given_with_the_package_prefix_is_refused_with_the_name_to_give() -> None:
+    with pytest.raises(OptionError, match="give `NAME` without 'chatcore-' \\('shout'\\)"):
+        PluginNames.from_name("chatcore-shout")
+
+
 def test_the_command_writes_the_package(new_plugin) -> None:
     result, folder = new_plugin("shout")
     assert result.exit_code == 0, result.output
