@@ -96,7 +96,8 @@ def show_settings(registry: "Registry", name: str, as_json: bool) -> None:
         table = registry.decoders if kind == "decoder" else registry.steerers
         click.echo(json.dumps(table[name].card(kind), indent=2))
         return
-    click.echo(f"{name}  ({kind}, plugin {registry.plugin_of(kind, name)}): {cls.description}")
+    described = f": {cls.description}" if str(cls.description or "").strip() else ""
+    click.echo(f"{name}  ({kind}, plugin {registry.plugin_of(kind, name)}){described}")
     rows = settings_rows(cls.Settings)
     if not rows:
         click.echo("  no settings")
