@@ -84,10 +84,13 @@ def test_generate_is_reproducible_and_takes_steerers(run, tiny_model_dir):
 
 
 def test_generate_streams_plain_text(run, tiny_model_dir):
+    from chatcore.text import display_safe
+
     plain = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "6", "hi")
     as_json = run("generate", "--model", str(tiny_model_dir), "--decoder", "greedy", "-n", "6", "--json", "hi")
     assert plain.exit_code == 0, plain.output
-    assert plain.stdout == json.loads(as_json.stdout)["text"] + "\n"
+    # the same text, its control characters shown (the JSON keeps them as they are)
+    assert plain.stdout == display_safe(json.loads(as_json.stdout)["text"]) + "\n"
 
 
 def test_generate_reads_turns_from_stdin(run, tiny_model_dir):
@@ -516,3 +519,34 @@ def test_serve_and_chat_refuse_a_log_they_cannot_open_in_one_line_naming_the_rem
         assert_clean_failure(run(*command, "--db", str(missing / "log.sqlite3")), f"no folder {missing} ")
         assert_clean_failure(run(*command, "--db", str(damaged)), "cannot open: ", salvage)
     assert not (tmp_path / "no").exists()
+
+
+def test_generate_shows_control_characters_of_a_reply_instead_of_sending_them(run, tiny_model_dir):
+    """A reply made of ESC characters (its token forced by logit_bias) is printed as ``\\x1b``,
+    as the chat and ``logs show`` print it: a reply cannot drive the terminal."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    escape = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\x1b")
+    bias = json.dumps({str(escape): 100})
+    result = run("generate", "--model", str(tiny_model_dir), "-n", "3", "--decoder", f"greedy logit_bias={bias}", "hi")
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout and result.stdout.strip() == "\\x1b" * 3
+
+
+def test_generate_names_the_plugins_that_failed_to_load(tiny_model_dir):
+    """A plugin that failed to load takes its decoders and steerers with it: ``generate`` says
+    so in one line on standard error, as the chat does, and replies."""
+    from chatcore import plugin_manager
+
+    host = plugin_manager.PluginHost()
+    host.load_entry_points()
+    host.load_modules(("chatcore.plugins.does_not_exist",))
+    plugin_manager.set_plugin_host(host)
+    result = CliRunner().invoke(build_cli(), ["generate", "--model", str(tiny_model_dir), "-n", "3", "hi"])
+    assert result.exit_code == 0 and result.stdout.strip()
+    assert error_lines(result)[0] == (
+        "note: 1 plugin had problems (chatcore.plugins.does_not_exist): `chatcore plugins` says what"
+    )

@@ -14,6 +14,7 @@ from chatcore.cli.options import reply_options
 from chatcore.cli.specs import parse_spec
 
 if TYPE_CHECKING:
+    from chatcore.engine import Engine
     from chatcore.response import Response
 
 SETTING_TURN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=\S*")
@@ -157,6 +158,7 @@ def generate(
     if not continuing:
         use_threads(threads)
         engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+        note_plugin_problems(engine)
         show(engine.reply_to(list(turns), options, system=system), as_json)
         return
     from chatcore.cli.continuing import find_conversation_id, logged_conversation, open_store
@@ -169,22 +171,36 @@ def generate(
         found = find_conversation_id(store, conversation_id)
         use_threads(threads)
         engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+        note_plugin_problems(engine)
         with logged_conversation(engine, store, found, system, say) as conversation:
             show(engine.send(conversation, turns[0], options), as_json)
     finally:
         store.close()
 
 
+def note_plugin_problems(engine: "Engine") -> None:
+    """A line on standard error naming the plugins that failed to load (or to register), as
+    the chat's first lines do: their decoders and steerers are missing from this run."""
+    broken = sorted({problem.plugin for problem in engine.host.problems})
+    if broken:
+        plugins = f"{len(broken)} plugin" + ("" if len(broken) == 1 else "s")
+        click.echo(f"note: {plugins} had problems ({', '.join(broken)}): `chatcore plugins` says what", err=True)
+
+
 def show(response: "Response", as_json: bool) -> None:
-    """Print the reply (streamed) or, with ``as_json``, the reply and its provenance;
+    """Print the reply (streamed, control characters escaped) or, with ``as_json``, the reply and its provenance;
     a reply cut by its budget says so (on standard error, so the reply stays clean)."""
     if as_json:
         click.echo(json.dumps(response.to_dict(), indent=2, ensure_ascii=False))
         return
+    from chatcore.text import display_safe
+
     started = False
     try:
         for delta in response:
-            click.echo(delta, nl=False)
+            # Shown, not acted on: a reply's ESC or bidi override must not drive the terminal
+            # (as the chat and `logs show` show them).
+            click.echo(display_safe(delta), nl=False)
             started = started or bool(delta)
     except Exception:
         if started:  # the error goes on a line of its own, after what was shown of the reply
