@@ -374,6 +374,50 @@ def test_ctrl_c_keeps_the_reply_up_to_its_last_whole_word_and_the_log_says_so(
         assert [(m.role, m.text, m.interrupted) for m in messages][1:] == [("bot", kept, True)]
 
 
+class SignalWhen(io.StringIO):
+    """The terminal, where the process gets ``number`` (SIGTERM, SIGHUP) once ``text`` is on it."""
+
+    def __init__(self, number: int, text: str) -> None:
+        super().__init__()
+        self.number, self.text = number, text
+
+    def flush(self) -> None:
+        if self.text is not None and self.text in self.getvalue():
+            self.text = None
+            signal.raise_signal(self.number)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_sigterm_or_a_closed_terminal_keeps_the_shown_reply_and_ends_the_chat(serving_engine, store, gate, name):
+    """SIGTERM, or SIGHUP (the terminal closed), while a reply streams: the reply stops as at
+    Ctrl-C, its shown words kept and logged as interrupted, and the chat ends (the next line
+    is never read); the signals' own handlers are back afterwards."""
+    from chatcore.serving import Scheduler
+
+    number = getattr(signal, name)
+    before = signal.getsignal(number)
+    gate.text = "Hello there, my frie"
+    chat = logged_state(serving_engine, store)
+    chat.options = ReplyOptions(decoder="gated-text", max_new_tokens=40)
+    chat.scheduler = Scheduler(serving_engine)
+    out, err = SignalWhen(number, "my"), io.StringIO()
+    try:
+        run_loop(chat, lines_then_end(["tell me a story", "never read"]), out, err=err)
+    finally:
+        gate.release.set()
+        chat.scheduler.close()
+    assert out.getvalue() == "bot> Hello there, my [interrupted]\n"
+    assert err.getvalue().endswith(f"chat ended ({name}); what was shown is kept\n")
+    assert signal.getsignal(number) is before
+    with store as opened:
+        (summary,) = opened.list_conversations(limit=1)
+        messages = opened.get_conversation(summary.id).messages
+    assert [(m.role, m.text, m.interrupted) for m in messages] == [
+        ("user", "tell me a story", False),
+        ("bot", "Hello there, my", True),
+    ]
+
+
 @pytest.mark.parametrize(
     "written, pressed, shown, kept",
     [

@@ -69,10 +69,15 @@ def stream_reply(response: "Response", out: IO[str]) -> str:
         show(words.flush())
         if response.cut_by_budget:
             out.write(mark_spacing(printed) + dim(budget_marker(response), out))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as pressed:
         response.interrupt()
-        show(kept_rest(response, printed))
-        out.write(mark_spacing(printed) + "[interrupted]")
+        with contextlib.suppress(OSError):  # a terminal closed (SIGHUP) takes no more text
+            show(kept_rest(response, printed))
+            out.write(mark_spacing(printed) + "[interrupted]\n")
+            out.flush()
+        if isinstance(pressed, Stopped):
+            raise  # the chat ends, the shown reply kept
+        return ""
     except ChatcoreError as error:
         show(kept_rest(response, printed))
         shown = f"error: {error}"
@@ -195,7 +200,7 @@ def run_loop(
         try:
             # Keys typed while a command runs or a reply streams wait for the next prompt (and
             # Ctrl-C, which cancels the command or stops the reply, is not echoed into them).
-            with plugin_problems_held() as problems, while_streaming():
+            with plugin_problems_held() as problems, while_streaming(), stops_on_signals():
                 outcome = handle_line(state, line)
                 if outcome.output:
                     (err if outcome.error else out).write(outcome.output + "\n")
@@ -206,6 +211,11 @@ def run_loop(
             for problem in problems:
                 if f"'{getattr(problem, 'plugin', '')}'" not in shown:
                     state.notify(str(problem))
+        except Stopped as stopped:
+            with contextlib.suppress(OSError):
+                err.write(f"chat ended ({stopped}); what was shown is kept\n")
+                err.flush()
+            break
         except KeyboardInterrupt:
             out.write("^C\n")  # between reading and streaming (e.g. while the log writes)
             continue
@@ -219,6 +229,35 @@ def run_loop(
         if outcome.quit:
             break
     show_notices(state, err)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, or SIGHUP (the terminal closed), while a reply streams or a command runs: the
+    reply stops as Ctrl-C stops it (what was shown is kept, marked interrupted, and logged),
+    and the chat ends, closing its log as /quit does."""
+
+
+@contextlib.contextmanager
+def stops_on_signals() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP raise :class:`Stopped` (on the main thread, where signals
+    arrive; elsewhere nothing changes). At the prompt nothing is in flight: they act as usual."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(number: int, frame: Any) -> None:
+        raise Stopped(signal.Signals(number).name)
+
+    kinds = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    previous = {kind: signal.signal(kind, stop) for kind in kinds}
+    try:
+        yield
+    finally:
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)
 
 
 # -- line readers -----------------------------------------------------------------
