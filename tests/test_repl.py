@@ -162,8 +162,9 @@ def test_every_slash_command(state, store):
     assert "seed: 5" in command("/seed 5").output
     first = run(state, "hello there")
     assert first.reply.provenance["seed"] == 5 and state.next_seed == 6
-    assert_one_line_error(command("/seed -1"), "`seed` must be a non-negative integer")
-    assert_one_line_error(command("/seed soon"), "`seed` must be a non-negative integer")
+    assert_one_line_error(command("/seed -1"), "`seed` must be an integer from 0 to 2**63 - 1, or 'random'")
+    assert_one_line_error(command("/seed soon"), "`seed` must be an integer from 0 to 2**63 - 1")
+    assert_one_line_error(command("/seed " + "9" * 30), "`seed` must be an integer from 0 to 2**63 - 1")
     assert command("/seed random").output == "seed: random" and state.next_seed is None
 
     why = command("/why").output

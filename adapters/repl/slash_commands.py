@@ -21,7 +21,7 @@ from chatcore.cli.specs import parse_spec, split_settings, with_steerer
 from chatcore.errors import ChatcoreError, OptionError
 from chatcore.explain import explain, format_settings
 from chatcore.log.formatting import SHORT_ID, display_safe, one_line, summary_table
-from chatcore.text import undecodable_at
+from chatcore.text import shown_value, undecodable_at
 
 if TYPE_CHECKING:
     from chatcore.adapters.repl.state import ChatState, Saved
@@ -479,7 +479,7 @@ def seed_command(state: "ChatState", rest: str) -> Outcome:
     except ValueError:
         seed = -1
     if seed < 0 or seed >= 2**63:
-        raise OptionError(f"`seed` must be a non-negative integer or 'random', got {rest!r}")
+        raise OptionError(f"`seed` must be an integer from 0 to 2**63 - 1, or 'random'; got {shown_value(rest)}")
     state.next_seed = seed
     return Outcome(output=f"seed: {seed} for the next reply")
 
