@@ -287,6 +287,21 @@ def test_the_bundled_block_names_its_default_tau():
     assert f"({value:g} for the bundled block)" in docs  # the settings table states the shipped value
 
 
+def test_a_training_runs_folder_names_its_block(tmp_path):
+    from chatcore.api import ModelLoadError
+
+    """``block=RUN`` (what ``train cocon --out RUN`` made) reads ``RUN/block``."""
+    import shutil
+
+    from chatcore.plugins.cocon.store import resolve_block
+
+    bundled = resolve_block("cocon-chatcore-tiny", {}, "chatcore-tiny")
+    shutil.copytree(bundled, tmp_path / "run" / "block")
+    assert resolve_block(str(tmp_path / "run"), {}, "chatcore-tiny") == tmp_path / "run" / "block"
+    with pytest.raises(ModelLoadError, match="no CoCon block"):
+        resolve_block(str(tmp_path / "elsewhere"), {}, "chatcore-tiny")
+
+
 def test_cocon_replies_under_every_decoder_and_composes_after(cocon_engine, tiny_block_dir):
     settings = {"content": "pizza", "tau": "2", "block": str(tiny_block_dir)}
     for decoder in ("greedy", "top-k"):

@@ -118,8 +118,8 @@ def bundled_blocks() -> list[Path]:
 
 
 def resolve_block(name: str | None, fingerprint: dict[str, Any], model_name: str) -> Path:
-    """A block folder: the given bundled name or folder, or (None) the bundled block made
-    for this model."""
+    """A block folder: the given bundled name or folder (a training run's folder: its
+    ``block/``), or (None) the bundled block made for this model."""
     if name is None:
         for candidate in bundled_blocks():
             trained_for = read_info(candidate).get("base_model", {}).get("fingerprint", {})
@@ -129,7 +129,8 @@ def resolve_block(name: str | None, fingerprint: dict[str, Any], model_name: str
             f"no bundled CoCon block fits model {model_name!r}; train one with "
             f"`chatcore train cocon --model {model_name} --out DIR` and pass block=DIR/block"
         )
-    for candidate in (bundled_dir() / name, Path(name)):
+    # a bundled name, a block's folder, or a `train cocon --out` folder (its block is in block/)
+    for candidate in (bundled_dir() / name, Path(name), Path(name) / "block"):
         if (candidate / CONFIG_FILE).exists():
             return candidate
     raise ModelLoadError(f"no CoCon block {name!r}: give a bundled block name or a folder with {CONFIG_FILE}")

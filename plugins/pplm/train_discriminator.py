@@ -131,7 +131,7 @@ def sentiment_examples(
     except ImportError:
         raise OptionError(
             "the built-in sentiment labels need the vaderSentiment package "
-            "(pip install vaderSentiment), or give --data FILE"
+            '(pip install "chatcore[sentiment]"), or give --data FILE'
         ) from None
     from chatcore.training.corpus import load_chitchat, split_heldout
 
