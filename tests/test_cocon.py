@@ -288,11 +288,10 @@ def test_the_bundled_block_names_its_default_tau():
 
 
 def test_a_training_runs_folder_names_its_block(tmp_path):
-    from chatcore.api import ModelLoadError
-
     """``block=RUN`` (what ``train cocon --out RUN`` made) reads ``RUN/block``."""
     import shutil
 
+    from chatcore.api import ModelLoadError
     from chatcore.plugins.cocon.store import resolve_block
 
     bundled = resolve_block("cocon-chatcore-tiny", {}, "chatcore-tiny")
