@@ -280,10 +280,13 @@ class PackShift:
 
 
 def packing_shift(before: Any, after: Any, tokenizer: Any, text: str = SAMPLE_TEXT) -> PackShift:
-    """Score ``text`` with the model before and after packing (both on the CPU in float32)."""
+    """Score ``text`` with the model before and after packing (both on the CPU in float32);
+    only as much of it as the model's positions hold."""
     import torch
 
-    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    from chatcore.models import max_positions_of
+
+    ids = torch.tensor([tokenizer(text)["input_ids"][: max_positions_of(before.config)]])
     scores = []
     with torch.no_grad():
         for model in (before, after):

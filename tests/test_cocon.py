@@ -11,7 +11,7 @@ import torch
 
 from chatcore.decoding import GenerationSession
 from chatcore.engine import Engine, ReplyOptions
-from chatcore.errors import OptionError
+from chatcore.errors import ChatcoreError, OptionError
 from chatcore.models import cache_keyword
 from chatcore.plugins.bow_bias import word_variants
 from chatcore.plugins.cocon.block import CoconBlock, CoconConfig
@@ -629,6 +629,39 @@ def cooking_run(tiny_model_dir, tmp_path, steps: int = 4, warmup_steps: int = 2)
         model=str(tiny_model_dir), corpus=str(corpus), heldout=0.0, steps=steps, **TINY_RUN, warmup_steps=warmup_steps,
         device="cpu",
     )  # fmt: skip
+
+
+def test_resuming_a_damaged_or_other_run_is_one_line_naming_what_differs(tiny_model_dir, tmp_path):
+    """The checkpoint is written whole (a stop leaves the previous one); a damaged one, or one of
+    a block of other settings, is refused naming the folder or the setting."""
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
+
+    config = CoconTrainConfig(out_dir=str(tmp_path / "run"), **cooking_run(tiny_model_dir, tmp_path, steps=2))
+    train_cocon(config, progress=False)
+    assert not list(tmp_path.glob("run/*.partial")) and (tmp_path / "run" / "block" / "cocon_config.json").is_file()
+    other = CoconTrainConfig(**{**config.model_dump(), "dropout": 0.2, "steps": 3})
+    with pytest.raises(ChatcoreError) as refused:
+        train_cocon(other, resume=True, progress=False)
+    assert "holds a block of other settings (dropout 0.1 -> 0.2): give the settings" in str(refused.value)
+    assert "{" not in str(refused.value)
+    optimizer = tmp_path / "run" / "checkpoint" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:64])
+    longer = CoconTrainConfig(**{**config.model_dump(), "steps": 3})
+    with pytest.raises(ChatcoreError, match=r"checkpoint in .*run/checkpoint is damaged and cannot be read"):
+        train_cocon(longer, resume=True, progress=False)
+
+
+def test_a_heldout_split_too_short_for_a_window_is_named(tiny_model_dir, tmp_path):
+    from chatcore.plugins.cocon.training import CoconTrainConfig, train_cocon
+
+    corpus = tmp_path / "short.jsonl"
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "turns": ["hi", "yo"]}) + "\n" for i in range(60)))
+    settings = {**cooking_run(tiny_model_dir, tmp_path), "corpus": str(corpus), "heldout": 0.05}
+    with pytest.raises(ChatcoreError) as refused:
+        train_cocon(CoconTrainConfig(out_dir=str(tmp_path / "run"), **settings), progress=False)
+    message = str(refused.value)
+    assert message.startswith("the held-out split (--heldout 0.05) has ") and "too few for one window of 14" in message
+    assert message.endswith("give a larger --heldout or a longer corpus")
 
 
 def test_training_in_chunks_equals_one_run(tiny_model_dir, tmp_path):

@@ -436,3 +436,93 @@ def test_bad_filter_options_are_one_line_errors(tmp_path):
 
 def test_errors_are_chatcore_errors():
     assert issubclass(OptionError, ChatcoreError) and issubclass(CorpusError, ChatcoreError)
+
+
+def _one_line_error(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code != 0 and "Traceback" not in result.output and len(lines) == 1, result.output
+    return lines[0]
+
+
+def _small_corpus(path):
+    rows = [{"id": f"d{i}", "turns": ["hi there friend", "hello, how are you?", "fine thanks"]} for i in range(4)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def test_train_filter_refuses_an_existing_output_and_always_the_corpus(tmp_path):
+    corpus = _small_corpus(tmp_path / "corpus.jsonl")
+    text = corpus.read_text()
+    existing = tmp_path / "kept.jsonl"
+    existing.write_text("mine\n")
+    disable = ("--filter-disable", "bland,top-words")
+    line = _one_line_error(_cli("train", "filter", "--corpus", str(corpus), "--out", str(existing), *disable))
+    assert "--out" in line and "exists: give --force to replace it" in line
+    report = _cli("train", "filter", "--corpus", str(corpus), "--filter-report", str(existing), *disable)
+    assert "--filter-report" in _one_line_error(report) and existing.read_text() == "mine\n"
+    for option in ("--out", "--filter-report"):
+        result = _cli("train", "filter", "--corpus", str(corpus), option, str(corpus), "--force", *disable)
+        assert f"{option} {str(corpus)!r} is the corpus being read" in _one_line_error(result)
+    assert corpus.read_text() == text
+    replaced = _cli("train", "filter", "--corpus", str(corpus), "--out", str(existing), "--force", *disable)
+    assert replaced.exit_code == 0, replaced.output
+    assert json.loads(existing.read_text().splitlines()[0])["turns"][0] == "hi there friend"
+
+
+def test_train_tokenizer_refuses_a_folder_that_holds_a_tokenizer(tmp_path):
+    corpus = _small_corpus(tmp_path / "corpus.jsonl")
+    out = tmp_path / "tokenizer"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    arguments = ("train", "tokenizer", "--corpus", str(corpus), "--no-filter", "--vocab-size", "300")
+    line = _one_line_error(_cli(*arguments, "--out", str(out)))
+    assert "already holds a tokenizer (tokenizer.json): give --force to replace it" in line
+    assert (out / "tokenizer.json").read_text() == "{}"
+    report = _cli(*arguments, "--out", str(tmp_path / "new"), "--filter-report", str(corpus))
+    assert "is the corpus being read" in _one_line_error(report)
+    assert _cli(*arguments, "--out", str(out), "--force").exit_code == 0
+    assert (out / "tokenizer.json").read_text() != "{}"
+
+
+@pytest.mark.parametrize("command", ["filter", "tokenizer", "model", "cocon"])
+def test_a_folder_given_as_corpus_is_one_line(tmp_path, command):
+    arguments = ["train", command, "--corpus", str(tmp_path)]
+    if command != "filter":
+        arguments += ["--out", str(tmp_path / "out")]
+    line = _one_line_error(_cli(*arguments, "--device", "cpu") if command == "cocon" else _cli(*arguments))
+    assert f"{tmp_path} is a folder, not a corpus file" in line
+
+
+def test_a_byte_order_mark_reads_as_no_text_in_every_corpus_and_data_file(tmp_path):
+    """Each format, the labelled files of `train discriminator` and the contrast files of
+    `train vector` read the same with a leading UTF-8 byte-order mark as without."""
+    from chatcore.plugins.pplm.train_discriminator import read_labelled_file
+    from chatcore.plugins.vector.vectors import read_texts
+
+    files = {
+        "dialogues.jsonl": [{"id": "d1", "turns": ["hi there", "hello, how are you?"]}],
+        "tree.jsonl": [
+            {"id": "t1", "parent_id": None, "text": "what should I cook?"},
+            {"id": "t2", "parent_id": "t1", "text": "pasta"},
+        ],
+        "log.jsonl": [
+            {"channel": "c", "author": "ann", "text": "anyone up?"},
+            {"channel": "c", "author": "bo", "text": "me"},
+        ],
+        "labels.jsonl": [{"label": "a", "text": "one"}, {"label": "a", "text": "two"}]
+        + [{"label": "b", "text": "three"}, {"label": "b", "text": "four"}],
+        "texts.txt": ["first line", "second line"],
+    }
+    for name, records in files.items():
+        lines = [record if isinstance(record, str) else json.dumps(record) for record in records]
+        plain, marked = tmp_path / f"plain-{name}", tmp_path / f"marked-{name}"
+        plain.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        marked.write_text("\n".join(lines) + "\n", encoding="utf-8-sig")
+        read = read_labelled_file if name.startswith("labels") else read_texts if name.endswith(".txt") else None
+        if read is None:
+            assert load_dialogues(str(marked)) == load_dialogues(str(plain)), name
+        else:
+            assert read(marked) == read(plain), name
+    corpus = tmp_path / "marked-dialogues.jsonl"
+    result = _cli("train", "filter", "--corpus", str(corpus), "--filter-disable", "bland,top-words")
+    assert result.exit_code == 0, result.output

@@ -517,6 +517,19 @@ def test_models_pack_stores_a_trained_model_in_8_bits_and_barely_moves_its_score
     assert reply.strip()
 
 
+def test_models_pack_scores_as_much_sample_text_as_a_short_model_holds(tmp_path):
+    """A model of 64 positions: the sample text (longer than that) is cut to its context."""
+    from chatcore.gguf_packed import SAMPLE_TEXT
+    from chatcore.models import load_model
+    from chatcore.testing import build_tiny_model
+
+    short = build_tiny_model(tmp_path / "short", width=64, positions=64)
+    assert len(load_model(str(short)).tokenizer(SAMPLE_TEXT)["input_ids"]) > 64
+    result = CliRunner().invoke(build_cli(), ["models", "pack", str(short), "--out", str(tmp_path / "packed")])
+    assert result.exit_code == 0, result.output
+    assert "sample text, 63 tokens" in result.output
+
+
 def test_models_pack_refuses_what_it_cannot_pack_in_one_line(tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()

@@ -215,7 +215,7 @@ def test_a_tokenizer_named_as_no_model_is_refused_in_one_line(tmp_path, corpus):
 
 def test_resuming_with_another_model_shape_is_one_clear_line(tmp_path, corpus):
     """``--resume`` without the shape settings the run started with (the defaults build a
-    larger model): one line saying so, not the checkpoint loader's traceback."""
+    larger model): one line naming the settings that differ, not the checkpoint loader's traceback."""
     shape = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--n-positions", "128", "--block-size", "64"]
     common = ["train", "model", "--corpus", str(corpus), "--no-filter", "--out", str(tmp_path / "run")]
     common += ["--tokenizer", "chatcore-tiny", "--batch-size", "8", "--quiet", "--device", "cpu"]
@@ -225,7 +225,11 @@ def test_resuming_with_another_model_shape_is_one_clear_line(tmp_path, corpus):
     assert again.exit_code == 1 and isinstance(again.exception, SystemExit) and "Traceback" not in again.output
     lines = [line for line in again.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, lines
-    assert lines[0].startswith("Error: --resume: the checkpoint in ") and "size mismatch for" in lines[0]
+    assert (
+        lines[0].startswith("Error: --resume: the checkpoint in ")
+        and "was trained with --n-layer 2 (now 6)" in lines[0]
+    )
+    assert "--n-embd 64 (now 384)" in lines[0]
     assert lines[0].endswith(": give the settings it was started with")
 
 

@@ -8,11 +8,18 @@ GradScaler (``scaler.pt``), each process's random state (Python, NumPy, torch CP
 CUDA: ``random_states_<rank>.pkl``) and the loop's own counters
 (``custom_checkpoint_0.pkl``, see :class:`Progress`). Weights are saved without the
 DistributedDataParallel wrapper, so a checkpoint resumes on any number of processes.
+
+A checkpoint is written whole or not at all: into ``checkpoint.partial/``, which then takes
+the place of ``checkpoint/`` by renaming (the previous one, briefly ``checkpoint.previous/``,
+is removed only once the new one is in place). A run stopped at any moment, even by
+SIGKILL, leaves its last whole checkpoint; :func:`checkpoint_to_resume` puts a
+``checkpoint.previous/`` left by a stop between the two renames back in place.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +32,8 @@ if TYPE_CHECKING:
 CHECKPOINT_DIR = "checkpoint"
 PROGRESS_FILE = "custom_checkpoint_0.pkl"  # Accelerate's name for the first registered object
 OLD_CHECKPOINT_FILE = "checkpoint.pt"  # the single-file format before Accelerate
+PARTIAL_SUFFIX = ".partial"  # a folder being written
+PREVIOUS_SUFFIX = ".previous"  # the folder it replaces, while the two swap places
 
 
 @dataclass(frozen=True)
@@ -164,10 +173,41 @@ class Progress:
         self.values = dict(state)
 
 
+def replace_folder(written: Path, target: Path) -> None:
+    """Put the complete folder ``written`` in the place of ``target`` (which may not exist):
+    ``target`` is renamed aside first and removed only once ``written`` is in place, so at
+    every moment one whole folder is on disk under one of the two names."""
+    previous = target.with_name(target.name + PREVIOUS_SUFFIX)
+    if previous.exists():
+        shutil.rmtree(previous)
+    if target.exists():
+        target.rename(previous)
+    written.rename(target)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+def partial_folder(target: Path) -> Path:
+    """An empty sibling of ``target`` to write a new version of it into (then :func:`replace_folder`)."""
+    partial = target.with_name(target.name + PARTIAL_SUFFIX)
+    if partial.exists():
+        shutil.rmtree(partial)  # left by a run stopped while it wrote
+    return partial
+
+
+def restore_previous(target: Path) -> None:
+    """``target`` back from the ``.previous`` copy that a stop between the two renames of
+    :func:`replace_folder` left alone on disk."""
+    previous = target.with_name(target.name + PREVIOUS_SUFFIX)
+    if not target.exists() and previous.is_dir():
+        previous.rename(target)
+
+
 def checkpoint_to_resume(out_dir: Path) -> Path:
     """The checkpoint folder in ``out_dir`` that ``--resume`` continues from; a missing one,
     or one in the format before Accelerate, is refused in one line."""
     folder = out_dir / CHECKPOINT_DIR
+    restore_previous(folder)
     if (folder / PROGRESS_FILE).is_file():
         return folder
     if (out_dir / OLD_CHECKPOINT_FILE).is_file():
@@ -178,34 +218,74 @@ def checkpoint_to_resume(out_dir: Path) -> Path:
     raise ChatcoreError(f"--resume: no checkpoint in {folder}")
 
 
+def damaged_checkpoint(folder: Path, error: BaseException) -> ChatcoreError:
+    """The one-line error for a checkpoint whose files cannot be read."""
+    detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    detail = detail.split(". ")[0].rstrip(".")[:160]  # torch's reader adds sentences of advice
+    return ChatcoreError(
+        f"--resume: the checkpoint in {folder} is damaged and cannot be read ({detail}): train again "
+        f"into another --out (the run's best/ model, if any, is intact)"
+    )
+
+
 def read_progress(folder: Path) -> dict[str, Any]:
-    """The loop's own state saved in checkpoint ``folder`` (without loading the rest)."""
+    """The loop's own state saved in checkpoint ``folder`` (without loading the rest); an
+    unreadable one is refused in one line."""
+    import pickle
+
     import torch
 
-    state: dict[str, Any] = torch.load(folder / PROGRESS_FILE, map_location="cpu", weights_only=True)
+    try:
+        state: dict[str, Any] = torch.load(folder / PROGRESS_FILE, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
+        raise damaged_checkpoint(folder, error) from None
     return state
 
 
 def save_checkpoint(accelerator: "Accelerator", folder: Path) -> None:
-    """Write the run's state into ``folder``; every process calls it (each writes its own
-    random state) and waits for the others."""
-    accelerator.save_state(str(folder))
+    """Write the run's state into ``folder``, whole (see the module's docstring); every
+    process calls it (each writes its own random state) and waits for the others."""
+    partial = folder.with_name(folder.name + PARTIAL_SUFFIX)
+    if accelerator.is_main_process:
+        partial_folder(folder)
     accelerator.wait_for_everyone()
+    accelerator.save_state(str(partial))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        replace_folder(partial, folder)
+    accelerator.wait_for_everyone()
+
+
+# What the model loader says when the checkpoint holds another model: other shapes, or other
+# or fewer layers.
+SHAPE_ERRORS = ("size mismatch", "Missing key(s)", "Unexpected key(s)")
 
 
 def load_checkpoint(accelerator: "Accelerator", folder: Path) -> None:
     """Restore the state :func:`save_checkpoint` wrote into the prepared objects; a checkpoint
-    of another shape than the run's (other model settings) is refused in one line."""
+    of another shape than the run's (other model settings), or one whose files cannot be
+    read, is refused in one line."""
+    import pickle
+
     try:
         accelerator.load_state(str(folder))
     except RuntimeError as error:
-        mismatch = next((line.strip() for line in str(error).splitlines() if "size mismatch" in line), None)
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        mismatch = next((line for line in lines if any(sign in line for sign in SHAPE_ERRORS)), None)
         if mismatch is None:
-            raise
+            raise damaged_checkpoint(folder, error) from None
+        if len(mismatch) > 200:
+            mismatch = mismatch[:200] + "..."
         raise ChatcoreError(
             f"--resume: the checkpoint in {folder} was trained with other settings for the model's shape "
             f"({mismatch.rstrip('.')}): give the settings it was started with"
         ) from None
+    except (OSError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as error:
+        raise damaged_checkpoint(folder, error) from None
+    except Exception as error:
+        if type(error).__name__ != "SafetensorError":  # safetensors' own, for a cut weights file
+            raise
+        raise damaged_checkpoint(folder, error) from None
     # The checkpoint was taken between optimizer steps: accumulation starts afresh (with
     # this run's grad_accum, which may differ from the saved run's).
     accelerator.step = 0

@@ -102,6 +102,39 @@ def build_filter_config(config_file: str | None, disable: str, settings: tuple[s
     return config.updated(values, origin="--filter-set / --filter-disable") if values else config
 
 
+force_option = click.option("--force", is_flag=True, help="Replace an existing --out or --filter-report.")
+
+# The files a tokenizer folder holds (save_pretrained of a fast tokenizer, or a slow GPT-2 one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def check_output(path: str, option: str, corpus: str, replace: bool) -> Path:
+    """``path`` as an output file (see :func:`chatcore.cli.files.output_file`), never the corpus
+    being read, even with ``--force``: refused in one line before any work."""
+    from chatcore.cli.files import output_file
+    from chatcore.errors import OptionError
+
+    target = Path(path)
+    source = Path(corpus)
+    if source.is_file() and target.is_file() and target.samefile(source):
+        raise OptionError(f"{option} {path!r} is the corpus being read: give another {option}")
+    return output_file(path, option, replace=replace)
+
+
+def check_tokenizer_folder(path: str, replace: bool) -> None:
+    """Refuse, in one line, an ``--out`` that already holds a tokenizer (a trained model's
+    best/ does), unless ``replace`` (``--force``)."""
+    from chatcore.cli.files import output_folder
+    from chatcore.errors import OptionError
+
+    held = [name for name in TOKENIZER_FILES if (Path(path) / name).exists()]
+    if held and not replace:
+        raise OptionError(
+            f"--out {path!r} already holds a tokenizer ({held[0]}): give --force to replace it, or another --out"
+        )
+    output_folder(path)
+
+
 def report_writer(path: str | None, examples: int = 2) -> Callable[[FilterReport], None]:
     """Print the report's table (with a few examples) and write the full report to ``path``."""
 
@@ -122,6 +155,7 @@ def report_writer(path: str | None, examples: int = 2) -> Callable[[FilterReport
 @click.option("--vocab-size", type=click.IntRange(300, 1_000_000), default=8192, show_default=True)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write.")
 @filter_options(with_switch=True)
+@force_option
 def train_tokenizer(
     corpus: str,
     heldout: float,
@@ -132,13 +166,15 @@ def train_tokenizer(
     filter_disable: str,
     filter_set: tuple[str, ...],
     filter_report: str | None,
+    force: bool,
 ) -> None:
     """Train a byte-level BPE tokenizer on the (filtered) training split."""
-    from chatcore.cli.files import output_folder
     from chatcore.training.pipeline import train_tokenizer_command
 
     config = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
-    output_folder(out_dir)
+    if filter_report:
+        check_output(filter_report, "--filter-report", corpus, replace=force)
+    check_tokenizer_folder(out_dir, replace=force)
     path = train_tokenizer_command(
         corpus, out_dir, vocab_size, heldout, filter_config=config, on_filter_report=report_writer(filter_report)
     )
@@ -158,6 +194,7 @@ def train_tokenizer(
 @click.option(
     "--examples", type=click.IntRange(0, 1000), default=3, show_default=True, help="Examples to show per rule."
 )
+@force_option
 def train_filter(
     corpus: str,
     filter_config: str | None,
@@ -166,6 +203,7 @@ def train_filter(
     filter_report: str | None,
     out_path: str | None,
     examples: int,
+    force: bool,
 ) -> None:
     """Filter a whole corpus and print what each rule removed (no training).
 
@@ -174,13 +212,17 @@ def train_filter(
     """
     import json
 
-    from chatcore.cli.files import output_file
+    from chatcore.errors import OptionError
     from chatcore.training.filtering import filter_dialogues
     from chatcore.training.threads import load_dialogues
 
     config = build_filter_config(filter_config, filter_disable, filter_set)
     if out_path:
-        output_file(out_path)
+        check_output(out_path, "--out", corpus, replace=force)
+    if filter_report:
+        check_output(filter_report, "--filter-report", corpus, replace=force)
+        if out_path and Path(filter_report).resolve() == Path(out_path).resolve():
+            raise OptionError(f"--filter-report {filter_report!r} is also the --out: give two files")
     if examples > config.examples:
         config = config.updated({"examples": examples})
     result = filter_dialogues(load_dialogues(corpus), config)
@@ -255,6 +297,8 @@ def train_model(
     except ValueError as error:
         raise OptionError(str(error)) from None
     filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
+    if filter_report:
+        check_output(filter_report, "--filter-report", corpus, replace=True)  # never the corpus
     with removed_if_left_empty(out_dir):
         run_folder(out_dir, resume, ("checkpoint", "best"))
         result = train_model_command(
@@ -273,10 +317,20 @@ def train_model(
         )
     if not distributed_context().is_main:
         return
-    click.echo(
-        f"best held-out loss {result.best_val_loss:.4f} (perplexity {result.best_val_perplexity:.2f}) "
-        f"at step {result.best_step}; {result.parameters:,} parameters; model in {out_dir}/best"
-    )
+    if result.best_step < 0:
+        click.echo(f"no evaluation yet; {result.parameters:,} parameters; checkpoint in {out_dir}/checkpoint")
+    elif result.heldout_evaluated:
+        click.echo(
+            f"best held-out loss {result.best_val_loss:.4f} (perplexity {result.best_val_perplexity:.2f}) "
+            f"at step {result.best_step}; {result.parameters:,} parameters; model in {out_dir}/best"
+        )
+    else:
+        click.echo(
+            f"no held-out split: model in {out_dir}/best is step {result.best_step}'s (training loss "
+            f"{result.best_val_loss:.4f}); {result.parameters:,} parameters"
+        )
+    if result.steps < result.total_steps:
+        click.echo(f"stopped at step {result.steps} of {result.total_steps}: continue with --resume")
 
 
 @chatcore.hookimpl(trylast=True)

@@ -64,6 +64,8 @@ def data_lines(path: str | Path, what: str) -> list[tuple[int, str]]:
     with ``#`` (after any indentation) left out; a missing or non-UTF-8 file is a
     CorpusError naming ``what``."""
     path = Path(path)
+    if path.is_dir():
+        raise CorpusError(f"{what} {str(path)!r} is a folder, not a file")
     if not path.is_file():
         raise CorpusError(f"no such {what} {str(path)!r}")
     try:
@@ -90,6 +92,8 @@ def json_line(path: str | Path, number: int, line: str) -> Any:
 def load_jsonl(path: str | Path) -> list[Dialogue]:
     """Read dialogues from a JSONL file (see the module docstring for the format)."""
     path = Path(path)
+    if path.is_dir():
+        raise CorpusError(f"{path} is a folder, not a corpus file")
     if not path.exists():
         raise CorpusError(f"corpus file not found: {path}")
     dialogues = []

@@ -139,6 +139,9 @@ def train_model_command(
             from chatcore.training.tokenizer import train_tokenizer
 
             tokenizer = train_tokenizer((t for d in train_set for t in d.turns), vocab_size=vocab_size)
+        import torch
+
+        torch.manual_seed(config.seed)  # the initial weights: --seed makes a run from scratch repeatable
         model = build_model(tokenizer, shape)
     train_stream = encode_dialogues(train_set, tokenizer, reverse=reverse)
     heldout_stream = encode_dialogues(heldout_set, tokenizer, reverse=reverse) if heldout_set else train_stream[:0]
@@ -152,11 +155,9 @@ def train_model_command(
             "filter": filter_settings,
         }
     )
-    with contextlib.nullcontext() if progress else quiet_training():
-        result = train(model, tokenizer, train_stream, heldout_stream, config, resume=resume, progress=progress)
-    if not context.is_main:
-        return result
-    card = {
+    # best/'s training record, written into best/ with each best model (its step, loss and
+    # the seconds trained until then are added there).
+    record = {
         "corpus": corpus,
         "direction": "reverse" if reverse else "forward",
         "tokenizer": tokenizer_path or init_from or "trained on the corpus",
@@ -164,16 +165,11 @@ def train_model_command(
         "filter": _filter_summary(filter_settings, report),
         "train_tokens": int(train_stream.numel()),
         "heldout_tokens": int(heldout_stream.numel()),
-        "parameters": result.parameters,
-        "best_step": result.best_step,
-        "heldout_loss": round(result.best_val_loss, 4),
-        "heldout_perplexity": round(result.best_val_perplexity, 2),
-        "seconds": round(result.seconds, 1),
     }
-    best = Path(config.out_dir) / "best"
-    if best.exists():
-        (best / "chatcore_training.json").write_text(json.dumps(card, indent=2))
-    return result
+    with contextlib.nullcontext() if progress else quiet_training():
+        return train(
+            model, tokenizer, train_stream, heldout_stream, config, resume=resume, progress=progress, record=record
+        )
 
 
 def _changed_settings(config: FilterConfig) -> dict[str, Any]:

@@ -182,7 +182,7 @@ def log_dialogues(
 
 def _records(path: Path) -> Iterable[tuple[int, Any]]:
     try:
-        handle = path.open(encoding="utf-8", errors="strict")
+        handle = path.open(encoding="utf-8-sig", errors="strict")  # a leading byte-order mark is no text
     except OSError as error:
         raise CorpusError(f"cannot read {path}: {error}") from None
     with handle:
@@ -201,6 +201,8 @@ def _records(path: Path) -> Iterable[tuple[int, Any]]:
 def detect_format(path: str | Path) -> str:
     """ "dialogues", "tree" or "log", from the first record of a JSONL file."""
     path = Path(path)
+    if path.is_dir():
+        raise CorpusError(f"{path} is a folder, not a corpus file")
     if not path.is_file():
         raise CorpusError(f"corpus file not found: {path}")
     for number, record in _records(path):

@@ -20,6 +20,7 @@ position in the epochs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -150,11 +151,18 @@ def check_trainable(model: Any, block_size: int) -> None:
 @dataclass
 class TrainResult:
     best_val_loss: float
+    """The held-out loss of best/; with ``heldout_evaluated`` False, the training loss of the last
+    evaluation's step (best/ is then that step's model)."""
     best_step: int
     steps: int
     tokens_seen: int
     seconds: float
     parameters: int
+    total_steps: int = 0
+    """The steps the run was set to take: more than ``steps`` when it stopped early (Ctrl-C)."""
+    heldout_evaluated: bool = True
+    """Whether a held-out split was scored; without one (``--heldout 0``, or a split shorter
+    than one block) best/ is the model of the last evaluation's step."""
 
     @property
     def best_val_perplexity(self) -> float:
@@ -213,17 +221,102 @@ def _optimizer(model: Any, config: TrainConfig, device: "torch.device") -> "torc
     )
 
 
-def _save_best(model: Any, tokenizer: Any, config: TrainConfig) -> None:
-    """Write ``model`` as an ordinary Hugging Face folder, OUT/best, in ``save_dtype``."""
+BEST_DIR = "best"
+TRAINING_RECORD = "chatcore_training.json"
+
+# The model settings a checkpoint's weights depend on, and the option (or what) sets each.
+SHAPE_SETTINGS = {
+    "n_layer": "--n-layer",
+    "n_embd": "--n-embd",
+    "n_head": "--n-head",
+    "n_positions": "--n-positions",
+    "vocab_size": "the tokenizer's vocabulary (--tokenizer, --vocab-size)",
+    "num_hidden_layers": "the model's layers (--init-from)",
+    "hidden_size": "the model's width (--init-from)",
+    "num_attention_heads": "the model's heads (--init-from)",
+    "num_key_value_heads": "the model's key-value heads (--init-from)",
+    "intermediate_size": "the model's MLP width (--init-from)",
+    "max_position_embeddings": "the model's positions (--init-from)",
+    "model_type": "the architecture (--init-from)",
+}
+
+
+def model_shape_of(model: Any) -> dict[str, Any]:
+    """The settings of ``model``'s config that its weights' shapes depend on (:data:`SHAPE_SETTINGS`)."""
+    config = model.config
+    aliases = getattr(config, "attribute_map", {})  # GPT-2's num_hidden_layers is its n_layer
+    return {
+        name: getattr(config, name)
+        for name in SHAPE_SETTINGS
+        if name not in aliases and getattr(config, name, None) is not None
+    }
+
+
+def check_same_shape(saved: dict[str, Any] | None, model: Any, folder: Path) -> None:
+    """Refuse, in one line naming the settings that differ, to resume a checkpoint of a model
+    of another shape (a checkpoint from before the shape was saved is checked on loading)."""
+    if not saved:
+        return
+    now = model_shape_of(model)
+    differences = [
+        f"{SHAPE_SETTINGS[name]} {saved[name]!r} (now {now[name]!r})"
+        for name in SHAPE_SETTINGS
+        if name in saved and name in now and saved[name] != now[name]
+    ]
+    if differences:
+        raise ChatcoreError(
+            f"--resume: the checkpoint in {folder} was trained with {', '.join(differences)}: "
+            f"give the settings it was started with"
+        )
+
+
+def write_json_whole(path: Path, value: Any) -> None:
+    """Write ``path`` through a temporary sibling and a rename: a stop leaves the old file or the new one."""
+    import os
+
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=2))
+    os.replace(partial, path)
+
+
+def _save_best(model: Any, tokenizer: Any, config: TrainConfig, record: dict[str, Any] | None) -> None:
+    """Write ``model`` as an ordinary Hugging Face folder, OUT/best, in ``save_dtype``, with its
+    training record: whole (into a temporary sibling, then renamed into place), so a run
+    stopped at any moment leaves the previous best/ or the new one."""
     import torch
 
-    best_dir = Path(config.out_dir) / "best"
+    from chatcore.training.accelerated import partial_folder, replace_folder
+
+    best_dir = Path(config.out_dir) / BEST_DIR
+    written = partial_folder(best_dir)
     copy = type(model)(model.config)
     copy.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     copy.to(getattr(torch, config.save_dtype))
     copy.config.dtype = config.save_dtype
-    copy.save_pretrained(str(best_dir), max_shard_size=config.max_shard_size)
-    tokenizer.save_pretrained(str(best_dir))
+    copy.save_pretrained(str(written), max_shard_size=config.max_shard_size)
+    tokenizer.save_pretrained(str(written))
+    if record is not None:
+        (written / TRAINING_RECORD).write_text(json.dumps(record, indent=2))
+    replace_folder(written, best_dir)
+
+
+def best_record(
+    base: dict[str, Any], step: int, loss: float, heldout_evaluated: bool, seconds: float, parameters: int
+) -> dict[str, Any]:
+    """best/'s training record: ``base`` (the corpus, tokenizer, filter ...) and the model's step and loss.
+
+    Without a held-out split the loss is the training loss and best/ the last evaluation's
+    model: the record says so, and has no held-out loss."""
+    scores: dict[str, Any]
+    if heldout_evaluated:
+        scores = {"heldout_loss": round(loss, 4), "heldout_perplexity": round(math.exp(min(loss, 50)), 2)}
+    else:
+        scores = {
+            "heldout_loss": None,
+            "train_loss": round(loss, 4),
+            "best_by": "last evaluation's step: no held-out split to choose on",
+        }
+    return {**base, "parameters": parameters, "best_step": step, **scores, "seconds": round(seconds, 1)}
 
 
 def train(
@@ -234,9 +327,16 @@ def train(
     config: TrainConfig,
     resume: bool = False,
     progress: bool = True,
+    record: dict[str, Any] | None = None,
 ) -> TrainResult:
-    """Train ``model`` on ``train_stream``; keep the best held-out model in out_dir/best and
-    the run's latest state in out_dir/checkpoint (``resume`` continues from it)."""
+    """Train ``model`` on ``train_stream``; keep the best held-out model in out_dir/best (with
+    ``record`` and its step and loss as its ``chatcore_training.json``) and the run's latest
+    state in out_dir/checkpoint (``resume`` continues from it).
+
+    Without held-out blocks (``heldout_stream`` shorter than one block) no held-out loss is
+    computed: best/ is the model of the last evaluation, labelled with its training loss.
+    The first Ctrl-C (in a single-process run) stops after the step under way and writes
+    the checkpoint; the result's ``steps`` is then below its ``total_steps``."""
     import torch
     from tqdm.auto import tqdm
 
@@ -246,9 +346,11 @@ def train(
         checkpoint_to_resume,
         load_checkpoint,
         make_accelerator,
+        read_progress,
         save_checkpoint,
     )
     from chatcore.training.data import make_blocks
+    from chatcore.training.interrupt import StopRequest
     from chatcore.training.schedule import move_schedule, warmup_cosine
 
     out_dir = Path(config.out_dir)
@@ -265,8 +367,16 @@ def train(
     model.train()
 
     heldout_blocks = None
-    if is_main and heldout_stream.numel() > config.block_size:
+    heldout_evaluated = heldout_stream.numel() > config.block_size
+    if is_main and heldout_evaluated:
         heldout_blocks = make_blocks(heldout_stream, config.block_size)[: config.eval_blocks]
+    elif is_main:
+        logger.warning(
+            "the held-out split has %d tokens, fewer than one block of %d: no held-out loss is computed, "
+            "and best/ is the model of the last evaluation (give a larger --heldout to choose on held-out loss)",
+            heldout_stream.numel(),
+            config.block_size,
+        )
     blocks_per_epoch = (train_stream.numel() - 1) // config.block_size
     micro_batches = config.grad_accum * world_size
     if blocks_per_epoch < micro_batches:
@@ -287,6 +397,7 @@ def train(
     accelerator.register_for_checkpointing(state)
     step, tokens_seen, best_val, best_step, elapsed = 0, 0, float("inf"), -1, 0.0
     if resume:
+        check_same_shape(read_progress(checkpoint).get("model_shape"), model, checkpoint)
         load_checkpoint(accelerator, checkpoint)
         saved = state.values
         step, tokens_seen = saved["step"], saved["tokens_seen"]
@@ -313,71 +424,95 @@ def train(
     loss_value = float("nan")
     epoch_blocks: "torch.Tensor | None" = None
     order: "torch.Tensor | None" = None
-    while step < total_steps:
-        epoch, within = divmod(step, steps_per_epoch)
-        if within == 0 or epoch_blocks is None or order is None:
-            # A new random offset each epoch so block boundaries move through the text;
-            # seeded by the epoch alone, so every rank shuffles the same way.
-            epoch_generator = torch.Generator().manual_seed(config.seed + epoch)
-            offset = int(torch.randint(0, config.block_size, (1,), generator=epoch_generator))
-            epoch_blocks = make_blocks(train_stream, config.block_size, offset)
-            order = torch.randperm(epoch_blocks.size(0), generator=epoch_generator)
-        pieces = step_shard(order, within, config.batch_size, config.grad_accum, world_size, rank)
-        rows = sum(piece.numel() for piece in pieces)
-        step_loss = torch.zeros((), device=device)
-        for piece in pieces:
-            batch = epoch_blocks[piece].to(device, non_blocking=True)  # (B, T + 1)
-            # Gradients are averaged across ranks once per step, on the last micro-batch.
-            with accelerator.accumulate(train_model):
-                logits = train_model(input_ids=batch[:, :-1]).logits  # (B, T, V)
-                loss = torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
-                )
-                share = piece.numel() / rows  # the micro-batch's weight in this rank's mean
-                # Accelerate divides every micro-batch's loss by grad_accum; weigh it by its share.
-                accelerator.backward(loss * share * config.grad_accum)
-            step_loss += loss.detach() * share
-        accelerator.clip_grad_norm_(train_model.parameters(), config.grad_clip)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        step_tokens = min(global_batch, order.numel() - within * global_batch) * config.block_size
-        tokens_seen += step_tokens
-        window_tokens += step_tokens
-        if step % 10 == 0 or step == total_steps:
-            loss_value = accelerator.reduce(step_loss, "mean").item()
-            now = time.perf_counter()
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{window_tokens / max(1e-9, now - window_start):,.0f}")
-            window_tokens, window_start = 0, now
-        bar.update(1)
-        if step % config.eval_every == 0 or step == total_steps:
-            if is_main:
-                if heldout_blocks is not None:
-                    val = evaluate_loss(model, heldout_blocks, config.batch_size, device, accelerator.autocast)
-                else:
-                    val = loss_value
-                if show:
-                    bar.write(
-                        f"step {step}/{total_steps}  train loss {loss_value:.4f}  held-out loss {val:.4f}  "
-                        f"ppl {math.exp(min(val, 50)):.2f}"
+
+    parameters = sum(p.numel() for p in model.parameters())
+    saved_step = step
+
+    def save_state() -> None:
+        state.values = {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "best_val": best_val,
+            "best_step": best_step,
+            "elapsed": time.perf_counter() - started,
+            "steps_per_epoch": steps_per_epoch,
+            "global_batch": global_batch,
+            "world_size": world_size,
+            "config": config.model_dump(),
+            "model_shape": model_shape_of(model),
+        }
+        save_checkpoint(accelerator, checkpoint)  # rank 0's counters; every rank's random state
+
+    # A single process stops at the first Ctrl-C after its step, with a checkpoint. Under
+    # torchrun every rank would have to agree on the step: Ctrl-C stops at once there.
+    say = bar.write if show else lambda line: logger.warning("%s", line)
+    stop = StopRequest(say) if world_size == 1 else None
+    with stop or contextlib.nullcontext():
+        while step < total_steps:
+            if stop is not None and stop.requested:
+                if saved_step != step:
+                    save_state()
+                break
+            epoch, within = divmod(step, steps_per_epoch)
+            if within == 0 or epoch_blocks is None or order is None:
+                # A new random offset each epoch so block boundaries move through the text;
+                # seeded by the epoch alone, so every rank shuffles the same way.
+                epoch_generator = torch.Generator().manual_seed(config.seed + epoch)
+                offset = int(torch.randint(0, config.block_size, (1,), generator=epoch_generator))
+                epoch_blocks = make_blocks(train_stream, config.block_size, offset)
+                order = torch.randperm(epoch_blocks.size(0), generator=epoch_generator)
+            pieces = step_shard(order, within, config.batch_size, config.grad_accum, world_size, rank)
+            rows = sum(piece.numel() for piece in pieces)
+            step_loss = torch.zeros((), device=device)
+            for piece in pieces:
+                batch = epoch_blocks[piece].to(device, non_blocking=True)  # (B, T + 1)
+                # Gradients are averaged across ranks once per step, on the last micro-batch.
+                with accelerator.accumulate(train_model):
+                    logits = train_model(input_ids=batch[:, :-1]).logits  # (B, T, V)
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
                     )
-                if val < best_val:
-                    best_val, best_step = val, step
-                    _save_best(model, tokenizer, config)
-            elapsed = time.perf_counter() - started
-            state.values = {
-                "step": step,
-                "tokens_seen": tokens_seen,
-                "best_val": best_val,
-                "best_step": best_step,
-                "elapsed": elapsed,
-                "steps_per_epoch": steps_per_epoch,
-                "global_batch": global_batch,
-                "world_size": world_size,
-                "config": config.model_dump(),
-            }
-            save_checkpoint(accelerator, checkpoint)  # rank 0's counters; every rank's random state
+                    share = piece.numel() / rows  # the micro-batch's weight in this rank's mean
+                    # Accelerate divides every micro-batch's loss by grad_accum; weigh it by its share.
+                    accelerator.backward(loss * share * config.grad_accum)
+                step_loss += loss.detach() * share
+            accelerator.clip_grad_norm_(train_model.parameters(), config.grad_clip)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            step_tokens = min(global_batch, order.numel() - within * global_batch) * config.block_size
+            tokens_seen += step_tokens
+            window_tokens += step_tokens
+            if step % 10 == 0 or step == total_steps:
+                loss_value = accelerator.reduce(step_loss, "mean").item()
+                now = time.perf_counter()
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{window_tokens / max(1e-9, now - window_start):,.0f}")
+                window_tokens, window_start = 0, now
+            bar.update(1)
+            if step % config.eval_every == 0 or step == total_steps:
+                loss_value = accelerator.reduce(step_loss, "mean").item()  # this step's training loss
+                if is_main:
+                    if heldout_blocks is not None:
+                        val = evaluate_loss(model, heldout_blocks, config.batch_size, device, accelerator.autocast)
+                        line = f"held-out loss {val:.4f}  ppl {math.exp(min(val, 50)):.2f}"
+                        better = val < best_val
+                    else:
+                        # Nothing held out to choose on: best/ follows the run, and says so.
+                        val, line, better = loss_value, "no held-out split: best/ is this step's model", True
+                    if show:
+                        bar.write(f"step {step}/{total_steps}  train loss {loss_value:.4f}  {line}")
+                    if better:
+                        best_val, best_step = val, step
+                        seconds = time.perf_counter() - started
+                        card = (
+                            None
+                            if record is None
+                            else best_record(record, step, val, heldout_evaluated, seconds, parameters)
+                        )
+                        _save_best(model, tokenizer, config, card)
+                save_state()
+                saved_step = step
     bar.close()
     elapsed = time.perf_counter() - started
     if world_size > 1:
@@ -392,7 +527,9 @@ def train(
         steps=step,
         tokens_seen=tokens_seen,
         seconds=elapsed,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=parameters,
+        total_steps=total_steps,
+        heldout_evaluated=heldout_evaluated,
     )
     if is_main:
         result_json = {

@@ -251,7 +251,9 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         distributed_context,
         load_checkpoint,
         make_accelerator,
+        partial_folder,
         read_progress,
+        replace_folder,
         save_checkpoint,
     )
     from chatcore.training.corpus import load_corpus, split_heldout
@@ -327,6 +329,11 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         heldout_stream, heldout_starts = (
             render_dialogues(heldout_set, prompt_format) if heldout_set else (train_stream, train_starts)
         )
+    if heldout_set and heldout_stream.numel() < window_length + 1:
+        raise ChatcoreError(
+            f"the held-out split (--heldout {config.heldout}) has {heldout_stream.numel()} tokens, too few for "
+            f"one window of {window_length}: give a larger --heldout or a longer corpus"
+        )
     sampler = WindowSampler(
         train_stream, eos, config.history_tokens, config.continuation_tokens, config.turn_start_share, train_starts
     )
@@ -354,8 +361,12 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
     history: list[dict[str, float]] = []
     if resume:
         saved_block = read_progress(checkpoint)["block_config"]
-        if saved_block != block_config.to_dict():
-            raise ChatcoreError(f"--resume: the checkpoint's block ({saved_block}) does not match this run")
+        differences = settings_changed(saved_block, block_config.to_dict())
+        if differences:
+            raise ChatcoreError(
+                f"--resume: the checkpoint in {checkpoint} holds a block of other settings ({differences}): "
+                f"give the settings it was started with"
+            )
         load_checkpoint(accelerator, checkpoint)
         saved = state.values
         step, elapsed, history = saved["step"], saved["elapsed"], saved["history"]
@@ -394,7 +405,10 @@ def train_cocon(config: CoconTrainConfig, resume: bool = False, progress: bool =
         }
         if init_training is not None:
             training["init_block_training"] = init_training
-        save_block(block, out_dir / BLOCK_DIR, base_model, training, dtype=config.save_dtype)
+        # Whole or not at all, as the checkpoint: a stop leaves the previous block/ or the new one.
+        written = partial_folder(out_dir / BLOCK_DIR)
+        save_block(block, written, base_model, training, dtype=config.save_dtype)
+        replace_folder(written, out_dir / BLOCK_DIR)
 
     weights = {"self": config.self_weight, "null": config.null_weight, "cycle": config.cycle_weight}
     weights["adv"] = config.adv_weight

@@ -100,7 +100,7 @@ def read_texts(path: str | Path) -> list[str]:
     """The non-empty lines of a text file (one example per line; ``#`` starts a comment line)."""
     file = Path(path).expanduser()
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        lines = file.read_text(encoding="utf-8-sig").splitlines()  # a leading byte-order mark is no text
     except FileNotFoundError:
         raise OptionError(f"contrast file {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as error:
