@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import socket
 import time
 import urllib.error
@@ -298,6 +299,65 @@ def test_unknown_routes_and_methods_are_openai_errors(serving):
     assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
     wrong = call(f"{serving[1].url}/chat/completions", headers=headers)
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        ("/v1/chat/completions", '"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": '),
+        ("/v1/completions", '"model": "M", "prompt": "hi", "seed": '),
+        ("/tokenize", '"content": "hi", "add_special": '),
+        ("/detokenize", '"tokens": '),
+    ],
+)
+def test_an_integer_too_long_to_read_is_a_400_not_a_server_error(serving, caplog, path, fields):
+    # Python reads integers of at most 4,300 digits; json.loads raises a bare ValueError past that.
+    body = "{" + fields + "9" * 5_000 + "}"
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    with caplog.at_level(logging.INFO):
+        response = call(f"http://{serving[1].host}:{serving[1].port}{path}", body.encode(), headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == "the request body holds an integer of more than 4,300 digits"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+
+
+def test_stop_strings_and_messages_must_be_text_without_control_characters(serving, client):
+    model = model_name(client)
+    hi = [{"role": "user", "content": "hi"}]
+    refusals = [
+        ({"messages": hi, "stop": "\u0000"}, "stop", "`stop` contains a control character (U+0000)"),
+        (
+            {"messages": hi, "stop": ["fine", "\ud800"]},
+            "stop",
+            "stop[1] contains a lone surrogate (U+D800), which is not valid Unicode text",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi \udfff"}]},
+            "messages.[0].content",
+            "messages[0] contains a lone surrogate (U+DFFF), which is not valid Unicode text",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi\u0007"}]},
+            "messages.[0].content",
+            "messages[0] contains a control character (U+0007)",
+        ),
+    ]
+    for fields, param, message in refusals:
+        response = post(serving, {"model": model, "max_tokens": 2, **fields})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param and response.json()["error"]["message"] == message
+    raw = call(
+        f"{serving[1].url}/completions",
+        json.dumps({"model": model, "prompt": "go \ud83d"}).encode(),
+        {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    assert raw.status_code == 400 and raw.json()["error"]["message"] == (
+        "`prompt` contains a lone surrogate (U+D83D), which is not valid Unicode text"
+    )
+    # A whole pair is one character (json.dumps sends this emoji as "\\ud83d\\ude00"); line breaks and tabs are text.
+    fine = {"model": model, "messages": [{"role": "user", "content": "hi \U0001f600\n\tthere"}], "max_tokens": 2}
+    reply = post(serving, {**fine, "stop": ["\n", "\U0001f600"]})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def slow_request(serving, name: str, stream: bool) -> socket.socket:
@@ -771,6 +831,39 @@ def test_two_end_users_with_the_same_words_keep_their_own_conversations(logged):
     with ConversationStore(f"sqlite:///{db}") as store:
         assert store.delete_author("alice") == 2
     assert "9999" not in str([[m.text for m in c.messages] for c in read_log(db)])
+
+
+def test_end_users_whose_long_ids_share_a_prefix_are_exported_and_deleted_apart(logged):
+    """`user` ids longer than the author column: cut to it, two users merged, and `logs delete
+    --author` given the full id deleted nothing."""
+    from click.testing import CliRunner
+
+    import chatcore.plugin_manager as plugin_manager
+    from chatcore.cli import build_cli
+
+    client, request_log, db = logged
+    model = model_name(client)
+    shared = "org-7/" + "u" * 70
+    alice, bob = shared + "/alice", shared + "/bob"
+    for user, text in ((alice, "lima: alice asks"), (bob, "lima: bob asks")):
+        messages = [{"role": "user", "content": text}]
+        client.chat.completions.create(model=model, messages=messages, max_tokens=3, temperature=0, user=user)
+    request_log.flush()
+
+    host = plugin_manager.PluginHost()
+    host.load_modules(("chatcore.log",))
+    plugin_manager.set_plugin_host(host)
+
+    def logs(*args: str):
+        return CliRunner().invoke(build_cli(), ["logs", *args, "--db", str(db)], catch_exceptions=False)
+
+    assert logs("export", "--author", shared[:64]).stdout == ""  # the prefix is no one's id
+    (exported,) = logs("export", "--author", alice).stdout.splitlines()
+    assert [m["text"] for m in json.loads(exported)["messages"]] == ["lima: alice asks"]
+    deleted = logs("delete", "--author", alice, "--yes")
+    assert deleted.exit_code == 0 and "deleted 1 message(s)" in deleted.stdout
+    users = [(m.text, m.author_id) for c in read_log(db) for m in c.messages if m.role == "user"]
+    assert [text for text, _ in users] == ["lima: bob asks"] and users[0][1].startswith("sha256:")
 
 
 def test_a_conversation_deleted_while_served_stays_deleted(logged):

@@ -369,14 +369,12 @@ def test_shutdown_cuts_running_streams_with_an_error_event_and_done(serving_engi
 @pytest.mark.slow
 def test_sigterm_stops_chatcore_serve_with_exit_status_0(tiny_model_dir):
     import os
-    import socket
+    import re
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "chatcore.cli", "serve", "--port", str(port), "--model", str(tiny_model_dir)]
+    # Port 0 takes a free port; the line that says the server is serving names the one it took.
+    command = [sys.executable, "-m", "chatcore.cli", "serve", "--port", "0", "--model", str(tiny_model_dir)]
     server = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "CHATCORE_PLUGINS": ""}
     )
@@ -385,6 +383,9 @@ def test_sigterm_stops_chatcore_serve_with_exit_status_0(tiny_model_dir):
         for line in server.stdout:  # the server says it is serving once it listens
             if b"serving" in line:
                 break
+        served = re.search(rb"on http://127\.0\.0\.1:(\d+)/v1 ", line)
+        assert served is not None and served[1] != b"0", line
+        port = int(served[1])
         health = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         health.request("GET", "/health")
         assert health.getresponse().status == 200
@@ -530,8 +531,86 @@ def test_serve_refuses_bad_limits_and_names_before_loading_the_model():
     for option, value in (("--max-queue-wait", "0"), ("--request-timeout", "-1"), ("--shutdown-grace", "-2")):
         result = runner.invoke(build_cli(), ["serve", "--model", "nope", option, value])
         assert result.exit_code == 2 and option in result.output and "Traceback" not in result.output, option
+    # NaN passes every comparison, so a range alone let it through: every request then timed out.
+    for option in ("--max-queue-wait", "--request-timeout", "--shutdown-grace"):
+        for value in ("nan", "inf", "-inf", "NaN"):
+            result = runner.invoke(build_cli(), ["serve", "--model", "nope", option, value])
+            assert result.exit_code == 2 and "nope" not in result.output, (option, value, result.output)
+            assert f"Invalid value for '{option}'" in result.output and "Traceback" not in result.output
+            assert result.output.count("Error") == 1, result.output
+    result = runner.invoke(build_cli(), ["serve", "--model", "nope", "--request-timeout", "nan"])
+    assert "'nan' is not a finite number of seconds" in result.output
     result = runner.invoke(build_cli(), ["serve", "--model", "nope", "--served-model-name", " "])
     assert result.exit_code == 1 and "`--served-model-name` is empty" in result.output
+
+
+def test_n_above_what_the_scheduler_holds_is_a_400_naming_the_limit(serving_engine):
+    """Each choice is a reply the scheduler holds: asking for more than it can ever hold at
+    once (--max-batch + --max-waiting) would be 429 for ever, even on an idle server."""
+    with running(serving_engine, max_batch=2, max_waiting=1) as (scheduler, server, client):  # --max-n: 8
+        model = client.models.list().data[0].id
+        for n in (4, 9):  # under --max-n and over it: the smaller limit is named
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(model=model, messages=HI, max_tokens=2, n=n)
+            error = caught.value.body
+            assert error["param"] == "n" and error["message"] == (
+                f"`n` must be at most 3 on this server, which holds 2 replies decoding and 1 waiting "
+                f"(--max-batch, --max-waiting), got {n}"
+            )
+        assert len(client.chat.completions.create(model=model, messages=HI, max_tokens=2, n=3).choices) == 3
+    with running(serving_engine, max_batch=2, max_waiting=8, max_n=2) as (scheduler, server, client):
+        with pytest.raises(openai.BadRequestError, match=r"at most 2 on this server \(--max-n\), got 3"):
+            client.chat.completions.create(model=client.models.list().data[0].id, messages=HI, max_tokens=2, n=3)
+
+
+def test_serve_refuses_a_max_n_its_queue_cannot_hold_before_loading_the_model():
+    from click.testing import CliRunner
+
+    from chatcore.cli import build_cli
+
+    runner = CliRunner()
+    small = ["serve", "--port", "0", "--model", "nope", "--max-batch", "2", "--max-waiting", "1"]
+    result = runner.invoke(build_cli(), [*small, "--max-n", "4"])
+    assert result.exit_code == 1 and "nope" not in result.output and "Traceback" not in result.output
+    assert result.output.strip() == (
+        "Error: `--max-n 4` is more replies than the server holds at once: --max-batch 2 + --max-waiting 1 = 3; "
+        "give --max-n 3 or less, or raise those"
+    )
+    # The default --max-n (8) is no refusal: requests above 3 get a 400 instead (above). "nope" then
+    # fails to load, which shows the options passed; so do the defaults (8 decoding, 64 waiting).
+    for options in (small, small[:5], [*small[:5], "--max-n", "64"]):
+        result = runner.invoke(build_cli(), options)
+        assert result.exit_code == 1 and "model 'nope'" in result.output and "--max-n" not in result.output
+
+
+def test_serve_refuses_cors_origins_that_are_not_origins():
+    from click.testing import CliRunner
+
+    from chatcore.adapters.http_api.command import browser_origin
+    from chatcore.cli import build_cli
+
+    runner = CliRunner()
+    for value in ("not an origin", "chat.example.com", "https://chat.example.com/", "https://x.com/app",
+                  "https://user@x.com", "https://x.com:99999", "https://", "**"):  # fmt: skip
+        result = runner.invoke(build_cli(), ["serve", "--model", "nope", "--cors-origin", value])
+        assert result.exit_code == 2 and "nope" not in result.output, (value, result.output)
+        assert f"Invalid value for '--cors-origin': {value!r} is not an origin" in result.output
+    # As a browser's Origin header spells it, which is what the middleware compares.
+    assert browser_origin("HTTPS://Chat.Example.com:443") == "https://chat.example.com"
+    assert browser_origin("http://localhost:3000") == "http://localhost:3000"
+    assert browser_origin("http://[::1]:80") == "http://[::1]"
+    origins = ["--cors-origin", "*", "--cors-origin", "http://a.b"]
+    result = runner.invoke(build_cli(), ["serve", "--port", "0", "--model", "nope", *origins])
+    assert result.exit_code == 1 and "model 'nope'" in result.output
+
+
+def test_the_serving_line_names_the_port_bound():
+    from chatcore.adapters.http_api.command import bind_listener, listening_url
+
+    with bind_listener("127.0.0.1", 0) as listener:
+        port = listener.getsockname()[1]
+        assert port != 0 and listening_url("127.0.0.1", listener) == f"http://127.0.0.1:{port}/v1"
+        assert listening_url("::1", listener) == f"http://[::1]:{port}/v1"  # IPv6 as URLs write it
 
 
 def test_a_client_gone_in_the_middle_of_its_body_leaves_no_traceback(serving_engine, caplog):

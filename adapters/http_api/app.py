@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -156,6 +157,16 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
 
     def options_of(parsed: Sampling) -> "ReplyOptions":
         """The request's reply options, under this server's limits."""
+        # Each choice is a reply the scheduler holds: more than it can ever hold would be 429 for ever.
+        held = scheduler.max_batch + scheduler.max_waiting
+        if held < min(parsed.n, config.max_n):
+            replies = "reply" if scheduler.max_batch == 1 else "replies"
+            raise ApiError(
+                400,
+                f"`n` must be at most {held} on this server, which holds {scheduler.max_batch} {replies} decoding "
+                f"and {scheduler.max_waiting} waiting (--max-batch, --max-waiting), got {parsed.n}",
+                "n",
+            )
         return to_options(
             parsed,
             engine.registry,
@@ -360,6 +371,10 @@ async def read_json(request: Request, limit: int) -> Any:
         ) from None
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON here: its arrays or objects nest too deeply") from None
+    except ValueError:  # Python's limit on the digits of an integer it converts (CVE-2020-10735)
+        raise ApiError(
+            400, f"the request body holds an integer of more than {sys.get_int_max_str_digits():,} digits"
+        ) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
 from chatcore.cli.options import (
     device_option,
@@ -40,6 +42,53 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     return listener
 
 
+def listening_url(host: str, listener: "socket.socket") -> str:
+    """The API's base URL on ``listener``: the port it is bound to (port 0 takes a free one)."""
+    port = listener.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as URLs write it
+    return f"http://{shown}:{port}/v1"
+
+
+class Seconds(click.FloatRange):
+    """A finite number of seconds in a range: click's FloatRange lets ``nan`` (which passes
+    every comparison) and ``inf`` through, and a server given them times out every request."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return seconds
+
+
+def browser_origins(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """``--cors-origin``'s values as a browser's ``Origin`` header spells them, or ``*``."""
+    return tuple(value if value == "*" else browser_origin(value, ctx, param) for value in values)
+
+
+def browser_origin(value: str, ctx: click.Context | None = None, param: click.Parameter | None = None) -> str:
+    """``value`` as ``scheme://host[:port]``, lower case and without its scheme's default port
+    (as browsers send it, and as it is compared); anything else would match no request: refused."""
+    from urllib.parse import urlsplit
+
+    shape = "give scheme://host[:port], e.g. https://chat.example.com, or *"
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:  # a port that is not a number, or past 65535
+        raise click.BadParameter(f"{value!r} is not an origin: {shape}", ctx, param) from None
+    if not parts.scheme or not parts.hostname or parts.username is not None or any(c.isspace() for c in value):
+        raise click.BadParameter(f"{value!r} is not an origin: {shape}", ctx, param)
+    if parts.path or parts.query or parts.fragment or value.endswith(("?", "#")):
+        raise click.BadParameter(
+            f"{value!r} is not an origin: it ends after the host and port (no path, not even /)", ctx, param
+        )
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    default_port = {"http": 80, "https": 443}.get(parts.scheme)
+    return f"{parts.scheme}://{host}" + (f":{port}" if port not in (None, default_port) else "")
+
+
 @click.command("serve")
 @click.option(
     "--host",
@@ -47,7 +96,7 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     show_default=True,
     help="Address to listen on (0.0.0.0 listens on every interface: set --api-key then).",
 )
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port (0: a free one).")
 @model_option
 @click.option(
     "--api-key",
@@ -67,6 +116,7 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     "cors_origins",
     multiple=True,
     metavar="ORIGIN",
+    callback=browser_origins,
     help='A browser origin allowed to call the API, e.g. "https://chat.example.com" or "*" (repeatable) [none].',
 )
 @prompt_options("System prompt of requests that bring none.")
@@ -86,23 +136,24 @@ def bind_listener(host: str, port: int) -> "socket.socket":
     type=click.IntRange(1, 64),
     default=8,
     show_default=True,
-    help="The most choices (`n`) one request may ask for; each is a reply in the batch.",
+    help="The most choices (`n`) one request may ask for; each is a reply in the batch, so at most "
+    "--max-batch + --max-waiting.",
 )
 @click.option(
     "--max-queue-wait",
-    type=click.FloatRange(0, min_open=True),
+    type=Seconds(0, min_open=True),
     default=None,
     help="Seconds a request may wait for a batch slot; past it, 503 with Retry-After [no limit].",
 )
 @click.option(
     "--request-timeout",
-    type=click.FloatRange(0, min_open=True),
+    type=Seconds(0, min_open=True),
     default=None,
     help="Seconds a reply may take in all; past it, it is cut (504, or an error event when streaming) [no limit].",
 )
 @click.option(
     "--shutdown-grace",
-    type=click.FloatRange(0),
+    type=Seconds(0),
     default=30.0,
     show_default=True,
     help="On SIGTERM or Ctrl-C, seconds running replies get to finish before they are cut (a second signal: at once).",
@@ -204,6 +255,14 @@ def serve(
     validate_options(ReplyOptions(decoder=decoder_name, decoder_settings=decoder_settings))
     if log is False and db is not None:
         raise OptionError("give --db or --no-log, not both")
+    held = max_batch + max_waiting
+    if max_n > held and click.get_current_context().get_parameter_source("max_n") != ParameterSource.DEFAULT:
+        # A request with that many choices would get 429 for ever. Under the default --max-n, such a
+        # request gets a 400 naming the limit instead (see build_app).
+        raise OptionError(
+            f"`--max-n {max_n}` is more replies than the server holds at once: --max-batch {max_batch} "
+            f"+ --max-waiting {max_waiting} = {held}; give --max-n {held} or less, or raise those"
+        )
     listener = bind_listener(host, port)  # a port in use fails now, not after the model has loaded
     if api_key is None and host not in LOOPBACK:
         click.echo(
@@ -240,7 +299,7 @@ def serve(
                 allow_local_files=allow_local_files,
             )
             app = build_app(scheduler, config)
-            click.echo(f"chatcore: serving {model} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+            click.echo(f"chatcore: serving {model} on {listening_url(host, listener)} (Ctrl-C stops)", err=True)
             try:
                 make_server(app, shutdown_grace).run(sockets=[listener])
             finally:

@@ -35,6 +35,18 @@ def without_controls(text: str) -> str:
     return "".join(c for c in text if c in ALLOWED_CONTROLS or unicodedata.category(c) not in ("Cc", "Cs"))
 
 
+def refused_character(text: str) -> str | None:
+    """Why a request may not carry ``text`` ("contains a control character (U+0000)"), or None.
+    A lone surrogate (``"\\ud800"`` in JSON: half of a pair) is no character at all."""
+    for char in text:
+        category = unicodedata.category(char)
+        if category == "Cs":
+            return f"contains a lone surrogate (U+{ord(char):04X}), which is not valid Unicode text"
+        if category == "Cc" and char not in ALLOWED_CONTROLS:
+            return f"contains a control character (U+{ord(char):04X})"
+    return None
+
+
 def history_text(reply: str) -> str:
     """A reply as it comes back in the next request's history: a tiny or odd model may
     write a control character, which a client then sends back as the assistant's turn;
@@ -73,9 +85,9 @@ def to_messages(request: ChatCompletionRequest, default_system: str | None) -> l
             raise ApiError(400, f"messages[{index}] has no content", param)
         if message.role == "assistant":  # the server's own earlier reply
             text = without_controls(text)
-        bad = next((c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in ALLOWED_CONTROLS), None)
-        if bad is not None:
-            raise ApiError(400, f"messages[{index}] contains a control character (U+{ord(bad):04X})", param)
+        problem = refused_character(text)
+        if problem is not None:
+            raise ApiError(400, f"messages[{index}] {problem}", param)
         try:
             if message.role in ("system", "developer"):
                 if messages:
@@ -137,6 +149,11 @@ def to_options(
         raise ApiError(
             400, f"`stop` takes up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters", "stop"
         )
+    for index, stop in enumerate(stops):
+        problem = refused_character(stop)
+        if problem is not None:
+            named = "`stop`" if isinstance(request.stop, str) else f"stop[{index}]"
+            raise ApiError(400, f"{named} {problem}", "stop")
     try:
         if request.decoder is not None:
             decoder, settings = parse_spec(request.decoder)

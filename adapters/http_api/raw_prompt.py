@@ -8,11 +8,10 @@ the tokenizer adds one; a prompt too long for the context keeps its newest token
 
 from __future__ import annotations
 
-import unicodedata
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from chatcore.adapters.http_api.completions import ALLOWED_CONTROLS
+from chatcore.adapters.http_api.completions import refused_character
 from chatcore.adapters.http_api.errors import ApiError
 from chatcore.prompting import Message, PromptFormat
 
@@ -42,9 +41,9 @@ def prompt_messages(request: "CompletionRequest") -> list[Message]:
     text = request.prompt_text()
     if not text:
         raise ApiError(400, "`prompt` is empty: give the text to continue", "prompt")
-    bad = next((c for c in text if unicodedata.category(c) in ("Cc", "Cs") and c not in ALLOWED_CONTROLS), None)
-    if bad is not None:
-        raise ApiError(400, f"`prompt` contains a control character (U+{ord(bad):04X})", "prompt")
+    problem = refused_character(text)
+    if problem is not None:
+        raise ApiError(400, f"`prompt` {problem}", "prompt")
     if request.suffix:
         raise ApiError(400, "`suffix` (insertion) is not supported: the models here only continue text", "suffix")
     if request.echo and request.logprobs is not None:
