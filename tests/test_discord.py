@@ -1062,6 +1062,9 @@ def test_the_discord_command_checks_everything_without_printing_the_token(
 
     result = runner.invoke(group, ["discord", "--check", "--no-log", "--decoder", "greedy"], env={"DISCORD_TOKEN": ""})
     assert result.exit_code != 0 and "no bot token" in str(result.exception or result.output)
+    for seconds in ("nan", "inf"):  # a cooldown that compares false with every time would never end
+        result = runner.invoke(group, ["discord", "--check", "--cooldown", seconds], env={"DISCORD_TOKEN": secret})
+        assert result.exit_code == 2 and "is not a finite number of seconds" in result.output
 
     persona = ["discord", "--check", "--no-log", "--model", str(tiny_model_dir), "--system", "Be kind."]
     result = runner.invoke(group, [*persona, "--format", "dialogpt"], env={"DISCORD_TOKEN": secret})

@@ -15,6 +15,7 @@ import click
 from chatcore.adapters.discord_bot.config import TOKEN_ENV
 from chatcore.cli.options import (
     MODEL_DEFAULT_HELP,
+    Seconds,
     device_option,
     max_new_tokens_option,
     persona_option,
@@ -111,7 +112,7 @@ def parse_shard_ids(text: str | None) -> tuple[int, ...] | None:
 @click.option(
     "--cooldown",
     "cooldown_s",
-    type=click.FloatRange(0),
+    type=Seconds(0),
     default=None,
     help="Seconds between two answered messages of one user [2].",
 )

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import math
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 from click.core import ParameterSource
 
 from chatcore.cli.options import (
+    Seconds,
     device_option,
     max_new_tokens_option,
     model_option,
@@ -47,19 +47,6 @@ def listening_url(host: str, listener: "socket.socket") -> str:
     port = listener.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as URLs write it
     return f"http://{shown}:{port}/v1"
-
-
-class Seconds(click.FloatRange):
-    """A finite number of seconds in a range: click's FloatRange lets ``nan`` (which passes
-    every comparison) and ``inf`` through, and a server given them times out every request."""
-
-    name = "seconds"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        seconds = super().convert(value, param, ctx)
-        if not math.isfinite(seconds):
-            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
-        return seconds
 
 
 def browser_origins(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:

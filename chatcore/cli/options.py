@@ -5,6 +5,7 @@ Only click is imported here, so ``--help`` stays instant.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -237,3 +238,16 @@ def reply_options(system_help: str) -> Callable[[F], F]:
         return f
 
     return apply
+
+
+class Seconds(click.FloatRange):
+    """A finite number of seconds in a range: click's FloatRange lets ``nan`` (which passes
+    every comparison) and ``inf`` through, and a server given them times out every request."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return seconds
