@@ -56,13 +56,16 @@ def save_persona(name: str, text: str) -> Path:
     import os
     import tempfile
 
+    from chatcore.log.private_files import make_private_folder
     from chatcore.prompting import clean_system_prompt
 
     path = persona_path(name)
     cleaned = clean_system_prompt(text)
     if cleaned is None:
         raise OptionError(f"persona {name!r}: the text is empty")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # 0700 whatever the umask, as the log's folders: the files are 0600 (mkstemp's), and the
+    # folder's listing would name every persona to other users.
+    make_private_folder(path.parent)
     # Written whole or not at all: a temporary file beside it, then renamed over it.
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.", suffix=".tmp")
     try:

@@ -562,7 +562,7 @@ def test_logs_never_create_a_log_for_a_mistyped_path(logs_cli, tmp_path, monkeyp
 
 
 def test_an_authors_messages_are_exported_and_deleted(logs_cli, store):
-    store.add_message("room", "user", "alice one", author_id="111", conversation={"adapter": "discord"})
+    store.add_message("room", "user", "alice one", author_id="111", conversation={"title": "alice one"})
     store.add_message("room", "bot", "a reply", conversation={})
     store.add_message("room", "user", "bob speaks", author_id="222", conversation={})
     store.add_message("alone", "user", "alice alone", author_id="111", conversation={"adapter": "discord"})
@@ -576,8 +576,32 @@ def test_an_authors_messages_are_exported_and_deleted(logs_cli, store):
     result = logs_cli("delete", "--author", "111", "--yes", "--db", store.url)
     assert result.exit_code == 0 and "deleted 2 message(s)" in result.stdout
     assert [m.text for m in store.get_conversation("room").messages] == ["a reply", "bob speaks"]
+    assert store.get_conversation("room").title is None  # her first message titled it
     assert store.count_conversations() == 1  # a conversation left with no message goes too
     assert logs_cli("delete", "--db", store.url).exit_code == 2  # an ID or --author is needed
+
+
+def test_authors_whose_long_ids_share_their_first_64_characters_stay_apart(logs_cli, store):
+    """An id longer than the column (an HTTP `user`) is stored as its digest, not cut: cut, the two
+    merged, and `--author` given the full id found nothing."""
+    shared = "tenant-42/" + "x" * 60
+    alice, bob = shared + "/alice", shared + "/bob"
+    store.add_message("a", "user", "alice speaks", author_id=alice, conversation={"adapter": "http"})
+    store.add_message("b", "user", "bob speaks", author_id=bob, conversation={"adapter": "http"})
+    store.add_message("c", "user", "a short id", author_id=shared[:64], conversation={"adapter": "http"})
+    stored = {r.id: r.messages[0].author_id for r in store.iter_conversations()}
+    assert len(set(stored.values())) == 3 and stored["c"] == shared[:64]
+    assert all(len(author) == 64 and author.startswith("sha256:") for author in (stored["a"], stored["b"]))
+    note = store.get_conversation("a").messages[0].provenance["normalised"]
+    assert note == [f"author_id: stored as its SHA-256 digest ({len(alice)} characters)"]
+
+    exported = logs_cli("export", "--author", alice, "--db", store.url).stdout.splitlines()
+    assert [[m["text"] for m in json.loads(line)["messages"]] for line in exported] == [["alice speaks"]]
+    result = logs_cli("delete", "--author", alice, "--yes", "--db", store.url)
+    assert result.exit_code == 0 and "deleted 1 message(s)" in result.stdout
+    assert sorted(s.id for s in store.list_conversations()) == ["b", "c"]
+    assert store.delete_author(stored["b"]) == 0  # the digest as given is an id of its own, not bob's
+    assert store.delete_author(bob) == 1 and [s.id for s in store.list_conversations()] == ["c"]
 
 
 def test_every_printed_field_is_escaped(store):

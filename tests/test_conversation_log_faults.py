@@ -332,6 +332,85 @@ def test_a_resumed_conversation_holds_what_an_ended_chat_journaled_and_goes_on_a
     assert list(journal.glob("*.jsonl")) == []
 
 
+def journal_while_unavailable(
+    chat_engine: Any, store: ConversationStore, backend: Backend, journal: Path, turns: Any
+) -> None:
+    """A chat that ends while the database is unavailable: what ``turns()`` says in it waits in the
+    journal for the next process."""
+    plugin = ConversationLogPlugin(store, notify=lambda message: None, retry_after_s=0.0, journal_dir=journal)
+    chat_engine.host.register(plugin, "conversation-log")
+    with unavailable(store, backend):
+        turns()
+        assert plugin.close() > 0
+    chat_engine.host.unregister("conversation-log")
+    store.close()
+
+
+def test_a_deleted_conversation_does_not_come_back_when_the_journal_is_replayed(
+    chat_engine: Any, backend: Backend, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """`logs delete` of a conversation whose later turns wait in the journal (the log was locked when
+    its chat ended): the next opener replayed them, and the conversation was back under its id, its
+    deleted first message as its title."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # `logs delete` finds the journal there
+    journal = tmp_path / "data" / "chatcore" / "log-journal"
+    url = backend.new_url()
+    store = ConversationStore(url, timeout_s=0.05, journal_dir=journal)
+    secret, kept = chat_engine.conversation(), chat_engine.conversation()
+
+    def turns() -> None:
+        chat(chat_engine, secret, ["and my pin is 9999"])
+        chat(chat_engine, kept, ["keep this one"])
+
+    store.add_message(secret.id, "user", "a secret", conversation={"title": "a secret"})
+    journal_while_unavailable(chat_engine, store, backend, journal, turns)
+    assert len(list(journal.glob("*.jsonl"))) == 1
+
+    deleted = logs_command("delete", "--yes", secret.id[:12], "--db", url)
+    assert deleted.exit_code == 0, deleted.output
+    assert deleted.stdout.strip() == (
+        f"deleted conversation {secret.id} and its 1 message(s), and 2 waiting in the journal, "
+        "which will not be written"
+    )
+    with ConversationStore(url, journal_dir=journal) as later:  # the next chat: the journal is replayed
+        assert [summary.id for summary in later.list_conversations()] == [kept.id]
+        assert logged_texts(later, kept.id) == [("user", "keep this one"), ("bot", "a fixed reply")]
+        assert later.search("9999") == []
+    assert list(journal.iterdir()) == []  # the journal, and the record of the deletion, gone with it
+
+
+def test_an_authors_messages_waiting_in_the_journal_are_deleted_with_the_author(
+    chat_engine: Any, backend: Backend, tmp_path: Path
+) -> None:
+    journal = tmp_path / "journal"
+    url = backend.new_url()
+    store = ConversationStore(url, timeout_s=0.05, journal_dir=journal)
+    room = chat_engine.conversation(adapter="discord")
+    carol = "c" * 80  # longer than the column: found by its stored digest
+
+    def turns() -> None:
+        chat_engine.add_user(room, "carol: my address is 1 Elm St", meta={"author_id": carol})
+        chat_engine.add_user(room, "dave: hello all", meta={"author_id": "dave"})
+
+    store.add_message(room.id, "user", "carol was here", author_id=carol, conversation={"adapter": "discord"})
+    journal_while_unavailable(chat_engine, store, backend, journal, turns)
+
+    with ConversationStore(url, create=False, journal_dir=journal) as operator:
+        assert operator.delete_author(carol) == 1 and operator.journal_withheld == 1
+    with ConversationStore(url, journal_dir=journal) as later:  # the next chat: the journal is replayed
+        record = later.get_conversation(room.id)
+        assert [(m.text, m.author_id) for m in record.messages] == [("dave: hello all", "dave")]
+        assert record.title is None  # not her deleted message, which the journaled write of his was titled by
+        assert list(journal.iterdir()) == []  # the journal, and the record of the deletion, gone with it
+        plugin = ConversationLogPlugin(later, notify=lambda message: None, journal_dir=journal)
+        chat_engine.host.register(plugin, "conversation-log")
+        chat_engine.add_user(room, "carol: one more thing", meta={"author_id": carol})
+        plugin.close()
+        chat_engine.host.unregister("conversation-log")
+        # What she says after the deletion is logged as ever.
+        assert [hit.message.text for hit in later.search("one more thing")] == ["carol: one more thing"]
+
+
 # -- 5. values the database cannot store, and a write it refuses -------------------------------------
 def test_a_nul_in_a_reply_is_stored_and_the_turns_after_it_too(
     chat_engine: Any, backend: Backend, tmp_path: Path

@@ -5,6 +5,7 @@ salvage recovers, and that a file whose rows are damaged is never written into."
 from __future__ import annotations
 
 import json
+import os
 import random
 import sqlite3
 from datetime import datetime, timedelta, timezone
@@ -199,12 +200,7 @@ def test_a_changed_index_page_passes_quick_check_and_is_rebuilt_when_a_chat_open
     store.close()
 
 
-# Seeded, so a failure can be replayed. On SQLite 3.4x seed 33 makes FTS5's own check ask for an
-# absurd allocation (Python's sqlite3 raises MemoryError for SQLITE_NOMEM); seed 0 fails its constructor.
-@pytest.mark.parametrize("seed", [0, 33])
-def test_randomised_search_blocks_are_found_and_rebuilt_by_logs_check_repair(logs_cli, tmp_path, seed):
-    path = tmp_path / "log.sqlite3"
-    fill(path, conversations=20, per_conversation=50)
+def randomise_search_blocks(path, seed):
     connection = sqlite3.connect(path)
     rng = random.Random(seed)
     blocks = connection.execute("SELECT id, length(block) FROM messages_fts_data WHERE id > 1").fetchall()
@@ -212,6 +208,15 @@ def test_randomised_search_blocks_are_found_and_rebuilt_by_logs_check_repair(log
         connection.execute("UPDATE messages_fts_data SET block = ? WHERE id = ?", (rng.randbytes(size), block_id))
     connection.commit()
     connection.close()
+
+
+# Seeded, so a failure can be replayed. On SQLite 3.4x seed 33 makes FTS5's own check ask for an
+# absurd allocation (Python's sqlite3 raises MemoryError for SQLITE_NOMEM); seed 0 fails its constructor.
+@pytest.mark.parametrize("seed", [0, 33])
+def test_randomised_search_blocks_are_found_and_rebuilt_by_logs_check_repair(logs_cli, tmp_path, seed):
+    path = tmp_path / "log.sqlite3"
+    fill(path, conversations=20, per_conversation=50)
+    randomise_search_blocks(path, seed)
     with ConversationStore(sqlite_url(path), create=False) as reader, pytest.raises(LogError):
         reader.search("chess")
 
@@ -258,6 +263,53 @@ def test_the_check_on_open_runs_in_the_background_while_the_first_turns_go_to_th
         engine.host.unregister("conversation-log")
         plugin.close()
         store.close()
+
+
+def read_only_log(path, how):
+    """``--db`` for a log that cannot be written: a read-only file in a read-only folder, as a
+    read-only mount shows it, or the file through SQLite's own read-only URI (root writes
+    through file modes, so that is how it is read only as root)."""
+    if how == "mode=ro URI":
+        return f"sqlite:///file:{path}?mode=ro&uri=true"
+    path.chmod(0o400)
+    path.parent.chmod(0o500)
+    if os.access(path.parent, os.W_OK):
+        path.parent.chmod(0o700)
+        pytest.skip("this user (root) writes through file modes; the mode=ro URI case reads the log read-only")
+    return str(path)
+
+
+@pytest.mark.parametrize("how", ["read-only file and folder", "mode=ro URI"])
+def test_a_sound_read_only_log_is_checked_sound_and_said_to_be_read_only(logs_cli, tmp_path, how):
+    path = tmp_path / "logs" / "log.sqlite3"
+    path.parent.mkdir()
+    fill(path, conversations=5, per_conversation=10)
+    before = path.read_bytes()
+    db = read_only_log(path, how)
+    try:
+        for args in (["check"], ["check", "--repair"]):
+            checked = logs_cli(*args, "--db", db)
+            assert checked.exit_code == 0, checked.output
+            assert checked.stdout.startswith("ok: ") and "5 conversation(s), 50 message(s)" in checked.stdout
+            assert "read-only" in checked.stdout and "damaged" not in checked.stdout
+    finally:
+        path.parent.chmod(0o700)
+        path.chmod(0o600)
+    assert path.read_bytes() == before
+
+
+def test_a_damaged_read_only_log_is_reported_and_left_as_it_is_by_repair(logs_cli, tmp_path):
+    path = tmp_path / "log.sqlite3"
+    fill(path, conversations=20, per_conversation=50)
+    randomise_search_blocks(path, seed=0)
+    before = path.read_bytes()
+    db = read_only_log(path, "mode=ro URI")
+    checked = logs_cli("check", "--db", db)
+    assert checked.exit_code == 1 and checked.stdout.startswith("damaged: ") and "search index" in checked.stdout
+    repaired = logs_cli("check", "--repair", "--db", db)
+    assert repaired.exit_code == 1 and "nothing was rebuilt" in repaired.stdout, repaired.output
+    assert "readonly" in repaired.stdout and "cannot rebuild it in place" not in repaired.stdout
+    assert path.read_bytes() == before
 
 
 def test_a_plugin_that_does_not_wait_hands_out_a_future_that_resolves_once_the_turn_is_held(engine, tmp_path):

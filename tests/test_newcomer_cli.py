@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import stat
 
 import click
 import pytest
@@ -259,6 +261,17 @@ def test_personas_are_saved_listed_used_and_removed(run, tiny_model_dir, data_ho
     one_line_failure(run("personas", "add", "blank", "   "), "the text is empty")
     assert run("personas", "rm", "pirate").exit_code == 0 and run("personas").stdout.startswith("no personas yet")
     one_line_failure(run("personas", "rm", "pirate"), "no persona 'pirate'")
+
+
+def test_the_personas_folder_is_private_whatever_the_umask(run, data_home):
+    old_umask = os.umask(0o022)  # the usual umask, which made the folder 0755
+    try:
+        assert run("personas", "add", "pirate", "You are a pirate.").exit_code == 0
+    finally:
+        os.umask(old_umask)
+    folder = data_home / "personas"
+    modes = {path: stat.S_IMODE(path.stat().st_mode) for path in (data_home, folder, folder / "pirate.txt")}
+    assert modes == {data_home: 0o700, folder: 0o700, folder / "pirate.txt": 0o600}
 
 
 # -- generate --continue / --cid -----------------------------------------------------------------

@@ -16,11 +16,17 @@ What is damaged decides what happens:
 - the rows themselves (a table's pages, the schema, the file's structure): nothing is
   written into the file; a chat keeps its turns in the journal, and
   ``chatcore logs export --salvage`` recovers what the file still holds.
+
+FTS5 runs its own check as a write (an ``INSERT`` of the ``integrity-check`` command), which
+a read-only log (a read-only mount or folder, a ``?mode=ro`` URI) refuses. That refusal is
+not damage: such a log has the search index's cheap check instead, and is reported sound
+and read-only.
 """
 
 from __future__ import annotations
 
 import re
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,6 +53,9 @@ class Damage:
     rows_read: bool = False
     """Every table still reads in full (``NOT INDEXED``) though the file cannot be checked: the
     damage is in an index or the file's own bookkeeping, which SQLite cannot rebuild in place."""
+    read_only: str | None = None
+    """Why the search index had only the cheap check where the full one was asked for: the log
+    cannot be written (FTS5's own check runs as a write)."""
 
     @property
     def found(self) -> bool:
@@ -96,7 +105,7 @@ class StoreCheck(StoreReading):
                 if problems != ["ok"]:
                     self._sort_problems(connection, problems, damage)
                 if self.fts:
-                    damage.fts = self._fts_problem(connection, full)
+                    damage.fts = self._fts_problem(connection, full, damage)
         except SQLAlchemyError as error:
             damage.rows.append(reason(error))
             damage.rows_read = self._rows_read()
@@ -152,13 +161,19 @@ class StoreCheck(StoreReading):
             pass
         return indexes, fts_tables, owners
 
-    def _fts_problem(self, connection: sa.Connection, full: bool) -> str | None:
-        """Why the search index cannot be used, or None: cheap on open, FTS5's own check with ``full``."""
+    def _fts_problem(self, connection: sa.Connection, full: bool, damage: Damage) -> str | None:
+        """Why the search index cannot be used, or None: cheap on open, FTS5's own check with ``full``
+        (the cheap one, noted in ``damage.read_only``, when the log cannot be written)."""
         run = connection.exec_driver_sql
         try:
             if full:
-                run(f"INSERT INTO {FTS_TABLE}({FTS_TABLE}, rank) VALUES ('integrity-check', 0)")
-                return None
+                try:
+                    run(f"INSERT INTO {FTS_TABLE}({FTS_TABLE}, rank) VALUES ('integrity-check', 0)")
+                    return None
+                except sa.exc.OperationalError as error:
+                    if not _is_read_only(error):
+                        raise
+                    damage.read_only = reason(error)
             indexed = run(f"SELECT count(*) FROM {FTS_TABLE}_docsize").scalar()
             messages = run("SELECT count(*) FROM messages").scalar()
             if indexed != messages:
@@ -231,6 +246,21 @@ class StoreCheck(StoreReading):
         return damage.describe() if damage.rows else None
 
 
+def _is_read_only(error: sa.exc.OperationalError) -> bool:
+    """SQLite refused a write because the database cannot be written (SQLITE_READONLY and its
+    extended codes), not because of what it holds."""
+    code = getattr(error.orig, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF == sqlite3.SQLITE_READONLY
+
+
+def _cannot_write(error: sa.exc.OperationalError) -> bool:
+    """The database cannot be written now (read-only, or locked by another process): a rebuild
+    that failed so changed nothing, and may work later."""
+    code = getattr(error.orig, "sqlite_errorcode", None)
+    locked = isinstance(code, int) and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return locked or _is_read_only(error)
+
+
 def _rebuild_fts(connection: sa.Connection) -> None:
     """FTS5's ``rebuild``, from an empty index: its own records may be too damaged to open it at all.
 
@@ -255,9 +285,15 @@ def check_report(store: StoreCheck, repair: bool, echo: Callable[[str], None]) -
         return 0
     damage = store.find_damage(full=True)
     if not damage.found:
+        checked = (
+            "every page, every index and the search index checked"
+            if damage.read_only is None
+            else "every page and every index checked, the search index by its size and one search: the log is "
+            f"read-only ({damage.read_only}) and FTS5's full check runs as a write"
+        )
         echo(
             f"ok: {store.display_url}: {store.count_conversations()} conversation(s), {store.count_messages()} "
-            "message(s); every page, every index and the search index checked"
+            f"message(s); {checked}"
         )
         return 0
     echo(f"damaged: {store.display_url}: {damage.describe()}")
@@ -281,6 +317,9 @@ def check_report(store: StoreCheck, repair: bool, echo: Callable[[str], None]) -
     try:
         rebuilt = store.repair(damage)
     except LogError as error:
+        if isinstance(error.__cause__, sa.exc.OperationalError) and _cannot_write(error.__cause__):
+            echo(f"nothing was rebuilt ({error}); run it again once the log can be written")
+            return 1
         # A damaged page of an index can be past rebuilding in place: REINDEX and DROP INDEX
         # both need to read it. The rows are intact, and the file is never written into.
         echo(

@@ -244,7 +244,8 @@ def check_command(ctx: click.Context, repair: bool, db_url: str | None) -> None:
     "author_id",
     default=None,
     metavar="ID",
-    help="Delete every message written by this author (a deletion request) instead.",
+    help="Delete every message written by this author (a deletion request) instead, with those still "
+    "waiting in the journal.",
 )
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @db_option
@@ -252,7 +253,11 @@ def check_command(ctx: click.Context, repair: bool, db_url: str | None) -> None:
 def delete_command(
     ctx: click.Context, conversation_id: str | None, author_id: str | None, yes: bool, db_url: str | None
 ) -> None:
-    """Delete one conversation and all its messages, or every message of one author."""
+    """Delete one conversation and all its messages, or every message of one author.
+
+    Their writes still waiting in the journal (the database was locked or down) are
+    withheld too, so that no later replay brings them back.
+    """
     from chatcore.log import formatting
 
     if (conversation_id is None) == (author_id is None):
@@ -262,7 +267,7 @@ def delete_command(
         if not yes:
             click.confirm(f"delete every message by author {formatting.field_text(author_id)}?", abort=True)
         deleted = store.delete_author(author_id)
-        click.echo(f"deleted {deleted} message(s) by author {formatting.field_text(author_id)}")
+        click.echo(f"deleted {deleted} message(s) by author {formatting.field_text(author_id)}" + _withheld(store))
         return
     assert conversation_id is not None  # one of the two was given (checked above)
     record = store.get_conversation(conversation_id)
@@ -273,7 +278,16 @@ def delete_command(
             abort=True,
         )
     deleted = store.delete_conversation(record.id)
-    click.echo(f"deleted conversation {formatting.field_text(record.id)} and its {deleted} message(s)")
+    click.echo(
+        f"deleted conversation {formatting.field_text(record.id)} and its {deleted} message(s)" + _withheld(store)
+    )
+
+
+def _withheld(store: "ConversationStore") -> str:
+    """The writes of what was deleted that wait in the journal, which no replay now writes."""
+    if not store.journal_withheld:
+        return ""
+    return f", and {store.journal_withheld} waiting in the journal, which will not be written"
 
 
 @logs.command("where")

@@ -19,6 +19,14 @@ the store recognises (``messages.write_key``).
 The orphans are replayed when a chat, a bot or the server opens the log
 (:func:`replay_left_writes`), before it reads anything: a conversation resumed then holds
 the turns an ended chat could only journal, and goes on as one conversation.
+
+A deletion (``chatcore logs delete``) cannot take the writes out of a file that a running
+chat holds and appends to, so it is recorded beside them instead
+(``<database>-deleted.jsonl``, :func:`record_deletion`): every replay, by any process,
+drops the waiting writes it covers, those of a deleted conversation or of a deleted
+author made before the deletion, so what was deleted never comes back. It records the
+conversation's id and a digest of the author's id, and is removed once the journal of
+its database is empty.
 """
 
 from __future__ import annotations
@@ -28,11 +36,12 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterator
-from datetime import datetime
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from chatcore.log.normalise import Normaliser
 from chatcore.log.private_files import open_private_append
 
 if TYPE_CHECKING:
@@ -45,6 +54,7 @@ except ImportError:  # Windows: files are not shared between processes, nothing 
 
 _DATETIME = "$datetime"
 REJECTED_SUFFIX = "-rejected.jsonl"
+DELETED_SUFFIX = "-deleted.jsonl"
 
 
 def _encode(value: Any) -> Any:
@@ -112,6 +122,111 @@ def journal_files(folder: Path, url: str) -> list[Path]:
     except OSError:  # a folder this user may not read (another user's data folder): nothing to adopt
         return []
     return sorted(found, key=_modified)
+
+
+def _journaled(path: Path) -> Iterator[dict[str, Any]]:
+    """The writes in a journal file, read without taking it (its chat may be running)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return
+    for line in text.splitlines():
+        try:
+            yield json.loads(line, object_hook=_decode)
+        except ValueError:
+            continue  # a line cut short by a crash mid-append
+
+
+def _utc(moment: Any) -> datetime | None:
+    if not isinstance(moment, datetime):
+        return None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def _author_digest(author_id: str) -> str:
+    """The author as a deletion records it: a digest of the id as the log stores it."""
+    return hashlib.sha256((Normaliser().author_id(author_id) or "").encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class Deletions:
+    """The deletions recorded for one database's journal: which waiting writes a replay drops."""
+
+    def __init__(self, records: Iterable[dict[str, Any]] = ()) -> None:
+        self.conversations: dict[str, datetime] = {}
+        self.authors: dict[str, datetime] = {}
+        for record in records:
+            deleted = _utc(record.get("deleted"))
+            if deleted is None:
+                continue
+            if isinstance(record.get("conversation_id"), str):
+                self.conversations[record["conversation_id"]] = deleted
+            if isinstance(record.get("author"), str):
+                self.authors[record["author"]] = deleted
+
+    def __bool__(self) -> bool:
+        return bool(self.conversations or self.authors)
+
+    def withholds(self, write: dict[str, Any]) -> bool:
+        """Whether ``write`` is of what was deleted: a message of a deleted conversation or of a
+        deleted author, made before the deletion (one without a time counts as made before)."""
+        fields = write.get("fields") or {}
+        made = _utc(fields.get("created"))
+        deleted = self.conversations.get(write.get("conversation_id", ""))
+        if deleted is not None and (made is None or made <= deleted):
+            return True
+        author = fields.get("author_id")
+        deleted = self.authors.get(_author_digest(author)) if isinstance(author, str) else None
+        return deleted is not None and (made is None or made <= deleted)
+
+    @classmethod
+    def read(cls, folder: Path, url: str) -> "Deletions":
+        """The deletions recorded for the database at ``url`` (none when there is no record)."""
+        return cls(_journaled(deletions_path(folder, url)))
+
+
+def deletions_path(folder: Path, url: str) -> Path:
+    return folder / f"{_digest(database_identity(url))}{DELETED_SUFFIX}"
+
+
+def record_deletion(folder: Path, url: str, *, conversation_id: str | None = None, author_id: str | None = None) -> int:
+    """Record that a conversation, or an author's messages, were deleted from the log at ``url``,
+    so that no replay of the journal in ``folder`` writes them again; returns how many waiting
+    writes that withholds. Records nothing when the database has no journal there.
+    OSError when the record cannot be written."""
+    files = journal_files(folder, url)
+    if not files:
+        return 0  # nothing waits, and a later write is made after the deletion
+    record: dict[str, Any] = {"deleted": datetime.now(timezone.utc)}
+    if conversation_id is not None:
+        record["conversation_id"] = conversation_id
+    if author_id is not None:
+        record["author"] = _author_digest(author_id)
+    path = deletions_path(folder, url)
+    line = (json.dumps(record, default=_encode) + "\n").encode("ascii")
+    while True:
+        descriptor = open_private_append(path)
+        try:
+            os.write(descriptor, line)
+            os.fsync(descriptor)
+            kept = os.fstat(descriptor).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            kept = False  # removed by a replay that had just emptied the journal: record it anew
+        finally:
+            os.close(descriptor)
+        if kept:
+            break
+    this_one = Deletions([record])
+    return sum(this_one.withholds(write) for file in files for write in _journaled(file))
+
+
+def forget_deletions(folder: Path, url: str) -> None:
+    """Remove the deletions recorded for the database at ``url`` once no journal file of it is
+    left: every write they withheld is gone, and later writes are made after them."""
+    if not journal_files(folder, url):
+        try:
+            deletions_path(folder, url).unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only folder: kept, and still honoured
 
 
 def _modified(path: Path) -> float:

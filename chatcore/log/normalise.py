@@ -8,7 +8,10 @@ differ, so every value is made to fit before it is written, on both:
 - a lone surrogate (no UTF-8 database can hold one) becomes U+FFFD;
 - NUL becomes U+2400 ``␀``, in text and in every JSON field;
 - NaN and ±Infinity become null, in JSON and in the float columns;
-- a string longer than its column is cut to fit; an integer wider than its column is left out.
+- a string longer than its column is cut to fit; an integer wider than its column is left out;
+- but an ``author_id`` longer than its column is stored as a digest of it
+  (:func:`stored_author_id`), never cut: two authors whose ids share their first 64
+  characters would merge, and a deletion by the full id would find nothing.
 
 What was changed is listed in the row: ``provenance["normalised"]`` for a message,
 ``meta["normalised"]`` for a conversation (one line per field, e.g.
@@ -17,6 +20,7 @@ What was changed is listed in the row: ``provenance["normalised"]`` for a messag
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from typing import Any
@@ -27,6 +31,22 @@ NOTES_KEY = "normalised"
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 INTEGER_BITS = {"token_count": 32, "prompt_tokens": 32, "seed": 64}
+AUTHOR_ID_CHARS = 64  # the author_id column's width
+AUTHOR_DIGEST_PREFIX = "sha256:"
+
+
+def stored_author_id(author_id: str) -> str:
+    """``author_id`` as the log stores and looks it up: itself when it fits its column, else
+    ``sha256:`` and the first 57 hex digits of its SHA-256 (64 characters in all).
+
+    An id given as it is never takes the digest form (one that starts with ``sha256:`` is
+    digested too), so no author can pose as another by sending that author's digest. The
+    writes, ``logs export --author`` and ``logs delete --author`` all map ids through this.
+    """
+    if len(author_id) <= AUTHOR_ID_CHARS and not author_id.startswith(AUTHOR_DIGEST_PREFIX):
+        return author_id
+    digest = hashlib.sha256(author_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return AUTHOR_DIGEST_PREFIX + digest[: AUTHOR_ID_CHARS - len(AUTHOR_DIGEST_PREFIX)]
 
 
 class Normaliser:
@@ -55,6 +75,16 @@ class Normaliser:
             value = value[:limit]
             self._note(field, f"cut to {limit} characters")
         return value
+
+    def author_id(self, value: str | None) -> str | None:
+        """The author as :func:`stored_author_id` maps it (the change noted), else cleaned as text."""
+        if value is None:
+            return None
+        stored = stored_author_id(value)
+        if stored != value:
+            self._note("author_id", f"stored as its SHA-256 digest ({len(value)} characters)")
+            return stored
+        return self.text(value, "author_id")
 
     def real(self, value: float | None, field: str) -> float | None:
         if isinstance(value, float) and not math.isfinite(value):

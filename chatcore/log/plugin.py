@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 import chatcore
 from chatcore.log.deadline import DeadlineWorker
 from chatcore.log.errors import ConversationDeletedError, ConversationTakenError, LogError, LogUnavailableError
-from chatcore.log.journal import SpillJournal
+from chatcore.log.journal import Deletions, SpillJournal, forget_deletions
 from chatcore.log.private_files import open_private_append
 from chatcore.log.turn_writes import (
     Write,
@@ -149,6 +149,8 @@ class ConversationLogPlugin:
             set()
         )  # conversations this chat has written into (one deleted since is not made again)
         self._live: weakref.WeakValueDictionary[str, Conversation] = weakref.WeakValueDictionary()
+        # (conversation, title) of the waiting user messages dropped for a deleted author: not a title any more.
+        self._withheld_titles: set[tuple[str, str]] = set()
         self.write_deadline_s = write_deadline_s
         self.failing_wait_s = min(FAILING_WAIT_S, write_deadline_s)
         self._writer = DeadlineWorker()  # the one thread that calls the database, each call with a deadline
@@ -519,25 +521,63 @@ class ConversationLogPlugin:
         )
 
     def _flush(self) -> None:
-        """Write what waits, in order: the journal's files (oldest first), then memory. Stops at a failure."""
+        """Write what waits, in order: the journal's files (oldest first), then memory. Stops at a failure.
+
+        What was deleted from the log meanwhile (``chatcore logs delete``, recorded beside the
+        journal) is dropped, not written: see :class:`~chatcore.log.journal.Deletions`."""
         written = 0
+        deletions = Deletions.read(self.journal.folder, self.journal.url)
+        withheld = 0
         if len(self.journal):
             done_path = None
             for path, write in self.journal.entries():
                 if done_path is not None and path != done_path:
                     self.journal.done(done_path)
-                if not self._write(write):
-                    return
                 done_path = path
+                screened = self._screen(write, deletions)
+                if screened is None:
+                    withheld += 1
+                    continue
+                if not self._write(screened):
+                    return
                 written += 1
             if done_path is not None:
                 self.journal.done(done_path)
+            forget_deletions(self.journal.folder, self.journal.url)
         while self._pending:
-            if not self._write(self._pending[0]):
+            screened = self._screen(self._pending[0], deletions)
+            if screened is None:
+                withheld += 1
+            elif not self._write(screened):
                 return
+            else:
+                written += 1
             self._pending.pop(0)
-            written += 1
+        if withheld:
+            self.notify(
+                f"conversation log: {withheld} waiting write(s) of what `chatcore logs delete` deleted were dropped, "
+                "not written"
+            )
         self._recovered(written)
+
+    def _screen(self, write: Write, deletions: Deletions) -> Write | None:
+        """A waiting write as it may be written now: None when it is of what was deleted meanwhile.
+
+        A deleted conversation is never made again under its id: its turns made later, here or by
+        the chat that journaled them, go to a new conversation (see :meth:`_restart`). A deleted
+        author's first message titled the conversation in every write of it: the title goes too."""
+        conversation_id = write["conversation_id"]
+        if conversation_id in deletions.conversations:
+            self._written.add(conversation_id)
+        if deletions.withholds(write):
+            if write["role"] == "user":
+                self._withheld_titles.add((conversation_id, title_from(write["text"])))
+            return None
+        fields = write["fields"]
+        conversation = fields.get("conversation") or {}
+        if (conversation_id, conversation.get("title")) in self._withheld_titles:
+            return dict(write, fields=dict(fields, conversation=dict(conversation, title=None)))
+        return write
 
     def _recovered(self, written: int) -> None:
         if self.failing is not None and not self._waiting():

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from chatcore.log.connection import StoreConnection
 from chatcore.log.errors import LogError, UnknownConversationError
 from chatcore.log.models import ConversationRow, MessageRow
+from chatcore.log.normalise import Normaliser
 from chatcore.log.records import (
     ConversationRecord,
     ConversationSummary,
@@ -129,8 +130,11 @@ class StoreReading(StoreConnection):
         """Each named conversation (or every one, oldest first), with its messages.
 
         ``author_id``: only the conversations with messages by this author, holding
-        only those messages (what a person asking for their data gets).
+        only those messages (what a person asking for their data gets); the id as the
+        adapter gave it (an over-long one is found by its stored digest).
         """
+        if author_id is not None:
+            author_id = Normaliser().author_id(author_id)
         if conversation_ids:
             # The same conversation named twice (or by two prefixes) is exported once.
             ids = list(dict.fromkeys(self.resolve_id(value) for value in conversation_ids))

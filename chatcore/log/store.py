@@ -26,7 +26,7 @@ from pathlib import Path
 
 from chatcore.log.check import StoreCheck
 from chatcore.log.errors import LogError, LogUnavailableError, UnknownConversationError
-from chatcore.log.journal import replay_left_writes
+from chatcore.log.journal import record_deletion, replay_left_writes
 from chatcore.log.writing import NUL_SYMBOL, REPLACEMENT, StoreWriting, storable
 
 __all__ = [
@@ -65,7 +65,14 @@ class ConversationStore(StoreWriting, StoreCheck):
     by default ``log-journal`` in the user data folder), so that what is read next (a
     conversation resumed) holds it. With ``defer_check`` the log's plugin does it once the
     check passes.
+
+    A deletion is recorded beside that journal too (:func:`~chatcore.log.journal.record_deletion`),
+    so that no replay writes back what was deleted; :attr:`journal_withheld` says how many
+    waiting writes the latest one withheld.
     """
+
+    journal_withheld = 0
+    """How many writes waiting in the journal the latest deletion withheld from replay."""
 
     def __init__(
         self,
@@ -77,6 +84,7 @@ class ConversationStore(StoreWriting, StoreCheck):
         journal_dir: Path | None = None,
     ) -> None:
         super().__init__(url, timeout_s=timeout_s, create=create)
+        self.journal_dir = journal_dir
         # ``defer_check``: the caller runs the check (a chat's log plugin, in the background,
         # journaling the turns until it passes) instead of the open waiting for it.
         self.check_deferred = create and self.file_path is not None and defer_check
@@ -88,3 +96,37 @@ class ConversationStore(StoreWriting, StoreCheck):
             except BaseException:
                 self.close()
                 raise
+
+    def delete_conversation(self, conversation_id: str) -> int:
+        """Delete a conversation (id or unique prefix) and its messages, and withhold its writes
+        waiting in the journal (:attr:`journal_withheld`); returns the message count."""
+        full_id = self.resolve_id(conversation_id)
+        self._record_deletion(conversation_id=full_id)
+        return super().delete_conversation(full_id)
+
+    def delete_author(self, author_id: str) -> int:
+        """Delete every message written by ``author_id``, and withhold those waiting in the journal
+        (:attr:`journal_withheld`); returns the count of messages deleted from the database."""
+        self._record_deletion(author_id=author_id)
+        return super().delete_author(author_id)
+
+    def _record_deletion(self, *, conversation_id: str | None = None, author_id: str | None = None) -> None:
+        """Recorded before the rows go, so that a replay running meanwhile cannot write them back."""
+        self.journal_withheld = 0
+        if self.in_memory:
+            return  # no other process replays a journal into memory
+        folder = self.journal_dir
+        if folder is None:
+            from chatcore.log.location import user_data_path
+            from chatcore.log.plugin import JOURNAL_FOLDER
+
+            folder = user_data_path() / JOURNAL_FOLDER
+        try:
+            self.journal_withheld = record_deletion(
+                folder, self.url, conversation_id=conversation_id, author_id=author_id
+            )
+        except OSError as error:
+            raise LogError(
+                f"conversation log {self.display_url}: nothing was deleted: the deletion cannot be recorded "
+                f"in its journal {folder} ({error.strerror or error}), whose waiting writes would bring it back"
+            ) from None

@@ -19,6 +19,7 @@ from chatcore.log.errors import ConversationDeletedError, ConversationTakenError
 from chatcore.log.models import ConversationRow, MessageRow, utc_now
 from chatcore.log.normalise import NUL_SYMBOL, REPLACEMENT, Normaliser, storable
 from chatcore.log.reading import StoreReading
+from chatcore.log.turn_writes import title_from
 
 __all__ = ["NUL_SYMBOL", "REPLACEMENT", "StoreWriting", "storable"]
 
@@ -236,7 +237,7 @@ class StoreWriting(StoreReading):
                 role=role,
                 text=clean.text(text, "text"),
                 created=created,
-                author_id=clean.text(author_id, "author_id", 64),
+                author_id=clean.author_id(author_id),
                 token_count=clean.integer(token_count, "token_count"),
                 prompt_tokens=clean.integer(prompt_tokens, "prompt_tokens"),
                 latency_s=clean.real(latency_s, "latency_s"),
@@ -316,12 +317,26 @@ class StoreWriting(StoreReading):
     def delete_author(self, author_id: str) -> int:
         """Delete every message written by ``author_id`` (a deletion request); returns the count.
 
-        Conversations keep the other messages; one left with none is deleted too.
+        Conversations keep the other messages; one left with none is deleted too. ``author_id``
+        is the id as the adapter gave it (an over-long one is found by its stored digest).
         """
+        author_id = Normaliser().author_id(author_id) or ""
         with self._session("delete an author's messages", write=True) as session:
-            touched = sa.select(MessageRow.conversation_id).where(MessageRow.author_id == author_id).distinct()
-            conversation_ids = list(session.scalars(touched))
+            firsts: dict[str, str] = {}  # conversation -> the author's first message in it
+            for conversation_id, text in session.execute(
+                sa.select(MessageRow.conversation_id, MessageRow.text)
+                .where(MessageRow.author_id == author_id)
+                .order_by(MessageRow.id.desc())
+            ):
+                firsts[conversation_id] = text
             deleted = session.execute(sa.delete(MessageRow).where(MessageRow.author_id == author_id))
             still_used = sa.select(MessageRow.id).where(MessageRow.conversation_id == ConversationRow.id).exists()
-            session.execute(sa.delete(ConversationRow).where(ConversationRow.id.in_(conversation_ids), ~still_used))
+            session.execute(sa.delete(ConversationRow).where(ConversationRow.id.in_(list(firsts)), ~still_used))
+            # A conversation is titled by its first message: when that was the author's, it is no title any more.
+            for conversation_id, text in firsts.items():
+                session.execute(
+                    sa.update(ConversationRow)
+                    .where(ConversationRow.id == conversation_id, ConversationRow.title == title_from(text))
+                    .values(title=None)
+                )
             return _rowcount(deleted)
