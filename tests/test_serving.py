@@ -131,7 +131,7 @@ def test_a_failing_steerer_fails_its_row_alone(serving_engine):
         (
             "wrong-ids what=nan",
             [],
-            "decoder 'wrong-ids' failed while generating: ValueError: select chose a token whose score is nan",
+            "decoder 'wrong-ids' failed while generating: ValueError: select was given scores with NaN or a row of",
         ),
         (
             "greedy",

@@ -628,16 +628,15 @@ class Runner:
         try:
             tokens = checked_ids(job.decoder.select(scores, session.generator), job.rows)
             if session.steerers or not marked_from_scores(job.decoder):
-                # Where scores a plugin made reach a select that does not fail on NaN (an argmax),
-                # the chosen token's score tells: NaN, or -inf (a banned token, or no finite score).
-                # (Read here, where these replies' tokens are read at once anyway.)
-                ids = tokens.view(-1)
-                checked = (ids >= 0) & (ids < scores.shape[-1])  # ids out of range: refused on recording
+                # Scores a plugin made may reach a select that does not fail on them (an argmax
+                # picks a NaN, or index 0 of a row of -inf): a row whose best score is not finite
+                # has a NaN or no finite score. (Read here, where these replies' tokens are read
+                # at once anyway.) A decoder may still choose a banned token of a sound row.
+                sound = torch.isfinite(scores.amax(dim=-1))
                 if job.rows > 1:
-                    checked &= ~job.finished
-                picked = scores.gather(1, ids.clamp(0, scores.shape[-1] - 1)[:, None]).view(-1)[checked]
-                if not bool(torch.isfinite(picked).all()):
-                    raise ValueError(f"select chose a token whose score is {picked[~torch.isfinite(picked)][0]}")
+                    sound |= job.finished
+                if not bool(sound.all()):
+                    raise ValueError("select was given scores with NaN or a row of no finite score")
         except Exception as error:  # scores a steerer left unusable are the steerer's fault
             layer = scores_spoiled_by(job.step, logits) if session.steerers else None
             if layer is None:
