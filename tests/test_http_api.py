@@ -341,11 +341,14 @@ def test_stop_strings_and_messages_must_be_text_without_control_characters(servi
             "messages.[0].content",
             "messages[0] contains a control character (U+0007)",
         ),
+        ({"messages": hi, "user": "ann\ud800"}, "user", "`user` contains a lone surrogate (U+D800), which is not"),
+        ({"messages": hi, "decoder": "greedy\u0000"}, "decoder", "`decoder` contains a control character (U+0000)"),
+        ({"messages": hi, "steer": ["bow-bias topic=food\ud800"]}, "steer", "steer[0] contains a lone surrogate"),
     ]
     for fields, param, message in refusals:
         response = post(serving, {"model": model, "max_tokens": 2, **fields})
         assert response.status_code == 400, response.text
-        assert response.json()["error"]["param"] == param and response.json()["error"]["message"] == message
+        assert response.json()["error"]["param"] == param and response.json()["error"]["message"].startswith(message)
     raw = call(
         f"{serving[1].url}/completions",
         json.dumps({"model": model, "prompt": "go \ud83d"}).encode(),

@@ -154,6 +154,13 @@ def to_options(
         if problem is not None:
             named = "`stop`" if isinstance(request.stop, str) else f"stop[{index}]"
             raise ApiError(400, f"{named} {problem}", "stop")
+    # The other texts a request gives: the end user (kept in the log) and the plugins' specs.
+    texts = [("user", "`user`", request.user), ("decoder", "`decoder`", request.decoder)]
+    texts += [("steer", f"steer[{index}]", spec) for index, spec in enumerate(request.steer)]
+    for param, named, text in texts:
+        problem = refused_character(text) if text is not None else None
+        if problem is not None:
+            raise ApiError(400, f"{named} {problem}", param)
     try:
         if request.decoder is not None:
             decoder, settings = parse_spec(request.decoder)
