@@ -96,9 +96,14 @@ class Conversation:
         """The system prompt (if any) and the turns, as a prompt format takes them."""
         # Empty replies (possible from a tiny model) stay: they are turns of the dialogue.
         messages = [Message("system", self.system)] if self.system else []
-        messages += [
-            Message("user" if t.role == "user" else "assistant", t.text)
-            for t in self.turns
-            if t.text or t.role == "bot"
-        ]
+        for turn in self.turns:
+            if not (turn.text or turn.role == "bot"):
+                continue
+            if turn.role == "user" and messages and messages[-1].role == "user":
+                # A message whose reply failed waits for one (/retry); the next message joins it
+                # as one user turn: templates that need turns to alternate (Mistral's, Gemma's)
+                # would otherwise refuse every later reply.
+                messages[-1] = Message("user", f"{messages[-1].text}\n\n{turn.text}")
+                continue
+            messages.append(Message("user" if turn.role == "user" else "assistant", turn.text))
         return messages

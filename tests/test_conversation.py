@@ -100,6 +100,7 @@ def test_long_history_drops_oldest_turns_and_still_replies(engine, tokenizer, lo
 def test_a_too_long_newest_turn_keeps_its_most_recent_tokens(engine, tokenizer, loaded):
     conversation = engine.conversation()
     engine.add_user(conversation, "an old turn")
+    conversation.add_bot_text("an old reply")
     long_text = " ".join(f"word{i}" for i in range(120))
     engine.add_user(conversation, long_text)
     ids = encode_text(tokenizer, long_text)
@@ -108,7 +109,7 @@ def test_a_too_long_newest_turn_keeps_its_most_recent_tokens(engine, tokenizer, 
     assert len(ids) + 1 > budget
     plan = engine.prompt(conversation, max_new)
     assert plan.token_ids == ids[-(budget - 1) :] + [tokenizer.eos_token_id]
-    assert (plan.turns_used, plan.turns_dropped, plan.truncated_tokens) == (1, 1, len(ids) - (budget - 1))
+    assert (plan.turns_used, plan.turns_dropped, plan.truncated_tokens) == (1, 2, len(ids) - (budget - 1))
     response = engine.respond(
         conversation, ReplyOptions(decoder="greedy", max_new_tokens=max_new, min_new_tokens=max_new)
     )

@@ -311,3 +311,17 @@ def test_a_conversation_opened_by_the_bot_keeps_that_turn_where_the_template_all
     assert strict.assistant_may_open is False
     plan = strict.fit(messages, 200)
     assert (plan.turns_used, plan.turns_dropped) == (1, 1) and plan.messages == messages[1:]
+
+
+def test_a_message_whose_reply_failed_joins_the_next_one_so_a_strict_template_goes_on(tmp_path):
+    """A reply that fails before its first word leaves its user's message waiting (for /retry);
+    the next message then follows it. A template that needs turns to alternate would refuse
+    that conversation for every later reply: the two are one user turn of the prompt."""
+    folder = build_tiny_model(tmp_path / "alternating", architecture="llama", chat_template=ALTERNATING_TEMPLATE)
+    engine = make_engine(str(folder))
+    conversation = engine.conversation()
+    engine.add_user(conversation, "first, whose reply failed")
+    reply = engine.send(conversation, "second", max_new_tokens=3, seed=0)
+    reply.text()
+    assert reply.error is None and [t.role for t in conversation.turns] == ["user", "user", "bot"]
+    assert [(m.role, m.text) for m in conversation.messages()][:1] == [("user", "first, whose reply failed\n\nsecond")]
