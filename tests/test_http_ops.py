@@ -640,13 +640,20 @@ def test_a_client_gone_in_the_middle_of_its_body_leaves_no_traceback(serving_eng
         assert b'route="/v1/chat/completions",status="400"' in metrics.exposition()
 
 
-def test_plugins_hooks_see_each_request_as_a_turn_and_a_continuation_as_the_same_conversation(serving_engine):
+@pytest.mark.parametrize("logging", [False, True])
+def test_plugins_hooks_see_each_request_as_a_turn_and_a_continuation_as_the_same_conversation(
+    serving_engine, tmp_path, logging
+):
     """``on_user_message`` and ``on_response`` fire for HTTP requests as for every other entry
     point: the request's last user message, then the reply as the client got it; the next
-    turn of a conversation (same messages, that reply, a new message, same ``user``) keeps its id."""
+    turn of a conversation (same messages, that reply, a new message, same ``user``) keeps its id,
+    which, where the server logs, is the log's."""
     import threading
 
     import chatcore
+    from chatcore.adapters.http_api.request_log import RequestLog
+
+    request_log = RequestLog(str(tmp_path / "log.sqlite3"), engine=serving_engine) if logging else None
 
     seen: list[tuple[str, str | None, str, str]] = []
     twice = threading.Event()
@@ -665,7 +672,7 @@ def test_plugins_hooks_see_each_request_as_a_turn_and_a_continuation_as_the_same
 
     serving_engine.host.register(Listener(), "listener")
     try:
-        with running(serving_engine) as (scheduler, server, client):
+        with running(serving_engine, log=request_log) as (scheduler, server, client):
             model = client.models.list().data[0].id
             opening = [{"role": "user", "content": "hi there, how are you?"}]
             first = client.chat.completions.create(model=model, messages=opening, max_tokens=6, user="ann")
@@ -675,7 +682,13 @@ def test_plugins_hooks_see_each_request_as_a_turn_and_a_continuation_as_the_same
             assert twice.wait(60)
     finally:
         serving_engine.host.pm.unregister(name="listener")
+        if request_log is not None:
+            request_log.close()
     (_, first_id, asked, last), (_, reply_id, text, tokens) = seen[0], seen[1]
+    if request_log is not None:
+        assert request_log.store is not None
+        with request_log.store as store:
+            assert [summary.id for summary in store.list_conversations()] == [first_id]
     assert (asked, last, text) == ("hi there, how are you?", "hi there, how are you?", said) and first_id == reply_id
     assert int(tokens) == first.usage.completion_tokens
     assert seen[2][:3] == ("user", first_id, "and then?")

@@ -97,6 +97,8 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
     metrics = ServeMetrics(scheduler)
     live = LiveReplies()
     hooks = ExchangeHooks(scheduler.engine) if hooks_implemented(scheduler.engine) else None
+    if config.log is not None:
+        config.log.hooks = hooks
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -253,8 +255,8 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             # client's retry of the same messages is not logged after an empty reply.
             if exchange.reply or not exchange.interrupted:
                 if config.log is not None:
-                    config.log.record(exchange)
-                if hooks is not None:
+                    config.log.record(exchange)  # and then fires the hooks, with the id it wrote
+                elif hooks is not None:
                     hooks.fire(exchange)  # on_user_message, on_response
 
     async def tokenize_route(request: Request) -> Response:

@@ -291,6 +291,8 @@ def serve(
                 make_server(app, shutdown_grace).run(sockets=[listener])
             finally:
                 if app.state.hooks is not None:
+                    if request_log is not None:
+                        request_log.flush()  # it fires the hooks of what it writes
                     app.state.hooks.close()  # the plugins see every reply that went out
             click.echo("chatcore: stopped", err=True)
     finally:

@@ -7,7 +7,8 @@ a request): ``on_user_message`` with the conversation up to the request's last u
 then ``on_response`` with the reply appended. A request that continues an earlier one (its
 messages are the earlier ones, that reply and a new user message, from the same ``user``) is
 the same conversation, with the same id, as :mod:`chatcore.adapters.http_api.request_log`
-recognises it. A hook that fails is reported (a warning line) and skipped; the next run.
+recognises it; where the server logs, the log fires them once written, with the id it wrote.
+A hook that fails is reported (a warning line) and skipped; the next ones run.
 """
 
 from __future__ import annotations
@@ -40,20 +41,23 @@ class ExchangeHooks:
         self._threads = Threads()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-http-hooks")
 
-    def fire(self, exchange: "Exchange") -> None:
-        """Queue ``exchange``'s hooks; returns at once and never raises."""
+    def fire(self, exchange: "Exchange", conversation_id: str | None = None) -> None:
+        """Queue ``exchange``'s hooks; returns at once and never raises. ``conversation_id``: the
+        id the conversation log gave it (the hooks then see the log's id); None: recognised here."""
         try:
-            self._executor.submit(self._fire, exchange)
+            self._executor.submit(self._fire, exchange, conversation_id)
         except RuntimeError:  # closed: the server is stopping
             pass
 
-    def _fire(self, exchange: "Exchange") -> None:
+    def _fire(self, exchange: "Exchange", conversation_id: str | None) -> None:
         from chatcore.adapters.http_api.request_log import exchange_conversation
         from chatcore.response import Response
 
         engine = self.engine
         try:
-            conversation = exchange_conversation(exchange, engine, self._threads.continued(exchange))
+            if conversation_id is None:
+                conversation_id = self._threads.continued(exchange)
+            conversation = exchange_conversation(exchange, engine, conversation_id)
             self._threads.remember(exchange, conversation.id)
             reply = conversation.turns.pop()
             if conversation.turns and conversation.turns[-1].role == "user":

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from chatcore.adapters.http_api.exchange_hooks import ExchangeHooks
     from chatcore.conversation import Conversation
     from chatcore.engine import Engine
     from chatcore.log.plugin import ConversationLogPlugin
@@ -125,6 +126,7 @@ class RequestLog:
         self.engine = engine  # set before the first exchange (the log is opened before the model loads)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatcore-http-log")
         self._threads = Threads()
+        self.hooks: "ExchangeHooks | None" = None  # the plugins' turn hooks, fired once each exchange is written
         self._closed = False
         self.store: "ConversationStore | None" = None
         self.plugin: "ConversationLogPlugin | None" = None
@@ -162,6 +164,7 @@ class RequestLog:
         self._executor.submit(written).result()
 
     def _write(self, exchange: Exchange) -> None:
+        written: str | None = None
         try:
             assert self.plugin is not None and self.engine is not None
             continued = self._threads.continued(exchange)
@@ -170,8 +173,11 @@ class RequestLog:
             turns = conversation.turns
             self.plugin.log_conversation(conversation, self.engine.loaded, start=len(turns) - 2 if continued else 0)
             self._threads.remember(exchange, conversation.id)
+            written = conversation.id
         except Exception:  # the log must never take the server down
             logger.exception("logging an exchange failed")
+        if self.hooks is not None:  # after the write, with its id: a plugin finds the turn in the log
+            self.hooks.fire(exchange, written)
 
     def close(self) -> None:
         """Write what is queued (what the database cannot take waits in the journal) and close.
