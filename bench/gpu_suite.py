@@ -327,8 +327,11 @@ def run_bench(script: str, extra: list[str], timeout: int, environment: dict[str
             command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(environment or {})}
         )
         text = done.stdout + (done.stderr[-600:] if done.returncode else "")
-    except subprocess.TimeoutExpired:
-        text = f"(stopped after {timeout} s)"
+    except subprocess.TimeoutExpired as stopped:  # keep what it printed before the limit
+        partial = stopped.stdout or b""
+        text = (partial.decode(errors="replace") if isinstance(partial, bytes) else partial) + (
+            f"\n(stopped after {timeout} s)"
+        )
     for line in text.strip().splitlines():
         print(f"    {line}")
 

@@ -240,10 +240,17 @@ def open_runtime(settings: "DiscordSettings", host: "PluginHost | None" = None) 
     """Load the model and open the log, as the settings say (runs on the worker thread)."""
     from chatcore.cpu import use_threads
     from chatcore.engine import Engine
+    from chatcore.serving.warm_up import warm_up
 
     use_threads(settings.threads)
     engine = Engine(settings.model, device=settings.device, host=host, prompt_format=settings.prompt_format)
     persistence: ConversationPersistence = LogPersistence(engine, settings.db) if settings.log else MemoryPersistence()
-    return ChatRuntime(
+    runtime = ChatRuntime(
         engine, persistence, settings.max_conversations, max_batch=settings.max_batch, queue_size=settings.queue_size
     )
+    try:
+        warm_up(runtime.scheduler, say=logger.info)  # before the bot connects: no message waits for it
+    except BaseException:
+        runtime.close()
+        raise
+    return runtime

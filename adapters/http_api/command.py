@@ -165,6 +165,13 @@ def browser_origin(value: str, ctx: click.Context | None = None, param: click.Pa
     help="Let requests name files, folders and models on this machine in decoder and steerer settings "
     "(`file=`, `path=`, `block=`, `discriminator=`, `reverse_model=`) [off: only the bundled names].",
 )
+@click.option(
+    "--warm-up/--no-warm-up",
+    default=True,
+    show_default=True,
+    help="On the fast path (CUDA, or CHATCORE_FAST_PATH=on/compile), capture (and compile) its step for "
+    "every batch size before listening, so that no request waits for it.",
+)
 @device_option
 @threads_option
 @click.option(
@@ -194,6 +201,7 @@ def serve(
     log: bool | None,
     db: str | None,
     allow_local_files: bool,
+    warm_up: bool,
     device: str | None,
     threads: int | None,
     dtype: str,
@@ -273,6 +281,10 @@ def serve(
         with Scheduler(
             engine, max_batch=max_batch, max_waiting=max_waiting, prefix_cache_bytes=prefix_cache_mb * 2**20
         ) as scheduler:
+            if warm_up:
+                from chatcore.serving.warm_up import warm_up as warm_the_fast_path_up
+
+                warm_the_fast_path_up(scheduler, say=lambda line: click.echo(f"chatcore: {line}", err=True))
             config = ServeConfig(
                 api_key=api_key,
                 system=system,

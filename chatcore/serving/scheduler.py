@@ -25,9 +25,10 @@ failing in the shared pass ends every reply in it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,12 @@ class Scheduler:
             self._lock.notify()
         self.start()
         return handle
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Requests submitted inside are admitted at the same step, room permitting: one batch."""
+        with self._lock:  # the scheduler's thread admits under it
+            yield
 
     def respond(self, conversation: "Conversation", options: "ReplyOptions | None" = None) -> "Response":
         """A reply to ``conversation`` decoded here, as a Response recorded in the

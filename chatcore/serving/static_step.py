@@ -127,11 +127,15 @@ class FixedSlots(Cache):
 
         self.buffers = buffers
         keys = buffers[0][0]
-        self.capacity = int(keys.shape[2])
         self.rows = torch.arange(staged.shape[1], device=keys.device)
         self.columns = staged[1]
-        self.every_column = torch.arange(self.capacity, device=keys.device)
+        self.every_column = torch.arange(int(keys.shape[2]), device=keys.device)
         super().__init__(layers=[FixedLayer(self, index) for index in range(len(buffers))])
+
+    @property
+    def capacity(self) -> Any:
+        """The buffers' columns: read from their shape, so that a compiled step keeps it symbolic."""
+        return self.buffers[0][0].shape[2]
 
 
 @dataclass
@@ -234,6 +238,8 @@ class StaticStep:
             logits_to_keep=1,
         )
         arguments[self.cache_argument] = fixed
+        if self.compiled:
+            _symbolic_sizes(mask, fixed.buffers)
         try:
             with self._compile_settings():
                 output = self._model_pass()(**arguments)
@@ -290,6 +296,19 @@ class StaticStep:
             log.debug("fast path: capturing the decode step failed, running it eagerly: %s", error)
             self.capture = False
             inputs.graph = inputs.logits = None
+
+
+def _symbolic_sizes(mask: torch.Tensor, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Mark the sizes that grow with the slot cache (its slots and columns) symbolic for
+    ``torch.compile``, so that the compiled step is not compiled again as they grow (a size
+    of 1 stays fixed: torch compiles one row's slot buffer apart)."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    maybe_mark_dynamic(mask, 3)
+    for pair in buffers:
+        for buffer in pair:
+            maybe_mark_dynamic(buffer, 0)
+            maybe_mark_dynamic(buffer, 2)
 
 
 def fast_path_on(model: Any, device: Any) -> bool:

@@ -1,0 +1,133 @@
+"""Warming the fast path up before serving (chatcore.serving.warm_up), on the CPU where the
+fast path runs eagerly: the batches it runs, what it leaves behind, and its failures."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatcore.engine import ReplyOptions
+from chatcore.errors import ChatcoreError
+from chatcore.prompting import Message
+from chatcore.serving import Scheduler, static_step
+from chatcore.serving.static_step import BUCKETS, FAST_PATH_ENV, bucket_for
+from chatcore.serving.warm_up import warm_up, warm_up_sizes
+from chatcore.testing import make_engine
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tiny_chat_model_dir):
+    return make_engine(tiny_chat_model_dir("llama"))
+
+
+@pytest.fixture
+def steps_seen(monkeypatch):
+    """(rows, longest row's columns) of every pass of the fast path's step."""
+    seen: list[tuple[int, int]] = []
+    forward = static_step.StaticStep.forward
+
+    def spy(self, tokens, cache):
+        seen.append((cache.rows, max(cache.lengths)))
+        return forward(self, tokens, cache)
+
+    monkeypatch.setattr(static_step.StaticStep, "forward", spy)
+    return seen
+
+
+def test_sizes_reach_every_bucket_up_to_the_batch_limit():
+    assert warm_up_sizes(1) == (1,)
+    assert warm_up_sizes(3) == (1, 2, 3)
+    assert warm_up_sizes(8) == (1, 2, 4, 8)
+    assert warm_up_sizes(32) == warm_up_sizes(256) == BUCKETS  # past the largest bucket: eager rows
+    for limit in range(1, 40):
+        buckets = {bucket_for(size) for size in warm_up_sizes(limit)}
+        assert buckets == {bucket for bucket in BUCKETS if bucket <= (bucket_for(limit) or BUCKETS[-1])}
+
+
+def test_warm_up_runs_every_bucket_and_longer_columns_then_leaves_nothing(llama_engine, monkeypatch, steps_seen):
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    question = [Message("user", "what do you like to eat?")]
+    options = ReplyOptions(decoder="greedy", max_new_tokens=8)
+    with Scheduler(llama_engine, max_batch=6) as cold:
+        expected = cold.submit(question, options)
+        assert expected.wait(60) and expected.error is None
+    steps_seen.clear()
+    lines: list[str] = []
+    with Scheduler(llama_engine, max_batch=6) as scheduler:
+        warmed = warm_up(scheduler, say=lines.append)
+        assert warmed is not None and warmed.sizes == (1, 2, 4, 6)
+        rows = {rows for rows, _ in steps_seen}
+        assert rows == {1, 2, 4, 6}
+        # One step reads more columns than a first allocation holds (64): they are symbolic when compiled.
+        assert max(columns for _, columns in steps_seen) > 64
+        assert len(scheduler.prefix_cache) == 0 and scheduler.runner.jobs == []
+        assert lines[0].startswith("warming up the fast path for batches of up to 6 (")
+        assert lines[-1].startswith("warmed up in ")
+        after = scheduler.submit(question, options)
+        assert after.wait(60) and after.error is None
+    assert after.token_ids == expected.token_ids
+
+
+def test_off_the_fast_path_nothing_runs(llama_engine, monkeypatch, steps_seen):
+    monkeypatch.setenv(FAST_PATH_ENV, "off")
+    lines: list[str] = []
+    with Scheduler(llama_engine, max_batch=4) as scheduler:
+        assert warm_up(scheduler, say=lines.append) is None
+        assert scheduler.runner.steps == 0 and steps_seen == [] and lines == []
+
+
+def test_a_step_that_fails_is_one_line(llama_engine, monkeypatch):
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+
+    def broken(self, tokens, cache):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(static_step.StaticStep, "forward", broken)
+    with Scheduler(llama_engine, max_batch=2) as scheduler:
+        with pytest.raises(ChatcoreError) as caught:
+            warm_up(scheduler)
+    message = str(caught.value)
+    assert message.startswith("warming the fast path up failed: ") and "out of memory" in message
+    assert "\n" not in message
+
+
+@pytest.mark.slow
+def test_after_a_compiled_warm_up_requests_compile_nothing_and_equal_generate(llama_engine, monkeypatch):
+    """``compile``: the warm-up compiles every graph the step and the prompt's pass need (one row,
+    several, a cached prefix, buffers grown in slots and columns); replies after it (three rows
+    at once, one growing past the columns the warm-up left) compile nothing more and equal
+    transformers' generate."""
+    import shutil
+
+    from test_architectures import hf_greedy
+    from torch._dynamo.utils import counters
+
+    from chatcore.serving import prompt_pass as prompt_pass_module
+
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("torch.compile on the CPU needs a C++ compiler")
+    monkeypatch.setenv(FAST_PATH_ENV, "compile")
+    model = llama_engine.loaded.model
+    monkeypatch.delitem(prompt_pass_module._passes, model, raising=False)
+    conversations = [["what do you like to eat?"], ["hello there", "hi!", "tell me about the sea " * 12], ["why?"]]
+    lengths = [6, 6, 80]  # the last one's columns grow past the warm-up's longest
+    expected = [
+        hf_greedy(llama_engine, llama_engine.scripted(turns).messages(), n) for turns, n in zip(conversations, lengths)
+    ]
+    with Scheduler(llama_engine, max_batch=4) as scheduler:
+        warm_up(scheduler)
+        step = scheduler.runner.batch.static_step or static_step.idle_static_step(model, llama_engine.loaded.device)
+        if step is None or not step.compiled:
+            pytest.skip("torch.compile could not compile the step on this machine")
+        compiled = counters["stats"]["unique_graphs"]
+        with scheduler.together():
+            handles = [
+                scheduler.submit(
+                    llama_engine.scripted(turns).messages(),
+                    ReplyOptions(decoder="greedy", max_new_tokens=n, min_new_tokens=n),
+                )
+                for turns, n in zip(conversations, lengths)
+            ]
+        for handle in handles:
+            assert handle.wait(600) and handle.error is None
+    assert [handle.token_ids for handle in handles] == expected
+    assert counters["stats"]["unique_graphs"] == compiled
