@@ -57,23 +57,27 @@ def checked_text(text: Any, what: str, max_chars: int) -> str:
     return text
 
 
+# Every way of breaking a line (CR LF, CR, vertical tab, form feed, NEL, U+2028, U+2029): one "\n".
+LINE_BREAK = re.compile("\r\n|[\r\v\f\x85\u2028\u2029]")
+# Spaces between words (not a line's indentation): one.
+INNER_SPACES = re.compile("(?<=\\S) {2,}")
+
+
 def clean_message(text: Any, max_chars: int = MAX_MESSAGE_CHARS) -> str:
     """Normalise one incoming message, or raise ChatcoreError saying what is wrong.
 
-    Line breaks and tabs become spaces (turns are separated by EOS, not newlines);
-    terminal escape sequences, other control characters and lone surrogates are
-    removed; whitespace is collapsed.
+    Its lines are kept as written (code, lists and indentation reach the model as sent):
+    every kind of line break becomes a newline; each line keeps its indentation and loses
+    its trailing spaces, and runs of spaces between its words become one; the message
+    loses the whitespace at either end and any run of more than one blank line; tabs
+    stay. Terminal escape sequences, other control characters and lone surrogates are
+    removed.
     """
     text = checked_text(text, "message", max_chars)
-    kept = []
-    for char in remove_escape_sequences(text):
-        if char.isspace():  # \n, \t, NEL, U+2028 ...: a line break separates words
-            kept.append(" ")
-        elif unicodedata.category(char) in ("Cc", "Cs"):
-            continue
-        else:
-            kept.append(char)
-    cleaned = " ".join("".join(kept).split())
+    text = LINE_BREAK.sub("\n", remove_escape_sequences(text))
+    kept = "".join(char for char in text if char in "\n\t" or unicodedata.category(char) not in ("Cc", "Cs"))
+    lines = [INNER_SPACES.sub(" ", line.rstrip()) for line in kept.split("\n")]
+    cleaned = re.sub("\n{3,}", "\n\n", "\n".join(lines)).strip()
     if not cleaned:
         raise ChatcoreError("the message is empty")
     return cleaned

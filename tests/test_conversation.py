@@ -152,8 +152,10 @@ def test_empty_messages_are_rejected(text):
     [
         ("hello", "hello"),
         ("  hello   world  ", "hello world"),
-        ("line one\nline two", "line one line two"),
-        ("a\r\nb\tc\vd\fe", "a b c d e"),
+        ("line one\nline two", "line one\nline two"),
+        ("a\r\nb\tc\vd\fe", "a\nb\tc\nd\ne"),
+        ("def f():\n    return 1  \n\n\n\nprint(f())\n", "def f():\n    return 1\n\nprint(f())"),
+        ("\n\n  first  \n \n\t\n last", "first\n\n last"),
         ("bell\x07 and null\x00 and del\x7f gone", "bell and null and del gone"),
         ("esc\x1b[31mred", "escred"),
         ("\x1b[31mred\x1b[0m \x1b[1;4mbold\x1b[m", "red bold"),  # whole escape sequences go
@@ -161,7 +163,7 @@ def test_empty_messages_are_rejected(text):
         ("\x1b(Bcharset \x1b7saved \x9b31mc1", "charset saved c1"),
         ("stray \x1b] kept [31m", "stray kept [31m"),
         ("lone \ud800 surrogate", "lone surrogate"),
-        ("para\u2029graph and line\u2028sep", "para graph and line sep"),
+        ("para\u2029graph and line\u2028sep", "para\ngraph and line\nsep"),
         ("café 😀 日本", "café 😀 日本"),
         (b"caf\xc3\xa9 bytes", "café bytes"),
     ],
@@ -170,8 +172,8 @@ def test_clean_message_normalises(raw, cleaned):
     assert clean_message(raw) == cleaned
 
 
-def test_next_line_character_becomes_a_space():
-    assert clean_message("first\x85second") == "first second"
+def test_next_line_character_breaks_the_line():
+    assert clean_message("first\x85second") == "first\nsecond"
 
 
 def test_non_utf8_bytes_are_rejected_clearly():
@@ -383,7 +385,7 @@ def test_user_message_and_response_hooks_fire(engine):
     response = engine.send(
         conversation, "  hello\nthere ", ReplyOptions(decoder="greedy", min_new_tokens=6, max_new_tokens=6)
     )
-    assert recorder.events == [("user", "hello there", True, 1)]  # before any generation
+    assert recorder.events == [("user", "hello\nthere", True, 1)]  # before any generation
     text = response.text()
     assert recorder.events[1:] == [("response", text, True, text, False)]
     response.text()  # replaying does not fire again

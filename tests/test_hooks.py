@@ -174,7 +174,7 @@ def test_hook_on_user_message(engine) -> None:
     engine.host.register(Plugin(), "listener")
     conversation = engine.conversation()
     engine.add_user(conversation, "hello\tthere")
-    assert seen == [(conversation.id, "user", "hello there", 1, engine.loaded)]
+    assert seen == [(conversation.id, "user", "hello\tthere", 1, engine.loaded)]
 
 
 def test_hook_on_response(engine) -> None:

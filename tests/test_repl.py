@@ -861,8 +861,8 @@ def test_the_prompt_toolkit_session(repl_host, tiny_model_dir, tmp_path):
     assert state.current.system == "Be kind."
     assert [t.text for t in state.current.turns if t.role == "user"] == [
         "hello there",
-        "first line second line",
-        "line one line two",
+        "first line\nsecond line",  # a message keeps its lines
+        "line one\nline two",
     ]
     assert "dropped" not in shown
     history = (tmp_path / "history").read_text()
