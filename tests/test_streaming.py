@@ -68,12 +68,12 @@ def test_a_split_character_is_held_back_until_complete(tokenizer):
     assert detokenizer.flush() == ""
 
 
-def test_flush_returns_a_truly_invalid_tail(tokenizer):
+def test_flush_drops_a_character_the_last_tokens_began_and_did_not_finish(tokenizer):
     ids = encode_text(tokenizer, "ok 😀")
     detokenizer = IncrementalDetokenizer(tokenizer)
     emitted = "".join(detokenizer.push(t) for t in ids[:-1])
-    assert emitted == "ok "
-    assert detokenizer.flush().endswith(REPLACEMENT)
+    assert emitted == "ok " and full_decode(tokenizer, ids[:-1]).endswith(REPLACEMENT)
+    assert detokenizer.flush() == ""  # the emoji's last byte would have completed it
 
 
 def test_every_delta_is_emitted_as_soon_as_it_is_certain(tokenizer):
@@ -190,3 +190,88 @@ def test_an_interrupted_response_keeps_its_whole_words(tokenizer):
     assert response.provenance["interrupted"] and recorded == [response]
     whole = Response(lambda: iter(ids), tokenizer, {})
     assert whole.text() == "Hello there, my frie" and not whole.interrupted
+
+
+# -- a reply that ends in the middle of a character ----------------------------------------
+def byte_tokens(tokenizer, raw: bytes) -> list[int]:
+    """The byte-level tokens of ``raw``, one byte each (whole UTF-8 or not)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    return [tokenizer.convert_tokens_to_ids(byte_chars[byte]) for byte in raw]
+
+
+def test_a_response_cut_in_the_middle_of_a_character_ends_on_its_last_whole_one(tokenizer):
+    ids = encode_text(tokenizer, "ok 😀")
+    assert full_decode(tokenizer, ids[:-1]).endswith(REPLACEMENT)
+    response = Response(lambda: iter(ids[:-1]), tokenizer, {})
+    deltas = list(response)
+    assert "".join(deltas) == response.text() == "ok " and REPLACEMENT not in response.text()
+    assert response.token_ids == ids[:-1] and response.provenance["timings"]["new_tokens"] == len(ids) - 1
+
+
+@pytest.mark.parametrize(
+    "raw, text",
+    [
+        (b"ok \xff", "ok \ufffd"),  # no UTF-8 character starts with 0xFF
+        (b"ok \x80", "ok \ufffd"),  # a continuation byte with nothing before it
+        (b"ok \xf0\x41", "ok \ufffdA"),
+        (b"ok \xed\xa0", "ok \ufffd\ufffd"),  # the start of a surrogate, which UTF-8 never holds
+        ("ok \ufffd".encode(), "ok \ufffd"),  # U+FFFD written as a character
+        ("a\ufffdb".encode(), "a\ufffdb"),
+        ("ok \ufffd".encode() + "😀".encode()[:2], "ok \ufffd"),  # the character stays; the half emoji goes
+        (b"ok \xff" + "😀".encode()[:3], "ok \ufffd"),
+        ("é😀".encode()[:-1], "é"),
+        ("€".encode()[:1], ""),
+    ],
+    ids=[
+        "ff",
+        "lone-continuation",
+        "lead-then-ascii",
+        "surrogate-half",
+        "u+fffd-at-end",
+        "u+fffd-inside",
+        "u+fffd-then-half-emoji",
+        "ff-then-half-emoji",
+        "accent-then-half-emoji",
+        "first-byte-only",
+    ],
+)
+def test_only_a_character_a_following_token_would_have_finished_is_dropped(tokenizer, raw, text):
+    ids = byte_tokens(tokenizer, raw)
+    assert "".join(stream(tokenizer, ids)) == text
+    assert Response(lambda: iter(ids), tokenizer, {}).text() == text
+
+
+def test_a_sentencepiece_byte_fallback_tokenizer_drops_each_byte_of_an_unfinished_character():
+    """SentencePiece writes one U+FFFD per broken byte (``<0xF0><0x9F>``: two of them), where a
+    byte-level tokenizer writes one for the whole sequence."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{byte:02X}>": byte for byte in range(256)}
+    vocab["\u2581ok"] = 256
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    emoji = list("😀".encode())
+    assert full_decode(tokenizer, [256, *emoji]) == "ok😀"
+    assert full_decode(tokenizer, [256, *emoji[:3]]) == "ok" + REPLACEMENT * 3
+    assert "".join(stream(tokenizer, [256, *emoji[:3]])) == "ok"
+    assert "".join(stream(tokenizer, [256, 0xFF, *emoji[:2]])) == "ok" + REPLACEMENT  # 0xFF stays
+    assert "".join(stream(tokenizer, [256, 0xEF, 0xBF, 0xBD])) == "ok" + REPLACEMENT
+
+
+def test_a_reply_cut_by_its_budget_in_a_character_keeps_its_tokens_and_drops_the_half_character(chat_engine, tokenizer):
+    """Through the Python API: the reply's text and the conversation's turn (what the log
+    stores) end on the last whole character; its token ids and count are all the tokens."""
+    ids = encode_text(tokenizer, "ok 😀")
+    conversation = chat_engine.conversation()
+    options = ReplyOptions(decoder="fixed-text", decoder_settings={"text": "ok 😀"}, max_new_tokens=len(ids) - 1)
+    response = chat_engine.send(conversation, "hi", options)
+    deltas = list(response)
+    assert response.provenance["finish_reason"] == "length" and response.cut_by_budget
+    assert "".join(deltas) == response.text() == "ok " and conversation.turns[-1].text == "ok "
+    assert response.token_ids == ids[:-1]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from chatcore.streaming import TokenBytes
+
 if TYPE_CHECKING:
     from chatcore.serving.logprobs import TokenLogprob
 
@@ -29,27 +31,7 @@ class TokenTexts:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._bytes: dict[int, bytes] = {}
-        self._byte_level: dict[str, int] | None = None
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and type(backend.decoder).__name__ == "ByteLevel":
-            from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-            self._byte_level = {char: byte for byte, char in bytes_to_unicode().items()}
-
-    def bytes_of(self, token_id: int) -> bytes:
-        known = self._bytes.get(token_id)
-        if known is not None:
-            return known
-        piece = str(self.tokenizer.convert_ids_to_tokens(token_id) or "")
-        if self._byte_level is not None and piece and all(char in self._byte_level for char in piece):
-            raw = bytes(self._byte_level[char] for char in piece)
-        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            raw = bytes([int(piece[3:5], 16)])
-        else:
-            raw = piece.replace("\u2581", " ").encode("utf-8")
-        self._bytes[token_id] = raw
-        return raw
+        self.bytes_of = TokenBytes(tokenizer)  # token id -> its bytes
 
     def text_of(self, token_id: int) -> str:
         return self.bytes_of(token_id).decode("utf-8", errors="replace")
