@@ -1176,3 +1176,102 @@ async def test_a_sharded_bot_is_discord_pys_auto_sharded_client_with_its_shard_i
     # What discord.py itself will connect: these shards of this many (None: Discord's recommendation).
     assert bot.shard_ids == (list(ids) or None) and bot.shard_count == (count or None)
     assert not isinstance(make_bot(settings_for(), worker), discord.AutoShardedClient)
+
+
+def test_the_bot_warms_the_fast_path_up_before_it_connects(tiny_model_dir, monkeypatch, caplog):
+    """open_runtime (the worker's start, before the client connects) runs the warm-up on the fast path."""
+    from chatcore.adapters.discord_bot.conversations import open_runtime
+    from chatcore.fast_path_setting import FAST_PATH_ENV
+
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    with caplog.at_level("INFO", logger="chatcore.discord"):
+        runtime = open_runtime(settings_for(model=str(tiny_model_dir), max_batch=2))
+    try:
+        said = [record.getMessage() for record in caplog.records if record.name == "chatcore.discord"]
+        assert any(line.startswith("warming up the fast path for batches of up to 2 (") for line in said), said
+        assert any(line.startswith("warmed up in ") for line in said), said
+        assert runtime.scheduler.runner.steps > 0 and runtime.scheduler.in_flight() == 0
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            "channels = [5]\n\n[discord]\nguilds = [1]\n",
+            "settings file {path!r} has keys outside its [discord] table: 'channels'; move them under [discord]",
+        ),
+        (
+            "[discord]\nguilds = [1]\n\n[other]\nchannels = [5]\n",
+            "settings file {path!r} has keys outside its [discord] table: 'other'; move them under [discord]",
+        ),
+        (
+            "max_batch = 2\nchannels = [5]\n[discord]\nguilds = [1]\n[zz]\nx = 1\n",
+            "has keys outside its [discord] table: 'channels', 'max_batch', 'zz'; move them under [discord]",
+        ),
+        ('token = "x"\nchannels = [5]\n\n[discord]\nguilds = [1]\n', "holds a token"),
+        ('[discord]\ntoken = "x"\n', "holds a token"),
+    ],
+    ids=["top-level-key", "other-table", "several", "token-beside", "token-inside"],
+)
+def test_keys_beside_the_discord_table_are_refused_not_ignored(tmp_path, content, message):
+    """With a [discord] table, a key outside it was dropped unread: `channels` ended up empty."""
+    path = tmp_path / "bot.toml"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ChatcoreError) as error:
+        load_settings(path)
+    assert message.format(path=str(path)) in str(error.value) and "\n" not in str(error.value)
+    assert '"x"' not in str(error.value)  # a token's value is never shown
+
+
+def test_keys_beside_the_discord_object_of_a_json_file_are_refused(tmp_path):
+    path = tmp_path / "bot.json"
+    path.write_text(json.dumps({"channels": [5], "discord": {"guilds": [1]}}), encoding="utf-8")
+    with pytest.raises(ChatcoreError, match='outside its "discord" object: \'channels\'; move them under "discord"'):
+        load_settings(path)
+    path.write_text(json.dumps({"discord": {"guilds": [1], "channels": [5]}}), encoding="utf-8")
+    settings = load_settings(path)
+    assert settings.guilds == (1,) and settings.channels == (5,)
+
+
+def test_discord_check_refuses_a_settings_file_with_keys_beside_its_table(tmp_path):
+    from click.testing import CliRunner
+
+    from chatcore.cli import build_cli
+
+    path = tmp_path / "s.toml"
+    path.write_text("channels = [5]\n\n[discord]\nguilds = [1]\n", encoding="utf-8")
+    result = CliRunner().invoke(build_cli(), ["discord", "--check", "--settings", str(path)])
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert "keys outside its [discord] table: 'channels'; move them under [discord]" in result.output
+
+
+def settings_table(markdown: str) -> dict[str, str]:
+    """docs/discord.md's configuration table: key -> its default column."""
+    import re
+
+    section = markdown.split("## 5. Configuration reference", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \|[^|]*\|([^|]*)\|", section, flags=re.MULTILINE)
+    return {key: default.strip() for key, default in rows}
+
+
+def test_the_documented_settings_defaults_are_the_ones_the_bot_runs_with(monkeypatch):
+    from pathlib import Path
+
+    from chatcore.models import DEFAULT_MODEL, MODEL_ENV, PREFERRED_MODEL, known_model_installed
+
+    defaults = settings_table((Path(__file__).resolve().parents[1] / "docs" / "discord.md").read_text("utf-8"))
+    numeric = {
+        name: field.default
+        for name, field in DiscordSettings.model_fields.items()
+        if isinstance(field.default, (int, float)) and not isinstance(field.default, bool)
+    }
+    assert {"max_new_tokens", "min_new_tokens", "max_batch", "cooldown_s"} <= set(numeric)
+    for name, value in numeric.items():
+        assert float(defaults[name].split()[0].rstrip(",")) == value, (name, defaults[name])
+    # The model: smollm2 where its wheel is installed (as here), else chatcore-tiny.
+    monkeypatch.delenv(MODEL_ENV, raising=False)
+    assert known_model_installed(PREFERRED_MODEL) and DiscordSettings().model == PREFERRED_MODEL
+    assert defaults["model"].startswith(f"`{PREFERRED_MODEL}` where"), defaults["model"]
+    assert f"else `{DEFAULT_MODEL}`" in defaults["model"] and MODEL_ENV in defaults["model"]

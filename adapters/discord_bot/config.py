@@ -197,12 +197,21 @@ def read_settings_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ChatcoreError(f"settings file {str(path)!r} is not valid {suffix[1:].upper()}: {error}") from None
     if not isinstance(raw, dict):
         raise ChatcoreError(f"settings file {str(path)!r}: expected a table of settings at the top level")
-    if FILE_TABLE in raw and isinstance(raw[FILE_TABLE], dict):
-        raw = raw[FILE_TABLE]
-    if "token" in raw:
+    table = raw.get(FILE_TABLE)
+    if "token" in raw or (isinstance(table, dict) and "token" in table):
         raise ChatcoreError(
             f"settings file {str(path)!r} holds a token: keep it out of settings files; use {TOKEN_ENV} or --token-file"
         )
+    if isinstance(table, dict):
+        # Beside the table, a key would be read by nobody: the bot would run without it, unnoticed.
+        outside = sorted(key for key in raw if key != FILE_TABLE)
+        if outside:
+            named = ", ".join(repr(key) for key in outside)
+            under, kind = (f"[{FILE_TABLE}]", "table") if suffix == ".toml" else (f'"{FILE_TABLE}"', "object")
+            raise ChatcoreError(
+                f"settings file {str(path)!r} has keys outside its {under} {kind}: {named}; move them under {under}"
+            )
+        raw = table
     return dict(raw)
 
 
