@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import re
 import socket
 import time
 import urllib.error
@@ -299,6 +300,7 @@ def test_unknown_routes_and_methods_are_openai_errors(serving):
     assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
     wrong = call(f"{serving[1].url}/chat/completions", headers=headers)
     assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+    assert wrong.headers["allow"] == "POST"  # what the route takes, as HTTP asks of a 405
 
 
 @pytest.mark.parametrize(
@@ -361,6 +363,26 @@ def test_stop_strings_and_messages_must_be_text_without_control_characters(servi
     fine = {"model": model, "messages": [{"role": "user", "content": "hi \U0001f600\n\tthere"}], "max_tokens": 2}
     reply = post(serving, {**fine, "stop": ["\n", "\U0001f600"]})
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_tokenize_refuses_control_characters_and_lone_surrogates_as_the_chat_endpoints_do(serving, caplog):
+    url = f"http://{serving[1].host}:{serving[1].port}/tokenize"
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    refusals = [
+        ("hi \ud800", "`content` contains a lone surrogate (U+D800), which is not valid Unicode text"),
+        ("\udfff", "`content` contains a lone surrogate (U+DFFF), which is not valid Unicode text"),
+        ("hi\u0000there", "`content` contains a control character (U+0000)"),
+        ("bell \u0007", "`content` contains a control character (U+0007)"),
+    ]
+    with caplog.at_level(logging.INFO):
+        for content, message in refusals:
+            response = call(url, json.dumps({"content": content}).encode(), headers)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["message"] == message and response.json()["error"]["param"] == "content"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    # A whole pair is one character (json.dumps sends this emoji as "\\ud83d\\ude00"); line breaks and tabs are text.
+    fine = call(url, json.dumps({"content": "hi \U0001f600\n\tthere"}).encode(), headers)
+    assert fine.status_code == 200 and fine.json()["tokens"], fine.text
 
 
 def slow_request(serving, name: str, stream: bool) -> socket.socket:
@@ -949,3 +971,27 @@ def test_a_json_reply_whose_client_left_is_not_logged(logged, gate, monkeypatch)
     assert ended.wait(60)
     request_log.flush()
     assert read_log(db) == []
+    # Counted as the client closing the request (499), not as a 200 nobody received.
+    counted = re.compile(r'^chatcore_http_requests_total\{route="/v1/chat/completions",status="(\d+)"\} 1\.0$', re.M)
+    deadline = time.monotonic() + 60
+    metrics_url = f"http://{url.host}:{url.port}/metrics"
+    while not (found := counted.findall(urllib.request.urlopen(metrics_url, timeout=30).read().decode())):
+        assert time.monotonic() < deadline, "the request was never counted"
+        time.sleep(0.05)
+    assert found == ["499"]
+
+
+def test_serving_md_documents_the_message_limits_and_what_user_does():
+    """The request-field table and the 400 row give the limits the server applies, and the
+    `user` row says what the server does with it (the log's author, conversations kept apart)."""
+    from pathlib import Path
+
+    from chatcore.prompting import MAX_SYSTEM_CHARS
+    from chatcore.text import MAX_MESSAGE_CHARS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    for row in (rows["`messages`"], rows["400"]):
+        assert f"{MAX_MESSAGE_CHARS:,} characters" in row and f"{MAX_SYSTEM_CHARS:,}" in row, row
+    assert "ignored" not in rows["`user`"] and "author" in rows["`user`"]
+    assert "logs delete --author" in rows["`user`"] and "conversation" in rows["`user`"]

@@ -21,6 +21,7 @@ from serving_steerers import step_gate
 
 from chatcore.engine import ReplyOptions
 from chatcore.errors import OptionError
+from chatcore.fast_path_setting import FAST_PATH_ENV
 from chatcore.prompting import Message
 from chatcore.serving import Scheduler
 
@@ -398,6 +399,43 @@ def test_sigterm_stops_chatcore_serve_with_exit_status_0(tiny_model_dir):
     assert "stopping" in output and "chatcore: stopped" in output
 
 
+def test_chatcore_serve_warms_the_fast_path_up_before_it_listens(tiny_model_dir):
+    """On the fast path the server runs its warm-up replies before it says it serves; they are
+    nobody's: no reply counted, nothing in flight."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "chatcore.cli", "serve", "--port", "0", "--model", str(tiny_model_dir)]
+    environment = {**os.environ, "CHATCORE_PLUGINS": "", FAST_PATH_ENV: "on"}
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment)
+    try:
+        assert server.stdout is not None
+        before = []
+        for line in server.stdout:
+            if b"serving" in line:
+                break
+            before.append(line.decode())
+        assert any(text.startswith("chatcore: warming up the fast path for batches of up to 8 (") for text in before)
+        assert any(text.startswith("chatcore: warmed up in ") for text in before), before
+        served = re.search(rb"on http://127\.0\.0\.1:(\d+)/v1 ", line)
+        assert served is not None
+        connection = http.client.HTTPConnection("127.0.0.1", int(served[1]), timeout=30)
+        connection.request("GET", "/health")
+        health = json.loads(connection.getresponse().read())
+        assert health["in_flight"] == 0 and health["queue_depth"] == 0
+        connection.request("GET", "/metrics")
+        metrics = connection.getresponse().read().decode()
+        connection.close()
+        assert not re.search(r"^chatcore_replies_total\{[^}]*\} [1-9]", metrics, re.MULTILINE), metrics
+        server.send_signal(signal.SIGTERM)
+        output = server.communicate(timeout=60)[0].decode()
+    finally:
+        server.kill()
+    assert server.returncode == 0, output
+
+
 # -- 5. the parameters clients send -----------------------------------------------------------
 def test_penalties_and_logit_bias_match_the_engine(engine, serving_engine):
     with running(serving_engine) as (scheduler, server, client):
@@ -693,3 +731,120 @@ def test_plugins_hooks_see_each_request_as_a_turn_and_a_continuation_as_the_same
     assert int(tokens) == first.usage.completion_tokens
     assert seen[2][:3] == ("user", first_id, "and then?")
     assert seen[3][:3] == ("reply", first_id, second.choices[0].message.content)
+
+
+STAINLESS_HEADERS = (
+    "authorization,content-type,x-stainless-os,x-stainless-lang,x-stainless-arch,x-stainless-runtime,"
+    "x-stainless-runtime-version,x-stainless-package-version,x-stainless-timeout,x-stainless-retry-count,"
+    "x-stainless-helper-method"
+)
+
+
+@pytest.mark.parametrize("allowed", ["https://chat.example.com", "*"])
+def test_cors_preflight_accepts_the_headers_the_openai_npm_client_sends(serving_engine, allowed):
+    """The JS client adds X-Stainless-* headers to every request; its browser's preflight asks
+    for them and must get them, while origins stay as the operator set them."""
+    site = "https://chat.example.com"
+
+    def ask(origin: str) -> tuple[int, dict[str, str]]:
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        headers = {
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": STAINLESS_HEADERS,
+        }
+        connection.request("OPTIONS", "/v1/chat/completions", headers=headers)
+        response = connection.getresponse()
+        response.read()
+        connection.close()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}
+
+    with running(serving_engine, cors_origins=(allowed,)) as (scheduler, server, client):
+        status, headers = ask(site)
+        assert status == 200, headers
+        assert headers["access-control-allow-origin"] == ("*" if allowed == "*" else site)
+        granted = {name.strip().lower() for name in headers["access-control-allow-headers"].split(",")}
+        assert granted >= set(STAINLESS_HEADERS.split(","))
+        if allowed != "*":
+            assert ask("https://elsewhere.example")[0] == 400
+
+
+def test_a_reply_cut_by_max_tokens_in_a_character_never_ends_in_a_broken_one(serving_engine, tmp_path):
+    """max_tokens that ends a reply after half an emoji's bytes: the text, streamed or not, and
+    the log end on the last whole character; usage still counts every token."""
+    import threading
+
+    from fixed_text import FixedTextPlugin
+
+    import chatcore
+    from chatcore.adapters.http_api.request_log import RequestLog
+    from chatcore.text import encode_text
+
+    ids = encode_text(serving_engine.tokenizer, "ok😀")
+    budget = len(ids) - 1  # the emoji's last byte is not said
+    logged: list[str] = []
+    both = threading.Event()
+
+    class Listener:
+        @chatcore.hookimpl
+        def on_response(self, conversation, response):
+            logged.append(response.text())
+            if len(logged) == 2:
+                both.set()
+
+    serving_engine.host.register(FixedTextPlugin(), "fixed-text-test")
+    serving_engine.host.register(Listener(), "listener")
+    request_log = RequestLog(str(tmp_path / "log.sqlite3"), engine=serving_engine)
+    try:
+        with running(serving_engine, log=request_log) as (scheduler, server, client):
+            asked = dict(model=client.models.list().data[0].id, messages=HI, max_tokens=budget)
+            extra = {"decoder": "fixed-text text=ok😀"}
+            reply = client.chat.completions.create(**asked, extra_body=extra)
+            assert reply.choices[0].message.content == "ok" and reply.choices[0].finish_reason == "length"
+            assert reply.usage.completion_tokens == budget
+            chunks = list(client.chat.completions.create(**asked, extra_body=extra, stream=True))
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+            assert streamed == "ok" and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+            assert both.wait(60)
+        assert request_log.store is not None
+        with request_log.store as store:
+            replies = [
+                turn.text
+                for summary in store.list_conversations()
+                for turn in store.load_turns(summary.id)
+                if turn.role == "bot"
+            ]
+    finally:
+        serving_engine.host.pm.unregister(name="listener")
+        serving_engine.host.pm.unregister(name="fixed-text-test")
+        request_log.close()
+    assert logged == ["ok", "ok"] and replies == ["ok", "ok"]
+
+
+def test_a_message_over_the_length_limit_is_a_400_naming_the_limit(serving_engine):
+    from chatcore.prompting import MAX_SYSTEM_CHARS
+    from chatcore.text import MAX_MESSAGE_CHARS
+
+    too_long = "a" * (MAX_MESSAGE_CHARS + 1)
+    cases = [
+        ([{"role": "user", "content": too_long}], 0, f"the message is {MAX_MESSAGE_CHARS + 1:,} characters long"),
+        (
+            [*HI, {"role": "assistant", "content": too_long}, {"role": "user", "content": "and?"}],
+            1,
+            f"the message is {MAX_MESSAGE_CHARS + 1:,} characters long",
+        ),
+        (
+            [{"role": "system", "content": "s" * (MAX_SYSTEM_CHARS + 1)}, *HI],
+            0,
+            f"the system prompt is {MAX_SYSTEM_CHARS + 1:,} characters long",
+        ),
+    ]
+    with running(serving_engine) as (scheduler, server, client):
+        model = client.models.list().data[0].id
+        for messages, index, says in cases:
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(model=model, messages=messages, max_tokens=2)
+            limit = MAX_SYSTEM_CHARS if messages[index]["role"] == "system" else MAX_MESSAGE_CHARS
+            error = caught.value.body
+            assert error["message"] == f"messages[{index}]: {says}; the limit is {limit:,}"
+            assert error["param"] == f"messages.[{index}].content"

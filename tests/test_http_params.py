@@ -218,3 +218,29 @@ def test_tokenize_and_detokenize_round_trip(server, serving_engine):
     ]:
         status, error = post(server, path, bad)
         assert status == 400 and error["error"]["param"] == param, error
+
+
+# -- store and metadata ---------------------------------------------------------------------
+def test_store_and_metadata_are_accepted_and_change_nothing(client, model):
+    plain = client.chat.completions.create(model=model, messages=HI, max_tokens=6, seed=3)
+    tagged = client.chat.completions.create(
+        model=model, messages=HI, max_tokens=6, seed=3, store=False, metadata={"team": "support", "run": "7"}
+    )
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    stored = client.chat.completions.create(model=model, messages=HI, max_tokens=6, seed=3, store=True)
+    assert stored.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"store": "yes"},
+        {"metadata": {"k": 1}},
+        {"metadata": {f"k{index}": "v" for index in range(17)}},
+        {"metadata": {"k" * 65: "v"}},
+        {"metadata": {"k": "v" * 513}},
+    ],
+)
+def test_store_and_metadata_out_of_shape_are_400(server, model, fields):
+    status, body = post(server, "/v1/chat/completions", {"model": model, "messages": HI, **fields})
+    assert status == 400 and body["error"]["param"].split(".")[0] in fields, body

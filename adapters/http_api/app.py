@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_BODY = 1_000_000  # bytes
 ParsedBody = TypeVar("ParsedBody", bound="BaseModel")
 RETRY_AFTER_S = 1  # what 429 and 503 answers tell a client to wait before trying again
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
 
 
 @dataclass
@@ -226,6 +227,9 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             for completion in group.completions:
                 if completion.client_gone:  # the client left before the body: it never got the text
                     completion.shown = False
+            if any(completion.client_gone for completion in group.completions):
+                # Nobody reads it; /metrics counts it as what it was, not as a 200 sent.
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
         except BaseException:
             group.cancel_handles()
             if not streaming:  # the client gets an error, not the text written so far
@@ -282,6 +286,7 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
         return JSONResponse(
             error_body(error.status_code, f"{request.method} {request.url.path}: {message}"),
             status_code=error.status_code,
+            headers=error.headers,  # a 405's Allow: the methods the route takes
         )
 
     async def chatcore_error(request: Request, error: Exception) -> Response:
@@ -326,7 +331,10 @@ def middleware(config: ServeConfig, metrics: ServeMetrics) -> list[Middleware]:
                 CORSMiddleware,
                 allow_origins=list(config.cors_origins),
                 allow_methods=["GET", "POST"],
-                allow_headers=["Authorization", "Content-Type"],
+                # Any header the page asks for: client libraries add their own on every request (the
+                # openai npm package sends X-Stainless-OS, -Lang, -Arch, -Runtime, -Retry-Count, ...),
+                # and a fixed list refuses their preflight. The origins stay the operator's.
+                allow_headers=["*"],
                 max_age=600,
             )
         )

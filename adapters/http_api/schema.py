@@ -19,6 +19,7 @@ MAX_MESSAGES = 512
 MAX_STOPS = 4
 MAX_STOP_CHARS = 200
 MAX_TOKENS_LIMIT = 4096
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 
 
 class Strict(BaseModel):
@@ -116,6 +117,21 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # OpenAI's own keeping of the exchange (its dashboard, distillation): accepted and checked as
+    # OpenAI checks them, not acted on; what this server keeps is its conversation log's business.
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_PAIRS)
+
+    @field_validator("metadata")
+    @classmethod
+    def _short_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (metadata or {}).items():
+            if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+                raise ValueError(
+                    f"`metadata` keys take at most {MAX_METADATA_KEY} characters and values "
+                    f"{MAX_METADATA_VALUE}; {key[:MAX_METADATA_KEY]!r} is longer"
+                )
+        return metadata
 
     @model_validator(mode="after")
     def _one_budget(self) -> Self:

@@ -6,13 +6,15 @@
 ``add_special`` adds the tokens the tokenizer puts around a text (a BOS); ``with_pieces``
 gives each token as ``{"id", "piece"}``, its piece the token's text (or its bytes, as a list
 of integers, when they are not whole UTF-8). Special-token strings in ``content`` become
-special tokens, as the tokenizer reads them. Ids outside the vocabulary are a 400.
+special tokens, as the tokenizer reads them. Ids outside the vocabulary are a 400, and so is
+``content`` with a control character or a lone surrogate, as in the completion endpoints.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from chatcore.adapters.http_api.completions import refused_character
 from chatcore.adapters.http_api.errors import ApiError
 from chatcore.adapters.http_api.logprobs import TokenTexts
 from chatcore.adapters.http_api.schema import DetokenizeRequest, TokenizeRequest
@@ -22,6 +24,9 @@ def tokenize(tokenizer: Any, texts: TokenTexts, body: Any) -> dict[str, Any]:
     from chatcore.adapters.http_api.app import parse
 
     request = parse(TokenizeRequest, body)
+    problem = refused_character(request.content)
+    if problem is not None:
+        raise ApiError(400, f"`content` {problem}", "content")
     ids = [int(i) for i in tokenizer(request.content, add_special_tokens=request.add_special)["input_ids"]]
     if not request.with_pieces:
         return {"tokens": ids}
