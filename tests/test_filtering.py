@@ -484,6 +484,23 @@ def test_train_tokenizer_refuses_a_folder_that_holds_a_tokenizer(tmp_path):
     assert (out / "tokenizer.json").read_text() != "{}"
 
 
+def test_train_model_refuses_an_existing_filter_report_unless_force(tmp_path):
+    corpus = _small_corpus(tmp_path / "corpus.jsonl")
+    report = tmp_path / "report.json"
+    report.write_text("mine\n")
+    out = tmp_path / "run"
+    arguments = ["train", "model", "--corpus", str(corpus), "--out", str(out), "--tokenizer", "chatcore-tiny"]
+    arguments += ["--filter-disable", "bland,top-words", "--filter-report", str(report), "--device", "cpu", "--quiet"]
+    arguments += ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-positions", "64", "--block-size", "32"]
+    arguments += ["--heldout", "0", "--epochs", "1", "--batch-size", "2"]
+    line = _one_line_error(_cli(*arguments))
+    assert f"--filter-report {str(report)!r} exists: give --force to replace it" in line
+    assert report.read_text() == "mine\n" and not out.exists()  # refused before any work
+    replaced = _cli(*arguments, "--force")
+    assert replaced.exit_code == 0, replaced.output
+    assert json.loads(report.read_text()) == json.loads((out / "filter_report.json").read_text())
+
+
 @pytest.mark.parametrize("command", ["filter", "tokenizer", "model", "cocon"])
 def test_a_folder_given_as_corpus_is_one_line(tmp_path, command):
     arguments = ["train", command, "--corpus", str(tmp_path)]

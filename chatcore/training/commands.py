@@ -261,6 +261,7 @@ def train_filter(
 @click.option("--resume", is_flag=True, help="Continue from OUT/checkpoint/.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @filter_options(with_switch=True)
+@click.option("--force", is_flag=True, help="Replace an existing --filter-report.")
 def train_model(
     corpus: str,
     heldout: float,
@@ -276,6 +277,7 @@ def train_model(
     filter_disable: str,
     filter_set: tuple[str, ...],
     filter_report: str | None,
+    force: bool,
     **settings: Any,
 ) -> None:
     """Train a GPT-2-architecture dialogue model from scratch, or fine-tune any causal LM
@@ -298,7 +300,8 @@ def train_model(
         raise OptionError(str(error)) from None
     filtering = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
     if filter_report:
-        check_output(filter_report, "--filter-report", corpus, replace=True)  # never the corpus
+        # Under torchrun the first process writes it: another may only come here once it has.
+        check_output(filter_report, "--filter-report", corpus, replace=force or not distributed_context().is_main)
     with removed_if_left_empty(out_dir):
         run_folder(out_dir, resume, ("checkpoint", "best"))
         result = train_model_command(
