@@ -18,9 +18,11 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
 
 
 def personas_folder() -> Path:
-    from chatcore.log.location import user_data_path
+    """``personas/`` in the user data folder; one an older version made 0755 (its listing names every
+    persona to other users) is made 0700 when it is opened, as it is created now."""
+    from chatcore.log.location import private_data_folder
 
-    return user_data_path() / PERSONAS_FOLDER
+    return private_data_folder(PERSONAS_FOLDER)
 
 
 def check_name(name: str) -> str:

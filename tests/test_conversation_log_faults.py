@@ -379,6 +379,56 @@ def test_a_deleted_conversation_does_not_come_back_when_the_journal_is_replayed(
     assert list(journal.iterdir()) == []  # the journal, and the record of the deletion, gone with it
 
 
+def files_holding(folder: Path, text: str) -> list[str]:
+    """The names of the files under ``folder`` whose bytes hold ``text``."""
+    return sorted(path.name for path in folder.rglob("*") if path.is_file() and text.encode() in path.read_bytes())
+
+
+def test_logs_delete_scrubs_every_journal_folder_and_the_writes_set_aside(
+    chat_engine: Any, backend: Backend, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A chat that journals into a folder other than the default (``journal_dir=``) notes it in the
+    default one; `logs delete` then finds it, and takes the deleted conversation out of the writes the
+    log refused (``-rejected.jsonl``) and out of the journal of the chat that ended, at once: no file
+    keeps its text. The other conversation's writes stay, and the next opener writes them."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    journal = tmp_path / "elsewhere"
+    url = backend.new_url()
+    store = ConversationStore(url, timeout_s=0.05, journal_dir=journal)
+    plugin = ConversationLogPlugin(store, notify=lambda message: None, journal_dir=journal)
+    chat_engine.host.register(plugin, "conversation-log")
+    secret, kept = chat_engine.conversation(), chat_engine.conversation()
+    chat(chat_engine, secret, ["my pin is 9999"])
+    with store.db.begin() as connection:  # a rule the next messages break: refused for their content
+        connection.execute(sa.text("CREATE UNIQUE INDEX one_of_each ON messages (text)"))
+    chat(chat_engine, secret, ["my pin is 9999"])  # both turns refused: set aside
+    chat(chat_engine, kept, ["keep this one"])  # its reply repeats the first: set aside
+    plugin.close()
+    chat_engine.host.unregister("conversation-log")
+    assert plugin.rejected == 3
+
+    def turns() -> None:
+        chat(chat_engine, secret, ["the pin was 9999"], reply="noted 9999")
+        chat(chat_engine, kept, ["keep this too"], reply="kept reply")
+
+    journal_while_unavailable(chat_engine, store, backend, journal, turns)
+    assert files_holding(journal, "9999") == sorted(path.name for path in journal.glob("*.jsonl"))
+
+    deleted = logs_command("delete", "--yes", secret.id[:12], "--db", url)
+    assert deleted.exit_code == 0, deleted.output
+    assert deleted.stdout.strip() == (
+        f"deleted conversation {secret.id} and its 2 message(s), and 2 waiting in the journal, which will not be "
+        "written, and 2 set aside as refused"
+    )
+    assert files_holding(journal, "9999") == [] and files_holding(tmp_path / "data", "9999") == []
+    (rejected,) = journal.glob("*-rejected.jsonl")
+    assert "keep this one" in rejected.read_text() and len(rejected.read_text().splitlines()) == 1
+    with ConversationStore(url, journal_dir=journal) as later:  # the next chat: the journal is replayed
+        assert [summary.id for summary in later.list_conversations()] == [kept.id]
+        assert [text for _, text in logged_texts(later, kept.id)] == ["keep this one", "keep this too", "kept reply"]
+    assert sorted(path.name for path in journal.iterdir()) == [rejected.name]
+
+
 def test_an_authors_messages_waiting_in_the_journal_are_deleted_with_the_author(
     chat_engine: Any, backend: Backend, tmp_path: Path
 ) -> None:
@@ -397,6 +447,7 @@ def test_an_authors_messages_waiting_in_the_journal_are_deleted_with_the_author(
 
     with ConversationStore(url, create=False, journal_dir=journal) as operator:
         assert operator.delete_author(carol) == 1 and operator.journal_withheld == 1
+    assert files_holding(journal, "1 Elm St") == []  # the ended chat's journal, the title of his write too
     with ConversationStore(url, journal_dir=journal) as later:  # the next chat: the journal is replayed
         record = later.get_conversation(room.id)
         assert [(m.text, m.author_id) for m in record.messages] == [("dave: hello all", "dave")]
@@ -672,6 +723,30 @@ def test_the_log_its_companions_and_the_journal_are_private(chat_engine: Any, tm
         f"warning: {path} (file, mode 0644) is open to other users: chmod 600 {path}",
         f"warning: {rejected} (file, mode 0640) is open to other users: chmod 600 {rejected}",
     ]
+
+
+def test_the_log_folders_an_older_version_left_open_are_made_private_when_opened(
+    chat_engine: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The user data folder and its log-journal/ made 0755 by an older version are made 0700 when a chat
+    opens the log and its journal; a folder named by hand (``--db`` elsewhere) is the user's to choose."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    folder = tmp_path / "data" / "chatcore"
+    journal = folder / "log-journal"
+    chosen = tmp_path / "chosen"
+    for made in (journal, chosen):
+        made.mkdir(parents=True)
+    for made in (folder, journal, chosen):
+        made.chmod(0o755)
+    store = ConversationStore(sqlite_url(folder / "conversations.sqlite3"))  # it replays the journal there
+    assert mode(folder) == mode(journal) == 0o700
+    journal.chmod(0o755)
+    plugin = ConversationLogPlugin(store, notify=lambda message: None)  # its journal: the default folder
+    assert plugin.journal.folder == journal and mode(journal) == 0o700
+    plugin.close()
+    store.close()
+    ConversationStore(sqlite_url(chosen / "log.sqlite3")).close()
+    assert mode(chosen) == 0o755
 
 
 # -- a full disk ---------------------------------------------------------------------------------------

@@ -352,6 +352,87 @@ def test_a_reply_retried_after_resuming_supersedes_the_earlier_chats_reply_in_th
         made.close()
 
 
+def user_turns_left_without_a_reply(store: ConversationStore, conversation_id: str) -> list[str]:
+    """The user messages of a logged conversation that another user message follows, or that end it."""
+    messages = [m for m in store.get_conversation(conversation_id).messages if not m.superseded]
+    return [
+        m.text
+        for m, after in zip(messages, [*messages[1:], None], strict=True)
+        if m.role == "user" and (after is None or after.role == "user")
+    ]
+
+
+def test_a_chat_resumed_while_another_replies_goes_on_in_a_new_conversation_and_leaves_no_stray_turn(
+    loaded: Any, backend: Backend, tmp_path: Path
+) -> None:
+    """Two terminals on one `--cid`: the second resumes while the first's reply is still being made
+    (its message logged, the reply not yet). The second's first message finds the first chat's message
+    waiting for its reply at the end, so the second goes on in a new conversation, and the reply that
+    comes then follows its own message in the original (before, the first chat was pushed out and its
+    message was left there without a reply, the second's message after it)."""
+    engines, stores, told = two_chats(loaded, backend.new_url(), tmp_path)
+    started = engines[0].conversation()
+    chat(engines[0], started, ["hello"])
+    first = stores[0].resume(started.id)
+    replying = engines[0].send(first, "from the first", decoder="fixed-text", decoder_settings={"text": "first reply"})
+    second = stores[1].resume(started.id)  # ends with "from the first", its reply still to come
+    chat(engines[1], second, ["from the second"], reply="second reply")
+    assert replying.text() == "first reply"
+    chat(engines[0], first, ["the first goes on"], reply="first again")
+    assert told[0] == [] and len(told[1]) == 1
+    assert "ends with another chat's message still waiting for its reply" in told[1][0]
+    store = stores[0]
+    assert logged_texts(store, started.id) == [(t.role, t.text) for t in first.turns]
+    assert user_turns_left_without_a_reply(store, started.id) == []
+    (fork,) = [s.id for s in store.list_conversations() if s.id != started.id]
+    assert fork[:12] in told[1][0]
+    assert logged_texts(store, fork) == [(t.role, t.text) for t in second.turns]  # what the second chat replied to
+    for made in stores:
+        made.close()
+
+
+@pytest.mark.parametrize("how", ["written", "journaled"])
+def test_a_message_a_chat_that_ended_left_without_a_reply_is_continued_in_the_same_conversation(
+    loaded: Any, backend: Backend, tmp_path: Path, how: str
+) -> None:
+    """A reply that failed (or was stopped) leaves the message waiting for one. Once its chat has ended
+    (``close`` at exit; or its journal replayed by the next process) the message is no longer that
+    chat's, and `--continue` goes on in the same conversation rather than in a new one."""
+    url = backend.new_url()
+    journal = tmp_path / "journal"
+    engines = [chat_engine_of_its_own(loaded) for _ in range(2)]
+    ended_store = ConversationStore(url, timeout_s=0.05, journal_dir=journal)
+    ended = ConversationLogPlugin(ended_store, notify=lambda message: None, retry_after_s=0.0, journal_dir=journal)
+    engines[0].host.register(ended, "log")
+    started = engines[0].conversation()
+    chat(engines[0], started, ["hello"])
+    if how == "written":
+        engines[0].add_user(started, "no reply came")
+        assert ended.close() == 0
+    else:
+        with faults.unavailable(ended_store, backend):
+            engines[0].add_user(started, "no reply came")
+            assert ended.close() == 1
+    ended_store.close()
+    store = ConversationStore(url, journal_dir=journal)  # the next chat: any journal is replayed
+    told: list[str] = []
+    plugin = ConversationLogPlugin(store, notify=told.append, journal_dir=journal)
+    engines[1].host.register(plugin, "log")
+    resumed = store.resume(started.id)
+    chat(engines[1], resumed, ["and now?"], reply="a reply at last")
+    plugin.close()
+    assert told == []
+    assert [s.id for s in store.list_conversations()] == [started.id]
+    assert logged_texts(store, started.id) == [
+        ("user", "hello"),
+        ("bot", "a fixed reply"),
+        ("user", "no reply came"),
+        ("user", "and now?"),
+        ("bot", "a reply at last"),
+    ]
+    store.close()
+
+
 def test_a_journal_is_replayed_by_any_spelling_of_its_database(chat_engine: Any, tmp_path: Path) -> None:
     folder = tmp_path / "logs"
     folder.mkdir()

@@ -274,6 +274,32 @@ def test_the_personas_folder_is_private_whatever_the_umask(run, data_home):
     assert modes == {data_home: 0o700, folder: 0o700, folder / "pirate.txt": 0o600}
 
 
+def test_a_personas_folder_an_older_version_left_open_is_made_private_when_opened(run, data_home):
+    """Older versions made the data folder and personas/ 0755: every persona's name listed to other
+    users. Opening them (here: listing) makes them 0700; the personas in them are as they were."""
+    folder = data_home / "personas"
+    folder.mkdir(parents=True)
+    (folder / "pirate.txt").write_text("You are a pirate.\n", encoding="utf-8")
+    for made in (data_home, folder):
+        made.chmod(0o755)
+    assert run("personas").stdout == "pirate  You are a pirate.\n"
+    assert {path: stat.S_IMODE(path.stat().st_mode) for path in (data_home, folder)} == {
+        data_home: 0o700,
+        folder: 0o700,
+    }
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="making another user's folder needs root")
+def test_a_personas_folder_of_another_user_is_left_as_it_is(run, data_home):
+    folder = data_home / "personas"
+    folder.mkdir(parents=True)
+    data_home.chmod(0o755)
+    folder.chmod(0o755)
+    os.chown(folder, 65534, 65534)  # nobody's
+    assert "no personas yet" in run("personas").stdout
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755 and stat.S_IMODE(data_home.stat().st_mode) == 0o700
+
+
 # -- generate --continue / --cid -----------------------------------------------------------------
 def test_generate_continues_the_latest_or_a_given_logged_conversation(run, tiny_model_dir, engine, tmp_path, data_home):
     url = sqlite_url(tmp_path / "log.sqlite3")

@@ -400,6 +400,10 @@ def prompt_toolkit_reader(
     history: History = BoundedMemoryHistory()  # --no-log: the lines typed leave no trace on disk either
     path = history_file if history_file is not None else history_path()
     if keep_history:
+        if history_file is None:
+            from chatcore.log.location import private_data_folder
+
+            private_data_folder()  # one an older version made 0755 is made 0700, as it is created now
         try:
             make_private_folder(path.parent)
             create_private_file(path)  # the lines typed are as private as the log

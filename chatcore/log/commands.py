@@ -167,8 +167,7 @@ def export_command(
     """
     from chatcore.log import formatting
     from chatcore.log.export_target import open_export
-    from chatcore.log.location import user_data_path
-    from chatcore.log.plugin import JOURNAL_FOLDER
+    from chatcore.log.journal import default_journal_folder
 
     if salvage and (conversation_ids or author_id):
         raise click.UsageError("--salvage exports everything readable; it takes no ID or --author")
@@ -187,9 +186,7 @@ def export_command(
     separator = "\n" if export_format == "jsonl" else "\n---\n\n"
     stream: TextIO = sys.stdout
     if output:
-        stream, notes = open_export(
-            output, force=force, log_path=log_path, journal_folder=user_data_path() / JOURNAL_FOLDER
-        )
+        stream, notes = open_export(output, force=force, log_path=log_path, journal_folder=default_journal_folder())
         for note in notes:
             click.echo(f"note: {note}", err=True)
     count = 0
@@ -256,7 +253,8 @@ def delete_command(
     """Delete one conversation and all its messages, or every message of one author.
 
     Their writes still waiting in the journal (the database was locked or down) are
-    withheld too, so that no later replay brings them back.
+    withheld too, so that no later replay brings them back, and those the log refused
+    (set aside beside the journal) are removed, in every folder that holds its journal.
     """
     from chatcore.log import formatting
 
@@ -284,10 +282,14 @@ def delete_command(
 
 
 def _withheld(store: "ConversationStore") -> str:
-    """The writes of what was deleted that wait in the journal, which no replay now writes."""
-    if not store.journal_withheld:
-        return ""
-    return f", and {store.journal_withheld} waiting in the journal, which will not be written"
+    """The writes of what was deleted that wait in the journal, which no replay now writes, and
+    those set aside as refused beside it, which are gone too."""
+    said = ""
+    if store.journal_withheld:
+        said += f", and {store.journal_withheld} waiting in the journal, which will not be written"
+    if store.rejected_removed:
+        said += f", and {store.rejected_removed} set aside as refused"
+    return said
 
 
 @logs.command("where")
@@ -322,8 +324,8 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
 def loose_files(log_path: "Path | None") -> list[str]:
     """The chat files and folders other users may read, each with the command that fixes it."""
     from chatcore.log.export_target import log_files
+    from chatcore.log.journal import JOURNAL_FOLDER
     from chatcore.log.location import HISTORY_FILENAME, user_data_path
-    from chatcore.log.plugin import JOURNAL_FOLDER
     from chatcore.log.private_files import loose_modes
 
     data = user_data_path()

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from chatcore.log import schema
 from chatcore.log.errors import LogError, LogUnavailableError, NotALogError
-from chatcore.log.location import is_default_folder
+from chatcore.log.location import is_default_folder, private_data_folder
 from chatcore.log.private_files import create_private_file, make_private_folder
 
 SYNCHRONOUS_LEVELS = ("normal", "full")
@@ -341,6 +341,8 @@ class StoreConnection:
             make_private_folder(path.parent)
         except OSError as error:
             raise LogError(f"cannot create the folder for the conversation log {database}: {error}") from None
+        if is_default_folder(folder):
+            private_data_folder()  # one an older version made 0755 is made 0700, as it is created now
         try:
             # Made here, 0600, rather than by SQLite (0644 under the usual umask): SQLite gives
             # the -wal and -shm files it makes the mode of the database file.

@@ -28,5 +28,10 @@ class ConversationTakenError(LogError):
     """Another chat has written into the conversation since this one last read or wrote it."""
 
 
+class AwaitingReplyError(ConversationTakenError):
+    """The conversation ends with another chat's message still waiting for its reply: that chat may
+    be replying to it (or end without a reply: then it gives the message up, see ``release``)."""
+
+
 class ConversationDeletedError(LogError):
     """The conversation this chat has written into is no longer in the log (``chatcore logs delete``)."""

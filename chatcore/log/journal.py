@@ -26,7 +26,11 @@ chat holds and appends to, so it is recorded beside them instead
 drops the waiting writes it covers, those of a deleted conversation or of a deleted
 author made before the deletion, so what was deleted never comes back. It records the
 conversation's id and a digest of the author's id, and is removed once the journal of
-its database is empty.
+its database is empty. The files nobody holds, the journals of chats that ended and the
+writes set aside as refused (``<database>-rejected.jsonl``), are rewritten without what
+was deleted at once (:func:`scrub_deletion`), in every folder that holds a journal of the
+database: a chat journaling into a folder other than the default notes it in the default
+one (``<database>-folders.jsonl``, :func:`note_folder`), where a deletion finds it.
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from chatcore.log.normalise import Normaliser
-from chatcore.log.private_files import open_private_append
+from chatcore.log.private_files import PRIVATE_FILE, fsync_folder, open_private_append
+from chatcore.log.turn_writes import title_from
 
 if TYPE_CHECKING:
     from chatcore.log.store import ConversationStore
@@ -53,8 +58,11 @@ except ImportError:  # Windows: files are not shared between processes, nothing 
     fcntl = None  # type: ignore[assignment]
 
 _DATETIME = "$datetime"
+JOURNAL_FOLDER = "log-journal"  # in the user data folder
 REJECTED_SUFFIX = "-rejected.jsonl"
 DELETED_SUFFIX = "-deleted.jsonl"
+FOLDERS_SUFFIX = "-folders.jsonl"
+_RECORDS = (REJECTED_SUFFIX, DELETED_SUFFIX, FOLDERS_SUFFIX)  # beside the journal files, never replayed
 
 
 def _encode(value: Any) -> Any:
@@ -94,11 +102,18 @@ def database_identity(url: str) -> str:
     return f"{backend}://{parsed.username or ''}@{host}:{port}/{database}"
 
 
-def _lock(stream: IO[str]) -> bool:
+def default_journal_folder() -> Path:
+    """``log-journal`` in the user data folder (made 0700 if an older version left it open to others)."""
+    from chatcore.log.location import private_data_folder
+
+    return private_data_folder(JOURNAL_FOLDER)
+
+
+def _lock(stream: IO[Any], wait: bool = False) -> bool:
     if fcntl is None:
         return True
     try:
-        fcntl.flock(stream.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(stream.fileno(), fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except OSError:
         return False
@@ -108,7 +123,8 @@ def journal_files(folder: Path, url: str) -> list[Path]:
     """The journal files in ``folder`` of the database at ``url`` (any process's), oldest first.
 
     Named ``<database>-<pid>-<random>.jsonl``: the writes set aside beside them
-    (``<database>-rejected.jsonl``, see the log's plugin) are a record, never replayed."""
+    (``<database>-rejected.jsonl``, see the log's plugin) are a record, never replayed, as are
+    the deletions and the folders noted there."""
     prefixes = {_digest(database_identity(url)), _digest(url)}  # and as older versions named them
     try:
         if not folder.is_dir():
@@ -117,7 +133,7 @@ def journal_files(folder: Path, url: str) -> list[Path]:
             path
             for prefix in prefixes
             for path in folder.glob(f"{prefix}-*-*.jsonl")
-            if not path.name.endswith(REJECTED_SUFFIX)
+            if not path.name.endswith(_RECORDS)
         }
     except OSError:  # a folder this user may not read (another user's data folder): nothing to adopt
         return []
@@ -184,8 +200,33 @@ class Deletions:
         return cls(_journaled(deletions_path(folder, url)))
 
 
+def screened(write: dict[str, Any], deletions: Deletions, titles: set[tuple[str, str]]) -> dict[str, Any] | None:
+    """``write`` as it may be written (or kept) after ``deletions``: None when it is of what was
+    deleted. A deleted author's first message titled its conversation in every write of it: such a
+    message is noted in ``titles`` (conversation, title), and the later writes lose that title."""
+    conversation_id = write.get("conversation_id", "")
+    fields = write.get("fields") or {}
+    if deletions.withholds(write):
+        if write.get("role") == "user" and isinstance(write.get("text"), str):
+            titles.add((conversation_id, title_from(write["text"])))
+        return None
+    conversation = fields.get("conversation") or {}
+    if (conversation_id, conversation.get("title")) in titles:
+        return dict(write, fields=dict(fields, conversation=dict(conversation, title=None)))
+    return write
+
+
 def deletions_path(folder: Path, url: str) -> Path:
     return folder / f"{_digest(database_identity(url))}{DELETED_SUFFIX}"
+
+
+def _deletion_record(conversation_id: str | None, author_id: str | None) -> dict[str, Any]:
+    record: dict[str, Any] = {"deleted": datetime.now(timezone.utc)}
+    if conversation_id is not None:
+        record["conversation_id"] = conversation_id
+    if author_id is not None:
+        record["author"] = _author_digest(author_id)
+    return record
 
 
 def record_deletion(folder: Path, url: str, *, conversation_id: str | None = None, author_id: str | None = None) -> int:
@@ -196,11 +237,7 @@ def record_deletion(folder: Path, url: str, *, conversation_id: str | None = Non
     files = journal_files(folder, url)
     if not files:
         return 0  # nothing waits, and a later write is made after the deletion
-    record: dict[str, Any] = {"deleted": datetime.now(timezone.utc)}
-    if conversation_id is not None:
-        record["conversation_id"] = conversation_id
-    if author_id is not None:
-        record["author"] = _author_digest(author_id)
+    record = _deletion_record(conversation_id, author_id)
     path = deletions_path(folder, url)
     line = (json.dumps(record, default=_encode) + "\n").encode("ascii")
     while True:
@@ -217,6 +254,171 @@ def record_deletion(folder: Path, url: str, *, conversation_id: str | None = Non
             break
     this_one = Deletions([record])
     return sum(this_one.withholds(write) for file in files for write in _journaled(file))
+
+
+def note_folder(folder: Path, url: str) -> None:
+    """Note in the default journal folder that ``folder``, another one, holds journal files (or writes
+    set aside) of the database at ``url``, so that a deletion finds them (:func:`journal_folders`).
+    Never raises: a data folder that cannot be written leaves the folder unnoted."""
+    default = default_journal_folder()
+    try:
+        entry = os.path.realpath(folder)
+        if entry == os.path.realpath(default):
+            return
+        if entry in _noted_folders(default, url):
+            return
+        append_line(_folders_path(default, url), (json.dumps(entry) + "\n").encode("ascii"))
+    except OSError:
+        pass
+
+
+def journal_folders(url: str, given: Path | None = None) -> list[Path]:
+    """Every folder that may hold the journal of the database at ``url``: ``given``, the default
+    one, and those noted in it by chats that journaled elsewhere (:func:`note_folder`)."""
+    default = default_journal_folder()
+    noted = [Path(entry) for entry in _noted_folders(default, url)]
+    folders: dict[str, Path] = {}
+    for folder in [*([given] if given is not None else []), default, *noted]:
+        if folder.is_dir():
+            folders.setdefault(os.path.realpath(folder), folder)
+    return list(folders.values())
+
+
+def _folders_path(default: Path, url: str) -> Path:
+    return default / f"{_digest(database_identity(url))}{FOLDERS_SUFFIX}"
+
+
+def _noted_folders(default: Path, url: str) -> list[str]:
+    """The other folders noted in ``default`` as holding journal files of the database at ``url``."""
+    try:
+        lines = _folders_path(default, url).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    noted = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash mid-append
+        if isinstance(entry, str):
+            noted.append(entry)
+    return noted
+
+
+def append_line(path: Path, line: bytes) -> None:
+    """Append ``line`` to ``path`` (created 0600) under the file's lock, so that a deletion rewriting
+    it meanwhile (:func:`scrub_deletion`) loses nothing; on the disk when this returns. OSError if not."""
+    while True:
+        descriptor = open_private_append(path)
+        try:
+            if fcntl is not None:
+                fcntl.flock(descriptor, fcntl.LOCK_EX)
+            try:
+                current = os.stat(path).st_ino == os.fstat(descriptor).st_ino
+            except FileNotFoundError:
+                current = False  # rewritten, or removed, while this waited for the lock: append anew
+            if current:
+                written = 0
+                while written < len(line):
+                    written += os.write(descriptor, line[written:])
+                os.fsync(descriptor)
+                return
+        finally:
+            os.close(descriptor)
+
+
+def scrub_deletion(folder: Path, url: str, *, conversation_id: str | None = None, author_id: str | None = None) -> int:
+    """Take what was deleted from the log at ``url`` (a conversation, or an author's messages) out of
+    the files in ``folder`` that no running chat holds: the writes set aside as refused, and the
+    journal files of chats that ended (a running chat's journal withholds it on replay, see
+    :func:`record_deletion`). Returns how many writes set aside as refused went. OSError when a file
+    cannot be rewritten."""
+    deletions = Deletions([_deletion_record(conversation_id, author_id)])
+    titles: set[tuple[str, str]] = set()
+    files = journal_files(folder, url)
+    for path in files:  # the titles a deleted message gave, those in a running chat's journal too
+        for write in _journaled(path):
+            screened(write, deletions, titles)
+
+    def refused(entry: dict[str, Any]) -> dict[str, Any] | None:
+        write = entry.get("write") or {}
+        kept = screened(write, deletions, titles)
+        return entry if kept is write else None if kept is None else dict(entry, write=kept)
+
+    removed = 0
+    for prefix in sorted({_digest(database_identity(url)), _digest(url)}):  # and as older versions named it
+        removed += _rewrite(folder / f"{prefix}{REJECTED_SUFFIX}", refused, wait=True)
+    for path in files:
+        _rewrite(path, lambda write: screened(write, deletions, titles), wait=False)
+    forget_deletions(folder, url)
+    return removed
+
+
+def _rewrite(path: Path, edit: Callable[[dict[str, Any]], dict[str, Any] | None], wait: bool) -> int:
+    """Rewrite ``path`` with each line as ``edit`` gives it back (None: left out; the same object:
+    kept as it was), under the file's lock: whole (a new file renamed over it, or the file removed
+    when nothing is left), or not at all. Returns how many lines were left out. A file held by
+    another process is left (``wait`` False: a running chat's journal), and so are lines that do
+    not parse (cut short by a crash: they were never acknowledged)."""
+    while True:
+        try:
+            stream = open(path, "rb")
+        except FileNotFoundError:
+            return 0
+        with stream:
+            if not _lock(stream, wait):
+                return 0
+            try:
+                if os.stat(path).st_ino != os.fstat(stream.fileno()).st_ino:
+                    continue  # rewritten meanwhile: read the new one
+            except FileNotFoundError:
+                return 0
+            lines = stream.read().splitlines(keepends=True)
+            edited = [_edited(line, edit) for line in lines]
+            kept = [line for line in edited if line is not None]
+            if kept != lines:
+                _replace(path, kept)
+            return len(lines) - len(kept)
+
+
+def _edited(line: bytes, edit: Callable[[dict[str, Any]], dict[str, Any] | None]) -> bytes | None:
+    try:
+        entry = json.loads(line, object_hook=_decode)
+    except ValueError:
+        return line
+    if not isinstance(entry, dict):
+        return line
+    changed = edit(entry)
+    if changed is entry:
+        return line
+    if changed is None:
+        return None
+    return (json.dumps(changed, default=_encode, ensure_ascii=True) + "\n").encode("ascii")
+
+
+def _replace(path: Path, lines: list[bytes]) -> None:
+    """``path`` now holds ``lines`` (0600, on the disk), or is gone when there are none."""
+    if not lines:
+        path.unlink()
+        fsync_folder(path.parent)
+        return
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    data = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+    try:
+        try:
+            os.fchmod(descriptor, PRIVATE_FILE)
+            written = 0
+            while written < len(data):
+                written += os.write(descriptor, data[written:])
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
 
 
 def forget_deletions(folder: Path, url: str) -> None:
@@ -252,12 +454,10 @@ def replay_left_writes(store: "ConversationStore", folder: Path | None = None) -
     one refused for its content set aside); what the database cannot take now stays for the
     chat's own plugin. What the replay finds (a conversation deleted or written by another chat
     meanwhile, a write set aside) is logged as a warning."""
-    from chatcore.log.plugin import JOURNAL_FOLDER, ConversationLogPlugin
+    from chatcore.log.plugin import ConversationLogPlugin
 
     if folder is None:
-        from chatcore.log.location import user_data_path
-
-        folder = user_data_path() / JOURNAL_FOLDER
+        folder = default_journal_folder()
     if not journal_files(folder, store.url) or store.quick_check() is not None:
         return  # nothing left, or a damaged file, which is never written into
     told: list[str] = []
@@ -301,6 +501,7 @@ class SpillJournal:
         and then the file is as it was)."""
         line = (json.dumps(record, default=_encode, ensure_ascii=True) + "\n").encode("ascii")
         if self._own is None:
+            note_folder(self.folder, self.url)
             descriptor = open_private_append(self.path)
             self._own = os.fdopen(descriptor, "r", encoding="utf-8")  # held for its lock, read on replay
             _lock(self._own)

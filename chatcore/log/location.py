@@ -26,6 +26,20 @@ def user_data_path() -> Path:
     return Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
 
 
+def private_data_folder(name: str | None = None) -> Path:
+    """The user data folder, or the folder ``name`` in it (``personas``, ``log-journal``), as it is
+    opened: where it exists with the looser mode an older version gave it (0755), it is made 0700
+    first, as it is created now (:func:`~chatcore.log.private_files.tighten_folder`)."""
+    from chatcore.log.private_files import tighten_folder
+
+    data = user_data_path()
+    tighten_folder(data)
+    if name is None:
+        return data
+    tighten_folder(data / name)
+    return data / name
+
+
 def is_default_folder(folder: Path) -> bool:
     """Whether ``folder`` is the user data folder, which chatcore makes when it is missing
     (a folder named in ``--db`` or ``$CHATCORE_DB`` must exist)."""

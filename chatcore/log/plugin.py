@@ -45,10 +45,10 @@ Nothing is dropped and nothing breaks referential integrity:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -60,9 +60,23 @@ from typing import TYPE_CHECKING, Any
 
 import chatcore
 from chatcore.log.deadline import DeadlineWorker
-from chatcore.log.errors import ConversationDeletedError, ConversationTakenError, LogError, LogUnavailableError
-from chatcore.log.journal import Deletions, SpillJournal, forget_deletions
-from chatcore.log.private_files import open_private_append
+from chatcore.log.errors import (
+    AwaitingReplyError,
+    ConversationDeletedError,
+    ConversationTakenError,
+    LogError,
+    LogUnavailableError,
+)
+from chatcore.log.journal import (
+    REJECTED_SUFFIX,
+    Deletions,
+    SpillJournal,
+    append_line,
+    default_journal_folder,
+    forget_deletions,
+    note_folder,
+    screened,
+)
 from chatcore.log.turn_writes import (
     Write,
     conversation_fields,
@@ -91,7 +105,6 @@ MAX_RETRY_INTERVAL_S = 15.0
 # briefly by another process is waited out rather than journaled.
 WRITE_DEADLINE_S = 5.0
 FAILING_WAIT_S = 0.5  # the wait for a write tried while the log fails (each turn, and the timer)
-JOURNAL_FOLDER = "log-journal"  # in the user data folder
 
 
 class ConversationLogPlugin:
@@ -148,6 +161,9 @@ class ConversationLogPlugin:
         self._written: set[str] = (
             set()
         )  # conversations this chat has written into (one deleted since is not made again)
+        # Conversation -> the writer whose message at its end waits for a reply (a reply that failed):
+        # given up (``store.release``) once that chat has ended, so that another may go on after it.
+        self._awaiting: dict[str, str] = {}
         self._live: weakref.WeakValueDictionary[str, Conversation] = weakref.WeakValueDictionary()
         # (conversation, title) of the waiting user messages dropped for a deleted author: not a title any more.
         self._withheld_titles: set[tuple[str, str]] = set()
@@ -171,9 +187,7 @@ class ConversationLogPlugin:
         # when a whole conversation is written again (the log file was replaced).
         self._model: LoadedModel | None = None
         if journal_dir is None:
-            from chatcore.log.location import user_data_path
-
-            journal_dir = user_data_path() / JOURNAL_FOLDER
+            journal_dir = default_journal_folder()
         self.journal = SpillJournal(Path(journal_dir), store.url if store is not None else str(url))
         self.damaged: str | None = None
         if store is None:  # every write goes to the journal until the log opens (tried on each write)
@@ -426,6 +440,7 @@ class ConversationLogPlugin:
                 deadline_s,
             )
             self._written.add(write["conversation_id"])
+            self._note_awaiting(write)
         except LogUnavailableError as error:
             if self.failing is None:
                 self.notify(
@@ -436,8 +451,8 @@ class ConversationLogPlugin:
             self._failed_at = time.monotonic()
             self._start_retrying()
             return False
-        except ConversationTakenError:
-            self._fork(write)
+        except ConversationTakenError as error:
+            self._fork(write, error)
         except ConversationDeletedError:
             self._restart(write)
         except LogError as error:  # refused for good: set it aside, never block the writes after it
@@ -445,15 +460,21 @@ class ConversationLogPlugin:
             self._set_aside(write, error)
         return True
 
-    def _fork(self, write: Write) -> None:
-        """Another chat writes this conversation too (two terminals on one ``--cid``): rather than
-        interleave the two, this chat goes on in a new conversation holding its turns so far."""
+    def _fork(self, write: Write, error: ConversationTakenError) -> None:
+        """Another chat writes this conversation too (two terminals on one ``--cid``), or its message
+        at the end waits for the reply that chat is making: rather than interleave the two, this chat
+        goes on in a new conversation holding its turns so far."""
         original = write["conversation_id"]
         self._forks[original] = fork = uuid.uuid4().hex
         live = self._live.get(original)
+        why = (
+            "ends with another chat's message still waiting for its reply"
+            if isinstance(error, AwaitingReplyError)
+            else "is being written by another chat as well"
+        )
         self.notify(
-            f"conversation {original[:12]} is being written by another chat as well; this chat goes on in a new "
-            f"conversation {fork[:12]}, which holds its turns so far (`chatcore chat --cid {fork[:12]}` resumes it)"
+            f"conversation {original[:12]} {why}; this chat goes on in a new conversation {fork[:12]}, "
+            f"which holds its turns so far (`chatcore chat --cid {fork[:12]}` resumes it)"
         )
         copies = (
             [self._turn_write(live, turn, self._model) for turn in live.turns]
@@ -487,6 +508,27 @@ class ConversationLogPlugin:
         if not self._write(restarted):
             self._keep(restarted)
 
+    def _note_awaiting(self, written: Write) -> None:
+        """Keep track of the conversations whose newest message written here waits for a reply."""
+        if written["role"] == "user":
+            self._awaiting[written["conversation_id"]] = written["fields"].get("writer") or self.writer
+        else:
+            self._awaiting.pop(written["conversation_id"], None)
+
+    def _release(self, ended_only: bool) -> None:
+        """Give up the messages left waiting for a reply by chats that have ended (``ended_only``:
+        those of journals adopted from ended processes; else this chat's too, as it ends), so that
+        another chat goes on after them rather than in a new conversation. A failure leaves them."""
+        store = self.store
+        for conversation_id, writer in list(self._awaiting.items()):
+            if store is None or (ended_only and writer == self.writer):
+                continue
+            del self._awaiting[conversation_id]
+            try:
+                self._writer.run(functools.partial(store.release, conversation_id, writer), self.write_deadline_s)
+            except LogError:
+                continue  # the message stays this chat's: a chat that goes on there starts a new conversation
+
     def _open(self) -> "ConversationStore":
         """Open the log that could not be opened at the start (on the writer thread). Any failure
         may pass (a folder made later, a server started): the writes stay journaled."""
@@ -502,15 +544,11 @@ class ConversationLogPlugin:
         return store
 
     def _set_aside(self, write: Write, error: LogError) -> None:
-        where: Path = self.journal.folder / f"{self.journal.prefix}-rejected.jsonl"
+        where: Path = self.journal.folder / f"{self.journal.prefix}{REJECTED_SUFFIX}"
         line = (json.dumps({"error": str(error), "write": write}, default=str) + "\n").encode("utf-8", "replace")
+        note_folder(self.journal.folder, self.journal.url)  # where `chatcore logs delete` finds it
         try:
-            descriptor = open_private_append(where)
-            try:
-                os.write(descriptor, line)
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
+            append_line(where, line)
             kept = True
         except OSError:
             kept = False
@@ -544,6 +582,7 @@ class ConversationLogPlugin:
             if done_path is not None:
                 self.journal.done(done_path)
             forget_deletions(self.journal.folder, self.journal.url)
+            self._release(ended_only=True)  # what the ended chats left waiting for a reply
         while self._pending:
             screened = self._screen(self._pending[0], deletions)
             if screened is None:
@@ -566,18 +605,9 @@ class ConversationLogPlugin:
         A deleted conversation is never made again under its id: its turns made later, here or by
         the chat that journaled them, go to a new conversation (see :meth:`_restart`). A deleted
         author's first message titled the conversation in every write of it: the title goes too."""
-        conversation_id = write["conversation_id"]
-        if conversation_id in deletions.conversations:
-            self._written.add(conversation_id)
-        if deletions.withholds(write):
-            if write["role"] == "user":
-                self._withheld_titles.add((conversation_id, title_from(write["text"])))
-            return None
-        fields = write["fields"]
-        conversation = fields.get("conversation") or {}
-        if (conversation_id, conversation.get("title")) in self._withheld_titles:
-            return dict(write, fields=dict(fields, conversation=dict(conversation, title=None)))
-        return write
+        if write["conversation_id"] in deletions.conversations:
+            self._written.add(write["conversation_id"])
+        return screened(write, deletions, self._withheld_titles)
 
     def _recovered(self, written: int) -> None:
         if self.failing is not None and not self._waiting():
@@ -649,6 +679,8 @@ class ConversationLogPlugin:
         with self._lock:
             if self._writable() and self._waiting():
                 self._flush()
+            if self._writable() and not self._waiting():
+                self._release(ended_only=False)
             while self._pending:
                 try:
                     self.journal.append(self._pending[0])

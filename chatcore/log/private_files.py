@@ -3,7 +3,9 @@
 Every file the conversation log makes (the SQLite file, whose ``-wal`` and ``-shm``
 SQLite creates with the same mode, the journal, the rejected file, exports) and the
 REPL's input history are created 0600, and the folders made for them 0700, whatever
-the umask. :func:`loose_modes` finds existing ones that others can read, for
+the umask. chatcore's own folders (the user data folder, its ``personas`` and
+``log-journal``) that an older version made 0755 are made 0700 when they are opened
+(:func:`tighten_folder`). :func:`loose_modes` finds existing ones that others can read, for
 ``chatcore logs where``.
 """
 
@@ -53,6 +55,24 @@ def make_private_folder(folder: Path) -> None:
             continue  # another process made it first
         made.chmod(PRIVATE_FOLDER)  # mkdir's mode passes through the umask
         fsync_folder(made.parent)
+
+
+def tighten_folder(folder: Path) -> None:
+    """Take the other users' access away from ``folder`` when it is a folder of this user's that
+    others may read or enter (as older versions made chatcore's own folders: 0755 becomes 0700;
+    the owner's own bits are kept, so 0555 becomes 0500). Anything else is left as it is: another
+    user's folder, a symbolic link (its target may be anything), a missing folder, and one whose
+    mode cannot be changed (a read-only file system). Never raises."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:
+        return  # Windows: no owner and mode bits to go by
+    try:
+        found = os.lstat(folder)
+        mode = stat.S_IMODE(found.st_mode)
+        if stat.S_ISDIR(found.st_mode) and found.st_uid == getuid() and mode & 0o077:
+            os.chmod(folder, mode & PRIVATE_FOLDER)
+    except OSError:
+        pass
 
 
 def create_private_file(path: Path) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from chatcore.log.check import StoreCheck
 from chatcore.log.errors import LogError, LogUnavailableError, UnknownConversationError
-from chatcore.log.journal import record_deletion, replay_left_writes
+from chatcore.log.journal import journal_folders, record_deletion, replay_left_writes, scrub_deletion
 from chatcore.log.writing import NUL_SYMBOL, REPLACEMENT, StoreWriting, storable
 
 __all__ = [
@@ -68,11 +68,17 @@ class ConversationStore(StoreWriting, StoreCheck):
 
     A deletion is recorded beside that journal too (:func:`~chatcore.log.journal.record_deletion`),
     so that no replay writes back what was deleted; :attr:`journal_withheld` says how many
-    waiting writes the latest one withheld.
+    waiting writes the latest one withheld. It reaches every folder that holds a journal of
+    the database (``journal_dir``, the default one and those noted in it), and takes what
+    was deleted out of the files there that no running chat holds
+    (:func:`~chatcore.log.journal.scrub_deletion`): the journals of chats that ended, and the
+    writes set aside as refused (:attr:`rejected_removed` counts those).
     """
 
     journal_withheld = 0
     """How many writes waiting in the journal the latest deletion withheld from replay."""
+    rejected_removed = 0
+    """How many writes set aside as refused (``-rejected.jsonl``) the latest deletion removed."""
 
     def __init__(
         self,
@@ -101,32 +107,47 @@ class ConversationStore(StoreWriting, StoreCheck):
         """Delete a conversation (id or unique prefix) and its messages, and withhold its writes
         waiting in the journal (:attr:`journal_withheld`); returns the message count."""
         full_id = self.resolve_id(conversation_id)
-        self._record_deletion(conversation_id=full_id)
-        return super().delete_conversation(full_id)
+        folders = self._record_deletion(conversation_id=full_id)
+        deleted = super().delete_conversation(full_id)
+        self._scrub(folders, conversation_id=full_id)
+        return deleted
 
     def delete_author(self, author_id: str) -> int:
         """Delete every message written by ``author_id``, and withhold those waiting in the journal
         (:attr:`journal_withheld`); returns the count of messages deleted from the database."""
-        self._record_deletion(author_id=author_id)
-        return super().delete_author(author_id)
+        folders = self._record_deletion(author_id=author_id)
+        deleted = super().delete_author(author_id)
+        self._scrub(folders, author_id=author_id)
+        return deleted
 
-    def _record_deletion(self, *, conversation_id: str | None = None, author_id: str | None = None) -> None:
-        """Recorded before the rows go, so that a replay running meanwhile cannot write them back."""
-        self.journal_withheld = 0
+    def _record_deletion(self, *, conversation_id: str | None = None, author_id: str | None = None) -> list[Path]:
+        """Recorded before the rows go, so that a replay running meanwhile cannot write them back;
+        returns the journal folders it was recorded in."""
+        self.journal_withheld = self.rejected_removed = 0
         if self.in_memory:
-            return  # no other process replays a journal into memory
-        folder = self.journal_dir
-        if folder is None:
-            from chatcore.log.location import user_data_path
-            from chatcore.log.plugin import JOURNAL_FOLDER
+            return []  # no other process replays a journal into memory
+        folders = journal_folders(self.url, self.journal_dir)
+        for folder in folders:
+            try:
+                self.journal_withheld += record_deletion(
+                    folder, self.url, conversation_id=conversation_id, author_id=author_id
+                )
+            except OSError as error:
+                raise LogError(
+                    f"conversation log {self.display_url}: nothing was deleted: the deletion cannot be recorded "
+                    f"in its journal {folder} ({error.strerror or error}), whose waiting writes would bring it back"
+                ) from None
+        return folders
 
-            folder = user_data_path() / JOURNAL_FOLDER
-        try:
-            self.journal_withheld = record_deletion(
-                folder, self.url, conversation_id=conversation_id, author_id=author_id
-            )
-        except OSError as error:
-            raise LogError(
-                f"conversation log {self.display_url}: nothing was deleted: the deletion cannot be recorded "
-                f"in its journal {folder} ({error.strerror or error}), whose waiting writes would bring it back"
-            ) from None
+    def _scrub(self, folders: list[Path], *, conversation_id: str | None = None, author_id: str | None = None) -> None:
+        """Take what was deleted out of the journal files nobody holds and the writes set aside as refused."""
+        for folder in folders:
+            try:
+                self.rejected_removed += scrub_deletion(
+                    folder, self.url, conversation_id=conversation_id, author_id=author_id
+                )
+            except OSError as error:
+                raise LogError(
+                    f"conversation log {self.display_url}: deleted from the database, but not from the journal "
+                    f"folder {folder}: {error.strerror or error}"
+                ) from None

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from chatcore.log.errors import ConversationDeletedError, ConversationTakenError, LogError
+from chatcore.log.errors import AwaitingReplyError, ConversationDeletedError, ConversationTakenError, LogError
 from chatcore.log.models import ConversationRow, MessageRow, utc_now
 from chatcore.log.normalise import NUL_SYMBOL, REPLACEMENT, Normaliser, storable
 from chatcore.log.reading import StoreReading
@@ -138,9 +138,10 @@ class StoreWriting(StoreReading):
 
         ``writer``: who writes (one id per chat); with it, a message written into the
         conversation by another writer after message id ``writer_since`` (the newest one
-        this writer has read) raises :class:`ConversationTakenError` instead of
-        interleaving two chats, and a retried reply supersedes only this writer's replies and
-        those it had read.
+        this writer has read), or another writer's message at the conversation's end still
+        waiting for its reply, raises :class:`ConversationTakenError` instead of
+        interleaving two chats (:meth:`release` gives up such a message), and a retried
+        reply supersedes only this writer's replies and those it had read.
 
         ``written_before``: the writer has written into this conversation already; if its
         row is gone (deleted meanwhile), :class:`ConversationDeletedError` is raised rather
@@ -213,20 +214,7 @@ class StoreWriting(StoreReading):
             if written_before and session.get(ConversationRow, conversation_id) is None:
                 raise ConversationDeletedError(f"conversation {conversation_id} was deleted from the log")
             if writer is not None:
-                other = session.scalar(
-                    sa.select(MessageRow.writer)
-                    .where(
-                        MessageRow.conversation_id == conversation_id,
-                        MessageRow.id > writer_since,
-                        MessageRow.writer.is_not(None),
-                        MessageRow.writer != writer,
-                    )
-                    .limit(1)
-                )
-                if other is not None:
-                    raise ConversationTakenError(
-                        f"conversation {conversation_id} is being written by another chat as well"
-                    )
+                self._check_writer(session, conversation_id, writer, writer_since)
             if conversation is not None:
                 self._ensure(session, conversation_id, conversation)
             if keep_replies is not None:
@@ -263,6 +251,50 @@ class StoreWriting(StoreReading):
                 )
             session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
             return row.id
+
+    @staticmethod
+    def _check_writer(session: Session, conversation_id: str, writer: str, since: int) -> None:
+        """Raise :class:`ConversationTakenError` when another chat writes ``conversation_id``: it wrote
+        there after message ``since`` (the newest one ``writer`` has read), or the conversation ends
+        with its message still waiting for a reply (:class:`AwaitingReplyError`: that chat may be
+        replying to it, and its reply would come after this writer's turns)."""
+        other = session.scalar(
+            sa.select(MessageRow.writer)
+            .where(
+                MessageRow.conversation_id == conversation_id,
+                MessageRow.id > since,
+                MessageRow.writer.is_not(None),
+                MessageRow.writer != writer,
+            )
+            .limit(1)
+        )
+        if other is not None:
+            raise ConversationTakenError(f"conversation {conversation_id} is being written by another chat as well")
+        newest = session.execute(
+            sa.select(MessageRow.role, MessageRow.writer)
+            .where(MessageRow.conversation_id == conversation_id)
+            .order_by(MessageRow.id.desc())
+            .limit(1)
+        ).first()
+        if newest is not None and newest.role == "user" and newest.writer not in (None, writer):
+            raise AwaitingReplyError(
+                f"conversation {conversation_id} ends with another chat's message still waiting for its reply"
+            )
+
+    def release(self, conversation_id: str, writer: str) -> bool:
+        """The chat ``writer`` has ended with its message at the end of ``conversation_id`` still
+        waiting for a reply (the reply failed or was stopped): the message is no longer that chat's,
+        so another may go on after it (see ``writer`` in :meth:`add_message`). True if it was."""
+        with self._session("release a conversation", write=True) as session:
+            newest = session.scalar(
+                sa.select(sa.func.max(MessageRow.id)).where(MessageRow.conversation_id == conversation_id)
+            )
+            released = session.execute(
+                sa.update(MessageRow)
+                .where(MessageRow.id == newest, MessageRow.role == "user", MessageRow.writer == writer)
+                .values(writer=None)
+            )
+            return bool(_rowcount(released))
 
     def _supersede_replies(
         self, session: Session, conversation_id: str, keep: int, writer: str | None, since: int = 0
