@@ -22,6 +22,7 @@ pg_trgm GIN index, and ``LIKE`` otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from chatcore.log.check import StoreCheck
@@ -127,27 +128,32 @@ class ConversationStore(StoreWriting, StoreCheck):
         if self.in_memory:
             return []  # no other process replays a journal into memory
         folders = journal_folders(self.url, self.journal_dir)
-        for folder in folders:
-            try:
-                self.journal_withheld += record_deletion(
-                    folder, self.url, conversation_id=conversation_id, author_id=author_id
-                )
-            except OSError as error:
-                raise LogError(
-                    f"conversation log {self.display_url}: nothing was deleted: the deletion cannot be recorded "
-                    f"in its journal {folder} ({error.strerror or error}), whose waiting writes would bring it back"
-                ) from None
+        self.journal_withheld = self._in_each(
+            folders,
+            lambda folder: record_deletion(folder, self.url, conversation_id=conversation_id, author_id=author_id),
+            lambda folder, reason: (
+                f"nothing was deleted: the deletion cannot be recorded in its journal {folder} "
+                f"({reason}), whose waiting writes would bring it back"
+            ),
+        )
         return folders
 
     def _scrub(self, folders: list[Path], *, conversation_id: str | None = None, author_id: str | None = None) -> None:
         """Take what was deleted out of the journal files nobody holds and the writes set aside as refused."""
+        self.rejected_removed = self._in_each(
+            folders,
+            lambda folder: scrub_deletion(folder, self.url, conversation_id=conversation_id, author_id=author_id),
+            lambda folder, reason: f"deleted from the database, but not from the journal folder {folder}: {reason}",
+        )
+
+    def _in_each(self, folders: list[Path], act: Callable[[Path], int], failure: Callable[[Path, str], str]) -> int:
+        """``act`` on each journal folder, its counts added up; a folder it cannot reach is a
+        one-line LogError that ``failure`` words."""
+        total = 0
         for folder in folders:
             try:
-                self.rejected_removed += scrub_deletion(
-                    folder, self.url, conversation_id=conversation_id, author_id=author_id
-                )
+                total += act(folder)
             except OSError as error:
-                raise LogError(
-                    f"conversation log {self.display_url}: deleted from the database, but not from the journal "
-                    f"folder {folder}: {error.strerror or error}"
-                ) from None
+                reason = error.strerror or str(error)
+                raise LogError(f"conversation log {self.display_url}: {failure(folder, reason)}") from None
+        return total
