@@ -688,3 +688,32 @@ def test_synchronous_full_is_asked_for_in_the_url(db_path):
         assert full.file_path == db_path
     with pytest.raises(LogError, match="`synchronous` must be one of normal, full, got 'sometimes'"):
         ConversationStore(sqlite_url(db_path) + "?synchronous=sometimes")
+
+
+def test_a_journal_folder_that_fails_a_deletion_is_one_line_and_says_what_happened(store, monkeypatch):
+    """Recording the deletion comes first: when it fails nothing is deleted; scrubbing comes
+    after: when it fails the rows are gone and the message says the journal still holds them."""
+    from chatcore.log import store as store_module
+    from chatcore.log.errors import LogError
+
+    store.ensure_conversation("cc11", adapter="repl", title="kept")
+    store.add_message("cc11", "user", "a secret")
+
+    def full(*arguments, **keywords):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_module, "record_deletion", full)
+    with pytest.raises(LogError) as caught:
+        store.delete_conversation("cc11")
+    message = str(caught.value)
+    assert "nothing was deleted" in message and "No space left on device" in message and "\n" not in message
+    assert [m.text for m in store.get_conversation("cc11").messages] == ["a secret"]
+
+    monkeypatch.undo()
+    monkeypatch.setattr(store_module, "scrub_deletion", full)
+    with pytest.raises(LogError) as caught:
+        store.delete_conversation("cc11")
+    message = str(caught.value)
+    assert "deleted from the database, but not from the journal folder" in message and "\n" not in message
+    with pytest.raises(UnknownConversationError):
+        store.get_conversation("cc11")
