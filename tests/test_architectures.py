@@ -72,7 +72,7 @@ def test_top_k_is_reproducible_and_bow_bias_steers(template_engine):
         decoder="greedy",
         steerers=[("bow-bias", {"words": "pizza", "strength": 50})],
     )
-    # Random weights: the bias wins at every step, so every token starts (or is) the word.
+    # Random weights: the bias wins at every step, so every token starts, continues or is the word.
     assert steered.text() != plain
     pieces = [template_engine.tokenizer.decode([token]).strip().lower() for token in steered.token_ids]
-    assert all(piece and "pizza".startswith(piece) for piece in pieces), pieces
+    assert all(piece and piece in "pizza" for piece in pieces), pieces

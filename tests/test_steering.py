@@ -59,7 +59,13 @@ def test_bow_bias_covers_every_variant_of_every_word(loaded, tokenizer):
     assert set(steerer.sequences) == expected
     # A variant that starts with a bare whitespace token is continued, never started.
     starts = {ids[0] for ids in expected if len(ids) == 1 or tokenizer.decode([ids[0]]).strip()}
-    assert sorted(steerer.first_tokens.tolist()) == sorted(starts)
+    # A form without a leading space starts a word only where none is under way, and only
+    # when it is one token (the first token of a longer one is a fragment: never started).
+    bare_forms = [encode_text(tokenizer, form) for form in word_variants("Pizza") if not form.startswith(" ")]
+    bare = {ids[0] for ids in bare_forms}
+    whole = {ids[0] for ids in bare_forms if len(ids) == 1}
+    assert sorted(steerer.first_tokens.tolist()) == sorted(starts - bare)
+    assert sorted(steerer.bare_first_tokens.tolist()) == sorted(starts & whole - (bare - whole))
 
 
 def test_bow_bias_raises_the_share_of_word_tokens(engine, loaded, tokenizer):
@@ -109,7 +115,8 @@ def test_bow_bias_with_a_builtin_topic_steers_greedy_decoding(engine, loaded, to
     response.text()
     prompt = encode_text(tokenizer, "hi") + [tokenizer.eos_token_id]
     steerer = prepared_bow(loaded, prompt, topic="food")
-    biased = set(steerer.first_tokens.tolist()) | {ids[k] for ids in steerer.sequences for k in range(1, len(ids))}
+    biased = set(steerer.first_tokens.tolist()) | set(steerer.bare_first_tokens.tolist())
+    biased |= {ids[k] for ids in steerer.sequences for k in range(1, len(ids))}
     assert all(token in biased for token in response.token_ids)
 
 
@@ -137,9 +144,10 @@ def test_multi_token_words_are_completed_token_by_token(loaded, tokenizer):
     assert len(word) >= 3  # several tokens in a 400-token vocabulary
     zeros = torch.zeros((1, len(tokenizer)))
 
-    # at the start only first tokens are biased
+    # at the start only first tokens are biased, the forms without a leading space too
+    bare = set(steerer.bare_first_tokens.tolist())
     bias = steerer.bias(state_after(prompt, []), zeros)
-    assert set(torch.nonzero(bias[0]).flatten().tolist()) == firsts
+    assert set(torch.nonzero(bias[0]).flatten().tolist()) == firsts | bare
     assert word[0] in firsts and word[1] not in firsts
 
     # after the word's first k tokens, its (k+1)-th token is biased
@@ -152,6 +160,31 @@ def test_multi_token_words_are_completed_token_by_token(loaded, tokenizer):
     unrelated = encode_text(tokenizer, " the")
     bias = steerer.bias(state_after(prompt + word[:1], unrelated), zeros)
     assert set(torch.nonzero(bias[0]).flatten().tolist()) == firsts
+
+
+def test_a_form_without_a_leading_space_starts_a_word_only_where_none_is_under_way(loaded, tokenizer):
+    """Its first token is often a fragment of other words: biased after a word's end it would
+    glue fragments into gibberish; after a space, a line break or punctuation it starts a word."""
+    prompt = encode_text(tokenizer, "hello") + [tokenizer.eos_token_id]
+    whole = [word for word in ("the", "and", "you", "hi", "a", "i") if len(encode_text(tokenizer, word)) == 1]
+    assert whole  # the precondition: a word that is one token without a leading space
+    steerer = prepared_bow(loaded, prompt, words=",".join([*whole, "chocolate"]), strength=4.0)
+    bare = set(steerer.bare_first_tokens.tolist())
+    forms = [encode_text(tokenizer, form) for word in whole for form in word_variants(word) if form[:1] != " "]
+    assert {encode_text(tokenizer, word)[0] for word in whole} <= bare
+    assert bare <= {ids[0] for ids in forms if len(ids) == 1}
+    fragment = encode_text(tokenizer, "chocolate")
+    assert len(fragment) > 1 and fragment[0] not in bare  # a fragment of other words is never started
+    zeros = torch.zeros((1, len(tokenizer)))
+    mid_word = encode_text(tokenizer, " the")
+    assert tokenizer.decode(mid_word[-1:])[-1].isalnum()
+    after_word = steerer.bias(state_after(prompt, mid_word), zeros)[0]
+    assert all(after_word[token].item() == 0 for token in bare)
+    for boundary in (" the (", " the.\n", " the, "):
+        ids = encode_text(tokenizer, boundary)
+        assert not tokenizer.decode(ids[-1:])[-1:].isalnum(), boundary
+        after = steerer.bias(state_after(prompt, ids), zeros)[0]
+        assert all(after[token].item() == 4.0 for token in bare), boundary
 
 
 def test_bow_bias_adds_to_the_inner_logits(loaded, tokenizer):
