@@ -36,7 +36,7 @@ def refusal(**request) -> str:
 @pytest.fixture
 def secret(tmp_path):
     path = tmp_path / "secret.txt"
-    path.write_text(SECRET_WORDS + "\n", encoding="utf-8")
+    path.write_text("\n".join(SECRET_WORDS.split()) + "\n", encoding="utf-8")  # a word file: one a line
     return path
 
 
