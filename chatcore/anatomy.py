@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from chatcore.errors import ChatcoreError
 from chatcore.models import CACHE, LEGACY_CACHE, cache_keyword
+from chatcore.text import shown_argument
 
 if TYPE_CHECKING:
     import torch
@@ -123,8 +124,10 @@ class Anatomy:
         from torch import nn
 
         self.model = model
-        self.config = model.config
         name = type(model).__name__
+        if getattr(model, "config", None) is None:
+            raise UnsupportedModelError(f"{name} is not a Hugging Face model: it has no config")
+        self.config = model.config
         base = getattr(model, "base_model", None)
         if base is None or base is model:
             raise UnsupportedModelError(f"{name} is not a causal LM with a base model and a head")
@@ -436,8 +439,17 @@ _anatomies: "weakref.WeakKeyDictionary[Any, Anatomy]" = weakref.WeakKeyDictionar
 def anatomy_of(model: Any) -> Anatomy:
     """The :class:`Anatomy` of a Hugging Face causal LM (read once per model object).
 
-    Raises :class:`UnsupportedModelError`, naming the model's class, when a part is missing.
+    Raises :class:`UnsupportedModelError`, naming the model's class, when a part is missing
+    or ``model`` is no torch module (a :class:`~chatcore.models.LoadedModel`'s is its ``.model``).
     """
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        inner = getattr(model, "model", None)
+        hint = ": pass its .model" if isinstance(inner, nn.Module) else ""
+        raise UnsupportedModelError(
+            f"anatomy_of takes a Hugging Face causal LM (a torch.nn.Module), got {shown_argument(model)}{hint}"
+        )
     found = _anatomies.get(model)
     if found is None:
         found = _anatomies[model] = Anatomy(model)

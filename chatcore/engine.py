@@ -8,6 +8,7 @@ for delta in engine.send(conversation, "hi, how are you?"):
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections import OrderedDict
@@ -35,7 +36,7 @@ from chatcore.registry import Registry, registry_of
 from chatcore.response import Response
 from chatcore.serving.logprobs import MAX_TOP_LOGPROBS
 from chatcore.steering import GenerationSession, Steerer, check_composition, failed_layer
-from chatcore.text import clean_message
+from chatcore.text import clean_message, shown_argument
 from chatcore.values import Message, PromptPlan, Turn
 
 DEFAULT_DECODER = "top-k"
@@ -126,6 +127,25 @@ def steerer_pairs(given: Any) -> Any:
                 f"such as ('bow-bias', {{'topic': 'food'}}), got {shown_value(entry)}"
             )
     return pairs
+
+
+def check_turns(turns: Any) -> None:
+    """Refuse (ChatcoreError, one line) ``turns`` that are not a list of messages: a lone string
+    (or bytes) would otherwise be read as one turn per character."""
+    if isinstance(turns, (str, bytes, bytearray)) or not isinstance(turns, Sequence):
+        raise ChatcoreError(
+            "`turns` must be a list of turns (oldest first, the user's last), e.g. ['hello']; "
+            f"got {shown_argument(turns)}"
+        )
+
+
+def check_conversation(conversation: Any) -> None:
+    """Refuse (ChatcoreError, one line) anything but a :class:`Conversation` where one is needed."""
+    if not isinstance(conversation, Conversation):
+        raise ChatcoreError(
+            "`conversation` must be a Conversation (engine.conversation() makes one); "
+            f"got {shown_argument(conversation)}"
+        )
 
 
 @dataclass
@@ -229,7 +249,7 @@ class Engine:
 
     def __init__(
         self,
-        model: str | LoadedModel = DEFAULT_MODEL,
+        model: str | os.PathLike[str] | LoadedModel = DEFAULT_MODEL,
         device: str | None = None,
         dtype: str | None = None,
         host: PluginHost | None = None,
@@ -327,6 +347,7 @@ class Engine:
         """Refuse ``options`` now if a reply could not be made with them: what
         :func:`validate_options` checks, then each steerer's setup on this engine's model (a
         layer the model lacks, a block that does not fit it). Nothing is decoded or logged."""
+        options = self.options_for(options)
         validate_options(options, self.registry, self.host)
         self.checked_decoder(options)
         for name, settings in options.steerers:
@@ -344,12 +365,23 @@ class Engine:
             )
         return decoder
 
-    def options_for(self, options: ReplyOptions | None = None, **overrides: Any) -> ReplyOptions:
+    def options_for(self, options: ReplyOptions | Mapping[str, Any] | None = None, **overrides: Any) -> ReplyOptions:
         """``options`` (default: the defaults) with ``overrides`` applied, as :meth:`respond` reads them.
 
         ``decoder`` and ``steerers`` also take the command line's spec strings
         (``decoder="top-k top_k=20"``, ``steerers=["pplm topic=food"]``); an override that is
-        no reply option (``temperature``, ``steer``) is refused with where it belongs."""
+        no reply option (``temperature``, ``steer``) is refused with where it belongs.
+
+        ``options`` may also be a dict of the same fields (``{"seed": 1}``), read as overrides
+        (those given as keywords win); anything else is refused in one line."""
+        if isinstance(options, Mapping):
+            overrides = {**options, **overrides}
+            options = None
+        elif options is not None and not isinstance(options, ReplyOptions):
+            raise OptionError(
+                "`options` must be a ReplyOptions or a dict of its fields, e.g. {'seed': 1}; "
+                f"got {shown_argument(options)}"
+            )
         options = options or ReplyOptions()
         if not overrides:
             return options
@@ -406,7 +438,11 @@ class Engine:
         return Conversation(system=system, prompt_format=chosen.name, **meta)
 
     def scripted(self, turns: Sequence[str], system: str | None = None) -> Conversation:
-        """A conversation holding a scripted context (oldest turn first; the user's turn last)."""
+        """A conversation holding a scripted context (oldest turn first; the user's turn last).
+
+        ``turns`` is a list of messages: a lone string is refused rather than read as its
+        characters (one turn each)."""
+        check_turns(turns)
         conversation = self.conversation(system=system)
         for message in scripted_messages(turns):
             if message.role == "user":
@@ -416,10 +452,16 @@ class Engine:
         return conversation
 
     def reply_to(
-        self, turns: Sequence[str], options: ReplyOptions | None = None, system: str | None = None, **overrides: Any
+        self,
+        turns: Sequence[str],
+        options: ReplyOptions | Mapping[str, Any] | None = None,
+        system: str | None = None,
+        **overrides: Any,
     ) -> Response:
         """One-shot: a reply to a scripted context (oldest turn first, the user's last)."""
-        return self.respond(self.scripted(turns, system), options, **overrides)
+        options = self.options_for(options, **overrides)
+        self.check_options(options)  # as send does: refused before a turn is added or logged
+        return self.respond(self.scripted(turns, system), options)
 
     def add_user(self, conversation: Conversation, text: Any, meta: dict[str, Any] | None = None) -> Turn:
         """Append a user turn (validated and normalised) to ``conversation`` and fire ``on_user_message``.
@@ -428,27 +470,36 @@ class Engine:
         (the conversation log stores the author so that an operator can export or delete
         one person's messages).
         """
+        check_conversation(conversation)
         turn = Turn("user", clean_message(text), meta=dict(meta or {}))
         conversation.turns.append(turn)
         self.host.call_each("on_user_message", conversation=conversation, turn=turn, model=self.loaded)
         return turn
 
     def send(
-        self, conversation: Conversation, text: Any, options: ReplyOptions | None = None, **overrides: Any
+        self,
+        conversation: Conversation,
+        text: Any,
+        options: ReplyOptions | Mapping[str, Any] | None = None,
+        **overrides: Any,
     ) -> Response:
         """``add_user(conversation, text)`` then ``respond(conversation)``.
 
         Options that cannot make a reply (an unknown name, a bad setting, steerers that
         cannot work together) are refused first, so the message is not added or logged.
         """
+        check_conversation(conversation)
         options = self.options_for(options, **overrides)
         self.check_options(options)
         self.add_user(conversation, text)
         return self.respond(conversation, options)
 
-    def respond(self, conversation: Conversation, options: ReplyOptions | None = None, **overrides: Any) -> Response:
+    def respond(
+        self, conversation: Conversation, options: ReplyOptions | Mapping[str, Any] | None = None, **overrides: Any
+    ) -> Response:
         """A lazy reply to the conversation so far (its last turn should be the user's),
         recorded in it when it ends (:meth:`record`)."""
+        check_conversation(conversation)
         reply = self.prepare_reply(conversation, self.options_for(options, **overrides))
         return Response(
             lambda: self.reply_tokens(reply),
@@ -492,7 +543,7 @@ class Engine:
         engine's). ``respond`` and the serving scheduler both start here, so a reply has
         the same prompt, seed and provenance whichever of them decodes it.
         """
-        options = options or ReplyOptions()
+        options = self.options_for(options)
         decoder = self.checked_decoder(options)
         steerers = [self.make_steerer(name, settings) for name, settings in options.steerers]
         check_composition([type(steerer) for steerer in steerers])

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatcore.errors import ChatcoreError, ModelLoadError
 from chatcore.gguf import converted_model_folder, is_gguf_path
+from chatcore.text import shown_argument
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +124,19 @@ def looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or is_gguf_path(name)
 
 
+def model_name(name: Any) -> str:
+    """``name`` as :func:`load_model` reads it: a string, or a path (``pathlib.Path``) as its
+    string; anything else is a one-line ModelLoadError."""
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str):
+        raise ModelLoadError(
+            "a model is named by a string (a bundled or known name, a folder, a GGUF file or a hub id) "
+            f"or a path, got {shown_argument(name)}"
+        )
+    return name
+
+
 def resolve_model_path(name: str) -> str:
     """The folder to load: bundled, known (GGUF, converted once), a GGUF file, a local folder, or a hub id."""
     if not name or not name.strip():
@@ -156,6 +170,8 @@ def pick_device(device: str | None) -> str:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, str):
+        raise ModelLoadError(f"unknown device {shown_argument(device)}: use auto, cpu, cuda, cuda:N or mps")
     kind, _, index = device.partition(":")
     if kind not in DEVICE_TYPES or (index and (kind != "cuda" or not index.isdigit())):
         raise ModelLoadError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N or mps")
@@ -229,8 +245,11 @@ def max_positions_of(config: Any) -> int:
     return 1024
 
 
-def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+def load_model(
+    name: str | os.PathLike[str] = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None
+) -> LoadedModel:
     """Load any Hugging Face causal LM and its tokenizer by bundled or known name, GGUF file, folder or hub id."""
+    name = model_name(name)
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
     path = resolve_model_path(name)
@@ -248,10 +267,11 @@ def load_model(name: str = DEFAULT_MODEL, device: str | None = None, dtype: str 
     return LoadedModel(name=name, path=path, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype)
 
 
-def load_tokenizer(name: str) -> Any:
+def load_tokenizer(name: str | os.PathLike[str]) -> Any:
     """The tokenizer alone of a model named as :func:`load_model` takes it (bundled, known,
     GGUF file, folder or hub id) or a folder holding a tokenizer alone; one without an EOS
     token is refused, as turns need it."""
+    name = model_name(name)
     folder = Path(name).expanduser()
     path = str(folder) if folder.is_dir() and not (folder / "config.json").exists() else resolve_model_path(name)
     from transformers import AutoTokenizer

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any, ClassVar
 
-from chatcore.errors import ChatcoreError, UnknownNameError
+from chatcore.errors import ChatcoreError
 
 # The types prompt formats take and give, re-exported where format authors look for them.
 from chatcore.values import ROLES as ROLES
@@ -262,18 +262,16 @@ def system_prompt_option(text: str | None, path: str | None) -> str | None:
 
 def validate_format_name(name: str, registry: Any) -> None:
     """Fail on a prompt format name no plugin registered (no model needed); ``registry``:
-    the host's :class:`chatcore.registry.Registry` (``registry_of(host)``)."""
-    if name == AUTO:
-        return
-    if name not in registry.prompt_formats:
-        known = ", ".join([AUTO] + sorted(registry.prompt_formats))
-        raise UnknownNameError(f"unknown prompt format {name!r} (available: {known})")
+    the host's :class:`chatcore.registry.Registry` (``registry_of(host)``). An unknown name's
+    error lists the same names wherever it is given (here, :func:`choose_format`), ``auto`` first."""
+    if name != AUTO:
+        registry.prompt_format(name, also=(AUTO,))
 
 
 def choose_format(registry: Any, tokenizer: Any, name: str = AUTO) -> type[PromptFormat]:
     """The format class for ``name``; ``auto``: the chat template if the tokenizer has one, else dialogpt."""
     if name != AUTO:
-        return registry.prompt_format(name)
+        return registry.prompt_format(name, also=(AUTO,))
     for candidate in ("chat-template", "dialogpt"):
         if candidate in registry.prompt_formats:
             cls = registry.prompt_format(candidate)

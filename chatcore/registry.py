@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from chatcore.errors import UnknownNameError
 from chatcore.options import Configurable, check_settings_class, settings_schema
 from chatcore.plugin_manager import PluginHost, get_plugin_host
+from chatcore.text import shown_argument
 
 QUALIFIER = "/"
 # The hooks a registry collects; their problems belong to the registry that collected them.
@@ -157,7 +158,10 @@ class Registry:
             collect(hook, table, base)
         return registry
 
-    def _lookup(self, table: dict[str, Entry], kind: str, name: str) -> Any:
+    def _lookup(self, table: dict[str, Entry], kind: str, name: str, also: Sequence[str] = ()) -> Any:
+        if not isinstance(name, str):
+            known = ", ".join([*also, *sorted(table)]) or "none"
+            raise UnknownNameError(f"a {kind} is named by a string (available: {known}), got {shown_argument(name)}")
         plugin, qualified, bare = name.partition(QUALIFIER)
         if qualified and name not in table and bare in table and table[bare].plugin == plugin:
             return table[bare].value  # a qualified name stays good once its clash is gone
@@ -165,7 +169,7 @@ class Registry:
             if name in self.ambiguous:
                 choices = " or ".join(f"{p}{QUALIFIER}{name}" for p in self.ambiguous[name])
                 raise UnknownNameError(f"{kind} {name!r} is registered by several plugins: name one, {choices}")
-            known = ", ".join(sorted(table)) or "none"
+            known = ", ".join([*also, *sorted(table)]) or "none"
             hint = (
                 f"; plugin(s) {', '.join(self.broken)} failed to load: `chatcore plugins` says why"
                 if self.broken
@@ -185,8 +189,10 @@ class Registry:
         table = {"decoder": self.decoders, "steerer": self.steerers, "prompt format": self.prompt_formats}[kind]
         return table[name].plugin if name in table else "?"
 
-    def prompt_format(self, name: str) -> Any:
-        return self._lookup(self.prompt_formats, "prompt format", name)
+    def prompt_format(self, name: str, also: Sequence[str] = ()) -> Any:
+        """The prompt format class registered as ``name``; ``also``: the names a caller resolves
+        itself (``auto``), listed first among the available ones when ``name`` is unknown."""
+        return self._lookup(self.prompt_formats, "prompt format", name, also)
 
     def prompt_set(self, name: str) -> Any:
         return self._lookup(self.prompt_sets, "prompt set", name)

@@ -115,6 +115,15 @@ def shown_value(value: object) -> str:
     return f"{text[: MAX_SHOWN_VALUE - 1]}… ({len(str(value)):,} characters)"
 
 
+def shown_argument(value: object) -> str:
+    """What an error message about a wrong argument shows of it, on one line: a plain value
+    (text, a number, None, a list or dict) as :func:`shown_value`, anything else by its type
+    (an object's repr may run over many lines: a model's does)."""
+    if value is None or isinstance(value, (str, bytes, bytearray, int, float, list, tuple, dict, set)):
+        return one_line(shown_value(value))
+    return f"a {type(value).__name__} object"
+
+
 def one_line(text: str, limit: int | None = None) -> str:
     flat = " ".join(display_safe(text).split())
     if limit is not None and len(flat) > limit:

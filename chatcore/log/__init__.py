@@ -12,6 +12,7 @@ See docs/conversation-log.md.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -34,10 +35,16 @@ __all__ = [
 ]
 
 
-def open_store(url: str | None = None) -> "ConversationStore":
-    """Open (creating if needed) the log at ``url``, ``$CHATCORE_DB`` or the default file."""
+def open_store(url: str | os.PathLike[str] | None = None) -> "ConversationStore":
+    """Open (creating if needed) the log at ``url`` (a URL or an SQLite file's path),
+    ``$CHATCORE_DB`` or the default file."""
     from chatcore.log.store import ConversationStore
+    from chatcore.text import shown_argument
 
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if url is not None and not isinstance(url, str):
+        raise LogError(f"a conversation log is named by a URL or a file's path, got {shown_argument(url)}")
     return ConversationStore(resolve_url(url))
 
 

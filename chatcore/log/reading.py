@@ -23,6 +23,7 @@ from chatcore.log.records import (
     MessageRecord,
     SearchHit,
 )
+from chatcore.text import shown_argument
 
 if TYPE_CHECKING:
     from chatcore.conversation import Conversation, Role, Turn
@@ -39,6 +40,9 @@ class StoreReading(StoreConnection):
 
     def resolve_id(self, conversation_id: str) -> str:
         """The full id of the conversation whose id is, or starts with, ``conversation_id``."""
+        if not isinstance(conversation_id, str):
+            shown = shown_argument(conversation_id)
+            raise LogError(f"a conversation id is a string (`chatcore logs list` shows them), got {shown}")
         wanted = conversation_id.strip()
         if not wanted:
             raise UnknownConversationError("a conversation id is needed (`chatcore logs list` shows them)")
@@ -157,6 +161,8 @@ class StoreReading(StoreConnection):
 
     def search(self, text: str, limit: int = 50) -> list[SearchHit]:
         """Messages containing ``text`` (case-insensitive), newest first."""
+        if not isinstance(text, str):
+            raise LogError(f"the search text must be a string, got {shown_argument(text)}")
         wanted = text.strip()
         if not wanted:
             raise LogError("the search text is empty")
