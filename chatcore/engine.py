@@ -488,10 +488,9 @@ class Engine:
         Options that cannot make a reply (an unknown name, a bad setting, steerers that
         cannot work together) are refused first, so the message is not added or logged.
         """
-        check_conversation(conversation)
         options = self.options_for(options, **overrides)
         self.check_options(options)
-        self.add_user(conversation, text)
+        self.add_user(conversation, text)  # refuses what is no Conversation before anything is added
         return self.respond(conversation, options)
 
     def respond(

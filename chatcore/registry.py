@@ -159,9 +159,11 @@ class Registry:
         return registry
 
     def _lookup(self, table: dict[str, Entry], kind: str, name: str, also: Sequence[str] = ()) -> Any:
+        def known() -> str:  # for the errors only: lookups are per reply
+            return ", ".join([*also, *sorted(table)]) or "none"
+
         if not isinstance(name, str):
-            known = ", ".join([*also, *sorted(table)]) or "none"
-            raise UnknownNameError(f"a {kind} is named by a string (available: {known}), got {shown_argument(name)}")
+            raise UnknownNameError(f"a {kind} is named by a string (available: {known()}), got {shown_argument(name)}")
         plugin, qualified, bare = name.partition(QUALIFIER)
         if qualified and name not in table and bare in table and table[bare].plugin == plugin:
             return table[bare].value  # a qualified name stays good once its clash is gone
@@ -169,13 +171,12 @@ class Registry:
             if name in self.ambiguous:
                 choices = " or ".join(f"{p}{QUALIFIER}{name}" for p in self.ambiguous[name])
                 raise UnknownNameError(f"{kind} {name!r} is registered by several plugins: name one, {choices}")
-            known = ", ".join([*also, *sorted(table)]) or "none"
             hint = (
                 f"; plugin(s) {', '.join(self.broken)} failed to load: `chatcore plugins` says why"
                 if self.broken
                 else ""
             )
-            raise UnknownNameError(f"unknown {kind} {name!r} (available: {known}){hint}")
+            raise UnknownNameError(f"unknown {kind} {name!r} (available: {known()}){hint}")
         return table[name].value
 
     def decoder(self, name: str) -> Any:
