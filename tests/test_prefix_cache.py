@@ -96,3 +96,23 @@ def test_prefix_cache_settings_and_clear():
     cache.clear()
     assert len(cache) == 0 and cache.used == 0 and cache.lookup(list(range(21))) == (0, None)
     assert common_length([1, 2, 3], (1, 2, 4)) == 2 and common_length([1, 2], [1, 2, 3]) == 2
+
+
+def test_what_a_lookup_gives_is_laid_out_contiguously_whatever_was_stored():
+    """A model's first pass leaves its keys as a transposed view of the projection (GPT-2's
+    (1, T, H, D) seen as (1, H, T, D)); the compiled prompt pass guards on its inputs'
+    strides, so every lookup gives one layout: contiguous, for a whole node, part of one and
+    a path across a split."""
+    tokens = list(range(40))
+    keys, values = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in layers_of(tokens)[0])
+    transposed = [(keys, values)]
+    assert not transposed[0][0].is_contiguous()
+    cache = PrefixCache(budget_bytes=2**20, min_tokens=4)
+    cache.store(tokens, transposed)
+    other = [*tokens[:20], 99, 98, 97]
+    cache.store(other, transposed)  # splits the node at 20
+    for prompt, reused in (([*tokens, 1], 40), (tokens[:30], 29), ([*tokens[:10], 5], 10), ([*other, 1], 23)):
+        length, layers = cache.lookup(prompt)
+        assert length == reused and layers is not None
+        assert all(k.is_contiguous() and v.is_contiguous() for k, v in layers)
+    assert spelled(cache.lookup(tokens[:30])[1]) == tokens[:29]

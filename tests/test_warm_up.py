@@ -93,9 +93,9 @@ def test_a_step_that_fails_is_one_line(llama_engine, monkeypatch):
 @pytest.mark.slow
 def test_after_a_compiled_warm_up_requests_compile_nothing_and_equal_generate(llama_engine, monkeypatch):
     """``compile``: the warm-up compiles every graph the step and the prompt's pass need (one row,
-    several, a cached prefix, buffers grown in slots and columns); replies after it (three rows
-    at once, one growing past the columns the warm-up left) compile nothing more and equal
-    transformers' generate."""
+    several, a cached prefix, buffers grown in slots and columns); replies after it (four rows
+    at once, one growing past the columns the warm-up left, two sharing their history) compile
+    nothing more and equal transformers' generate."""
     import shutil
 
     from test_architectures import hf_greedy
@@ -108,8 +108,11 @@ def test_after_a_compiled_warm_up_requests_compile_nothing_and_equal_generate(ll
     monkeypatch.setenv(FAST_PATH_ENV, "compile")
     model = llama_engine.loaded.model
     monkeypatch.delitem(prompt_pass_module._passes, model, raising=False)
-    conversations = [["what do you like to eat?"], ["hello there", "hi!", "tell me about the sea " * 12], ["why?"]]
-    lengths = [6, 6, 80]  # the last one's columns grow past the warm-up's longest
+    sea = ["hello there", "hi!", "tell me about the sea " * 12]
+    conversations = [["what do you like to eat?"], sea, ["why?"], [*sea[:2], sea[2] + "and the sky"]]
+    # The last two share their history: one reuses the other's prompt from the prefix cache,
+    # kept from a first pass (the model's transposed keys, not the step's buffers).
+    lengths = [6, 6, 80, 6]  # the third one's columns grow past the warm-up's longest
     expected = [
         hf_greedy(llama_engine, llama_engine.scripted(turns).messages(), n) for turns, n in zip(conversations, lengths)
     ]

@@ -50,8 +50,18 @@ def _bytes(layers: Layers) -> int:
 
 
 def _cut(layers: Layers, start: int, end: int | None = None) -> Layers:
-    """Own copies of tokens [start, end) of ``layers`` (a slice's view would keep the whole tensor alive)."""
-    return [(k[:, :, start:end].clone(), v[:, :, start:end].clone()) for k, v in layers]
+    """Own copies of tokens [start, end) of ``layers`` (a slice's view would keep the whole tensor
+    alive), laid out contiguously whatever the layout they came in: a prompt's first pass leaves
+    a model's keys as a transposed view of its projection, a pass after a prefix leaves them
+    contiguous, and the compiled prompt pass (``CHATCORE_FAST_PATH=compile``) guards on its
+    inputs' strides, so a prefix kept in both layouts would compile that pass a second time,
+    in the middle of serving."""
+    import torch
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[:, :, start:end].clone(memory_format=torch.contiguous_format)
+
+    return [(copy(k), copy(v)) for k, v in layers]
 
 
 class _Node:
@@ -125,7 +135,8 @@ class PrefixCache:
         self.reused_tokens += length
         if len(path) == 1:
             node, shared = path[0]
-            return length, [(k[:, :, :shared], v[:, :, :shared]) for k, v in node.layers]
+            # Contiguous (a copy only where part of the node is shared), as _cut keeps them.
+            return length, [(k[:, :, :shared].contiguous(), v[:, :, :shared].contiguous()) for k, v in node.layers]
         import torch
 
         layers = [
