@@ -428,8 +428,10 @@ def test_escape_sequences_are_shown_not_obeyed(store):
 
 # -- `chatcore logs` -------------------------------------------------------------------------
 @pytest.fixture
-def logs_cli():
+def logs_cli(tmp_path, monkeypatch):
     from chatcore.cli import build_cli
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # the journal and the input history the commands reach
 
     host = plugin_manager.PluginHost()
     host.load_modules((LOG_MODULE,))
@@ -576,9 +578,54 @@ def test_an_authors_messages_are_exported_and_deleted(logs_cli, store):
     result = logs_cli("delete", "--author", "111", "--yes", "--db", store.url)
     assert result.exit_code == 0 and "deleted 2 message(s)" in result.stdout
     assert [m.text for m in store.get_conversation("room").messages] == ["a reply", "bob speaks"]
-    assert store.get_conversation("room").title is None  # her first message titled it
+    assert store.get_conversation("room").title == "bob speaks"  # her first message titled it: what remains does
     assert store.count_conversations() == 1  # a conversation left with no message goes too
     assert logs_cli("delete", "--db", store.url).exit_code == 2  # an ID or --author is needed
+
+
+def test_a_conversation_titled_by_a_deleted_authors_message_is_titled_by_what_remains(logs_cli, store):
+    """`logs delete --author` of the message that titled a conversation left it with no title: an empty
+    TITLE in `logs list`. The first message that remains titles it now (a user's, else a reply); a
+    title that was not the author's message stays."""
+    store.add_message("room", "user", "alice opens", author_id="111", conversation={"title": "alice opens"})
+    store.add_message("room", "bot", "welcome", conversation={})
+    store.add_message("room", "user", "bob joins in", author_id="222", conversation={})
+    store.add_message("asked", "user", "alice asks", author_id="111", conversation={"title": "alice asks"})
+    store.add_message("asked", "bot", "an answer", conversation={})
+    store.add_message("named", "user", "alice names it", author_id="111", conversation={"title": "the channel"})
+    store.add_message("named", "user", "bob too", author_id="222", conversation={})
+    assert logs_cli("delete", "--author", "111", "--yes", "--db", store.url).exit_code == 0
+
+    listed = json.loads(logs_cli("list", "--json", "--db", store.url).stdout)
+    titles = {c["id"]: c["title"] for c in listed}
+    assert titles == {"room": "bob joins in", "asked": "an answer", "named": "the channel"}
+    rows = logs_cli("list", "--db", store.url).stdout.splitlines()[1:]
+    assert sorted(row.rsplit("  ", 1)[1] for row in rows) == ["an answer", "bob joins in", "the channel"]
+    assert "title:    bob joins in" in logs_cli("show", "room", "--db", store.url).stdout
+
+
+def test_logs_delete_counts_the_turns_logs_list_shows_and_names_superseded_replies(
+    engine, store, log_plugin, logs_cli, db_path
+):
+    """A reply replaced by /retry stays in the log, superseded, and `logs list` does not count it:
+    `logs delete` said 5 message(s) of a conversation listed with 4 turns. It counts the turns the list
+    shows and names the superseded reply apart; every row goes, the superseded reply's too."""
+    conversation = engine.conversation(adapter="repl")
+    engine.send(conversation, "hi", decoder="greedy", max_new_tokens=4).text()
+    engine.send(conversation, "how are you?", decoder="greedy", max_new_tokens=4).text()
+    conversation.turns.pop()  # what /retry does before asking again
+    engine.respond(conversation, decoder="greedy", max_new_tokens=3).text()
+    (listed,) = json.loads(logs_cli("list", "--json", "--db", store.url).stdout)
+    assert listed["message_count"] == 4 and raw_rows(db_path, "SELECT count(*) FROM messages") == [(5,)]
+
+    asked = logs_cli("delete", conversation.id[:12], "--db", store.url, input="n\n")
+    assert "('hi', 4 messages, and 1 reply superseded by a retry)?" in asked.output
+    deleted = logs_cli("delete", conversation.id[:12], "--yes", "--db", store.url)
+    assert deleted.exit_code == 0, deleted.output
+    assert deleted.stdout.strip() == (
+        f"deleted conversation {conversation.id} and its 4 message(s), and 1 reply superseded by a retry"
+    )
+    assert raw_rows(db_path, "SELECT count(*) FROM messages") == [(0,)]
 
 
 def test_authors_whose_long_ids_share_their_first_64_characters_stay_apart(logs_cli, store):

@@ -510,6 +510,33 @@ async def test_settings_and_why_describe_the_channel(harness: Harness):
 
 
 @pytest.mark.asyncio
+async def test_the_reply_budget_is_the_models_own_unless_given_and_settings_show_it(chat_engine, tmp_path, monkeypatch):
+    """As chat, generate and serve take it: not given, the model's own budget (200 for smollm2, 64
+    for chatcore-tiny); given as an option or in the settings file, that. It was 64 for every model."""
+    from chatcore.models import MODEL_ENV
+
+    assert DiscordSettings(model="smollm2").max_new_tokens == 200
+    assert DiscordSettings(model="chatcore-tiny").max_new_tokens == 64
+    assert DiscordSettings(model="smollm2", max_new_tokens=30).max_new_tokens == 30
+    toml = tmp_path / "bot.toml"
+    toml.write_text('[discord]\nmodel = "smollm2"\n', encoding="utf-8")
+    assert load_settings(toml, {"max_new_tokens": None}).max_new_tokens == 200  # -n not given
+    assert load_settings(toml, {"max_new_tokens": 30}).max_new_tokens == 30
+    toml.write_text('[discord]\nmodel = "smollm2"\nmax_new_tokens = 50\n', encoding="utf-8")
+    assert load_settings(toml).max_new_tokens == 50
+    monkeypatch.setenv(MODEL_ENV, "smollm2")  # the default model, when none is named
+    assert DiscordSettings().max_new_tokens == 200 and load_settings(None, {"model": None}).max_new_tokens == 200
+
+    harness = await start_harness(chat_engine, DiscordSettings(cooldown_s=0, log=False, shutdown_grace_s=5))
+    try:
+        member = harness.member(0)
+        (text,) = answers(await slash(harness, "settings", member, await member.create_dm()))
+        assert "replies: up to 200 tokens;" in text
+    finally:
+        await harness.close()
+
+
+@pytest.mark.asyncio
 async def test_the_system_prompt_comes_from_the_channel_the_server_or_the_bot(chat_engine):
     harness = await start_harness(chat_engine, settings_for(system="You are the bot."), text_channels=2)
     try:

@@ -1061,6 +1061,119 @@ def test_no_log_keeps_the_typed_lines_off_the_disk_too(repl_host, tiny_model_dir
     assert not (tmp_path / "history").exists()
 
 
+def test_a_line_typed_while_logs_delete_rewrites_the_history_is_kept(repl_host, tiny_model_dir, tmp_path, monkeypatch):
+    """`logs delete` rewrites the input history under its lock (a new file renamed over it); the chat
+    appends each line under the same lock, and to the new file when the one it opened was replaced
+    meanwhile. Appended to the file it had opened, without the lock, the line was lost with it."""
+    import fcntl
+    from types import SimpleNamespace
+
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from chatcore.log import input_history, journal
+
+    history = tmp_path / "history"
+    history.write_bytes(b"\n# 2024-05-01 12:00:00.000000\n+an old line\n")
+    first_file = history.stat().st_ino
+    rewriting, chat_waits = threading.Event(), threading.Event()
+    replace = input_history.replace_private_file
+
+    def paused_replace(path, data):  # the deletion holds the lock, has read the file, and is about to replace it
+        rewriting.set()
+        assert chat_waits.wait(60), "the chat never asked for the history file's lock"
+        replace(path, data)
+
+    def flock(descriptor, operation):
+        if os.fstat(descriptor).st_ino == first_file:
+            chat_waits.set()  # the chat opened the file being rewritten, and waits for its lock
+        fcntl.flock(descriptor, operation)
+
+    monkeypatch.setattr(input_history, "replace_private_file", paused_replace)
+    monkeypatch.setattr(journal, "fcntl", SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))
+    deletion = threading.Thread(target=input_history.scrub_history, args=(history, {"an old line"}))
+    deletion.start()
+    assert rewriting.wait(60)
+    config = ChatConfig(
+        model=str(tiny_model_dir),
+        decoder_spec="greedy",
+        max_new_tokens=2,
+        db_url=sqlite_url(tmp_path / "chat.sqlite3"),
+        history_file=history,
+    )
+    try:
+        with create_pipe_input() as pipe:
+            pipe.send_text("typed meanwhile\r\x04")
+            start_chat(config, out=io.StringIO(), err=io.StringIO(), input=pipe, output=DummyOutput())
+    finally:
+        chat_waits.set()  # a chat that never waited: the deletion goes on, and the test says what it lost
+        deletion.join()
+    assert history.stat().st_ino != first_file and history.stat().st_mode & 0o777 == 0o600
+    assert list(FileHistory(str(history)).load_history_strings()) == ["typed meanwhile"]
+
+
+def test_logs_delete_takes_what_was_typed_in_a_deleted_conversation_out_of_the_input_history(
+    cli, tiny_model_dir, tmp_path, monkeypatch
+):
+    """The lines typed in a conversation `logs delete` deleted stayed in the input history, where Up
+    and Ctrl-R offered them. The entries that sent its messages go (typed as sent, with `//`, with
+    spaces, over two lines); the commands and the other conversations' entries stay, in
+    prompt-toolkit's format, 0600. `--history-file` names another history; one that cannot be
+    rewritten is a one-line error saying it still holds them."""
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    url = sqlite_url(tmp_path / "chat.sqlite3")
+    config = ChatConfig(model=str(tiny_model_dir), decoder_spec="greedy", max_new_tokens=2, db_url=url)
+    with create_pipe_input() as pipe:
+        pipe.send_text(
+            "my pin is 9999\r"
+            "//9999 starts with a slash\r"
+            "  spaced   out 9999  \r"
+            "/system not a message 9999\r"
+            "first line 9999\x1b\rsecond line\r"
+            "/new\r"
+            "kept for now\r"
+            "/new\r"
+            "the last one\r"
+            "\x04"
+        )
+        start_chat(config, out=io.StringIO(), err=io.StringIO(), input=pipe, output=DummyOutput())
+    history = tmp_path / "data" / "chatcore" / "repl_history"
+    with ConversationStore(url) as store:
+        last, kept, secret = [summary.id for summary in store.list_conversations()]
+
+    deleted = cli("logs", "delete", "--yes", secret[:12], "--db", url)
+    assert deleted.exit_code == 0, deleted.output
+    assert deleted.stdout.splitlines()[1].startswith(f"took 4 typed message(s) out of the input history {history} ")
+    assert list(FileHistory(str(history)).load_history_strings()) == [
+        "the last one",
+        "/new",
+        "kept for now",
+        "/new",
+        "/system not a message 9999",
+    ]
+    assert history.stat().st_mode & 0o777 == 0o600 and history.read_text().startswith("\n# ")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(history.read_bytes())
+    moved = cli("logs", "delete", "--yes", kept[:12], "--db", url, "--history-file", str(elsewhere))
+    assert moved.exit_code == 0 and f"took 1 typed message(s) out of the input history {elsewhere} " in moved.stdout
+    assert "kept for now" not in elsewhere.read_text() and "kept for now" in history.read_text()
+
+    history.rename(tmp_path / "saved")
+    history.mkdir()  # what cannot be read as a file
+    failed = cli("logs", "delete", "--yes", last[:12], "--db", url)
+    assert failed.exit_code == 1 and failed.stdout.startswith(f"deleted conversation {last} and its 2 message(s)")
+    assert failed.stderr.strip().splitlines() == [
+        f"Error: deleted from the log, but the input history {history} still holds what was typed "
+        "(it cannot be rewritten: Is a directory); delete the file, or those lines in it"
+    ]
+
+
 # -- the `chat` command (plain lines when stdin is not a terminal) --------------------------------
 @pytest.fixture
 def cli(repl_host):

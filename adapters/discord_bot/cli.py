@@ -93,7 +93,7 @@ def parse_shard_ids(text: str | None) -> tuple[int, ...] | None:
     default=None,
     help="Prompt format: auto (the model's chat template if it has one), chat-template, dialogpt ... [auto].",
 )
-@max_new_tokens_option(None)
+@max_new_tokens_option(64, per_model=True)
 @click.option(
     "--max-batch", type=click.IntRange(1), default=None, help="Replies decoded together, from different channels [8]."
 )

@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from chatcore.errors import ChatcoreError, OptionError
-from chatcore.models import default_model_name
+from chatcore.models import default_model_name, default_reply_budget
 from chatcore.options import Settings, parse_settings
 from chatcore.prompting import AUTO, clean_system_prompt, read_system_file
 
@@ -74,7 +74,8 @@ class DiscordSettings(Settings):
     """How turns become the prompt: auto (the model's chat template if it has one, else dialogpt), chat-template,
     dialogpt, or a plugin's."""
     max_new_tokens: PositiveInt = 64
-    """The longest reply, in tokens."""
+    """The longest reply, in tokens (not given: the model's own budget, as chat, generate and serve take it: 200 for
+    smollm2; else this)."""
     min_new_tokens: NonNegativeInt = 1
     """Replies are at least this many tokens."""
     channels: tuple[Snowflake, ...] = ()
@@ -113,6 +114,18 @@ class DiscordSettings(Settings):
     db: Named | None = None
     """The conversation log's database: an SQLAlchemy URL or an SQLite file path (default: ``$CHATCORE_DB`` or the
     user data folder)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_reply_budget(cls, values: Any) -> Any:
+        """``max_new_tokens`` not given: the model's own reply budget (:func:`~chatcore.models.default_reply_budget`),
+        else the field's default; one given always wins."""
+        if not isinstance(values, Mapping) or "max_new_tokens" in values:
+            return values
+        model = values.get("model")
+        name = model.strip() if isinstance(model, str) and model.strip() else default_model_name()
+        fallback = cls.model_fields["max_new_tokens"].default
+        return {**values, "max_new_tokens": default_reply_budget(name, fallback)}
 
     @field_validator("system")
     @classmethod

@@ -26,7 +26,7 @@ from chatcore.adapters.repl.line_guard import LineGuard
 from chatcore.adapters.repl.slash_commands import Outcome, handle_line
 from chatcore.errors import ChatcoreError
 from chatcore.log.formatting import display_safe
-from chatcore.log.location import HISTORY_FILENAME
+from chatcore.log.location import history_path
 
 if TYPE_CHECKING:
     from chatcore.adapters.repl.state import ChatState
@@ -329,12 +329,6 @@ def fits_a_line(line: str) -> bool:
     return len(line) <= longest_line(line)[0]
 
 
-def history_path() -> Path:
-    from chatcore.log.location import user_data_path
-
-    return user_data_path() / HISTORY_FILENAME
-
-
 def prompt_toolkit_reader(
     state: "ChatState",
     history_file: Path | None = None,
@@ -352,11 +346,14 @@ def prompt_toolkit_reader(
     from prompt_toolkit.key_binding import KeyBindings
     from prompt_toolkit.keys import Keys
 
+    from chatcore.log.input_history import append_entry
     from chatcore.log.private_files import create_private_file, make_private_folder
 
     class BoundedFileHistory(FileHistory):
         """The input history file; one that cannot be read or written (a full disk) leaves the
-        history in memory, with one note, instead of an error on every line typed."""
+        history in memory, with one note, instead of an error on every line typed. Each entry is
+        appended under the file's lock (:func:`~chatcore.log.input_history.append_entry`), so
+        that ``chatcore logs delete`` taking deleted messages out of it meanwhile loses none."""
 
         saving = True
 
@@ -375,7 +372,7 @@ def prompt_toolkit_reader(
             if not self.saving:
                 return
             try:
-                super().store_string(string)
+                append_entry(Path(os.fsdecode(self.filename)), string)
             except OSError as error:
                 self.stop_saving(error)
 

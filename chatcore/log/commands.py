@@ -244,19 +244,33 @@ def check_command(ctx: click.Context, repair: bool, db_url: str | None) -> None:
     help="Delete every message written by this author (a deletion request) instead, with those still "
     "waiting in the journal.",
 )
+@click.option(
+    "--history-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The REPL's input history to take the conversation's typed messages out of "
+    "(default: repl_history in the user data folder, as `chatcore chat` keeps it).",
+)
 @click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation.")
 @db_option
 @click.pass_context
 def delete_command(
-    ctx: click.Context, conversation_id: str | None, author_id: str | None, yes: bool, db_url: str | None
+    ctx: click.Context,
+    conversation_id: str | None,
+    author_id: str | None,
+    history_file: Path | None,
+    yes: bool,
+    db_url: str | None,
 ) -> None:
     """Delete one conversation and all its messages, or every message of one author.
 
     Their writes still waiting in the journal (the database was locked or down) are
     withheld too, so that no later replay brings them back, and those the log refused
     (set aside beside the journal) are removed, in every folder that holds its journal.
+    The messages of a conversation the REPL logged are taken out of its input history too.
     """
     from chatcore.log import formatting
+    from chatcore.log.input_history import typed_messages
 
     if (conversation_id is None) == (author_id is None):
         raise click.UsageError("give a conversation ID or --author ID (one of them)")
@@ -265,20 +279,60 @@ def delete_command(
         if not yes:
             click.confirm(f"delete every message by author {formatting.field_text(author_id)}?", abort=True)
         deleted = store.delete_author(author_id)
-        click.echo(f"deleted {deleted} message(s) by author {formatting.field_text(author_id)}" + _withheld(store))
+        click.echo(
+            f"deleted {deleted - store.superseded_deleted} message(s) by author {formatting.field_text(author_id)}"
+            + _superseded(store.superseded_deleted)
+            + _withheld(store)
+        )
         return
     assert conversation_id is not None  # one of the two was given (checked above)
     record = store.get_conversation(conversation_id)
+    typed = typed_messages(store, record)
     if not yes:
         title = formatting.one_line(record.title or "", 60)
+        hidden = len(record.messages) - record.message_count
         click.confirm(
-            f"delete conversation {formatting.field_text(record.id)} ({title!r}, {len(record.messages)} messages)?",
+            f"delete conversation {formatting.field_text(record.id)} ({title!r}, {record.message_count} messages"
+            + _superseded(hidden)
+            + ")?",
             abort=True,
         )
     deleted = store.delete_conversation(record.id)
     click.echo(
-        f"deleted conversation {formatting.field_text(record.id)} and its {deleted} message(s)" + _withheld(store)
+        f"deleted conversation {formatting.field_text(record.id)} and its "
+        f"{deleted - store.superseded_deleted} message(s)" + _superseded(store.superseded_deleted) + _withheld(store)
     )
+    _scrub_history(typed, history_file)
+
+
+def _superseded(count: int) -> str:
+    """The replies superseded by a retry among what is deleted: ``logs list`` does not count them."""
+    if not count:
+        return ""
+    return f", and {count} {'reply' if count == 1 else 'replies'} superseded by a retry"
+
+
+def _scrub_history(typed: set[str], history_file: Path | None) -> None:
+    """Take the deleted conversation's typed messages out of the REPL's input history, and say so;
+    a file that cannot be rewritten is a one-line error saying what it still holds."""
+    from chatcore.log.input_history import scrub_history
+    from chatcore.log.location import history_path
+
+    if not typed:
+        return
+    path = history_file if history_file is not None else history_path()
+    try:
+        removed = scrub_history(path, typed)
+    except OSError as error:
+        raise click.ClickException(
+            f"deleted from the log, but the input history {path} still holds what was typed "
+            f"(it cannot be rewritten: {error.strerror or error}); delete the file, or those lines in it"
+        ) from None
+    if removed:
+        click.echo(
+            f"took {removed} typed message(s) out of the input history {path} "
+            "(a chat running now still offers them with Up until it ends)"
+        )
 
 
 def _withheld(store: "ConversationStore") -> str:

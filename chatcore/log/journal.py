@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from chatcore.log.normalise import Normaliser
-from chatcore.log.private_files import PRIVATE_FILE, fsync_folder, open_private_append
+from chatcore.log.private_files import fsync_folder, open_private_append, replace_private_file
 from chatcore.log.turn_writes import title_from
 
 if TYPE_CHECKING:
@@ -151,6 +151,13 @@ def _journaled(path: Path) -> Iterator[dict[str, Any]]:
             yield json.loads(line, object_hook=_decode)
         except ValueError:
             continue  # a line cut short by a crash mid-append
+
+
+def waiting_writes(folder: Path, url: str) -> Iterator[dict[str, Any]]:
+    """The writes waiting in the journal files in ``folder`` of the database at ``url``, any chat's,
+    oldest file first (read without taking them)."""
+    for path in journal_files(folder, url):
+        yield from _journaled(path)
 
 
 def _utc(moment: Any) -> datetime | None:
@@ -402,23 +409,7 @@ def _replace(path: Path, lines: list[bytes]) -> None:
         path.unlink()
         fsync_folder(path.parent)
         return
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    data = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines)
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
-    try:
-        try:
-            os.fchmod(descriptor, PRIVATE_FILE)
-            written = 0
-            while written < len(data):
-                written += os.write(descriptor, data[written:])
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fsync_folder(path.parent)
+    replace_private_file(path, b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
 
 
 def forget_deletions(folder: Path, url: str) -> None:

@@ -46,6 +46,11 @@ def is_default_folder(folder: Path) -> bool:
     return folder.expanduser().resolve() == user_data_path().expanduser().resolve()
 
 
+def history_path() -> Path:
+    """The REPL's input history file, where a chat not given ``--history-file`` keeps it."""
+    return user_data_path() / HISTORY_FILENAME
+
+
 def default_url() -> str:
     return sqlite_url(user_data_path() / DEFAULT_FILENAME)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shlex
 import stat
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -97,6 +98,27 @@ def open_private_append(path: Path) -> int:
     if created:
         fsync_folder(path.parent)
     return descriptor
+
+
+def replace_private_file(path: Path, data: bytes) -> None:
+    """``path`` now holds ``data``, whole or not at all: a new file (0600, on the disk) is renamed over
+    it, and the rename put on the disk too. OSError if it cannot be."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+    try:
+        try:
+            os.fchmod(descriptor, PRIVATE_FILE)
+            written = 0
+            while written < len(data):
+                written += os.write(descriptor, data[written:])
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
 
 
 def loose_modes(paths: Iterable[Path]) -> list[str]:

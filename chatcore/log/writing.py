@@ -32,6 +32,10 @@ def _rowcount(result: sa.Result[Any]) -> int:
 class StoreWriting(StoreReading):
     """Adding conversations and messages to the log, and deleting them."""
 
+    superseded_deleted = 0
+    """How many of the messages the latest deletion removed were replies superseded by a retry, which
+    ``chatcore logs list`` does not count as turns."""
+
     def ensure_conversation(
         self,
         conversation_id: str,
@@ -339,36 +343,66 @@ class StoreWriting(StoreReading):
             return True
 
     def delete_conversation(self, conversation_id: str) -> int:
-        """Delete a conversation (id or unique prefix) and its messages; returns the message count."""
+        """Delete a conversation (id or unique prefix) and its messages; returns the message count
+        (superseded replies included: :attr:`superseded_deleted` says how many)."""
         full_id = self.resolve_id(conversation_id)
+        self.superseded_deleted = 0
         with self._session("delete a conversation", write=True) as session:
+            superseded = _superseded_count(session, MessageRow.conversation_id == full_id)
             deleted = session.execute(sa.delete(MessageRow).where(MessageRow.conversation_id == full_id))
             session.execute(sa.delete(ConversationRow).where(ConversationRow.id == full_id))
-            return _rowcount(deleted)
+        self.superseded_deleted = superseded
+        return _rowcount(deleted)
 
     def delete_author(self, author_id: str) -> int:
-        """Delete every message written by ``author_id`` (a deletion request); returns the count.
+        """Delete every message written by ``author_id`` (a deletion request); returns the count
+        (superseded replies included: :attr:`superseded_deleted` says how many).
 
-        Conversations keep the other messages; one left with none is deleted too. ``author_id``
-        is the id as the adapter gave it (an over-long one is found by its stored digest).
+        Conversations keep the other messages; one left with none is deleted too, and one titled by
+        the author's message is titled by what remains (:func:`_retitle`). ``author_id`` is the id as
+        the adapter gave it (an over-long one is found by its stored digest).
         """
         author_id = Normaliser().author_id(author_id) or ""
+        self.superseded_deleted = 0
+        by_author = MessageRow.author_id == author_id
         with self._session("delete an author's messages", write=True) as session:
             firsts: dict[str, str] = {}  # conversation -> the author's first message in it
             for conversation_id, text in session.execute(
-                sa.select(MessageRow.conversation_id, MessageRow.text)
-                .where(MessageRow.author_id == author_id)
-                .order_by(MessageRow.id.desc())
+                sa.select(MessageRow.conversation_id, MessageRow.text).where(by_author).order_by(MessageRow.id.desc())
             ):
                 firsts[conversation_id] = text
-            deleted = session.execute(sa.delete(MessageRow).where(MessageRow.author_id == author_id))
+            superseded = _superseded_count(session, by_author)
+            deleted = session.execute(sa.delete(MessageRow).where(by_author))
             still_used = sa.select(MessageRow.id).where(MessageRow.conversation_id == ConversationRow.id).exists()
             session.execute(sa.delete(ConversationRow).where(ConversationRow.id.in_(list(firsts)), ~still_used))
-            # A conversation is titled by its first message: when that was the author's, it is no title any more.
             for conversation_id, text in firsts.items():
-                session.execute(
-                    sa.update(ConversationRow)
-                    .where(ConversationRow.id == conversation_id, ConversationRow.title == title_from(text))
-                    .values(title=None)
-                )
-            return _rowcount(deleted)
+                _retitle(session, conversation_id, title_from(text))
+        self.superseded_deleted = superseded
+        return _rowcount(deleted)
+
+
+def _superseded_count(session: Session, which: sa.ColumnElement[bool]) -> int:
+    """How many of the messages ``which`` selects are replies superseded by a retry."""
+    return int(
+        session.scalar(sa.select(sa.func.count(MessageRow.id)).where(which, MessageRow.superseded.is_(True))) or 0
+    )
+
+
+def _retitle(session: Session, conversation_id: str, deleted_title: str) -> None:
+    """A conversation is titled by its first user message: when the title is that of a message just
+    deleted, it is titled by the first message that remains instead (a user's, else a reply shown,
+    else any), never left empty in ``chatcore logs list``."""
+    remaining = (
+        sa.select(MessageRow.text)
+        .where(MessageRow.conversation_id == conversation_id)
+        .order_by(MessageRow.superseded, MessageRow.role != "user", MessageRow.id)
+        .limit(1)
+    )
+    first = session.scalar(remaining)
+    if first is None:
+        return  # the conversation went with its last message
+    session.execute(
+        sa.update(ConversationRow)
+        .where(ConversationRow.id == conversation_id, ConversationRow.title == deleted_title)
+        .values(title=title_from(first))
+    )
