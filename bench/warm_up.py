@@ -6,7 +6,8 @@ Under ``CHATCORE_FAST_PATH=compile`` (default here) a scheduler warms the fast p
 (``chatcore.serving.warm_up``, what ``chatcore serve`` and the Discord bot run before they
 take requests) and then serves requests of every kind the warm-up stands for: one alone,
 one continuing a conversation with a long message, a batch of three, a full batch of
-long prompts, and a reply growing past the key/value columns allocated so far. It
+long prompts, a reply growing past the key/value columns allocated so far, prompts longer
+than a prefill chunk, and sampled replies with log-probabilities. It
 prints the graphs torch.compile made (``unique_graphs``) and the seconds taken, for the
 warm-up and for the requests after it: the goal is that the requests compile nothing.
 With ``--no-warm-up`` the same requests run cold, for the comparison.
@@ -42,8 +43,9 @@ def main() -> None:
     def graphs() -> int:
         return int(counters["stats"]["unique_graphs"])
 
-    def run(scheduler: Scheduler, conversations: list[list[Message]], tokens: int = 6) -> None:
+    def run(scheduler: Scheduler, conversations: list[list[Message]], tokens: int = 6, **settings: object) -> None:
         options = ReplyOptions(decoder="greedy", seed=0, max_new_tokens=tokens, min_new_tokens=tokens)
+        options = options.model_copy(update=settings)
         with scheduler.together():
             handles = [scheduler.submit(messages, options) for messages in conversations]
         for handle in handles:
@@ -66,6 +68,12 @@ def main() -> None:
         run(scheduler, [[Message("user", f"question {index}: do you like music?")] for index in range(3)])
         run(scheduler, [[Message("user", f"{index}. {LONG_MESSAGE}")] for index in range(args.max_batch)])
         run(scheduler, [[Message("user", "tell me a long story")]], tokens=150)  # past the columns allocated so far
+        # Prompts longer than a prefill chunk (one chunk, then several) read before their prompt's pass.
+        for repeats in (6, 12):
+            run(scheduler, [[Message("user", f"{repeats}: " + " ".join([LONG_MESSAGE] * repeats))]])
+        # Sampled, with log-probabilities, beside a greedy reply.
+        sampled = {"decoder": "top-k", "decoder_settings": {"top_k": 20}, "logprobs": 3}
+        run(scheduler, [[Message("user", "what is your favourite food?")], [Message("user", "and drink?")]], **sampled)
         print(
             f"requests after it: {graphs() - before} graphs compiled in {time.perf_counter() - start:.1f} s "
             f"(all graphs {graphs()})",

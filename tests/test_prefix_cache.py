@@ -98,11 +98,11 @@ def test_prefix_cache_settings_and_clear():
     assert common_length([1, 2, 3], (1, 2, 4)) == 2 and common_length([1, 2], [1, 2, 3]) == 2
 
 
-def test_what_a_lookup_gives_is_laid_out_contiguously_whatever_was_stored():
+def test_what_a_lookup_gives_is_one_layout_and_kind_whatever_was_stored():
     """A model's first pass leaves its keys as a transposed view of the projection (GPT-2's
-    (1, T, H, D) seen as (1, H, T, D)); the compiled prompt pass guards on its inputs'
-    strides, so every lookup gives one layout: contiguous, for a whole node, part of one and
-    a path across a split."""
+    (1, T, H, D) seen as (1, H, T, D)), and a long prompt's chunks are inference tensors; the
+    compiled prompt pass guards on its inputs' strides and kind, so every lookup gives
+    contiguous inference tensors, for a whole node, part of one and a path across a split."""
     tokens = list(range(40))
     keys, values = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in layers_of(tokens)[0])
     transposed = [(keys, values)]
@@ -114,5 +114,15 @@ def test_what_a_lookup_gives_is_laid_out_contiguously_whatever_was_stored():
     for prompt, reused in (([*tokens, 1], 40), (tokens[:30], 29), ([*tokens[:10], 5], 10), ([*other, 1], 23)):
         length, layers = cache.lookup(prompt)
         assert length == reused and layers is not None
-        assert all(k.is_contiguous() and v.is_contiguous() for k, v in layers)
+        assert all(t.is_contiguous() and t.is_inference() for layer in layers for t in layer)
     assert spelled(cache.lookup(tokens[:30])[1]) == tokens[:29]
+
+
+def test_a_lookup_can_leave_more_than_the_last_token():
+    """Where the prompt pass is compiled the runner leaves two tokens to run (one would be a
+    graph of its own)."""
+    cache = PrefixCache(budget_bytes=2**20, min_tokens=4)
+    tokens = list(range(10))
+    cache.store(tokens, layers_of(tokens))
+    assert cache.lookup(tokens, leave=2)[0] == 8 and cache.lookup(tokens, leave=0)[0] == 9
+    assert spelled(cache.lookup([*tokens, 5], leave=2)[1]) == tokens[:9]

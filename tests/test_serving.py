@@ -54,6 +54,44 @@ def test_batched_rows_equal_replies_decoded_alone(serving_engine, prefill_chunk)
     assert scheduler.steps <= max(len(ids) for ids in expected) + (8 if prefill_chunk < 10 else 0)
 
 
+def test_a_compiled_prompt_pass_is_never_left_one_token(serving_engine):
+    """Where the prompt pass is compiled (``prompt_rest`` 2) a long prompt's chunks and a cached
+    prefix leave it two tokens at least: a pass over one token would be a graph of its own,
+    compiled in the middle of serving. The replies are unchanged."""
+    texts = [f"{'very ' * index}{PROMPTS[1]}" for index in range(5)]  # five lengths in a row
+    options = ReplyOptions(decoder="greedy", max_new_tokens=4)
+    expected = [alone(serving_engine, text, options) for text in texts]
+    with Scheduler(serving_engine, max_batch=8, prefill_chunk=5) as scheduler:
+        runner = scheduler.runner
+        runner.prompt_rest = 2
+        lengths: list[int] = []
+        rests: list[int] = []
+        chunk = runner._prefill_chunk
+
+        def spy(job):
+            ran = chunk(job)
+            if not ran:  # what is left for the prompt's pass, after its chunks or a cached prefix
+                lengths.append(len(job.session.prompt_ids))
+                rests.append(len(job.session.prompt_ids) - job.prefilled)
+            return ran
+
+        runner._prefill_chunk = spy
+        handles = []
+        for text in texts:
+            handles.append(scheduler.submit([Message("user", text)], options))
+            assert handles[-1].wait(60) and handles[-1].error is None
+        # The first conversation asked again (its whole prompt is cached: a retry), then its
+        # next turn: both reuse the first reply's keys.
+        reply = serving_engine.loaded.tokenizer.decode(handles[0].token_ids, skip_special_tokens=True)
+        for again in ([Message("user", texts[0])], [Message("user", texts[0]), Message("assistant", reply)]):
+            handle = scheduler.submit([*again, Message("user", "and?")] if len(again) > 1 else again, options)
+            assert handle.wait(60) and handle.error is None
+        assert handle.provenance["prefix_cached_tokens"] > 0 and runner.prefix_cache.hits >= 2
+    assert [handle.token_ids for handle in handles] == expected
+    assert any(length % 5 == 1 for length in lengths)  # chunks of five alone would leave it one token
+    assert len(rests) == 7 and min(rests) >= 2
+
+
 def test_replies_join_a_running_batch_between_steps(serving_engine):
     long = ReplyOptions(decoder="top-k", seed=7, max_new_tokens=40, min_new_tokens=40)
     expected_long = alone(serving_engine, PROMPTS[1], long)

@@ -11,7 +11,9 @@ new sequence stores only the tokens after the longest run the tree already holds
 splitting a node where the two part.
 
 A lookup takes the longest run of leading tokens the tree holds, always leaving the
-prompt's last token to run, since that gives the first reply token's scores.
+prompt's last token to run, since that gives the first reply token's scores (the runner
+leaves two where its prompt pass is compiled: a pass over one token would be a graph of
+its own).
 
 Nodes are bounded by a memory budget in bytes; least recently used leaves go first (a
 node used by a lookup or a store is touched with every node above it, so a shared
@@ -51,17 +53,19 @@ def _bytes(layers: Layers) -> int:
 
 def _cut(layers: Layers, start: int, end: int | None = None) -> Layers:
     """Own copies of tokens [start, end) of ``layers`` (a slice's view would keep the whole tensor
-    alive), laid out contiguously whatever the layout they came in: a prompt's first pass leaves
-    a model's keys as a transposed view of its projection, a pass after a prefix leaves them
-    contiguous, and the compiled prompt pass (``CHATCORE_FAST_PATH=compile``) guards on its
-    inputs' strides, so a prefix kept in both layouts would compile that pass a second time,
-    in the middle of serving."""
+    alive): contiguous inference tensors, whatever they came as. The compiled prompt pass
+    (``CHATCORE_FAST_PATH=compile``) guards on its inputs' strides and kind, and a graph
+    compiled again in the middle of serving keeps a request waiting (about 50 s at
+    SmolLM2-1.7B's shape on an H200): a prompt's first pass leaves a model's keys as a
+    transposed view of its projection (GPT-2's), a pass after a prefix leaves them contiguous,
+    and a long prompt's chunks and the batch's buffers are inference tensors."""
     import torch
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
         return tensor[:, :, start:end].clone(memory_format=torch.contiguous_format)
 
-    return [(copy(k), copy(v)) for k, v in layers]
+    with torch.inference_mode():
+        return [(copy(k), copy(v)) for k, v in layers]
 
 
 class _Node:
@@ -124,28 +128,30 @@ class PrefixCache:
         for node, _ in path:
             node.used = now
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[int, Layers | None]:
-        """The longest cached prefix of ``prompt`` (at most all but its last token): its length and key/values."""
-        path = self._walk(prompt, len(prompt) - 1)
+    def lookup(self, prompt: Sequence[int], leave: int = 1) -> tuple[int, Layers | None]:
+        """The longest cached prefix of ``prompt`` that leaves at least its last ``leave`` tokens
+        to run (one at least: its pass gives the first reply token's scores): its length and
+        key/values, contiguous inference tensors whatever was stored (see :func:`_cut`)."""
+        import torch
+
+        path = self._walk(prompt, len(prompt) - max(1, leave))
         length = sum(shared for _, shared in path)
         if length < self.min_tokens:
             return 0, None
         self._touch(path)
         self.hits += 1
         self.reused_tokens += length
-        if len(path) == 1:
-            node, shared = path[0]
-            # Contiguous (a copy only where part of the node is shared), as _cut keeps them.
-            return length, [(k[:, :, :shared].contiguous(), v[:, :, :shared].contiguous()) for k, v in node.layers]
-        import torch
-
-        layers = [
-            (
-                torch.cat([node.layers[index][0][:, :, :shared] for node, shared in path], dim=2),
-                torch.cat([node.layers[index][1][:, :, :shared] for node, shared in path], dim=2),
-            )
-            for index in range(len(path[0][0].layers))
-        ]
+        with torch.inference_mode():
+            if len(path) == 1:  # a copy only where part of the node is shared
+                node, shared = path[0]
+                return length, [(k[:, :, :shared].contiguous(), v[:, :, :shared].contiguous()) for k, v in node.layers]
+            layers = [
+                (
+                    torch.cat([node.layers[index][0][:, :, :shared] for node, shared in path], dim=2),
+                    torch.cat([node.layers[index][1][:, :, :shared] for node, shared in path], dim=2),
+                )
+                for index in range(len(path[0][0].layers))
+            ]
         return length, layers
 
     def peek(self, prompt: Sequence[int]) -> int:

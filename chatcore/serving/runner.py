@@ -101,6 +101,10 @@ class Runner:
         # A shared reply's prompt: compiled under CHATCORE_FAST_PATH=compile (chatcore.serving.prompt_pass).
         compiled = prompt_pass(self.model) if self.batch.fast_path else None
         self._prompt_step = self._model_step if compiled is None else model_step(self.model, compiled)
+        # The fewest prompt tokens a shared reply's prompt pass runs after a cached prefix or a
+        # long prompt's chunks: compiled, a pass over one token would be a graph of its own
+        # (compiled in the middle of serving), so two are left; one otherwise.
+        self.prompt_rest = 1 if compiled is None else 2
         self._can_merge: bool | None = None
         self._deferred: set[Job] = set()  # replies whose prompt waits a step (see _prefill_together)
         self.steps = 0  # forward passes of the shared batch (for tests and benchmarks)
@@ -545,7 +549,7 @@ class Runner:
         replies admitted together that share a history (a system prompt, a persona, the
         same conversation) reuse the first one's prompt as soon as it has run."""
         assert self.prefix_cache is not None
-        reused, layers = self.prefix_cache.lookup(job.session.prompt_ids)
+        reused, layers = self.prefix_cache.lookup(job.session.prompt_ids, leave=self.prompt_rest)
         job.provenance["prefix_cached_tokens"] = reused
         if layers is not None:
             job.prefilled = reused
@@ -566,7 +570,7 @@ class Runner:
         prompt = job.session.prompt_ids
         if self.prefill_chunk is None or len(prompt) - job.prefilled <= self.prefill_chunk:
             return False
-        end = job.prefilled + self.prefill_chunk
+        end = min(job.prefilled + self.prefill_chunk, len(prompt) - self.prompt_rest)
         ids = job.sequences[:1, :end]
         try:
             with torch.inference_mode():
