@@ -100,9 +100,9 @@ def test_prefix_cache_settings_and_clear():
 
 def test_what_a_lookup_gives_is_one_layout_and_kind_whatever_was_stored():
     """A model's first pass leaves its keys as a transposed view of the projection (GPT-2's
-    (1, T, H, D) seen as (1, H, T, D)), and a long prompt's chunks are inference tensors; the
-    compiled prompt pass guards on its inputs' strides and kind, so every lookup gives
-    contiguous inference tensors, for a whole node, part of one and a path across a split."""
+    and Llama's (1, T, H, D) seen as (1, H, T, D)), and a long prompt's chunks are inference
+    tensors; the compiled prompt pass guards on its inputs' strides and kind, so every lookup
+    gives contiguous inference tensors, for a whole node, part of one and a path across a split."""
     tokens = list(range(40))
     keys, values = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in layers_of(tokens)[0])
     transposed = [(keys, values)]

@@ -57,7 +57,7 @@ def _cut(layers: Layers, start: int, end: int | None = None) -> Layers:
     (``CHATCORE_FAST_PATH=compile``) guards on its inputs' strides and kind, and a graph
     compiled again in the middle of serving keeps a request waiting (about 50 s at
     SmolLM2-1.7B's shape on an H200): a prompt's first pass leaves a model's keys as a
-    transposed view of its projection (GPT-2's), a pass after a prefix leaves them contiguous,
+    transposed view of its projection (GPT-2's, Llama's), a pass after a prefix leaves them contiguous,
     and a long prompt's chunks and the batch's buffers are inference tensors."""
     import torch
 
