@@ -29,7 +29,7 @@ from chatcore import hookspecs
 ENTRY_POINT_GROUP = "chatcore"
 BUILTIN_PREFIX = "chatcore."
 ENV_PLUGINS = "CHATCORE_PLUGINS"
-LOAD_STAGES = ("import", "register", "validate")
+LOAD_STAGES = ("import", "register", "validate", "lookup")
 
 logger = logging.getLogger("chatcore.plugins")
 
@@ -37,7 +37,7 @@ logger = logging.getLogger("chatcore.plugins")
 @dataclass
 class PluginProblem:
     plugin: str
-    stage: str  # "import", "register", "validate" or "hook <name>"
+    stage: str  # "import", "register", "validate", "lookup" or "hook <name>"
     message: str
 
     def __str__(self) -> str:
@@ -52,6 +52,18 @@ class PluginInfo:
     version: str | None
     builtin: bool
     hooks: list[str] = field(default_factory=list)
+
+
+def first_paragraph(message: str) -> str:
+    """``message``'s first paragraph on one line: its lines up to the first blank one, joined
+    with "; " (pluggy gives the reason a hook is refused on its last line; pydantic's advice
+    runs on in further paragraphs)."""
+    lines = []
+    for line in message.strip().splitlines():
+        if not line.strip():
+            break
+        lines.append(line.strip())
+    return "; ".join(lines) if lines else message
 
 
 def _normalise(name: str) -> str:
@@ -81,7 +93,7 @@ class PluginHost:
     # -- loading -----------------------------------------------------------------
     def report(self, plugin: str, stage: str, error: BaseException | str) -> None:
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        message = message.strip().splitlines()[0] if message.strip() else message  # one line (pydantic's run on)
+        message = first_paragraph(message)
         problem = PluginProblem(plugin, stage, message)
         if problem in self.problems:
             # A hook that fails the same way on every reply is recorded (and said) once: a bot

@@ -84,6 +84,11 @@ class Registry:
 
             def checked(item: Any, loader: Callable[[], Any] | None) -> tuple[str, Any]:
                 if loader is not None:  # register(name, loader) for prompt sets
+                    if not callable(loader):
+                        raise TypeError(
+                            f"{hook}: {item!r}: the loader must be a function returning the set's "
+                            f"contexts, got {shown_argument(loader)}"
+                        )
                     name, value = str(item), loader
                 else:
                     if base is not None and not (isinstance(item, type) and issubclass(item, base)):
@@ -186,8 +191,14 @@ class Registry:
         return self._lookup(self.steerers, "steerer", name)
 
     def plugin_of(self, kind: str, name: str) -> str:
-        """The plugin that registered ``name`` (kind: decoder, steerer, prompt format), or "?"."""
-        table = {"decoder": self.decoders, "steerer": self.steerers, "prompt format": self.prompt_formats}[kind]
+        """The plugin that registered ``name`` (kind: decoder, steerer, prompt format, prompt
+        set), or "?"."""
+        table = {
+            "decoder": self.decoders,
+            "steerer": self.steerers,
+            "prompt format": self.prompt_formats,
+            "prompt set": self.prompt_sets,
+        }[kind]
         return table[name].plugin if name in table else "?"
 
     def prompt_format(self, name: str, also: Sequence[str] = ()) -> Any:

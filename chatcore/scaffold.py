@@ -297,7 +297,7 @@ def write_plugin(name: str, parent: str | Path = ".", kind: Kind = "steerer") ->
     """Create ``parent/chatcore-NAME/`` with the skeleton of a ``kind`` plugin; never
     touches an existing folder."""
     names = PluginNames.from_name(name)
-    taken = installed_as(names)
+    taken = installed_as(names) or registered_as(names, kind)
     if taken is not None:
         remedy = "" if "built-in" in taken else ", or uninstall it first"
         raise ChatcoreError(f"{taken}: choose another name (chatcore new-plugin my-{name}){remedy}")
@@ -316,6 +316,23 @@ def write_plugin(name: str, parent: str | Path = ".", kind: Kind = "steerer") ->
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     return folder
+
+
+def registered_as(names: PluginNames, kind: Kind) -> str | None:
+    """Which loaded plugin registers a ``kind`` (steerer or decoder) under ``names.name``
+    already, or None: installed next to it, neither plugin would keep the bare name."""
+    from chatcore.plugin_manager import get_plugin_host
+    from chatcore.registry import QUALIFIER, registry_of
+
+    host = get_plugin_host()
+    registry = registry_of(host)
+    table = registry.steerers if kind == "steerer" else registry.decoders
+    owners = [entry.plugin for key, entry in table.items() if key.rpartition(QUALIFIER)[2] == names.name]
+    if not owners:
+        return None
+    builtin = [plugin for plugin in owners if plugin in host.infos and host.infos[plugin].builtin]
+    owner = "a built-in plugin of chatcore" if builtin else f"the plugin {', '.join(sorted(owners))}"
+    return f"the {kind} name {names.name!r} is registered by {owner}"
 
 
 def installed_as(names: PluginNames) -> str | None:

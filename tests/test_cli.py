@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 
+import chatcore
 from chatcore.cli import build_cli
 
 
@@ -550,3 +552,128 @@ def test_generate_names_the_plugins_that_failed_to_load(tiny_model_dir):
     assert error_lines(result)[0] == (
         "note: 1 plugin had problems (chatcore.plugins.does_not_exist): `chatcore plugins` says what"
     )
+
+
+# -- what plugins add to the command line: prompt sets and commands ---------------------------
+def plugin_host_with(plugin, name):
+    """The process-wide host: chatcore's own plugins and ``plugin``, registered as ``name``."""
+    from chatcore import plugin_manager
+
+    host = plugin_manager.PluginHost()
+    host.load_entry_points()
+    assert host.register(plugin, name)
+    plugin_manager.set_plugin_host(host)
+    return host
+
+
+class BadPromptSets:
+    @chatcore.hookimpl
+    def register_prompt_sets(self, register):
+        register("raising-set", lambda: 1 / 0)
+        register("wrongtype-set", lambda: [1, 2, 3])
+        register("notalist-set", lambda: "hi there")
+        register("empty-set", lambda: [])
+
+
+@pytest.mark.parametrize(
+    "prompt_set, needle",
+    [
+        ("raising-set", "prompt set 'raising-set' failed to load: ZeroDivisionError"),
+        ("wrongtype-set", "prompt set 'wrongtype-set': item 0 is not an EvalContext"),
+        ("notalist-set", "prompt set 'notalist-set': expected a list of EvalContext"),
+        ("empty-set", "prompt set 'empty-set' holds no contexts"),
+    ],
+)
+def test_a_plugins_prompt_set_that_fails_is_one_line_naming_the_plugin(tmp_path, prompt_set, needle):
+    plugin_host_with(BadPromptSets(), "bad-sets")
+    # Refused before the model loads: the model does not exist.
+    result = CliRunner().invoke(
+        build_cli(), ["eval", "--model", str(tmp_path / "no-such-model"), "--prompts", prompt_set, "--limit", "2"]
+    )
+    assert_clean_failure(result, "plugin 'bad-sets'", needle)
+
+
+@pytest.mark.parametrize(
+    "record, needle",
+    [
+        ('{"turns": ["hi"], "reference": 5}', "got 5"),
+        ('{"turns": ["hi"], "reference": ""}', "got ''"),
+        ('{"turns": ["hi"], "reference": "  "}', "or left out"),
+    ],
+)
+def test_a_prompt_files_reference_must_be_text_before_the_model_loads(run, tmp_path, record, needle):
+    prompts = tmp_path / "badref.jsonl"
+    prompts.write_text(record + "\n")
+    result = run("eval", "--model", str(tmp_path / "no-such-model"), "--prompts", str(prompts), "-n", "8")
+    assert_clean_failure(result, f"{prompts}:1:", '"reference" must be', needle)
+
+
+@pytest.mark.parametrize("seed", ["-5", str(2**63 - 1)])
+def test_eval_refuses_a_seed_out_of_range_before_the_model_loads(run, tmp_path, seed):
+    # The second: context 1 would take seed + 1, past the largest seed.
+    result = run(
+        "eval", "--model", str(tmp_path / "no-such-model"), "--prompts", "openers", "--limit", "2", "--seed", seed
+    )
+    assert_clean_failure(result, "--seed", seed)
+
+
+def test_eval_json_dash_writes_the_report_to_standard_output(run, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\n")
+    result = run("eval", "--model", str(tiny_model_dir), "--prompts", str(prompts), "-n", "3", "--json", "-")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["settings"]["contexts"] == 1
+    assert "dist-1" in result.stderr and not (tmp_path / "-").exists()
+    assert "standard output" in run("eval", "--help").output
+
+
+class Commands:
+    @chatcore.hookimpl
+    def register_commands(self, cli):
+        @cli.command("boom")
+        def boom() -> None:
+            raise RuntimeError("it went off")
+
+        @cli.command("quits")
+        def quits() -> None:
+            raise click.exceptions.Exit(3)
+
+        @cli.command("refuses")
+        def refuses() -> None:
+            raise click.ClickException("not today")
+
+        @cli.command("generate")
+        def generate() -> None:
+            click.echo("the plugin's generate")
+
+        @cli.command("chat")
+        def chat() -> None:
+            click.echo("the plugin's chat")
+
+
+def test_a_plugin_command_that_raises_is_one_line_naming_the_plugin(monkeypatch):
+    plugin_host_with(Commands(), "commands-test")
+    result = CliRunner().invoke(build_cli(), ["boom"])
+    assert_clean_failure(result, "'boom'", "plugin 'commands-test'", "RuntimeError: it went off")
+    monkeypatch.setenv("CHATCORE_DEBUG", "1")
+    assert isinstance(CliRunner().invoke(build_cli(), ["boom"]).exception, RuntimeError)
+
+
+def test_click_ends_a_plugin_command_as_click_does():
+    plugin_host_with(Commands(), "commands-test")
+    assert CliRunner().invoke(build_cli(), ["quits"]).exit_code == 3
+    assert_clean_failure(CliRunner().invoke(build_cli(), ["refuses"]), "Error: not today")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_plugin_cannot_take_a_built_in_commands_name(command):
+    host = plugin_host_with(Commands(), "commands-test")
+    group = build_cli()
+    result = CliRunner().invoke(group, [command, "--help"])
+    assert result.exit_code == 0 and "the plugin's" not in result.output
+    problems = [str(p) for p in host.problems if p.plugin == "commands-test"]
+    assert f"plugin 'commands-test' failed at hook register_commands: command {command!r} is a built-in command" in (
+        "\n".join(problems)
+    )
+    assert "boom" in group.commands  # the plugin's other commands are added

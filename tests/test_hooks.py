@@ -163,6 +163,22 @@ def test_hook_register_prompt_sets(host) -> None:
     assert [c.turns for c in contexts] == [["hi"], ["hello"]]
 
 
+def test_a_prompt_set_whose_loader_is_not_callable_is_refused_naming_the_plugin(host) -> None:
+    class Plugin:
+        @chatcore.hookimpl
+        def register_prompt_sets(self, register):
+            register("bad-set", "not callable")
+            register("good-set", lambda: [EvalContext(["hi"])])
+
+    host.register(Plugin(), "careless")
+    registry = Registry.build(host)
+    assert "bad-set" not in registry.prompt_sets and "good-set" in registry.prompt_sets
+    assert [str(p) for p in host.problems] == [
+        "plugin 'careless' failed at hook register_prompt_sets: TypeError: register_prompt_sets: 'bad-set': "
+        "the loader must be a function returning the set's contexts, got 'not callable'"
+    ]
+
+
 def test_hook_on_user_message(engine) -> None:
     seen = []
 

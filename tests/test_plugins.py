@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -146,6 +147,10 @@ def test_a_hookimpl_with_wrong_arguments_is_refused_at_registration(host):
     assert host.register(WrongArguments(), "wrong-args") is False
     assert problems_of(host) == [("wrong-args", "register")]
     assert host.pm.get_plugin("wrong-args") is None
+    # pluggy's reason, on the lines after its first, is kept, on one line
+    message = host.problems[0].message
+    assert "Argument(s) {'extra'} are declared in the hookimpl but can not be found in the hookspec" in message
+    assert "\n" not in message
 
 
 def test_registering_the_same_name_twice_is_reported(host):
@@ -677,6 +682,14 @@ def test_a_name_in_chatcore_plugins_that_no_plugin_has_is_reported(third_party, 
     assert "chatcore-third:third" in {info.name for info in host.plugins()}
     assert [(p.plugin, p.stage) for p in host.problems if p.stage == "lookup"] == [("thrid", "lookup")]
     assert "CHATCORE_PLUGINS names it" in str(next(p for p in host.problems if p.plugin == "thrid"))
+
+
+def test_a_name_in_chatcore_plugins_that_no_plugin_has_is_not_said_on_every_command(third_party, monkeypatch, caplog):
+    monkeypatch.setenv("CHATCORE_PLUGINS", "nonexistent")
+    with caplog.at_level(logging.DEBUG, logger="chatcore.plugins"):
+        PluginHost().load_entry_points()
+    levels = [record.levelno for record in caplog.records if "nonexistent" in record.getMessage()]
+    assert levels == [logging.DEBUG]  # `chatcore plugins` lists it, as every loading problem
 
 
 def test_without_chatcore_plugins_every_plugin_loads_and_a_broken_one_is_reported(third_party, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import tomllib
 from click.testing import CliRunner
 
+import chatcore
 import chatcore.plugin_manager as plugin_manager
 from chatcore.cli import build_cli
 from chatcore.errors import ChatcoreError, OptionError
@@ -217,6 +218,27 @@ def test_a_built_in_plugins_name_is_refused_as_built_in(new_plugin) -> None:
         result.output
     )
     assert "uninstall" not in result.output and not (folder / "chatcore-greedy").exists()
+
+
+def test_a_decoder_name_a_loaded_plugin_registers_is_refused_in_one_line(new_plugin) -> None:
+    from chatcore.plugins.greedy import GreedyDecoder
+
+    class TakenDecoder(GreedyDecoder):
+        name = "taken-name"
+
+    class Plugin:
+        @chatcore.hookimpl
+        def register_decoders(self, register):
+            register(TakenDecoder)
+
+    plugin_manager.get_plugin_host().register(Plugin(), "taker")
+    result, folder = new_plugin("taken-name", "--decoder")
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert [line for line in result.output.splitlines() if line.strip()] == [
+        "Error: the decoder name 'taken-name' is registered by the plugin taker: "
+        "choose another name (chatcore new-plugin my-taken-name), or uninstall it first"
+    ]
+    assert not (folder / "chatcore-taken-name").exists()
 
 
 def test_the_skeleton_registers_the_slow_marker_and_ships_its_data_files() -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from chatcore import __version__
 from chatcore.errors import ChatcoreError
+
+if TYPE_CHECKING:
+    from chatcore.plugin_manager import PluginHost
 
 DEBUG_ENV = "CHATCORE_DEBUG"
 
@@ -24,8 +27,32 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
+# What click raises to end a command on purpose: passed on as it is.
+CLICK_EXITS = (click.ClickException, click.exceptions.Exit, click.exceptions.Abort)
+
+
 class ChatcoreGroup(click.Group):
-    """Turns ChatcoreError into a one-line message (tracebacks only with CHATCORE_DEBUG)."""
+    """Turns ChatcoreError, and any error a plugin's command raises, into a one-line message
+    (tracebacks only with CHATCORE_DEBUG); keeps the names of the built-in commands for them.
+
+    While :func:`add_plugin_commands` runs a plugin's ``register_commands``, ``adding`` names
+    that plugin: a command it adds under a name already taken is refused and reported.
+    """
+
+    adding: "tuple[str, PluginHost] | None" = None  # (plugin, its host) while it adds its commands
+    plugin_commands: dict[str, str] = {}  # command name -> the plugin (not chatcore's own) that added it
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        name = name or cmd.name
+        if self.adding is not None and name is not None:
+            plugin, host = self.adding
+            if name in self.commands:
+                owner = self.plugin_commands.get(name)
+                taken = f"a command of plugin {owner!r}" if owner else "a built-in command"
+                host.report(plugin, "hook register_commands", f"command {name!r} is {taken}; the plugin's is left out")
+                return
+            self.plugin_commands[name] = plugin
+        super().add_command(cmd, name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -39,6 +66,21 @@ class ChatcoreGroup(click.Group):
             if hint:
                 raise click.UsageError(f"{error.format_message()}: {hint}", ctx=error.ctx) from None
             raise
+        except CLICK_EXITS:
+            raise
+        except Exception as error:
+            plugin = self.plugin_commands.get(ctx.invoked_subcommand or "")
+            if plugin is None or debug_enabled():
+                raise
+            raise click.ClickException(
+                f"command {ctx.invoked_subcommand!r} of plugin {plugin!r} failed: {one_line_error(error)}"
+            ) from None
+
+
+def one_line_error(error: BaseException) -> str:
+    """``error`` as ``Type: message``, on one line."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 SETTING_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*=\S*")
@@ -80,9 +122,33 @@ def build_cli() -> click.Group:
     cli.add_command(personas_command.personas)
     cli.add_command(plugins_command.plugins)
     cli.add_command(models_command.models)
-    host = get_plugin_host()
-    host.call_each("register_commands", cli=cli)
+    add_plugin_commands(cli, get_plugin_host())
     return cli
+
+
+def add_plugin_commands(group: ChatcoreGroup, host: "PluginHost") -> None:
+    """Every plugin's ``register_commands(cli)``: chatcore's own plugins first, so that their
+    commands' names are taken when another plugin's turn comes; a command under a taken
+    name is refused and reported as that plugin's problem (the one there is kept), and a
+    hook that raises is reported and skipped."""
+
+    def builtin(plugin: str) -> bool:
+        return plugin in host.infos and host.infos[plugin].builtin
+
+    for name in group.plugin_commands:  # a group built again: its plugins add their commands again
+        group.commands.pop(name, None)
+    group.plugin_commands = {}
+    implementations = sorted(
+        reversed(host.pm.hook.register_commands.get_hookimpls()), key=lambda impl: not builtin(impl.plugin_name)
+    )
+    for impl in implementations:
+        group.adding = None if builtin(impl.plugin_name) else (impl.plugin_name, host)
+        try:
+            impl.function(**{name: group for name in impl.argnames})
+        except Exception as error:
+            host.report(impl.plugin_name, "hook register_commands", error)
+        finally:
+            group.adding = None
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import click
 
@@ -23,6 +23,8 @@ from chatcore.cli.options import (
 )
 from chatcore.errors import ChatcoreError, OptionError
 
+STDOUT = "-"  # --json - writes the report to standard output
+
 
 @click.command("eval")
 @model_option
@@ -35,7 +37,13 @@ from chatcore.errors import ChatcoreError, OptionError
     show_default=True,
     help="A prompt set name (see `chatcore plugins`) or a .jsonl / .txt file.",
 )
-@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 100_000),
+    default=100,
+    show_default=True,
+    help="Use at most this many contexts, the set's first.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Context i uses seed + i.")
 @max_new_tokens_option(40)
 @click.option(
@@ -50,7 +58,12 @@ from chatcore.errors import ChatcoreError, OptionError
 @threads_option
 @dtype_option
 @prompt_options("System prompt (persona) for every reply.")
-@click.option("--json", "json_path", default=None, help="Also write the full report (with every reply) to this file.")
+@click.option(
+    "--json",
+    "json_path",
+    default=None,
+    help="Also write the full report (with every reply) to this file; - writes it to standard output.",
+)
 @click.option(
     "--batch",
     type=click.IntRange(1, 256),
@@ -102,12 +115,13 @@ def eval_command(
     # Everything that needs no model fails before the model loads.
     validate_options(options)
     validate_format_name(prompt_format, registry_of())
-    if json_path is not None:
+    if json_path is not None and json_path != STDOUT:
         if not json_path.strip():
             raise OptionError(f"--json must name a file to write the report to, got {json_path!r}")
         check_output_path(json_path)
     system = system_prompt_option(system_text, system_file)
     contexts = prompt_source(prompts)()[:limit]
+    check_seeds(seed, len(contexts))
     vocabulary = load_vocabulary(attribute) if attribute is not None else None
     use_threads(threads)
     engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
@@ -130,24 +144,46 @@ def eval_command(
         report = evaluate(engine, contexts, options, label=label, vocabulary=vocabulary, seed=seed, system=system)
     errors = [s for s in report.samples if "error" in s]
     if json_path is not None:  # written even when every context failed: it holds each one's error
-        with open_output(json_path) as stream:
-            stream.write(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+        write_report(report.to_dict(), json_path, open_output)
     if errors and len(errors) == len(report.samples):
         # One line: the failure itself, which every context met (a table of no replies says nothing more).
         raise ChatcoreError(f"every context failed ({len(errors)}), e.g.: {errors[0]['error']}")
-    click.echo(report.table())
+    to_stderr = json_path == STDOUT  # standard output then holds the JSON alone
+    click.echo(report.table(), err=to_stderr)
     shown = [s for s in report.samples if "reply" in s][:samples]
     for sample in shown:
-        click.echo(f"\n> {sample['context'][-1]}\n{sample['reply']}")
+        click.echo(f"\n> {sample['context'][-1]}\n{sample['reply']}", err=to_stderr)
     if errors:
         click.echo(f"\n{len(errors)} context(s) failed, e.g.: {errors[0]['error']}", err=True)
+
+
+def check_seeds(seed: int, count: int) -> None:
+    """``--seed``: context i uses seed + i, so every one of them must be a seed a reply takes;
+    checked before the model loads."""
+    from chatcore.engine import MAX_SEED
+
+    if seed < 0 or seed + count - 1 > MAX_SEED:
+        raise OptionError(
+            f"--seed: context i uses seed + i, which must lie from 0 to {MAX_SEED}; got {seed} for {count} context(s)"
+        )
+
+
+def write_report(report: dict[str, Any], json_path: str, open_output: Callable[[str], TextIO]) -> None:
+    """``--json``: the report to the file ``json_path``, or to standard output for ``-``."""
+    text = json.dumps(report, indent=2, ensure_ascii=False)
+    if json_path == STDOUT:
+        click.echo(text)
+        return
+    with open_output(json_path) as stream:
+        stream.write(text)
 
 
 def prompt_source(prompts: str) -> Callable[[], list[Any]]:
     """``--prompts``, a prompt file or a registered prompt set's name, as what loads its
     contexts; a folder, a path to no file or an unknown name is refused in one line before
-    the model loads."""
-    from chatcore.evaluation.prompts import load_prompt_file
+    the model loads. A plugin's loader that fails, or returns anything but a non-empty list
+    of contexts, is a PluginError naming the plugin."""
+    from chatcore.evaluation.prompts import check_prompt_set, load_prompt_file
     from chatcore.registry import registry_of
 
     path = Path(prompts)
@@ -157,8 +193,9 @@ def prompt_source(prompts: str) -> Callable[[], list[Any]]:
         raise OptionError(f"--prompts: {prompts} is a folder, not a prompt file (a .jsonl or .txt file)")
     if "/" in prompts or "\\" in prompts or path.suffix in (".jsonl", ".txt"):
         raise OptionError(f"--prompts: no such file: {prompts}")
-    prompt_set: Callable[[], list[Any]] = registry_of().prompt_set(prompts)  # an unknown name: one line
-    return prompt_set
+    registry = registry_of()
+    loader: Callable[[], Any] = registry.prompt_set(prompts)  # an unknown name: one line
+    return lambda: check_prompt_set(prompts, registry.plugin_of("prompt set", prompts), loader)
 
 
 def load_vocabulary(attribute: str) -> set[str]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from chatcore.errors import CorpusError
+from chatcore.errors import CorpusError, PluginError
+from chatcore.text import shown_argument
 
 OPENERS_FILE = Path(__file__).with_name("openers.txt")
 
@@ -56,9 +58,50 @@ def load_prompt_file(path: str | Path) -> list[EvalContext]:
             turns = record.get("turns") if isinstance(record, dict) else None
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
                 raise CorpusError(f'{path}:{number}: expected {{"turns": ["...", ...]}} with at least one turn')
-            contexts.append(EvalContext(turns, record.get("reference")))
+            reference = record.get("reference")
+            if reference is not None and not is_text(reference):
+                raise CorpusError(
+                    f'{path}:{number}: "reference" must be the human reply\'s text (a non-empty string) '
+                    f"or left out, got {shown_argument(reference)}"
+                )
+            contexts.append(EvalContext(turns, reference))
         else:
             contexts.append(EvalContext([line.strip()]))
     if not contexts:
         raise CorpusError(f"{path}: no prompts")
+    return contexts
+
+
+def is_text(value: Any) -> bool:
+    """Whether ``value`` is a string with something besides whitespace in it."""
+    return isinstance(value, str) and bool(value.strip())
+
+
+def check_prompt_set(name: str, plugin: str, loader: Any) -> list[EvalContext]:
+    """The contexts of the prompt set ``name``, which ``plugin`` registered with ``loader``; a
+    loader that raises, or returns anything but a non-empty list of contexts (turns: a list
+    of strings, at least one; reference: a non-empty string or None), is a PluginError."""
+    try:
+        contexts = loader()
+    except Exception as error:
+        raise PluginError(plugin, f"prompt set {name!r} failed to load: {type(error).__name__}: {error}") from error
+    if not isinstance(contexts, list):
+        raise PluginError(
+            plugin, f"prompt set {name!r}: expected a list of EvalContext, got {shown_argument(contexts)}"
+        )
+    if not contexts:
+        raise PluginError(plugin, f"prompt set {name!r} holds no contexts")
+    for index, context in enumerate(contexts):
+        if not (
+            isinstance(context, EvalContext)
+            and isinstance(context.turns, list)
+            and context.turns
+            and all(isinstance(turn, str) for turn in context.turns)
+            and (context.reference is None or is_text(context.reference))
+        ):
+            raise PluginError(
+                plugin,
+                f"prompt set {name!r}: item {index} is not an EvalContext with at least one turn (strings) "
+                f"and a text or no reference, got {shown_argument(context)}",
+            )
     return contexts
