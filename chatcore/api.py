@@ -30,6 +30,7 @@ The names, by what a plugin author does with them:
 - commands: :func:`train_group`, the ``chatcore train`` group a plugin adds its training
   command to (from its ``register_commands`` hook); :func:`options_from_model`, click
   options generated from a :class:`Settings` model's fields (default, bounds, help);
+  ``model_option``, the ``-m/--model`` option with the default model of chat and generate;
   :func:`output_folder`, :func:`output_file` and :func:`run_folder`, a command's ``--out``
   checked (and its folder made) before the work starts, and :func:`removed_if_left_empty`
   to take a run's folder away again when the command fails before writing in it;
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 from chatcore.anatomy import FULL_ATTENTION, Anatomy, BlockInputs, UnsupportedModelError, anatomy_of
 from chatcore.cli.files import output_file, output_folder, removed_if_left_empty, run_folder
-from chatcore.cli.options import options_from_model
+from chatcore.cli.options import model_option, options_from_model
 from chatcore.cli.train import train_group
 from chatcore.decoding import (
     Candidate,
@@ -93,6 +94,7 @@ from chatcore.wordlists import WORDLIST_DIR, builtin_topics, check_word_sources,
 __all__ = [
     "registry_of",
     "options_from_model",
+    "model_option",
     "output_file",
     "output_folder",
     "run_folder",

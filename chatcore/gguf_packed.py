@@ -133,7 +133,7 @@ def pack_model_folder(model: Any, out: Path) -> dict[str, int]:
 def read_packed(folder: str | Path, dtype: Any) -> dict[str, Any]:
     """The folder's weights as a state dict in ``dtype``, de-quantizing the packed ones."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -149,9 +149,24 @@ def read_packed(folder: str | Path, dtype: Any) -> dict[str, Any]:
                     kind, shape = json.loads(packed)
                     tensor = dequantize_blocks(tensor, kind).reshape(shape)
                 state[name] = tensor.to(dtype)
-    except (OSError, ValueError, KeyError, RuntimeError) as error:
-        raise ModelLoadError(f"converted model {str(folder)!r} cannot be read: {error}") from error
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
+        raise ModelLoadError(damaged_folder(Path(folder), error)) from error
     return state
+
+
+def damaged_folder(folder: Path, error: BaseException) -> str:
+    """One line for a packed folder whose weights cannot be read, saying how to mend it: a
+    GGUF file's converted copy (in the cache) is removed and made anew on the next load; a
+    folder from ``chatcore models pack`` is packed again."""
+    from chatcore.gguf import cache_root
+
+    reason = " ".join(str(error).split()) or type(error).__name__
+    if folder.resolve().parent == cache_root().resolve():
+        return (
+            f"the converted copy of this GGUF model, {str(folder)!r}, is damaged ({reason}): remove it with "
+            f"`chatcore models rm {folder.name}` and the next load converts the GGUF file again"
+        )
+    return f"packed model {str(folder)!r} cannot be read ({reason}): pack it again with `chatcore models pack`"
 
 
 def dequantize_blocks(blocks: Any, kind: str) -> Any:

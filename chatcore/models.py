@@ -255,6 +255,7 @@ def load_model(
     path = resolve_model_path(name)
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(path, f"model {name!r}")
     with loading(name, path, f"model {name!r}"):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = load_causal_lm(path, torch_dtype)
@@ -276,6 +277,7 @@ def load_tokenizer(name: str | os.PathLike[str]) -> Any:
     path = str(folder) if folder.is_dir() and not (folder / "config.json").exists() else resolve_model_path(name)
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(path, f"a tokenizer from {name!r}", weights=False)
     with loading(name, path, f"a tokenizer from {name!r}", weights=False):
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
@@ -309,7 +311,26 @@ def loading(name: str, path: str, what: str, weights: bool = True) -> Iterator[N
 
 
 # Files a tokenizer is read from, and the endings of weight files, in transformers' folders.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
+
+
+def check_tokenizer_files(path: str, what: str, weights: bool = True) -> None:
+    """Refuse, in one line, a local folder with no tokenizer file (with whatever else
+    :func:`folder_problems` sees): transformers would build an empty tokenizer from it, and
+    the model would answer every prompt with nothing. Hub ids are left to the hub."""
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        problems = folder_problems(folder, weights)
+        raise ModelLoadError(f"cannot load {what}: the folder is not a usable model: {'; '.join(problems)}")
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 

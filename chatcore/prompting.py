@@ -236,9 +236,7 @@ def read_system_file(path: str) -> str:
         raise ChatcoreError(f"system prompt file {path!r} is not a file")
     data = file.read_bytes()
     if len(data) > 4 * MAX_SYSTEM_CHARS:
-        raise ChatcoreError(
-            f"system prompt file {path!r} is {len(data):,} bytes; the limit is {MAX_SYSTEM_CHARS:,} characters"
-        )
+        raise ChatcoreError(f"system prompt file {path!r} is longer than the limit of {MAX_SYSTEM_CHARS:,} characters")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:

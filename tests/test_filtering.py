@@ -282,6 +282,19 @@ def test_bad_config_files(tmp_path):
         load_filter_config(listed)
 
 
+@pytest.mark.parametrize("command", ["filter", "model"])
+def test_a_filter_config_that_is_not_utf8_text_is_one_line(tmp_path, command):
+    binary = tmp_path / "bin.dat"
+    binary.write_bytes(bytes(range(128, 256)) * 2)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"turns": ["hi", "hello"]}\n')
+    result = _cli(
+        "train", command, "--corpus", str(corpus), "--filter-config", str(binary), "--out", str(tmp_path / "out")
+    )
+    assert _one_line_error(result) == f"Error: filter config {binary}: not JSON text (not UTF-8 at byte 0)"
+    assert not (tmp_path / "out").exists()
+
+
 # -- thread trees and chat logs ----------------------------------------------------------
 
 
@@ -543,3 +556,43 @@ def test_a_byte_order_mark_reads_as_no_text_in_every_corpus_and_data_file(tmp_pa
     corpus = tmp_path / "marked-dialogues.jsonl"
     result = _cli("train", "filter", "--corpus", str(corpus), "--filter-disable", "bland,top-words")
     assert result.exit_code == 0, result.output
+
+
+def test_a_failed_tokenizer_run_leaves_no_empty_out_folder(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "tok"
+    result = _cli("train", "tokenizer", "--corpus", str(empty), "--no-filter", "--out", str(out))
+    assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        (["--tokenizer", "./no-such-tokenizer"], "'./no-such-tokenizer' does not exist"),
+        (["--init-from", "./no-such-model"], "'./no-such-model' does not exist"),
+        (["--tokenizer", "chatcore-tiny", "--n-positions", "64", "--block-size", "128"], "block size 128 exceeds"),
+        (["--init-from", "chatcore-tiny", "--block-size", "4096"], "block size 4096 exceeds"),
+    ],
+)
+def test_train_model_checks_its_tokenizer_model_and_block_size_before_filtering(tmp_path, options, needle):
+    """Refused before the corpus is filtered: no filter report is printed nor left in --out."""
+    corpus = _small_corpus(tmp_path / "corpus.jsonl")
+    out = tmp_path / "run"
+    result = _cli("train", "model", "--corpus", str(corpus), "--out", str(out), "--quiet", "--device", "cpu", *options)
+    assert needle in _one_line_error(result) and "filtering:" not in result.stdout, result.output
+    assert not out.exists()
+
+
+def test_fine_tuning_with_a_larger_tokenizer_than_the_models_embeddings_is_refused_first(tmp_path, tiny_model_dir):
+    corpus = _small_corpus(tmp_path / "corpus.jsonl")
+    out = tmp_path / "run"
+    arguments = ["train", "model", "--corpus", str(corpus), "--out", str(out), "--quiet", "--device", "cpu"]
+    arguments += ["--init-from", str(tiny_model_dir), "--tokenizer", "chatcore-tiny", "--block-size", "32"]
+    line = _one_line_error(_cli(*arguments))
+    assert line == (
+        "Error: --tokenizer's vocabulary (8,192) is larger than --init-from's embeddings (400): "
+        "give the tokenizer the model was trained with (or leave --tokenizer out)"
+    )
+    assert not out.exists()

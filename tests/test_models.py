@@ -557,3 +557,58 @@ def test_models_pack_refuses_a_folder_already_in_quantized_blocks_and_an_out_it_
         errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
         assert len(errors) == 1 and message in errors[0], result.stderr
     assert not (tmp_path / "again").exists()
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_not_answered_empty(tmp_path):
+    """transformers builds an empty tokenizer for a folder with weights but no tokenizer file:
+    the load is refused in one line instead of every reply coming back empty."""
+    folder = tmp_path / "notok"
+    folder.mkdir()
+    for file in (BUNDLED_DIR / "chatcore-tiny").iterdir():
+        if not file.name.startswith("tokenizer"):
+            (folder / file.name).write_bytes(file.read_bytes())
+    result = CliRunner().invoke(build_cli(), ["generate", "--model", str(folder), "--json", "hi"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code != 0, result.output
+    assert result.stderr == (
+        f"Error: cannot load model '{folder}': the folder is not a usable model: "
+        "it has no tokenizer file such as tokenizer.json\n"
+    )
+    with pytest.raises(ModelLoadError, match="no tokenizer file"):
+        from chatcore.models import load_tokenizer
+
+        load_tokenizer(str(folder))
+
+
+def test_a_damaged_packed_folder_says_how_to_mend_it(tmp_path, cache_home):
+    """A truncated packed.safetensors: in the cache (a GGUF file's converted copy) the line
+    names `chatcore models rm`; elsewhere (a `models pack` folder) packing again."""
+    converted = cache_home / "tiny-llama.F32-0123456789abcdef"
+    packed = tmp_path / "packed"
+    for folder in (converted, packed):
+        folder.mkdir(parents=True)
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            (folder / name).write_bytes((BUNDLED_DIR / "chatcore-tiny" / name).read_bytes())
+        (folder / "packed.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    result = CliRunner().invoke(build_cli(), ["generate", "--model", str(converted), "hi"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code != 0, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and f"the converted copy of this GGUF model, '{converted}', is damaged (" in lines[0]
+    assert lines[0].endswith(
+        f"remove it with `chatcore models rm {converted.name}` and the next load converts the GGUF file again"
+    )
+    with pytest.raises(ModelLoadError, match=r"packed model '.*packed' cannot be read \(.*\): pack it again"):
+        load_model(str(packed), device="cpu")
+
+
+def test_models_pack_refuses_a_gguf_file_before_converting_it_and_an_empty_out(llama_gguf, cache_home, tmp_path):
+    for args, message in (
+        ([str(llama_gguf), "--out", str(tmp_path / "packed")], "already keeps its weights in quantized blocks"),
+        (["smollm2", "--out", str(tmp_path / "packed")], "already keeps its weights in quantized blocks"),
+        (["chatcore-tiny", "--out", ""], "--out is empty; name a new folder"),
+    ):
+        result = CliRunner().invoke(build_cli(), ["models", "pack", *args], catch_exceptions=True)
+        assert isinstance(result.exception, SystemExit) and result.exit_code != 0, result.exception
+        errors = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(errors) == 1 and message in errors[0], result.stderr
+    assert not cache_home.exists() or not any(cache_home.iterdir())  # nothing was converted
+    assert not (tmp_path / "packed").exists()

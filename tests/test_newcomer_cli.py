@@ -500,3 +500,10 @@ async def test_the_discord_bot_says_what_it_answered_in_words_when_it_stops(
     stopped = [record.getMessage() for record in caplog.records if record.getMessage().startswith("stopped")]
     assert stopped == (["stopped: 2 replies sent, 1 failed"] if answered else [])
     assert not any("BotStats(" in record.getMessage() for record in caplog.records)
+
+
+def test_the_personas_help_says_the_list_joins_a_personas_lines(run, data_home):
+    """The list shows each persona on one line, its lines joined: the help says so."""
+    assert run("personas", "add", "poet", "Speak in verse.\nKeep it short.").exit_code == 0
+    assert run("personas").stdout == "poet  Speak in verse. Keep it short.\n"
+    assert "each with the start of its text (its lines joined)" in " ".join(run("personas", "--help").stdout.split())

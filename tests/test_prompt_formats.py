@@ -325,3 +325,11 @@ def test_a_message_whose_reply_failed_joins_the_next_one_so_a_strict_template_go
     reply.text()
     assert reply.error is None and [t.role for t in conversation.turns] == ["user", "user", "bot"]
     assert [(m.role, m.text) for m in conversation.messages()][:1] == [("user", "first, whose reply failed\n\nsecond")]
+
+
+def test_a_system_prompt_file_far_over_the_limit_is_measured_in_characters(tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 1_080_001, encoding="utf-8")
+    with pytest.raises(ChatcoreError) as caught:
+        read_system_file(str(big))
+    assert str(caught.value) == f"system prompt file {str(big)!r} is longer than the limit of 32,000 characters"

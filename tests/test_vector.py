@@ -156,7 +156,7 @@ def test_built_in_pairs_steer_a_llama_family_model(tiny_llama, host):
         ({"pairs": "food", "path": "x"}, "vector needs one source"),
         ({"pairs": "weather"}, "`pairs` must be one of food, happy, sports"),
         ({"pairs": "food", "strength": 10}, "`strength` must be between -4 and 4"),
-        ({"pairs": "food", "layer": 7}, "`layer` must be between 0 and 1 on this model, got 7"),
+        ({"pairs": "food", "layer": 7}, "^steerer 'vector': `layer` must be between 0 and 1 on this model, got 7$"),
         ({"path": "/no/such/vector"}, "/no/such/vector.safetensors does not exist"),
     ],
 )
@@ -210,6 +210,39 @@ def test_train_vector_input_errors_are_one_line(tiny_model_dir, tmp_path):
         )
         assert result.exit_code != 0
         assert message in result.output and result.output.count("\n") == 1, result.output
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("", "a steering vector's path needs a name (e.g. `formal`), got ''"),
+        (
+            "{tmp}/missing/v",
+            "cannot write --out '{tmp}/missing/v.safetensors': the folder '{tmp}/missing' does not exist",
+        ),
+    ],
+)
+def test_train_vector_refuses_an_out_without_a_name_or_folder_before_any_work(tmp_path, monkeypatch, out, message):
+    import chatcore.api
+
+    monkeypatch.setattr(chatcore.api, "load_model", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    result = CliRunner().invoke(
+        build_cli(),
+        ["train", "vector", "--model", "chatcore-tiny", "--pairs", "food", "--out", out.format(tmp=tmp_path)],
+    )
+    assert isinstance(result.exception, SystemExit) and result.exit_code != 0, result.exception
+    assert result.stderr == f"Error: {message.format(tmp=tmp_path)}\n"
+    assert not (tmp_path / "missing").exists()
+
+
+def test_train_vector_defaults_to_the_model_generate_loads(tiny_model_dir, contrast_files, tmp_path, monkeypatch):
+    """No --model: the vector is made on the default model of chat and generate ($CHATCORE_MODEL here)."""
+    monkeypatch.setenv("CHATCORE_MODEL", str(tiny_model_dir))
+    positive, negative = contrast_files
+    arguments = ["train", "vector", "--positive", str(positive), "--negative", str(negative)]
+    result = CliRunner().invoke(build_cli(), [*arguments, "--out", str(tmp_path / "food")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "food.json").read_text())["model_name"] == str(tiny_model_dir)
 
 
 @pytest.mark.slow

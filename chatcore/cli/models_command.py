@@ -192,17 +192,30 @@ def remove(target: str, yes: bool) -> None:
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
+ALREADY_PACKED = (
+    "already keeps its weights in quantized blocks (a packed folder or a converted GGUF "
+    "file): packing it again would only add size or error"
+)
+
+
 @models.command("pack")
 @click.argument("model")
-@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="The new folder (must not exist).")
-def pack(model: str, out: Path) -> None:
+@click.option("--out", "out_text", required=True, type=click.Path(), help="The new folder (must not exist).")
+def pack(model: str, out_text: str) -> None:
     """Store a model folder's weight matrices in 8 bits (GGUF's Q8_0 blocks): about half the size
     of float16. MODEL is a model folder or a bundled model's name. The packed folder loads like any
     other (`--model OUT`); the command shows how far packing moved the model's scores."""
-    from chatcore.models import resolve_model_path
+    from chatcore.gguf import is_gguf_path
+    from chatcore.models import KNOWN_MODELS, resolve_model_path
 
+    if not out_text.strip():
+        raise OptionError("--out is empty; name a new folder")
+    out = Path(out_text)
     if out.exists():
         raise OptionError(f"--out {str(out)!r} already exists; name a new folder")
+    if model in KNOWN_MODELS or (is_gguf_path(model) and Path(model).expanduser().is_file()):
+        # Refused before the GGUF file is converted: its converted folder is packed already.
+        raise OptionError(f"{model!r} {ALREADY_PACKED}")
     source = Path(resolve_model_path(model))
     if not source.is_dir():
         raise OptionError(
@@ -213,10 +226,7 @@ def pack(model: str, out: Path) -> None:
     from chatcore.models import load_model, quiet_loading
 
     if is_packed_folder(source):
-        raise OptionError(
-            f"{model!r} already keeps its weights in quantized blocks (a packed folder or a converted GGUF "
-            "file): packing it again would only add size or error"
-        )
+        raise OptionError(f"{model!r} {ALREADY_PACKED}")
     staging = out.with_name(f".{out.name}.packing")
     try:
         shutil.rmtree(staging, ignore_errors=True)

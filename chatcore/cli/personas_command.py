@@ -10,7 +10,7 @@ import click
 def personas(ctx: click.Context) -> None:
     """Saved system prompts, used with `--persona NAME` on chat, generate, serve and discord.
 
-    Without a subcommand: list them, with the first line of each.
+    Without a subcommand: list them, each with the start of its text (its lines joined).
     """
     if ctx.invoked_subcommand is not None:
         return

@@ -169,15 +169,17 @@ def train_tokenizer(
     force: bool,
 ) -> None:
     """Train a byte-level BPE tokenizer on the (filtered) training split."""
+    from chatcore.cli.files import removed_if_left_empty
     from chatcore.training.pipeline import train_tokenizer_command
 
     config = None if no_filter else build_filter_config(filter_config, filter_disable, filter_set)
     if filter_report:
         check_output(filter_report, "--filter-report", corpus, replace=force)
-    check_tokenizer_folder(out_dir, replace=force)
-    path = train_tokenizer_command(
-        corpus, out_dir, vocab_size, heldout, filter_config=config, on_filter_report=report_writer(filter_report)
-    )
+    with removed_if_left_empty(out_dir):  # a run that fails leaves no empty --out behind
+        check_tokenizer_folder(out_dir, replace=force)
+        path = train_tokenizer_command(
+            corpus, out_dir, vocab_size, heldout, filter_config=config, on_filter_report=report_writer(filter_report)
+        )
     click.echo(f"tokenizer saved to {path}")
 
 

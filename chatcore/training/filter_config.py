@@ -129,11 +129,16 @@ def load_filter_config(path: str | Path, base: FilterConfig | None = None) -> Fi
     path = Path(path)
     if not path.is_file():
         raise OptionError(f"filter config not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    kind = "TOML" if path.suffix == ".toml" else "JSON"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise OptionError(f"filter config {path}: not {kind} text (not UTF-8 at byte {error.start})") from None
+    except OSError as error:
+        raise OptionError(f"filter config {path}: cannot be read ({error.strerror or error})") from None
     try:
         values = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as error:
-        kind = "TOML" if path.suffix == ".toml" else "JSON"
         raise OptionError(f"filter config {path}: not valid {kind} ({error})") from None
     if not isinstance(values, dict):
         raise OptionError(f"filter config {path}: expected an object of settings")

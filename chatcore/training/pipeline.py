@@ -18,7 +18,15 @@ from chatcore.training.accelerated import check_precision, checkpoint_to_resume,
 from chatcore.training.corpus import Dialogue
 from chatcore.training.filtering import FilterConfig, FilterReport
 from chatcore.training.threads import load_dialogues, split_heldout_by_thread
-from chatcore.training.trainer import ModelShape, TrainConfig, TrainResult, build_model, train
+from chatcore.training.trainer import (
+    ModelShape,
+    TrainConfig,
+    TrainResult,
+    build_model,
+    check_block_size,
+    check_trainable,
+    train,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -72,6 +80,55 @@ def _load_tokenizer(name: str) -> Any:
     return load_tokenizer(name)
 
 
+def _fine_tuned(init_from: str, tokenizer_path: str | None, block_size: int) -> tuple[Any, nn.Module]:
+    """The tokenizer (``tokenizer_path``'s, else the model's own) and the model ``init_from``
+    names, loaded to fine-tune; refused in one line where the model cannot train blocks of
+    ``block_size`` or the tokenizer has ids the model has no embedding for."""
+    from chatcore.models import load_causal_lm, quiet_loading, resolve_model_path
+
+    source = resolve_model_path(init_from)
+    tokenizer = _load_tokenizer(tokenizer_path or source)
+    try:
+        with quiet_loading():
+            model = load_causal_lm(source, "float32")
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot load {init_from!r} to fine-tune: {error}") from error
+    check_trainable(model, block_size)
+    if tokenizer_path:
+        check_vocabulary(len(tokenizer), model)
+    return tokenizer, model
+
+
+def check_vocabulary(size: int, model: Any) -> None:
+    """Refuse, in one line, a ``--tokenizer`` with more ids than the model to fine-tune has
+    embeddings: its higher ids would index past them in the middle of training."""
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", None)
+    if isinstance(rows, int) and size > rows:
+        raise ChatcoreError(
+            f"--tokenizer's vocabulary ({size:,}) is larger than --init-from's embeddings ({rows:,}): "
+            "give the tokenizer the model was trained with (or leave --tokenizer out)"
+        )
+
+
+def _corpus_tokenizer(train_set: list[Dialogue], out_path: Path, device: str | None, vocab_size: int) -> Any:
+    """A tokenizer trained on the training split; under torchrun rank 0 trains and saves it
+    in ``out_path``/tokenizer and the other ranks load it from there."""
+    from chatcore.training.tokenizer import train_tokenizer
+
+    context = distributed_context()
+    if not context.enabled:
+        return train_tokenizer((t for d in train_set for t in d.turns), vocab_size=vocab_size)
+    processes = process_state(device)
+    shared_path = out_path / "tokenizer"
+    if context.is_main:
+        train_tokenizer((t for d in train_set for t in d.turns), vocab_size=vocab_size).save_pretrained(
+            str(shared_path)
+        )
+    processes.wait_for_everyone()
+    return _load_tokenizer(str(shared_path))
+
+
 def train_model_command(
     corpus: str,
     config: TrainConfig,
@@ -98,6 +155,16 @@ def train_model_command(
     check_precision(config.precision, config.device)  # before the corpus loads
     if resume:
         checkpoint_to_resume(Path(config.out_dir))  # refuses a missing or old checkpoint before any work
+    # The tokenizer and the model to fine-tune load before the corpus is filtered, so that a
+    # bad --tokenizer, --init-from or --block-size is refused before any work.
+    tokenizer: Any = None
+    model: nn.Module | None = None
+    if init_from:
+        tokenizer, model = _fine_tuned(init_from, tokenizer_path, config.block_size)
+    else:
+        check_block_size(config.block_size, shape.n_positions)
+        if tokenizer_path:
+            tokenizer = _load_tokenizer(tokenizer_path)
     train_set, heldout_set, report = training_dialogues(
         corpus, heldout, filter_config, on_filter_report if context.is_main else None
     )
@@ -110,35 +177,9 @@ def train_model_command(
         out_path.mkdir(parents=True, exist_ok=True)
         if report is not None:
             (out_path / "filter_report.json").write_text(json.dumps(report.to_dict(), indent=2))
-    model: nn.Module
-    if init_from:
-        from chatcore.models import load_causal_lm, quiet_loading, resolve_model_path
-
-        source = resolve_model_path(init_from)
-        tokenizer = _load_tokenizer(tokenizer_path or source)
-        try:
-            with quiet_loading():
-                model = load_causal_lm(source, "float32")
-        except (OSError, ValueError) as error:
-            raise ModelLoadError(f"cannot load {init_from!r} to fine-tune: {error}") from error
-    else:
-        if tokenizer_path:
-            tokenizer = _load_tokenizer(tokenizer_path)
-        elif context.enabled:
-            processes = process_state(config.device)
-            shared_path = out_path / "tokenizer"
-            if context.is_main:
-                from chatcore.training.tokenizer import train_tokenizer
-
-                train_tokenizer((t for d in train_set for t in d.turns), vocab_size=vocab_size).save_pretrained(
-                    str(shared_path)
-                )
-            processes.wait_for_everyone()
-            tokenizer = _load_tokenizer(str(shared_path))
-        else:
-            from chatcore.training.tokenizer import train_tokenizer
-
-            tokenizer = train_tokenizer((t for d in train_set for t in d.turns), vocab_size=vocab_size)
+    if model is None:
+        if tokenizer is None:
+            tokenizer = _corpus_tokenizer(train_set, out_path, config.device, vocab_size)
         import torch
 
         torch.manual_seed(config.seed)  # the initial weights: --seed makes a run from scratch repeatable

@@ -141,7 +141,11 @@ def check_trainable(model: Any, block_size: int) -> None:
         raise ChatcoreError(f"{name} is not a causal language model with an LM head; chatcore trains only those")
     if not any(p.requires_grad for p in model.parameters()):
         raise ChatcoreError(f"{name} has no trainable weights (a quantized model cannot be fine-tuned here)")
-    positions = max_positions_of(config)
+    check_block_size(block_size, max_positions_of(config))
+
+
+def check_block_size(block_size: int, positions: int) -> None:
+    """Refuse, in one line, blocks longer than the model's ``positions``."""
     if block_size > positions:
         raise ChatcoreError(
             f"block size {block_size} exceeds the model's {positions} positions: use --block-size {positions} or less"

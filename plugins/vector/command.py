@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
+
+from chatcore.api import model_option
 
 from .vectors import BUILTIN_PAIRS
 
 
 @click.command("vector")
-@click.option("-m", "--model", default="chatcore-tiny", show_default=True, help="The model to read activations from.")
+@model_option
 @click.option(
     "--positive",
     type=click.Path(dir_okay=False),
@@ -38,7 +42,7 @@ from .vectors import BUILTIN_PAIRS
     "out_path",
     required=True,
     type=click.Path(dir_okay=False),
-    help="Where to write the vector: OUT.safetensors and OUT.json.",
+    help="Where to write the vector: OUT.safetensors and OUT.json (in a folder that exists).",
 )
 @click.option("--device", default=None, help="auto, cpu, cuda, cuda:N or mps.")
 @click.option("--force", is_flag=True, help="Replace an existing vector at --out.")
@@ -55,8 +59,9 @@ def train_vector_command(
     """Make a steering vector: the mean residual activation of the --positive texts minus that of
     the --negative texts after block --layer (contrastive activation addition).
 
-    The vector is saved with the model's hash; `--steer "vector path=OUT strength=0.15"` refuses it
-    on any other model.
+    The model is the one chat and generate load when none is named (--model), so the vector
+    fits them. The vector is saved with the model's hash; `--steer "vector path=OUT strength=0.15"`
+    refuses it on any other model.
     """
     from chatcore.api import OptionError, load_model, output_file
 
@@ -72,9 +77,10 @@ def train_vector_command(
         raise OptionError("give --positive FILE and --negative FILE (or --pairs NAME)")
     else:
         positive_file, negative_file = positive, negative
-    towards, away = read_texts(positive_file), read_texts(negative_file)
     for written in vector_files(out_path):  # before the model loads and the texts run
+        check_vector_folder(written)
         output_file(str(written), replace=force)
+    towards, away = read_texts(positive_file), read_texts(negative_file)
     loaded = load_model(model, device=device)
     found = build_vector(
         loaded, towards, away, layer, (positive_file, negative_file), progress=lambda line: click.echo(line, err=True)
@@ -85,3 +91,16 @@ def train_vector_command(
         f"wrote {tensors} and {meta}: layer {info.layer}, norm {info.norm:.4g} "
         f"(residual norm there {info.residual_norm:.4g}), model {info.model_name} hash {info.model_hash}"
     )
+
+
+def check_vector_folder(path: Path) -> None:
+    """Refuse, in one line, a vector file whose folder does not exist (it is not made)."""
+    from chatcore.api import OptionError
+
+    folder = path.parent
+    if folder.is_dir():
+        return
+    above = next((parent for parent in path.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():
+        raise OptionError(f"cannot write --out {str(path)!r}: {str(above)!r} is not a folder")
+    raise OptionError(f"cannot write --out {str(path)!r}: the folder {str(folder)!r} does not exist")

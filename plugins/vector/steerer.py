@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, model_validator
 
-from chatcore.api import OnThisMachine, Settings, Steerer, Step, StepOutput, StepState, anatomy_of
+from chatcore.api import OnThisMachine, OptionError, Settings, Steerer, Step, StepOutput, StepState, anatomy_of
 
 from .vectors import (
     BUILTIN_PAIRS,
@@ -115,6 +115,8 @@ class VectorSteerer(Steerer):
         """Read the vector (refused in one line if it was made for another model) or build it from
         the built-in pairs; check the layer against the model."""
         n_layer = anatomy_of(model.model).n_layer
+        if settings.layer is not None:  # before a built-in set's vector is made at that layer
+            cls.check_layer(settings.layer, n_layer)
         if settings.path is not None:
             found = load_vector(settings.path)
             check_model(found, model, settings.path)
@@ -127,12 +129,20 @@ class VectorSteerer(Steerer):
             )
             source = f"pairs:{settings.pairs}"
         layer = found.info.layer if settings.layer is None else settings.layer
-        check_layer(layer, n_layer)
+        cls.check_layer(layer, n_layer)
         measured = found.info.residual_norm
         if measured is None or layer != found.info.layer:
             measured = residual_norm(model, layer)
         vector = found.vector.to(model.device, model.dtype)
         return Prepared(layer, vector, source, found.info.norm, measured)
+
+    @classmethod
+    def check_layer(cls, layer: int, n_layer: int) -> None:
+        """:func:`check_layer`, its error named with the steerer as the other setting errors are."""
+        try:
+            check_layer(layer, n_layer)
+        except OptionError as error:
+            raise OptionError(f"steerer {cls.name!r}: {error}") from None
 
     def prepare(self, session: "GenerationSession") -> None:
         prepared = self.shared if isinstance(self.shared, Prepared) else self.setup(session.model, self.settings)

@@ -202,8 +202,11 @@ def build_vector(
 
 
 def vector_files(path: str | Path) -> tuple[Path, Path]:
-    """``x``, ``x.safetensors`` or ``x.json`` -> (``x.safetensors``, ``x.json``)."""
+    """``x``, ``x.safetensors`` or ``x.json`` -> (``x.safetensors``, ``x.json``); a path with
+    no name (empty, ``.``, a folder's ``x/..``) is one OptionError line."""
     base = Path(path).expanduser()
+    if not base.name or base.name == "..":
+        raise OptionError(f"a steering vector's path needs a name (e.g. `formal`), got {str(path)!r}")
     if base.suffix in (".safetensors", ".json"):
         base = base.with_suffix("")
     return base.with_name(base.name + ".safetensors"), base.with_name(base.name + ".json")
