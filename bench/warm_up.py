@@ -7,7 +7,7 @@ Under ``CHATCORE_FAST_PATH=compile`` (default here) a scheduler warms the fast p
 take requests) and then serves requests of every kind the warm-up stands for: one alone,
 one continuing a conversation with a long message, a batch of three, a full batch of
 long prompts, a reply growing past the key/value columns allocated so far, prompts longer
-than a prefill chunk, and sampled replies with log-probabilities. It
+than a prefill chunk, sampled replies with log-probabilities, and a PPLM reply. It
 prints the graphs torch.compile made (``unique_graphs``) and the seconds taken, for the
 warm-up and for the requests after it: the goal is that the requests compile nothing.
 With ``--no-warm-up`` the same requests run cold, for the comparison.
@@ -38,7 +38,7 @@ def main() -> None:
     from chatcore.serving import Scheduler
     from chatcore.serving.warm_up import LONG_MESSAGE, warm_up
 
-    engine = load_engine(args)
+    engine = load_engine(args, "chatcore.plugins.pplm.plugin")  # PPLM: a steered reply after the warm-up
 
     def graphs() -> int:
         return int(counters["stats"]["unique_graphs"])
@@ -74,6 +74,8 @@ def main() -> None:
         # Sampled, with log-probabilities, beside a greedy reply.
         sampled = {"decoder": "top-k", "decoder_settings": {"top_k": 20}, "logprobs": 3}
         run(scheduler, [[Message("user", "what is your favourite food?")], [Message("user", "and drink?")]], **sampled)
+        # A steered reply (PPLM's layers are compiled under ``compile``; its hook warms them up).
+        run(scheduler, [[Message("user", "what do you like to cook?")]], steerers=[("pplm", {"topic": "food"})])
         print(
             f"requests after it: {graphs() - before} graphs compiled in {time.perf_counter() - start:.1f} s "
             f"(all graphs {graphs()})",

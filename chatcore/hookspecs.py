@@ -112,6 +112,23 @@ def on_response(conversation: Conversation, response: Response) -> None:
 
 
 @hookspec
+def warm_up_steerers(model: LoadedModel) -> list[tuple[str, dict[str, Any]]] | None:
+    """Steerers to run once before a server takes requests (``chatcore serve``, the Discord
+    bot), so that what they compile or capture on the fast path is ready before a user's
+    request needs it.
+
+    Return the steerers as ``ReplyOptions.steerers`` takes them, ``(name, settings)``
+    pairs, each for a reply of its own, or None. Called only where the server warms its
+    fast path up (see ``chatcore.api.fast_path_mode``), after the batch's own passes are
+    ready; return None unless there is something to make (the built-in PPLM returns
+    itself under ``CHATCORE_FAST_PATH=compile``, where its layers are compiled at their
+    first steered reply). Each runs a reply of a few tokens to a made-up message: logged
+    nowhere, counted nowhere, shown to no hook. One that fails is reported in one line,
+    and the server starts anyway.
+    """
+
+
+@hookspec
 def register_prompt_sets(register: Callable[[str, Callable[[], list[Any]]], None]) -> None:
     """Register prompt sets for ``chatcore eval`` by calling ``register(name, loader)``.
 

@@ -29,9 +29,9 @@ def hook_names() -> list[str]:
 
 
 def signature_text(name: str) -> str:
-    function = getattr(hookspecs, name)
-    parameters = ", ".join(f"{p.name}: {p.annotation}" for p in inspect.signature(function).parameters.values())
-    return f"def {name}({parameters}) -> None"
+    signature = inspect.signature(getattr(hookspecs, name))
+    parameters = ", ".join(f"{p.name}: {p.annotation}" for p in signature.parameters.values())
+    return f"def {name}({parameters}) -> {signature.return_annotation}"
 
 
 def test_there_are_hooks() -> None:
@@ -191,6 +191,36 @@ def test_hook_on_user_message(engine) -> None:
     conversation = engine.conversation()
     engine.add_user(conversation, "hello\tthere")
     assert seen == [(conversation.id, "user", "hello\tthere", 1, engine.loaded)]
+
+
+def test_hook_warm_up_steerers(engine, monkeypatch) -> None:
+    """A server's warm-up asks plugins for steerers to warm up and runs one reply with each,
+    after the batch's own replies (here on the CPU's eager fast path, where nothing compiles)."""
+    from chatcore.serving import Scheduler, static_step
+    from chatcore.serving.warm_up import warm_up
+
+    asked = []
+
+    class Plugin:
+        @chatcore.hookimpl
+        def warm_up_steerers(self, model):
+            asked.append(model)
+            return [("bow-bias", {"topic": "food"})]
+
+    engine.host.register(Plugin(), "warmer")
+    monkeypatch.setenv(static_step.FAST_PATH_ENV, "on")
+    submitted = []
+    submit = Scheduler.submit
+
+    def spy(self, messages, options=None, *rest, **keywords):
+        submitted.append(options.steerers)
+        return submit(self, messages, options, *rest, **keywords)
+
+    monkeypatch.setattr(Scheduler, "submit", spy)
+    with Scheduler(engine, max_batch=1) as scheduler:
+        assert warm_up(scheduler) is not None
+    assert asked == [engine.loaded]
+    assert submitted[-1] == [("bow-bias", {"topic": "food"})] and all(not s for s in submitted[:-1])
 
 
 def test_hook_on_response(engine) -> None:

@@ -134,3 +134,46 @@ def test_after_a_compiled_warm_up_requests_compile_nothing_and_equal_generate(ll
             assert handle.wait(600) and handle.error is None
     assert [handle.token_ids for handle in handles] == expected
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_steerers_plugins_name_are_warmed_up_and_one_that_fails_is_one_line(llama_engine, monkeypatch):
+    """Under ``compile`` the warm-up runs a reply with each steerer a plugin's
+    ``warm_up_steerers`` names: PPLM's compiled layers are made then, not at a user's first
+    steered reply. A steerer that fails is told in one line, and the warm-up goes on.
+    (torch.compile is replaced by the function itself: what is compiled is checked, not
+    compiled, which takes minutes on the CPU.)"""
+    import torch
+
+    from chatcore import hookimpl
+    from chatcore.plugins.pplm import compiled as pplm_compiled
+    from chatcore.plugins.pplm import plugin as pplm_plugin
+
+    class Broken:
+        @hookimpl
+        def warm_up_steerers(self, model):
+            return [("no-such-steerer", {})]
+
+    monkeypatch.setenv(FAST_PATH_ENV, "compile")
+    monkeypatch.setattr(torch, "compile", lambda function, **settings: function)
+    monkeypatch.setattr(pplm_compiled, "_compiled", {})
+    monkeypatch.setattr(pplm_compiled, "_failed", False)
+    engine = make_engine(llama_engine.loaded, pplm_plugin, Broken())
+    said: list[str] = []
+    with Scheduler(engine, max_batch=2) as scheduler:
+        warmed = warm_up(scheduler, said.append)
+        assert len(scheduler.prefix_cache) == 0
+    assert warmed is not None
+    assert {name for _, name in pplm_compiled._compiled} == {"project", "finish"}
+    problems = [line for line in said if "no-such-steerer" in line]
+    assert len(problems) == 1 and "plugin Broken" in problems[0] and "\n" not in problems[0]
+    assert said[-1].startswith("warmed up in")
+
+
+def test_off_compile_no_steerer_is_warmed_up(llama_engine, monkeypatch, steps_seen):
+    """PPLM compiles nothing under ``on``: its hook names nothing, and the warm-up runs no steered reply."""
+    from chatcore.plugins.pplm.plugin import warm_up_steerers
+
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    assert warm_up_steerers(llama_engine.loaded) is None
+    monkeypatch.setenv(FAST_PATH_ENV, "compile")
+    assert warm_up_steerers(llama_engine.loaded) == [("pplm", {"topic": "food"})]

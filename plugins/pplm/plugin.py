@@ -156,6 +156,23 @@ def register_steerers(register: Callable[[type], None]) -> None:
     register(PPLMSteerer)
 
 
+@chatcore.hookimpl
+def warm_up_steerers(model: LoadedModel) -> list[tuple[str, dict[str, Any]]] | None:
+    """Under ``CHATCORE_FAST_PATH=compile`` PPLM's runner compiles its layers at their first
+    steered reply (:mod:`chatcore.plugins.pplm.compiled`): a server runs one before it takes
+    requests. Nothing to warm up otherwise, or where the runner cannot run the model (PPLM
+    then runs the model's own passes)."""
+    from chatcore.api import fast_path_mode
+
+    if fast_path_mode() != "compile":
+        return None
+    from .runner import unsupported_reason
+
+    if unsupported_reason(model.model) is not None:
+        return None
+    return [("pplm", {"topic": "food"})]
+
+
 @chatcore.hookimpl(trylast=True)
 def register_commands(cli: Any) -> None:
     from chatcore.api import train_group
