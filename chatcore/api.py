@@ -58,7 +58,7 @@ from chatcore.decoding import (
 from chatcore.errors import ChatcoreError, CorpusError, ModelLoadError, OptionError
 from chatcore.evaluation.metrics import contains_any, is_degenerate
 from chatcore.evaluation.prompts import EvalContext
-from chatcore.fast_path_setting import fast_path_mode
+from chatcore.fast_path_setting import compile_failure, fast_path_mode
 from chatcore.hookspecs import hookimpl
 from chatcore.models import (
     BUNDLED_DIR,
@@ -146,6 +146,7 @@ __all__ = [
     "contains_any",
     "encode_text",
     "fast_path_mode",
+    "compile_failure",
     "hookimpl",
     "is_degenerate",
     "load_model",

@@ -19,3 +19,10 @@ def fast_path_mode() -> str:
     if mode not in FAST_PATH_MODES:
         raise ChatcoreError(f"{FAST_PATH_ENV} must be one of {', '.join(FAST_PATH_MODES)}, got {mode!r}")
     return mode
+
+
+def compile_failure(error: BaseException) -> str:
+    """Why compiling failed, in one line: the error's type and the first line of its message
+    (torch appends paragraphs of advice to what it raises)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -22,7 +22,7 @@ import threading
 import weakref
 from typing import Any
 
-from chatcore.fast_path_setting import fast_path_mode
+from chatcore.fast_path_setting import compile_failure, fast_path_mode
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ class PromptPass:
             # model fails uncompiled too, the prompt is at fault (its error is raised), not
             # the compiler, which is kept.
             output = model(**arguments)
-            log.warning("fast path: compiling the prompt pass failed, running it uncompiled: %s", error)
+            log.warning(
+                "fast path: compiling the prompt pass failed, running it uncompiled: %s", compile_failure(error)
+            )
             self.compiled, self._pass = False, None
             return output
         self.compiled_passes += 1

@@ -54,7 +54,7 @@ from chatcore.decoding import to_device
 from chatcore.errors import ChatcoreError
 from chatcore.fast_path_setting import FAST_PATH_ENV as FAST_PATH_ENV
 from chatcore.fast_path_setting import FAST_PATH_MODES as FAST_PATH_MODES
-from chatcore.fast_path_setting import fast_path_mode
+from chatcore.fast_path_setting import compile_failure, fast_path_mode
 
 if TYPE_CHECKING:
     import torch
@@ -247,7 +247,9 @@ class StaticStep:
             if not self.compiled:
                 raise
             # No compiler on this machine, or a model torch.compile cannot take: uncompiled from now on.
-            log.warning("fast path: compiling the decode step failed, running it uncompiled: %s", error)
+            log.warning(
+                "fast path: compiling the decode step failed, running it uncompiled: %s", compile_failure(error)
+            )
             self.compiled, self._pass = False, None
             output = self.model(**arguments)
         logits: torch.Tensor = output.logits

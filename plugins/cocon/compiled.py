@@ -23,6 +23,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from chatcore.api import compile_failure
+
 if TYPE_CHECKING:
     from .model_split import SplitModel
 
@@ -57,7 +59,9 @@ class CompiledHalf:
     def give_up(self, error: BaseException) -> None:
         """Run uncompiled from now on; the first half of a model to give up warns."""
         if not self.warned[0]:
-            log.warning("cocon: compiling the frozen model's halves failed, running them uncompiled: %s", error)
+            log.warning(
+                "cocon: compiling the frozen model's halves failed, running them uncompiled: %s", compile_failure(error)
+            )
         self.warned[0] = True
         self.compiled = None
 

@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from chatcore.api import compile_failure
+
 if TYPE_CHECKING:
     import torch
 
@@ -54,13 +56,16 @@ def _call(layer: Layer, name: str, *arguments: Any) -> Any:
 
             if not _compiled:
                 log.warning(COMPILING)  # the first steered reply waits for it: say why
-            compiled = _compiled[key] = torch.compile(eager, dynamic=False)
+            compiled = _compiled[key] = torch.compile(eager, dynamic=None)  # rows symbolic once a second count comes
     try:
         return compiled(layer, *arguments)
     except Exception as error:
         result = eager(layer, *arguments)  # fails too where the input is at fault: raised as it is
         if not _failed:
-            log.warning("pplm: compiling the perturbed passes' layers failed, running them uncompiled: %s", error)
+            log.warning(
+                "pplm: compiling the perturbed passes' layers failed, running them uncompiled: %s",
+                compile_failure(error),
+            )
         _failed = True
         return result
 
