@@ -14,8 +14,9 @@ stays as it is.
 Each layer class's two functions are compiled once per process with the weights as
 inputs, so every layer of every model of that class shares their graphs (one per width,
 with gradients or without, for one row and for several: the rows are read as a symbolic
-size once a second count comes, so that MMI's candidates do not compile a graph each). A compile that fails (no compiler on the
-machine, a module torch.compile cannot take) logs one warning, and every layer runs
+size once a second count comes, so that MMI's candidates do not compile a graph each). A
+compile that fails (no compiler on the machine, a module torch.compile cannot take) logs
+one warning, and every layer runs
 uncompiled from then on; a failure the uncompiled layer has too is the input's, raised
 as it is.
 """
