@@ -78,9 +78,11 @@ class ChatcoreGroup(click.Group):
 
 
 def one_line_error(error: BaseException) -> str:
-    """``error`` as ``Type: message``, on one line."""
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    """``error`` as ``Type: message``, on one line (:func:`chatcore.models.one_line`)."""
+    from chatcore.models import one_line
+
+    text = one_line(error)
+    return text if text == type(error).__name__ else f"{type(error).__name__}: {text}"
 
 
 SETTING_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*=\S*")
