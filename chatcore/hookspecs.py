@@ -83,8 +83,10 @@ def register_commands(cli: click.Group) -> None:
     Called once when the CLI is built, before arguments are parsed, so an
     implementation must not import torch or other heavy modules at this point
     (``chatcore --help`` stays instant): import them inside the command's body.
-    Use ``cli.add_command(...)`` or the ``@cli.command()`` decorator.
-    The return value is ignored.
+    Use ``cli.add_command(...)`` or the ``@cli.command()`` decorator; a command can go
+    inside chatcore's groups too (``cli.commands["train"]``). A name already taken is
+    refused and reported as this plugin's problem; an error the command raises is shown
+    as one line naming the plugin. The return value is ignored.
     """
 
 

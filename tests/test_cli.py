@@ -677,3 +677,55 @@ def test_a_plugin_cannot_take_a_built_in_commands_name(command):
         "\n".join(problems)
     )
     assert "boom" in group.commands  # the plugin's other commands are added
+
+
+class NestedCommands:
+    @chatcore.hookimpl
+    def register_commands(self, cli):
+        train = cli.commands["train"]
+
+        @train.command("boom")
+        def boom() -> None:
+            raise RuntimeError("it went off")
+
+        @train.command("model")
+        def model() -> None:
+            click.echo("the plugin's train model")
+
+        @train.group("extra")
+        def extra() -> None:
+            pass
+
+        @extra.command("deep")
+        def deep() -> None:
+            raise ValueError("deeper")
+
+
+@pytest.fixture
+def cli_built_again():
+    """chatcore's groups without the test's plugin's commands afterwards (they are module-wide)."""
+    from chatcore import plugin_manager
+
+    yield
+    plugin_manager.set_plugin_host(None)
+    build_cli()
+    assert "boom" not in build_cli().commands["train"].commands
+
+
+def test_a_plugin_command_inside_a_built_in_group_fails_in_one_line_and_takes_no_name(monkeypatch, cli_built_again):
+    host = plugin_host_with(NestedCommands(), "nested-test")
+    for _ in range(2):  # a group built again settles the same way
+        group = build_cli()
+    assert_clean_failure(
+        CliRunner().invoke(group, ["train", "boom"]),
+        "'train boom'",
+        "plugin 'nested-test'",
+        "RuntimeError: it went off",
+    )
+    assert_clean_failure(CliRunner().invoke(group, ["train", "extra", "deep"]), "'train extra'", "ValueError: deeper")
+    taken = CliRunner().invoke(group, ["train", "model", "--help"])
+    assert taken.exit_code == 0 and "the plugin's" not in taken.output and "--corpus" in taken.output
+    problems = "\n".join(str(p) for p in host.problems if p.plugin == "nested-test")
+    assert "command 'train model' is taken" in problems and "boom" not in problems
+    monkeypatch.setenv("CHATCORE_DEBUG", "1")
+    assert isinstance(CliRunner().invoke(group, ["train", "boom"]).exception, RuntimeError)

@@ -388,6 +388,23 @@ class SignalWhen(io.StringIO):
             signal.raise_signal(self.number)
 
 
+def test_a_reply_that_starts_with_a_space_is_shown_one_space_after_the_prompt(serving_engine, store, gate):
+    """A tokenizer that writes a word's space before it (" Hello") does not make "bot>  Hello"."""
+    from chatcore.serving import Scheduler
+
+    gate.text = " Hello there."
+    gate.release.set()
+    chat = logged_state(serving_engine, store)
+    chat.options = ReplyOptions(decoder="gated-text", max_new_tokens=40)
+    chat.scheduler = Scheduler(serving_engine)
+    out = io.StringIO()
+    try:
+        run_loop(chat, lines_then_end(["hi"]), out, err=io.StringIO())
+    finally:
+        chat.scheduler.close()
+    assert out.getvalue().startswith("bot> Hello there.\n")
+
+
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
 def test_sigterm_or_a_closed_terminal_keeps_the_shown_reply_and_ends_the_chat(serving_engine, store, gate, name):
     """SIGTERM, or SIGHUP (the terminal closed), while a reply streams: the reply stops as at

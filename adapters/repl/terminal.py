@@ -58,8 +58,9 @@ def stream_reply(response: "Response", out: IO[str]) -> str:
 
     def show(text: str) -> None:
         nonlocal printed
+        shown_text = text if printed.strip() else text.lstrip()  # after "bot> ", no second space
         printed += text
-        out.write(display_safe(text))
+        out.write(display_safe(shown_text))
         out.flush()
 
     shown = ""

@@ -41,6 +41,15 @@ class ChatcoreGroup(click.Group):
 
     adding: "tuple[str, PluginHost] | None" = None  # (plugin, its host) while it adds its commands
     plugin_commands: dict[str, str] = {}  # command name -> the plugin (not chatcore's own) that added it
+    # a path inside chatcore's groups (("train", "x"),) -> the plugin (not chatcore's own) that added it
+    nested_plugin_commands: "dict[tuple[str, ...], str]" = {}
+
+    def lookup(self, path: "tuple[str, ...]") -> click.Command | None:
+        """The command at ``path`` under this group (itself for ``()``), None where there is none."""
+        command: click.Command | None = self
+        for name in path:
+            command = command.commands.get(name) if isinstance(command, click.Group) else None
+        return command
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
         name = name or cmd.name
@@ -128,29 +137,96 @@ def build_cli() -> click.Group:
     return cli
 
 
+CommandPath = tuple[str, ...]
+
+
+def command_tree(group: click.Group, path: CommandPath = ()) -> dict[CommandPath, click.Command]:
+    """Every command under ``group`` (at any depth) by its path of names."""
+    tree: dict[CommandPath, click.Command] = {}
+    for name, command in group.commands.items():
+        tree[(*path, name)] = command
+        if isinstance(command, click.Group):
+            tree.update(command_tree(command, (*path, name)))
+    return tree
+
+
+def guard_plugin_command(command: click.Command, plugin: str, path: CommandPath) -> None:
+    """``command``, a plugin's under one of chatcore's groups (``train``, ``models``, ...):
+    an error it raises becomes one line naming the plugin, as a top-level plugin
+    command's does in :meth:`ChatcoreGroup.invoke` (the traceback with CHATCORE_DEBUG)."""
+    invoke = command.invoke
+
+    def guarded(ctx: click.Context) -> Any:
+        try:
+            return invoke(ctx)
+        except (ChatcoreError, *CLICK_EXITS):
+            raise
+        except Exception as error:
+            if debug_enabled():
+                raise
+            raise click.ClickException(
+                f"command {' '.join(path)!r} of plugin {plugin!r} failed: {one_line_error(error)}"
+            ) from None
+
+    command.invoke = guarded  # type: ignore[method-assign]
+
+
+def settle_nested_commands(
+    group: ChatcoreGroup, plugin: str, host: "PluginHost", before: dict[CommandPath, click.Command]
+) -> None:
+    """What ``plugin``'s ``register_commands`` added inside chatcore's own groups: a command
+    under a name taken there is put back and reported (as at the top level); a new one
+    is guarded (:func:`guard_plugin_command`) and remembered, to be taken out when the
+    group is built again."""
+    for path, command in command_tree(group).items():
+        if len(path) < 2 or path[0] in group.plugin_commands or before.get(path) is command:
+            continue  # top-level names are settled by ChatcoreGroup.add_command
+        if path[:-1] in group.nested_plugin_commands or before.get(path[:-1]) is not group.lookup(path[:-1]):
+            continue  # inside a group the plugin added: guarded with it
+        parent = group.lookup(path[:-1])
+        assert isinstance(parent, click.Group)
+        if path in before:
+            parent.commands[path[-1]] = before[path]
+            host.report(
+                plugin, "hook register_commands", f"command {' '.join(path)!r} is taken; the plugin's is left out"
+            )
+            continue
+        guard_plugin_command(command, plugin, path)
+        group.nested_plugin_commands[path] = plugin
+
+
 def add_plugin_commands(group: ChatcoreGroup, host: "PluginHost") -> None:
     """Every plugin's ``register_commands(cli)``: chatcore's own plugins first, so that their
     commands' names are taken when another plugin's turn comes; a command under a taken
     name is refused and reported as that plugin's problem (the one there is kept), and a
-    hook that raises is reported and skipped."""
+    hook that raises is reported and skipped. Another plugin's commands, at the top level
+    or inside chatcore's groups, fail in one line that names the plugin."""
 
     def builtin(plugin: str) -> bool:
         return plugin in host.infos and host.infos[plugin].builtin
 
     for name in group.plugin_commands:  # a group built again: its plugins add their commands again
         group.commands.pop(name, None)
+    for path in sorted(group.nested_plugin_commands, key=len, reverse=True):
+        parent = group.lookup(path[:-1])
+        if isinstance(parent, click.Group):
+            parent.commands.pop(path[-1], None)
     group.plugin_commands = {}
+    group.nested_plugin_commands = {}
     implementations = sorted(
         reversed(host.pm.hook.register_commands.get_hookimpls()), key=lambda impl: not builtin(impl.plugin_name)
     )
     for impl in implementations:
         group.adding = None if builtin(impl.plugin_name) else (impl.plugin_name, host)
+        before = command_tree(group)
         try:
             impl.function(**{name: group for name in impl.argnames})
         except Exception as error:
             host.report(impl.plugin_name, "hook register_commands", error)
         finally:
             group.adding = None
+        if not builtin(impl.plugin_name):
+            settle_nested_commands(group, impl.plugin_name, host, before)
 
 
 def main(argv: list[str] | None = None) -> Any:
