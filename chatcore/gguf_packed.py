@@ -150,18 +150,36 @@ def read_packed(folder: str | Path, dtype: Any) -> dict[str, Any]:
                     tensor = dequantize_blocks(tensor, kind).reshape(shape)
                 state[name] = tensor.to(dtype)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
-        raise ModelLoadError(damaged_folder(Path(folder), error)) from error
+        message = damaged_folder(Path(folder), error)
+        if is_converted_copy(Path(folder)):
+            raise DamagedCopy(message, Path(folder), " ".join(str(error).split()) or type(error).__name__) from error
+        raise ModelLoadError(message) from error
     return state
+
+
+class DamagedCopy(ModelLoadError):
+    """A GGUF file's converted copy (in the cache) whose weights cannot be read: loading the
+    GGUF file again removes ``folder`` and converts it anew."""
+
+    def __init__(self, message: str, folder: Path, reason: str) -> None:
+        super().__init__(message)
+        self.folder = folder
+        self.reason = reason  # what could not be read, on one line
+
+
+def is_converted_copy(folder: Path) -> bool:
+    """Whether ``folder`` is a GGUF file's converted copy in the cache."""
+    from chatcore.gguf import cache_root
+
+    return folder.resolve().parent == cache_root().resolve()
 
 
 def damaged_folder(folder: Path, error: BaseException) -> str:
     """One line for a packed folder whose weights cannot be read, saying how to mend it: a
     GGUF file's converted copy (in the cache) is removed and made anew on the next load; a
     folder from ``chatcore models pack`` is packed again."""
-    from chatcore.gguf import cache_root
-
     reason = " ".join(str(error).split()) or type(error).__name__
-    if folder.resolve().parent == cache_root().resolve():
+    if is_converted_copy(folder):
         return (
             f"the converted copy of this GGUF model, {str(folder)!r}, is damaged ({reason}): remove it with "
             f"`chatcore models rm {folder.name}` and the next load converts the GGUF file again"

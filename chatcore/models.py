@@ -6,7 +6,10 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import logging
 import os
+import shutil
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +21,8 @@ from chatcore.text import shown_argument
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "chatcore-tiny"
 # The commands' default model, when set: a name or path (the tests set chatcore-tiny here).
@@ -253,6 +258,28 @@ def load_model(
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)
     path = resolve_model_path(name)
+    from chatcore.gguf_packed import DamagedCopy
+
+    try:
+        return load_folder(name, path, device, torch_dtype)
+    except DamagedCopy as damaged:
+        if not names_gguf_file(name):
+            raise  # the copy named itself: the error says how to mend it
+        print(
+            f"the converted copy of {name!r} is damaged ({damaged.reason}): converting the GGUF file again",
+            file=sys.stderr,
+        )
+        shutil.rmtree(damaged.folder, ignore_errors=True)
+        return load_folder(name, resolve_model_path(name), device, torch_dtype)
+
+
+def names_gguf_file(name: str) -> bool:
+    """Whether ``name`` is a known model or a GGUF file (loaded through a converted copy)."""
+    return name in KNOWN_MODELS or (is_gguf_path(name) and Path(name).expanduser().is_file())
+
+
+def load_folder(name: str, path: str, device: str, torch_dtype: Any) -> LoadedModel:
+    """:func:`load_model` once ``name`` is resolved to the folder ``path``."""
     from transformers import AutoTokenizer
 
     check_tokenizer_files(path, f"model {name!r}")
@@ -378,7 +405,30 @@ def load_causal_lm(path: str, dtype: Any) -> Any:
 
     if is_packed_folder(path):
         return load_packed_model(path, dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # Mismatched sizes are told here, in one line, rather than in transformers' report and error.
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    model, info = loaded
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        key, stored, expected = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ValueError(
+            f"its weights do not fit its config.json: {key} is {list(stored)} in the weights "
+            f"but {list(expected)} in the model{more}"
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        log.warning(
+            "model %s: %d weights are not in its files and start at random (%s%s): its replies will be noise",
+            path,
+            len(missing),
+            missing[0],
+            more,
+        )
+    return model
 
 
 def hub_failure(name: str, error: BaseException) -> str:
@@ -413,19 +463,27 @@ def quiet_loading() -> Iterator[None]:
     def silent(factory: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return factory(*args, **{**kwargs, "disable": True})
 
-    import logging
-
     # The hub client logs each failed request as a warning; chatcore's own one-line error
     # says the same once, so the client's lines are held back while chatcore loads.
     hub_logger = logging.getLogger("huggingface_hub")
     level = hub_logger.level
     hub_logger.setLevel(logging.ERROR)
+    # transformers' load report (a table of weights) is told by load_causal_lm in one line.
+    # (A filter, not a level: transformers logs more, not less, when this logger's level is raised.)
+    loader_logger = logging.getLogger("transformers.modeling_utils")
+    loader_logger.addFilter(without_load_report)
     previous = hf_logging.set_tqdm_hook(silent)
     try:
         yield
     finally:
         hf_logging.set_tqdm_hook(previous)
         hub_logger.setLevel(level)
+        loader_logger.removeFilter(without_load_report)
+
+
+def without_load_report(record: logging.LogRecord) -> bool:
+    """False for transformers' load report (:func:`load_causal_lm` tells it in one line)."""
+    return "LOAD REPORT" not in str(record.msg)
 
 
 # transformers 5.24 renamed the key/value cache argument and output field from

@@ -612,3 +612,44 @@ def test_models_pack_refuses_a_gguf_file_before_converting_it_and_an_empty_out(l
         assert len(errors) == 1 and message in errors[0], result.stderr
     assert not cache_home.exists() or not any(cache_home.iterdir())  # nothing was converted
     assert not (tmp_path / "packed").exists()
+
+
+def test_weights_that_do_not_fit_the_config_are_told_in_one_line(tmp_path, capfd, caplog):
+    """A config.json whose sizes are not its weights': one line, not transformers' report of
+    every weight; weights missing from the files (a layer more): one warning line."""
+    folder = tmp_path / "resized"
+    folder.mkdir()
+    for file in (BUNDLED_DIR / "chatcore-tiny").iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "n_inner": 8 * config["n_embd"]}))
+    result = CliRunner().invoke(build_cli(), ["generate", "--model", str(folder), "hi"])
+    assert isinstance(result.exception, SystemExit) and result.exit_code != 0, result.output
+    assert result.stderr.startswith(
+        f"Error: cannot load model '{folder}': its weights do not fit its config.json: transformer.h."
+    ), result.stderr
+    assert "in the weights but" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert "LOAD REPORT" not in "".join(capfd.readouterr())
+    (folder / "config.json").write_text(json.dumps({**config, "n_layer": config["n_layer"] + 1}))
+    load_model(str(folder), device="cpu")
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "weights are not in its files and start at random" in warnings[0], warnings
+    assert "LOAD REPORT" not in "".join(capfd.readouterr())
+
+
+def test_a_damaged_converted_copy_is_converted_again_when_its_gguf_file_loads(llama_gguf, cache_home, capfd):
+    """Loaded by its GGUF file, a converted copy whose weights cannot be read is a cache to
+    make again, said in one line; the model then answers as the intact copy did."""
+    first = load_model(str(llama_gguf), device="cpu")
+    ids = chat_ids(first, "hi there")
+    expected = first.model(ids).logits.tolist()
+    packed = Path(first.path) / "packed.safetensors"
+    half = packed.read_bytes()[: packed.stat().st_size // 2]
+    packed.unlink()  # a new file: the loaded model's weights map the old one
+    packed.write_bytes(half)
+    capfd.readouterr()
+    again = load_model(str(llama_gguf), device="cpu")
+    told = capfd.readouterr().err
+    assert f"the converted copy of '{llama_gguf}' is damaged (" in told and "converting the GGUF file again" in told
+    assert "converting tiny-llama.F32.gguf" in told and again.path == first.path
+    assert again.model(ids).logits.tolist() == expected
