@@ -50,7 +50,8 @@ class ReplyOptions(Settings):
     """How to produce one reply. Decoder and steerers are names plus raw settings."""
 
     decoder: str = DEFAULT_DECODER
-    """The decoder's name; a (name, settings) pair is read as the name and its settings."""
+    """The decoder's name; a (name, settings) pair, or a spec string (``"top-k top_k=20"``),
+    is read as the name and its settings."""
     decoder_settings: dict[str, Any] = {}
     """The decoder's settings, as given (checked when the decoder is built)."""
     steerers: list[tuple[str, dict[str, Any]]] = []
@@ -80,6 +81,16 @@ class ReplyOptions(Settings):
             if both:
                 raise OptionError(f"`{both[0]}` is given in the decoder's pair and in decoder_settings: give it once")
             values = {**values, "decoder": decoder[0], "decoder_settings": {**dict(decoder[1]), **given}}
+        elif isinstance(decoder, str) and len(decoder.split()) > 1:
+            # decoder="top-k top_k=20", the command line's spec, as options_for reads it
+            from chatcore.cli.specs import parse_spec
+
+            name, settings = parse_spec(decoder)
+            given = dict(values.get("decoder_settings") or {})
+            both = sorted(set(settings) & set(given))
+            if both:
+                raise OptionError(f"`{both[0]}` is given in the decoder's spec and in decoder_settings: give it once")
+            values = {**values, "decoder": name, "decoder_settings": {**settings, **given}}
         return values
 
     @model_validator(mode="after")

@@ -103,6 +103,10 @@ def test_options_as_a_dict_are_read_as_reply_options_everywhere(engine):
     assert engine.options_for(ReplyOptions(seed=1), seed=2).seed == 2
     # The dict's spec strings are read as the keywords' are.
     assert engine.options_for({"decoder": "top-k top_k=5"}) == engine.options_for(decoder="top-k top_k=5")
+    # ... and so is a ReplyOptions' own.
+    assert ReplyOptions(decoder="top-k top_k=5") == engine.options_for(decoder="top-k top_k=5")
+    with pytest.raises(OptionError, match="given in the decoder's spec and in decoder_settings"):
+        ReplyOptions(decoder="top-k top_k=5", decoder_settings={"top_k": 3})
 
 
 @pytest.mark.parametrize(

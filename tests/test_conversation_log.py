@@ -373,6 +373,11 @@ def test_the_system_prompt_is_stored_and_restored_on_resume(engine, store, log_p
     replies = [m for m in record.messages if m.role == "bot"]
     assert [m.provenance.get("system") for m in replies] == ["You are a terse pirate.", "You are a calm librarian."]
 
+    # Resumed (no format of its own: the engine's) and continued: the logged format stays.
+    again = store.resume(conversation.id)
+    engine.send(again, "still there?", decoder="greedy", max_new_tokens=2).text()
+    assert store.get_conversation(conversation.id).prompt_format == engine.prompt_format.name
+
 
 def test_a_locked_database_keeps_the_chat_going_and_catches_up(engine, db_path):
     store = ConversationStore(sqlite_url(db_path), timeout_s=0.05)

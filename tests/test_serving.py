@@ -304,6 +304,34 @@ def test_bad_options_fail_the_request_alone(serving_engine):
     assert good.error is None and good.token_ids
 
 
+def test_options_as_a_dict_and_a_failing_setup_check_end_their_requests_alone(serving_engine, monkeypatch):
+    """submit reads a dict of options as the engine does (bad ones raise at once); a request
+    whose setup check raises ends with its error, and the others admitted with it reply."""
+    from chatcore.errors import OptionError
+
+    with Scheduler(serving_engine) as scheduler:
+        as_dict = scheduler.submit([Message("user", "hi")], {"decoder": "greedy", "max_new_tokens": 3})
+        expected = scheduler.submit([Message("user", "hi")], ReplyOptions(decoder="greedy", max_new_tokens=3))
+        assert as_dict.wait(60) and expected.wait(60)
+        assert as_dict.error is None and as_dict.token_ids == expected.token_ids
+        with pytest.raises(OptionError, match="unknown reply option 'sed'"):
+            scheduler.submit([Message("user", "hi")], {"sed": 1})
+        checked = serving_engine.setups_missing
+
+        def broken(options: ReplyOptions) -> bool:
+            if options.seed == 7:
+                raise RuntimeError("the setup check broke")
+            return checked(options)
+
+        monkeypatch.setattr(serving_engine, "setups_missing", broken)
+        with scheduler.together():
+            bad = scheduler.submit([Message("user", "hi")], ReplyOptions(decoder="greedy", seed=7, max_new_tokens=3))
+            good = scheduler.submit([Message("user", "hi")], ReplyOptions(decoder="greedy", seed=1, max_new_tokens=3))
+        assert bad.wait(60) and good.wait(60)
+    assert bad.finish_reason == "error" and "the setup check broke" in str(bad.error)
+    assert good.error is None and good.token_ids == expected.token_ids
+
+
 def test_scheduler_settings_are_checked(serving_engine):
     from chatcore.errors import OptionError
 

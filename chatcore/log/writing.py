@@ -249,10 +249,9 @@ class StoreWriting(StoreReading):
             session.flush()
             current: dict[str, Any] = {"updated": created}
             if conversation is not None:  # a system prompt or format changed mid-conversation is kept as it is now
-                current.update(
-                    system=clean.text(conversation.get("system"), "system"),
-                    prompt_format=clean.text(conversation.get("prompt_format"), "prompt_format", 64),
-                )
+                current.update(system=clean.text(conversation.get("system"), "system"))
+                if conversation.get("prompt_format") is not None:  # None: the engine's, which names none
+                    current.update(prompt_format=clean.text(conversation.get("prompt_format"), "prompt_format", 64))
             session.execute(sa.update(ConversationRow).where(ConversationRow.id == conversation_id).values(**current))
             return row.id
 

@@ -28,7 +28,7 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -98,12 +98,13 @@ class Scheduler:
     def submit(
         self,
         source: "Conversation | Sequence[Message]",
-        options: "ReplyOptions | None" = None,
+        options: "ReplyOptions | Mapping[str, Any] | None" = None,
         listener: Callable[[Event], None] | None = None,
         prompt_format: "PromptFormat | None" = None,
     ) -> Handle:
-        """Queue a reply to a conversation or to messages (system first if any); raises
-        ServerBusy when the queue is full. Starts the scheduler's thread if needed."""
+        """Queue a reply to a conversation or to messages (system first if any); ``options``
+        as :meth:`Engine.options_for <chatcore.engine.Engine.options_for>` takes them (bad
+        ones raise here); raises ServerBusy when the queue is full. Starts the scheduler's thread if needed."""
         from chatcore.conversation import Conversation
         from chatcore.engine import ReplyOptions
 
@@ -111,8 +112,10 @@ class Scheduler:
             # Rendered from its messages as they are now: the caller's thread may add turns meanwhile.
             prompt_format = self.engine.format_for(source)
             source = source.messages()
+        if not isinstance(options, ReplyOptions):  # None, or a mapping as the engine takes it
+            options = self.engine.options_for(options)
         handle = Handle(listener)
-        request = Request(list(source), options or ReplyOptions(), handle, prompt_format)
+        request = Request(list(source), options, handle, prompt_format)
         with self._lock:
             if self._stopping:
                 raise ChatcoreError("the scheduler has stopped")
@@ -258,10 +261,10 @@ class Scheduler:
         if handle.cancelled:
             handle._end("cancelled")
             return
-        if not request.set_up and self.engine.setups_missing(request.options):
-            self._set_up_beside(request)
-            return
         try:
+            if not request.set_up and self.engine.setups_missing(request.options):
+                self._set_up_beside(request)
+                return
             reply = self.engine.prepare_reply(request.messages, request.options, request.prompt_format)
             handle.provenance.update(reply.provenance)
             reply.provenance = handle.provenance
