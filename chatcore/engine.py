@@ -81,16 +81,8 @@ class ReplyOptions(Settings):
             if both:
                 raise OptionError(f"`{both[0]}` is given in the decoder's pair and in decoder_settings: give it once")
             values = {**values, "decoder": decoder[0], "decoder_settings": {**dict(decoder[1]), **given}}
-        elif isinstance(decoder, str) and len(decoder.split()) > 1:
-            # decoder="top-k top_k=20", the command line's spec, as options_for reads it
-            from chatcore.cli.specs import parse_spec
-
-            name, settings = parse_spec(decoder)
-            given = dict(values.get("decoder_settings") or {})
-            both = sorted(set(settings) & set(given))
-            if both:
-                raise OptionError(f"`{both[0]}` is given in the decoder's spec and in decoder_settings: give it once")
-            values = {**values, "decoder": name, "decoder_settings": {**settings, **given}}
+        elif isinstance(decoder, str):  # decoder="top-k top_k=20", the command line's spec
+            values = read_decoder_spec(values)
         return values
 
     @model_validator(mode="after")
@@ -101,6 +93,22 @@ class ReplyOptions(Settings):
                 f"got {self.min_new_tokens!r}"
             )
         return self
+
+
+def read_decoder_spec(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with a ``decoder`` spec string (``"top-k top_k=20"``) split into the name and
+    ``decoder_settings``; a setting in both is refused."""
+    decoder = values.get("decoder")
+    if not isinstance(decoder, str) or len(decoder.split()) < 2:
+        return dict(values)
+    from chatcore.cli.specs import parse_spec
+
+    name, settings = parse_spec(decoder)
+    given = dict(values.get("decoder_settings") or {})
+    both = sorted(set(settings) & set(given))
+    if both:
+        raise OptionError(f"`{both[0]}` is given in the decoder's spec and in decoder_settings: give it once")
+    return {**values, "decoder": name, "decoder_settings": {**settings, **given}}
 
 
 STEERERS_EXAMPLE = "['bow-bias topic=food'] or [('bow-bias', {'topic': 'food'})]"
@@ -396,7 +404,6 @@ class Engine:
         options = options or ReplyOptions()
         if not overrides:
             return options
-        from chatcore.cli.specs import parse_spec
 
         unknown = [name for name in overrides if name not in ReplyOptions.model_fields]
         if unknown:
@@ -405,14 +412,8 @@ class Engine:
                 "settings go in decoder_settings={'temperature': 0.7} or the decoder's spec "
                 "(decoder='top-k temperature=0.7'), steerers in steerers=['pplm topic=food'] or [(name, settings)]"
             )
-        decoder = overrides.get("decoder")
-        if isinstance(decoder, str) and len(decoder.split()) > 1:
-            name, settings = parse_spec(decoder)
-            given = dict(overrides.get("decoder_settings") or {})
-            both = sorted(set(settings) & set(given))
-            if both:
-                raise OptionError(f"`{both[0]}` is given in the decoder's spec and in decoder_settings: give it once")
-            overrides = {**overrides, "decoder": name, "decoder_settings": {**settings, **given}}
+        # The spec read here, so that its settings replace the options' (not meet them as a clash).
+        overrides = read_decoder_spec(overrides)
         return options.replace(**overrides)  # ReplyOptions reads the steerers' spec strings
 
     def _shared_setup(self, plugin_object: Configurable) -> Any:

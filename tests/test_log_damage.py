@@ -450,3 +450,27 @@ def test_a_salvage_that_finds_little_or_nothing_says_so_in_one_line(logs_cli, tm
     assert "salvage: recovered" in exported.stderr or exported.exit_code == 1, said
     if exported.exit_code == 1:
         assert len(exported.stderr.strip().splitlines()) == 1, said
+
+
+def test_salvage_reads_the_pages_a_wal_adds_past_the_files_end(tmp_path):
+    """A log left as a crash leaves it: its newest committed messages only in pages the -wal
+    adds beyond the file's header count. Salvage recovers them too."""
+    live = tmp_path / "live.sqlite3"
+    written = fill(live, conversations=2, per_conversation=10)
+    writer = sqlite3.connect(live)
+    writer.execute("PRAGMA wal_autocheckpoint=0")  # the file's pages stay as they are: all goes to the -wal
+    writer.executemany(
+        "INSERT INTO messages (conversation_id, role, text, created, interrupted, superseded) "
+        "VALUES (?, 'user', ?, '2025-01-02 00:00:00', 0, 0)",
+        [(conversation_id(0), f"late message {n} " + "x" * 400) for n in range(40)],
+    )
+    writer.commit()
+    path = tmp_path / "log.sqlite3"
+    for suffix in ("", "-wal"):  # copied while the writer still holds them: nothing folded in
+        path.with_name(path.name + suffix).write_bytes(live.with_name(live.name + suffix).read_bytes())
+    writer.close()
+    assert path.with_name(path.name + "-wal").stat().st_size > 0
+
+    report, messages = salvaged(path, tmp_path)
+    assert len(messages) == written + 40 and report.messages == written + 40
+    assert sum(text.startswith("late message") for text in messages.values()) == 40

@@ -57,9 +57,12 @@ class GracefulServer(uvicorn.Server):
         live = self.live
         if first:
             live.drain()
+            running = len(live.replies)
             logger.warning(
-                "stopping: %d replies running get %g s to finish (a second signal cuts them now)",
-                len(live.replies),
+                "stopping: %d %s running %s %g s to finish (a second signal cuts them now)",
+                running,
+                "reply" if running == 1 else "replies",
+                "gets" if running == 1 else "get",
                 self.grace,
             )
             self.should_exit = True

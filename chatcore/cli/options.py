@@ -36,7 +36,7 @@ threads_option = click.option(
     type=click.IntRange(1, 1024),
     default=None,
     envvar="CHATCORE_THREADS",
-    help="CPU threads for inference [half the cores, at most 4; $OMP_NUM_THREADS when set].",
+    help="CPU threads for inference [half the cores, at most 4; $OMP_NUM_THREADS when set; $CHATCORE_THREADS].",
 )
 
 

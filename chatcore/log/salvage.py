@@ -280,7 +280,8 @@ def salvage(path: Path, into: "ConversationStore") -> SalvageReport:
         if db.wal is not None:
             present = max(present, int(db.wal.highest_page_num))
         declared = int(db.header.page_count)
-        report.pages = declared if 0 < declared < 4 * present + 16 else present
+        # A -wal may hold pages past the file's header count (committed, not yet folded in).
+        report.pages = max(declared, present) if 0 < declared < 4 * present + 16 else present
         report.pages_present = min(present, report.pages)
         db.page_count = report.pages_present  # a damaged page count must not send the reader past the file
         free = _freelist(db, report.pages_present)
