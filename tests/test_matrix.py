@@ -255,9 +255,10 @@ def run_repl(cli: Callable[..., Result], model: str, cells: list[Cell], tmp_path
 
 
 def shown_in_terminal(outcome: Outcome) -> Outcome:
+    """What the terminal shows of a reply: after ``bot> `` its leading whitespace is dropped."""
     from chatcore.text import display_safe
 
-    return Outcome("reply", display_safe(outcome.text)) if outcome.kind == "reply" else outcome
+    return Outcome("reply", display_safe(outcome.text.lstrip())) if outcome.kind == "reply" else outcome
 
 
 # -- HTTP -------------------------------------------------------------------------------------
