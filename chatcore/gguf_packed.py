@@ -150,9 +150,10 @@ def read_packed(folder: str | Path, dtype: Any) -> dict[str, Any]:
                     tensor = dequantize_blocks(tensor, kind).reshape(shape)
                 state[name] = tensor.to(dtype)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
-        message = damaged_folder(Path(folder), error)
+        reason = " ".join(str(error).split()) or type(error).__name__
+        message = damaged_folder(Path(folder), reason)
         if is_converted_copy(Path(folder)):
-            raise DamagedCopy(message, Path(folder), " ".join(str(error).split()) or type(error).__name__) from error
+            raise DamagedCopy(message, Path(folder), reason) from error
         raise ModelLoadError(message) from error
     return state
 
@@ -174,11 +175,10 @@ def is_converted_copy(folder: Path) -> bool:
     return folder.resolve().parent == cache_root().resolve()
 
 
-def damaged_folder(folder: Path, error: BaseException) -> str:
+def damaged_folder(folder: Path, reason: str) -> str:
     """One line for a packed folder whose weights cannot be read, saying how to mend it: a
     GGUF file's converted copy (in the cache) is removed and made anew on the next load; a
     folder from ``chatcore models pack`` is packed again."""
-    reason = " ".join(str(error).split()) or type(error).__name__
     if is_converted_copy(folder):
         return (
             f"the converted copy of this GGUF model, {str(folder)!r}, is damaged ({reason}): remove it with "
