@@ -643,6 +643,14 @@ class Commands:
         def refuses() -> None:
             raise click.ClickException("not today")
 
+        def bad_level(ctx: click.Context, param: click.Parameter, value: str) -> str:
+            raise ValueError(f"no level {value!r}")
+
+        @cli.command("reads")
+        @click.option("--level", callback=bad_level, default="x")
+        def reads(level: str) -> None:
+            click.echo(level)
+
         @cli.command("generate")
         def generate() -> None:
             click.echo("the plugin's generate")
@@ -658,6 +666,12 @@ def test_a_plugin_command_that_raises_is_one_line_naming_the_plugin(monkeypatch)
     assert_clean_failure(result, "'boom'", "plugin 'commands-test'", "RuntimeError: it went off")
     monkeypatch.setenv("CHATCORE_DEBUG", "1")
     assert isinstance(CliRunner().invoke(build_cli(), ["boom"]).exception, RuntimeError)
+
+
+def test_a_plugin_command_that_fails_reading_its_arguments_is_one_line_naming_the_plugin():
+    plugin_host_with(Commands(), "commands-test")
+    result = CliRunner().invoke(build_cli(), ["reads"])
+    assert_clean_failure(result, "'reads'", "plugin 'commands-test'", "ValueError: no level 'x'")
 
 
 def test_click_ends_a_plugin_command_as_click_does():
@@ -700,6 +714,14 @@ class NestedCommands:
         def deep() -> None:
             raise ValueError("deeper")
 
+        def bad_level(ctx: click.Context, param: click.Parameter, value: str) -> str:
+            raise ValueError(f"no level {value!r}")
+
+        @train.command("reads")
+        @click.option("--level", callback=bad_level, default="x")
+        def reads(level: str) -> None:
+            click.echo(level)
+
 
 @pytest.fixture
 def cli_built_again():
@@ -723,9 +745,10 @@ def test_a_plugin_command_inside_a_built_in_group_fails_in_one_line_and_takes_no
         "RuntimeError: it went off",
     )
     assert_clean_failure(CliRunner().invoke(group, ["train", "extra", "deep"]), "'train extra'", "ValueError: deeper")
+    assert_clean_failure(CliRunner().invoke(group, ["train", "reads"]), "'train reads'", "ValueError: no level 'x'")
     taken = CliRunner().invoke(group, ["train", "model", "--help"])
     assert taken.exit_code == 0 and "the plugin's" not in taken.output and "--corpus" in taken.output
     problems = "\n".join(str(p) for p in host.problems if p.plugin == "nested-test")
-    assert "command 'train model' is taken" in problems and "boom" not in problems
+    assert "command 'train model' is a built-in command" in problems and "boom" not in problems
     monkeypatch.setenv("CHATCORE_DEBUG", "1")
     assert isinstance(CliRunner().invoke(group, ["train", "boom"]).exception, RuntimeError)

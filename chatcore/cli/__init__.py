@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -31,37 +32,24 @@ def debug_enabled() -> bool:
 CLICK_EXITS = (click.ClickException, click.exceptions.Exit, click.exceptions.Abort)
 
 
-class ChatcoreGroup(click.Group):
-    """Turns ChatcoreError, and any error a plugin's command raises, into a one-line message
-    (tracebacks only with CHATCORE_DEBUG); keeps the names of the built-in commands for them.
+CommandPath = tuple[str, ...]
 
-    While :func:`add_plugin_commands` runs a plugin's ``register_commands``, ``adding`` names
-    that plugin: a command it adds under a name already taken is refused and reported.
+
+class ChatcoreGroup(click.Group):
+    """Turns ChatcoreError into a one-line message (tracebacks only with CHATCORE_DEBUG).
+
+    ``plugin_commands`` names the commands other plugins than chatcore's own added, at any
+    depth, by their path; :func:`add_plugin_commands` fills it and guards them.
     """
 
-    adding: "tuple[str, PluginHost] | None" = None  # (plugin, its host) while it adds its commands
-    plugin_commands: dict[str, str] = {}  # command name -> the plugin (not chatcore's own) that added it
-    # a path inside chatcore's groups (("train", "x"),) -> the plugin (not chatcore's own) that added it
-    nested_plugin_commands: "dict[tuple[str, ...], str]" = {}
+    plugin_commands: "dict[CommandPath, str]" = {}  # (("train", "x"),) -> the plugin that added it
 
-    def lookup(self, path: "tuple[str, ...]") -> click.Command | None:
+    def lookup(self, path: CommandPath) -> click.Command | None:
         """The command at ``path`` under this group (itself for ``()``), None where there is none."""
         command: click.Command | None = self
         for name in path:
             command = command.commands.get(name) if isinstance(command, click.Group) else None
         return command
-
-    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
-        name = name or cmd.name
-        if self.adding is not None and name is not None:
-            plugin, host = self.adding
-            if name in self.commands:
-                owner = self.plugin_commands.get(name)
-                taken = f"a command of plugin {owner!r}" if owner else "a built-in command"
-                host.report(plugin, "hook register_commands", f"command {name!r} is {taken}; the plugin's is left out")
-                return
-            self.plugin_commands[name] = plugin
-        super().add_command(cmd, name)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -75,15 +63,6 @@ class ChatcoreGroup(click.Group):
             if hint:
                 raise click.UsageError(f"{error.format_message()}: {hint}", ctx=error.ctx) from None
             raise
-        except CLICK_EXITS:
-            raise
-        except Exception as error:
-            plugin = self.plugin_commands.get(ctx.invoked_subcommand or "")
-            if plugin is None or debug_enabled():
-                raise
-            raise click.ClickException(
-                f"command {ctx.invoked_subcommand!r} of plugin {plugin!r} failed: {one_line_error(error)}"
-            ) from None
 
 
 def one_line_error(error: BaseException) -> str:
@@ -137,9 +116,6 @@ def build_cli() -> click.Group:
     return cli
 
 
-CommandPath = tuple[str, ...]
-
-
 def command_tree(group: click.Group, path: CommandPath = ()) -> dict[CommandPath, click.Command]:
     """Every command under ``group`` (at any depth) by its path of names."""
     tree: dict[CommandPath, click.Command] = {}
@@ -151,48 +127,53 @@ def command_tree(group: click.Group, path: CommandPath = ()) -> dict[CommandPath
 
 
 def guard_plugin_command(command: click.Command, plugin: str, path: CommandPath) -> None:
-    """``command``, a plugin's under one of chatcore's groups (``train``, ``models``, ...):
-    an error it raises becomes one line naming the plugin, as a top-level plugin
-    command's does in :meth:`ChatcoreGroup.invoke` (the traceback with CHATCORE_DEBUG)."""
-    invoke = command.invoke
+    """``command``, one a plugin (not chatcore's own) added: an error it raises, reading its
+    arguments or running, becomes one line naming the command and the plugin (the
+    traceback with CHATCORE_DEBUG)."""
 
-    def guarded(ctx: click.Context) -> Any:
-        try:
-            return invoke(ctx)
-        except (ChatcoreError, *CLICK_EXITS):
-            raise
-        except Exception as error:
-            if debug_enabled():
+    def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except (ChatcoreError, *CLICK_EXITS):
                 raise
-            raise click.ClickException(
-                f"command {' '.join(path)!r} of plugin {plugin!r} failed: {one_line_error(error)}"
-            ) from None
+            except Exception as error:
+                if debug_enabled():
+                    raise
+                raise click.ClickException(
+                    f"command {' '.join(path)!r} of plugin {plugin!r} failed: {one_line_error(error)}"
+                ) from None
 
-    command.invoke = guarded  # type: ignore[method-assign]
+        return call
+
+    command.make_context = guarded(command.make_context)  # type: ignore[method-assign]
+    command.invoke = guarded(command.invoke)  # type: ignore[method-assign]
 
 
-def settle_nested_commands(
+def settle_plugin_commands(
     group: ChatcoreGroup, plugin: str, host: "PluginHost", before: dict[CommandPath, click.Command]
 ) -> None:
-    """What ``plugin``'s ``register_commands`` added inside chatcore's own groups: a command
-    under a name taken there is put back and reported (as at the top level); a new one
-    is guarded (:func:`guard_plugin_command`) and remembered, to be taken out when the
-    group is built again."""
+    """What ``plugin``'s ``register_commands`` added, at any depth: a command under a name
+    already taken is put back and reported (the one there is kept); a new one is guarded
+    (:func:`guard_plugin_command`, with what is inside it) and remembered, to be taken out
+    when the group is built again."""
+    settled: list[CommandPath] = []
     for path, command in command_tree(group).items():
-        if len(path) < 2 or path[0] in group.plugin_commands or before.get(path) is command:
-            continue  # top-level names are settled by ChatcoreGroup.add_command
-        if path[:-1] in group.nested_plugin_commands or before.get(path[:-1]) is not group.lookup(path[:-1]):
-            continue  # inside a group the plugin added: guarded with it
-        parent = group.lookup(path[:-1])
-        assert isinstance(parent, click.Group)
+        if before.get(path) is command or any(path[: len(done)] == done for done in settled):
+            continue
+        settled.append(path)
         if path in before:
+            parent = group.lookup(path[:-1])
+            assert isinstance(parent, click.Group)
             parent.commands[path[-1]] = before[path]
+            owner = group.plugin_commands.get(path)
+            taken = f"a command of plugin {owner!r}" if owner else "a built-in command"
             host.report(
-                plugin, "hook register_commands", f"command {' '.join(path)!r} is taken; the plugin's is left out"
+                plugin, "hook register_commands", f"command {' '.join(path)!r} is {taken}; the plugin's is left out"
             )
             continue
         guard_plugin_command(command, plugin, path)
-        group.nested_plugin_commands[path] = plugin
+        group.plugin_commands[path] = plugin
 
 
 def add_plugin_commands(group: ChatcoreGroup, host: "PluginHost") -> None:
@@ -205,28 +186,22 @@ def add_plugin_commands(group: ChatcoreGroup, host: "PluginHost") -> None:
     def builtin(plugin: str) -> bool:
         return plugin in host.infos and host.infos[plugin].builtin
 
-    for name in group.plugin_commands:  # a group built again: its plugins add their commands again
-        group.commands.pop(name, None)
-    for path in sorted(group.nested_plugin_commands, key=len, reverse=True):
+    for path in sorted(group.plugin_commands, key=len, reverse=True):  # built again: added again
         parent = group.lookup(path[:-1])
         if isinstance(parent, click.Group):
             parent.commands.pop(path[-1], None)
     group.plugin_commands = {}
-    group.nested_plugin_commands = {}
     implementations = sorted(
         reversed(host.pm.hook.register_commands.get_hookimpls()), key=lambda impl: not builtin(impl.plugin_name)
     )
     for impl in implementations:
-        group.adding = None if builtin(impl.plugin_name) else (impl.plugin_name, host)
         before = command_tree(group)
         try:
             impl.function(**{name: group for name in impl.argnames})
         except Exception as error:
             host.report(impl.plugin_name, "hook register_commands", error)
-        finally:
-            group.adding = None
         if not builtin(impl.plugin_name):
-            settle_nested_commands(group, impl.plugin_name, host, before)
+            settle_plugin_commands(group, impl.plugin_name, host, before)
 
 
 def main(argv: list[str] | None = None) -> Any:
