@@ -55,7 +55,7 @@ from chatcore.decoding import (
     TokenDecoder,
     selects_from_scores,
 )
-from chatcore.errors import ChatcoreError, CorpusError, ModelLoadError, OptionError
+from chatcore.errors import ChatcoreError, CorpusError, ModelLoadError, OptionError, PluginError, UnknownNameError
 from chatcore.evaluation.metrics import contains_any, is_degenerate
 from chatcore.evaluation.prompts import EvalContext
 from chatcore.fast_path_setting import compile_failure, fast_path_mode
@@ -119,6 +119,7 @@ __all__ = [
     "Message",
     "ModelLoadError",
     "OptionError",
+    "PluginError",
     "PromptFormat",
     "RepetitionSettings",
     "Sampled",
@@ -133,6 +134,7 @@ __all__ = [
     "TokenDecoder",
     "TopKDecoder",
     "TopKSettings",
+    "UnknownNameError",
     "UnsupportedModelError",
     "WORDLIST_DIR",
     "anatomy_of",

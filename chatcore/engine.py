@@ -35,7 +35,7 @@ from chatcore.prompting import (
 from chatcore.registry import Registry, registry_of
 from chatcore.response import Response
 from chatcore.serving.logprobs import MAX_TOP_LOGPROBS
-from chatcore.steering import GenerationSession, Steerer, check_composition, failed_layer
+from chatcore.steering import GenerationSession, Steerer, check_composition, failed_layer, model_caller
 from chatcore.text import clean_message, shown_argument
 from chatcore.values import Message, PromptPlan, Turn
 
@@ -184,12 +184,17 @@ class PreparedReply:
 def build_plugin_object(host: PluginHost, registry: Registry, kind: str, name: str, build: Any) -> Any:
     """``build()`` a decoder, steerer or prompt format, turning any failure into a one-line ChatcoreError.
 
-    Bad settings (ValueError, TypeError) are an OptionError; anything else is the
+    Bad settings (ValueError, TypeError, or an OptionError the plugin raised) are an
+    OptionError naming the decoder, steerer or format; anything else is the
     plugin's fault: reported with its name (``chatcore plugins`` lists it) and raised as
     a PluginError, so that a broken plugin never takes the program down.
     """
     try:
         return build()
+    except OptionError as error:  # said by the plugin: named for it where it does not name itself
+        if type(error) is not OptionError or name in str(error):
+            raise
+        raise OptionError(f"{kind} {name!r}: {error}") from error
     except ChatcoreError:
         raise
     except (ValueError, TypeError) as error:
@@ -636,12 +641,17 @@ class Engine:
         """The one-line error for a failure while generating: the model's, a steerer's (the
         step layer it came from) or else the decoder's; a plugin's is reported with its name."""
         layer = failed_layer(error)
+        what = f"{type(error).__name__}: {error}"
         if layer == "model":
-            return ChatcoreError(f"the model failed while generating: {type(error).__name__}: {error}")
+            caller = model_caller(error)
+            if caller is None:
+                return ChatcoreError(f"the model failed while generating: {what}")
+            # The model failed on the state a steerer's step passed on to it: the steerer's failure.
+            layer, what = caller, f"the model failed on the state it passed on: {what}"
         if layer is not None and layer.startswith("steerer:"):
             kind, name = "steerer", layer.split(":", 1)[1]
         else:
             kind, name = "decoder", decoder.name
         plugin = self.registry.plugin_of(kind, name)
         self.host.report(plugin, f"{kind} {name}", error)
-        return PluginError(plugin, f"{kind} {name!r} failed while generating: {type(error).__name__}: {error}")
+        return PluginError(plugin, f"{kind} {name!r} failed while generating: {what}")

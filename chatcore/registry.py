@@ -61,7 +61,7 @@ class Registry:
     prompt_formats: dict[str, Entry] = field(default_factory=dict)
     # Bare names more than one plugin registered -> those plugins (their entries are qualified).
     ambiguous: dict[str, list[str]] = field(default_factory=dict)
-    # Plugins that failed to load (mentioned when a name is not found).
+    # Plugins that failed to load or to register something (mentioned when a name is not found).
     broken: list[str] = field(default_factory=list)
 
     @classmethod
@@ -161,6 +161,9 @@ class Registry:
         tables = (registry.decoders, registry.steerers, registry.prompt_sets, registry.prompt_formats)
         for hook, table, base in zip(REGISTRATION_HOOKS, tables, (Decoder, Steerer, None, PromptFormat)):
             collect(hook, table, base)
+        registering = {f"hook {hook}" for hook in REGISTRATION_HOOKS}
+        # A plugin whose registration failed in part may be why a name is missing too.
+        registry.broken = sorted({*registry.broken, *(p.plugin for p in host.problems if p.stage in registering)})
         return registry
 
     def _lookup(self, table: dict[str, Entry], kind: str, name: str, also: Sequence[str] = ()) -> Any:
@@ -177,7 +180,7 @@ class Registry:
                 choices = " or ".join(f"{p}{QUALIFIER}{name}" for p in self.ambiguous[name])
                 raise UnknownNameError(f"{kind} {name!r} is registered by several plugins: name one, {choices}")
             hint = (
-                f"; plugin(s) {', '.join(self.broken)} failed to load: `chatcore plugins` says why"
+                f"; plugin(s) {', '.join(self.broken)} failed to load or register: `chatcore plugins` says why"
                 if self.broken
                 else ""
             )

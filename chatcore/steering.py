@@ -168,6 +168,7 @@ def check_composition(steerers: Sequence[type[Steerer]]) -> None:
 
 
 LAYER_ATTRIBUTE = "chatcore_step_layer"
+CALLER_ATTRIBUTE = "chatcore_step_caller"  # for a failure of the model: the steerer layer that called it
 
 
 def _tag_failures(step: Step, layer: str, inner: list[Any] | None = None) -> Step:
@@ -190,6 +191,8 @@ def _tag_failures(step: Step, layer: str, inner: list[Any] | None = None) -> Ste
         except Exception as error:
             if not hasattr(error, LAYER_ATTRIBUTE):
                 setattr(error, LAYER_ATTRIBUTE, layer)
+            elif inner is not None and failed_layer(error) == "model" and not hasattr(error, CALLER_ATTRIBUTE):
+                setattr(error, CALLER_ATTRIBUTE, layer)  # the first steerer it passes through called the model
             raise
 
     return tagged
@@ -197,7 +200,7 @@ def _tag_failures(step: Step, layer: str, inner: list[Any] | None = None) -> Ste
 
 def _check_output(output: Any, inner: list[Any]) -> None:
     """A steerer's step output, where it called the step it wraps this time and that gave a
-    StepOutput: a StepOutput too, whose logits have the same shape."""
+    StepOutput: a StepOutput too, whose logits have the same shape and are floating point."""
     wrapped = getattr(inner[-1], "shape", None) if inner else None
     if wrapped is None:
         return
@@ -208,6 +211,9 @@ def _check_output(output: Any, inner: list[Any]) -> None:
         raise ValueError(
             f"its step returned logits of shape {tuple(shape)}, where the step it wraps gave {tuple(wrapped)}"
         )
+    floating = getattr(output.logits, "is_floating_point", None)
+    if floating is not None and not floating():
+        raise TypeError(f"its step returned logits of {output.logits.dtype}: scores are floating point")
 
 
 def _noting(step: Step, inner: list[Any]) -> Step:
@@ -224,6 +230,13 @@ def _noting(step: Step, inner: list[Any]) -> Step:
 def failed_layer(error: BaseException) -> str | None:
     """``"model"``, ``"steerer:NAME"``, or None if the error did not come from a step."""
     return getattr(error, LAYER_ATTRIBUTE, None)
+
+
+def model_caller(error: BaseException) -> str | None:
+    """For a failure of the model (:func:`failed_layer` ``"model"``): ``"steerer:NAME"``, the
+    steerer whose step called the model with the state it failed on, or None where the
+    model was called by the loop itself."""
+    return getattr(error, CALLER_ATTRIBUTE, None)
 
 
 def compose(step: Step, steerers: Sequence[Steerer]) -> Step:

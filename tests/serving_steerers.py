@@ -60,6 +60,20 @@ class NegateAlone(Steerer):
         return negated
 
 
+class CutsState(Steerer):
+    """From its second step on, passes the model a state with no input ids: the model fails on
+    what the steerer gave it."""
+
+    name = "cuts-state"
+    Settings = NoSettings
+
+    def wrap(self, step: Step) -> Step:
+        def cut(state: StepState) -> StepOutput:
+            return step(state if state.step < 2 else state.replace(input_ids=state.input_ids[:, :0]))
+
+        return cut
+
+
 class NegateBeside(NegateAlone):
     """``negate``, declared safe to run on the runner's worker thread beside the batch's pass."""
 
@@ -129,7 +143,7 @@ class WrongIds(ScriptedDecoder):
 class WrongScores(Steerer):
     """Returns what no steerer should from its second step on: ``none`` nothing, ``narrow``
     the first 100 scores only, ``nan`` NaN scores, ``banned`` every score -inf,
-    ``chatcore-error`` a ChatcoreError."""
+    ``chatcore-error`` a ChatcoreError, ``integers`` its scores as integers."""
 
     name = "wrong-scores"
     Settings = WrongSettings
@@ -149,6 +163,8 @@ class WrongScores(Steerer):
                 from chatcore.api import ChatcoreError
 
                 raise ChatcoreError("layer 99 is outside the model's blocks")
+            if what == "integers":
+                return output.replace(logits=output.logits.to(torch.int64))
             if what == "banned":  # every token banned
                 return output.replace(logits=torch.full_like(output.logits, float("-inf")))
             return None if what == "none" else output.replace(logits=output.logits[:, :100])  # type: ignore[return-value]
@@ -204,6 +220,7 @@ class ServingTestPlugin:
         register(FailingShared)
         register(NegateAlone)
         register(NegateBeside)
+        register(CutsState)
         register(HeldBeside)
         register(Slow)
         register(Blocking)

@@ -554,6 +554,28 @@ def test_generate_names_the_plugins_that_failed_to_load(tiny_model_dir):
     )
 
 
+def test_serve_names_the_plugins_that_failed_to_load_before_it_serves(tiny_model_dir, monkeypatch):
+    """The operator hears of a plugin that failed to load when the server starts, not from a
+    client told that a name is unknown."""
+    from chatcore import plugin_manager
+    from chatcore.adapters.http_api import server
+
+    class Served:
+        def run(self, sockets):
+            click.echo("chatcore: the server ran", err=True)
+
+    monkeypatch.setattr(server, "make_server", lambda app, grace: Served())
+    host = plugin_manager.PluginHost()
+    host.load_entry_points()
+    host.load_modules(("chatcore.plugins.does_not_exist",))
+    plugin_manager.set_plugin_host(host)
+    result = CliRunner().invoke(build_cli(), ["serve", "--port", "0", "--no-warm-up", "--model", str(tiny_model_dir)])
+    assert result.exit_code == 0, result.output
+    lines = error_lines(result)
+    note = "chatcore: note: 1 plugin had problems (chatcore.plugins.does_not_exist): `chatcore plugins` says what"
+    assert note in lines and lines.index(note) < lines.index("chatcore: the server ran"), lines
+
+
 # -- what plugins add to the command line: prompt sets and commands ---------------------------
 def plugin_host_with(plugin, name):
     """The process-wide host: chatcore's own plugins and ``plugin``, registered as ``name``."""

@@ -727,6 +727,25 @@ async def test_the_event_loop_stays_responsive_during_a_long_generation(serving_
         await harness.close()
 
 
+@pytest.mark.asyncio
+async def test_a_plugins_failure_is_named_in_the_channel_without_its_exceptions_text(serving_engine, caplog):
+    """What failed is said in the channel; the exception's own text (paths, internals) goes to
+    the bot's console only."""
+    steer = ("failing-shared at_step=2",)
+    harness = await start_harness(serving_engine, settings_for(decoder="greedy", steer=steer))
+    try:
+        member = harness.member(0)
+        dm = await member.create_dm()
+        (answer,) = await harness.say("hello there", dm, member)
+    finally:
+        await harness.close()
+    assert answer.content == (
+        "Sorry, I can't answer that: plugin 'test-serving': steerer 'failing-shared' failed while generating"
+    )
+    said = [record.getMessage() for record in caplog.records if record.name == "chatcore.discord"]
+    assert any("failing-shared' failed while generating: RuntimeError: boom" in line for line in said), said
+
+
 # -- shutting down ----------------------------------------------------------------------
 @dataclass
 class SlowTextSettings:

@@ -552,12 +552,26 @@ def test_chatcore_serve_answers_the_openai_client(tiny_model_dir, tmp_path):
         server.wait(10)
 
 
-def test_failures_after_the_request_was_accepted_are_server_errors(serving, client):
+def test_failures_after_the_request_was_accepted_are_server_errors(serving, client, caplog):
     name = model_name(client)
     hi = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.InternalServerError) as caught:
         client.chat.completions.create(model=name, messages=hi, extra_body={"steer": ["failing-shared at_step=0"]})
     assert caught.value.status_code == 500 and "failing-shared" in caught.value.message
+    # A plugin's failure would come back the same: the official client, which retries server
+    # errors, is told not to, and the server's console says what failed.
+    sent: list[object] = []
+    retrying = openai.OpenAI(
+        base_url=serving[1].url,
+        api_key=API_KEY,
+        max_retries=2,
+        http_client=openai.DefaultHttpxClient(event_hooks={"request": [sent.append]}),
+    )
+    with caplog.at_level(logging.WARNING, logger="chatcore.serve"):
+        with pytest.raises(openai.InternalServerError) as caught:
+            retrying.chat.completions.create(model=name, messages=hi, extra_body={"steer": ["failing-shared"]})
+    assert caught.value.response.headers["x-should-retry"] == "false" and len(sent) == 1
+    assert any("500: plugin 'test-serving'" in record.getMessage() for record in caplog.records)
     stream = client.chat.completions.create(
         model=name,
         messages=hi,

@@ -282,8 +282,19 @@ def test_a_problem_is_reported_in_one_line():
 def test_an_unknown_name_mentions_plugins_that_failed_to_load(host):
     host.load_modules(("chatcore.plugins.does_not_exist",))
     registry = Registry.build(host)
-    with pytest.raises(UnknownNameError, match="chatcore.plugins.does_not_exist failed to load: `chatcore plugins`"):
+    with pytest.raises(UnknownNameError, match="does_not_exist failed to load or register: `chatcore plugins`"):
         registry.steerer("vectors")
+
+
+def test_an_unknown_name_mentions_plugins_whose_registration_hook_raised(host):
+    class Raising:
+        @chatcore.hookimpl
+        def register_steerers(self, register):
+            raise RuntimeError("no steerers today")
+
+    host.register(Raising(), "raising-steerers")
+    with pytest.raises(UnknownNameError, match="raising-steerers failed to load or register: `chatcore plugins`"):
+        Registry.build(host).steerer("its-steerer")
 
 
 @pytest.mark.parametrize("plugin", [NotADecoderPlugin(), InstancePlugin()])
@@ -800,3 +811,21 @@ def test_a_hook_wrapper_is_refused_loudly_not_skipped(host):
     assert problems_of(host) == [("wrapping", "register")]
     assert "hook wrappers are not supported on chatcore hooks: on_response" in host.problems[0].message
     assert host.pm.get_plugin("wrapping") is None
+
+
+def test_an_option_error_a_plugin_raises_names_its_decoder_or_steerer(host):
+    from chatcore.engine import build_plugin_object
+    from chatcore.errors import OptionError
+
+    registry = Registry.build(host)
+
+    def refusing(message: str):
+        def build():
+            raise OptionError(message)
+
+        return build
+
+    with pytest.raises(OptionError, match=r"^steerer 'banwords': no tokens for these words$"):
+        build_plugin_object(host, registry, "steerer", "banwords", refusing("no tokens for these words"))
+    with pytest.raises(OptionError, match=r"^banwords: already named$"):  # named by the plugin: left as it is
+        build_plugin_object(host, registry, "steerer", "banwords", refusing("banwords: already named"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -149,6 +150,25 @@ def test_a_failing_steerer_fails_its_row_alone(serving_engine):
         list(bad.tokens())
 
 
+def test_a_steerer_that_passes_the_model_a_broken_state_is_blamed_for_it(serving_engine):
+    """The model failing on the state a steerer's step passed on is that steerer's failure,
+    named and reported as one, through the scheduler and alone."""
+    options = ReplyOptions(decoder="greedy", max_new_tokens=10, min_new_tokens=10)
+    expected = alone(serving_engine, PROMPTS[0], options)
+    cutting = ReplyOptions(decoder="greedy", steerers=[("cuts-state", {})], max_new_tokens=10, min_new_tokens=10)
+    says = "steerer 'cuts-state' failed while generating: the model failed on the state it passed on: "
+    with Scheduler(serving_engine) as scheduler:
+        good = scheduler.submit([Message("user", PROMPTS[0])], options)
+        bad = scheduler.submit([Message("user", PROMPTS[2])], cutting)
+        assert good.wait(60) and bad.wait(60)
+    assert isinstance(bad.error, PluginError) and says in str(bad.error), bad.error
+    assert bad.error.plugin == "test-serving" and len(bad.token_ids) == 2
+    assert good.error is None and good.token_ids == expected
+    with pytest.raises(PluginError, match=re.escape(says)):
+        serving_engine.reply_to([PROMPTS[2]], cutting).text()
+    assert any(p.plugin == "test-serving" and "cuts-state" in p.stage for p in serving_engine.host.problems)
+
+
 @pytest.mark.parametrize(
     "decoder, steerers, says",
     [
@@ -170,6 +190,11 @@ def test_a_failing_steerer_fails_its_row_alone(serving_engine):
             "wrong-ids what=nan",
             [],
             "decoder 'wrong-ids' failed while generating: ValueError: select was given scores with NaN or a row of",
+        ),
+        (
+            "greedy",
+            [("wrong-scores", {"what": "integers"})],
+            "steerer 'wrong-scores' failed while generating: TypeError: its step returned logits of torch.int64",
         ),
         (
             "greedy",

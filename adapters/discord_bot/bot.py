@@ -56,6 +56,22 @@ CUT_MARKS = {"timeout": " [interrupted: I ran out of time]", "shutdown": " [inte
 ERROR_REPLY = "Sorry, something went wrong while I was thinking. Please try again."
 
 
+def shown_in_channel(key: str, error: ChatcoreError) -> str:
+    """What a channel is told of a reply that failed: a setting's or a message's error whole
+    (the user's to mend); for a plugin's or the model's failure, what failed without the text
+    of the exception under it (which may hold paths or other internals), which the bot's
+    console gets instead."""
+    from chatcore.cli import debug_enabled
+    from chatcore.errors import OptionError
+
+    text, cause = str(error), error.__cause__
+    if isinstance(error, OptionError) or cause is None or isinstance(cause, ChatcoreError):
+        return text
+    logger.warning("a reply in %s failed: %s", key, text, exc_info=error if debug_enabled() else None)
+    cut = text.find(f": {type(cause).__name__}")
+    return text[:cut] if cut > 0 else text
+
+
 def bot_intents() -> discord.Intents:
     """Guilds, guild and DM messages, and message content (a privileged intent: it
     must be switched on in the developer portal; mentions and DMs carry their content
@@ -382,7 +398,7 @@ class ChatBot(discord.Client):
                 if flight.pending is not None:
                     flight.pending.handle.cancel()
                 self.stats.errors += 1
-                await self.send_reply(message, f"Sorry, I can't answer that: {error}")
+                await self.send_reply(message, f"Sorry, I can't answer that: {shown_in_channel(key, error)}")
                 return None
             if flight.stop_reason is not None:  # shutdown began while it was being submitted
                 flight.stop(flight.stop_reason)
@@ -412,7 +428,7 @@ class ChatBot(discord.Client):
             return result
         except ChatcoreError as error:
             self.stats.errors += 1
-            await self.send_reply(message, f"Sorry, I can't answer that: {error}")
+            await self.send_reply(message, f"Sorry, I can't answer that: {shown_in_channel(key, error)}")
         except Exception:
             self.stats.errors += 1
             logger.exception("replying in %s failed", key)

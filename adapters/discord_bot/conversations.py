@@ -238,12 +238,16 @@ class ChatRuntime:
 
 def open_runtime(settings: "DiscordSettings", host: "PluginHost | None" = None) -> ChatRuntime:
     """Load the model and open the log, as the settings say (runs on the worker thread)."""
+    from chatcore.cli import plugin_problems_note
     from chatcore.cpu import use_threads
     from chatcore.engine import Engine
     from chatcore.serving.warm_up import warm_up
 
     use_threads(settings.threads)
     engine = Engine(settings.model, device=settings.device, host=host, prompt_format=settings.prompt_format)
+    note = plugin_problems_note(engine.host)
+    if note is not None:
+        logger.warning("%s", note)
     persistence: ConversationPersistence = LogPersistence(engine, settings.db) if settings.log else MemoryPersistence()
     runtime = ChatRuntime(
         engine, persistence, settings.max_conversations, max_batch=settings.max_batch, queue_size=settings.queue_size

@@ -278,6 +278,8 @@ def build_app(scheduler: "Scheduler", config: ServeConfig | None = None) -> Star
             headers = {"WWW-Authenticate": "Bearer"}
         if error.status == 429:  # the operator sees the server turn work away (a timeout says so where it cuts)
             logging.getLogger("chatcore.serve").warning("429 %s %s: %s", request.method, request.url.path, error)
+        if not error.retry:  # clients that retry server errors (the openai SDK) read it
+            headers = {**(headers or {}), "x-should-retry": "false"}
         return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     async def http_error(request: Request, error: Exception) -> Response:

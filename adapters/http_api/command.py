@@ -220,6 +220,7 @@ def serve(
     """
     from chatcore.adapters.http_api.app import ServeConfig, build_app
     from chatcore.adapters.http_api.server import make_server
+    from chatcore.cli import plugin_problems_note
     from chatcore.cli.options import reply_budget, with_sampling_shortcuts
     from chatcore.cli.specs import parse_spec
     from chatcore.cpu import use_threads
@@ -273,6 +274,9 @@ def serve(
     try:
         use_threads(threads)
         engine = Engine(model, device=device, dtype=dtype, prompt_format=prompt_format)
+        note = plugin_problems_note(engine.host)
+        if note is not None:  # the operator's to know: clients only see names missing
+            click.echo(f"chatcore: {note}", err=True)
         # The server's sampling: what a request brings, else these flags, else the model's own.
         engine.sampling_defaults.update(sampling)
         if request_log is not None:

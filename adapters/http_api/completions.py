@@ -436,7 +436,7 @@ class Completion:
         if isinstance(self.first, End) and self.first.error is not None:
             self.failure = self.first.error
             self.error = str(self.first.error)
-            raise api_error(self.first.error, self.handle)
+            raise reply_failed(self.first.error, self.handle)
 
     @property
     def prompt_tokens(self) -> int:
@@ -486,7 +486,7 @@ class Completion:
                 if event.error is not None:
                     self.failure = event.error
                     self.error = str(event.error)
-                    raise api_error(event.error, self.handle)
+                    raise reply_failed(event.error, self.handle)
                 if self.client_gone:
                     return  # nobody to send the rest to; the log keeps what was sent, interrupted
                 if self.handle.cancelled or event.reason == "cancelled":
@@ -520,7 +520,19 @@ def api_error(error: ChatcoreError, handle: "Handle") -> ApiError:
         return error
     if isinstance(error, OptionError) or (handle.admitted is None and not isinstance(error, PluginError)):
         return ApiError(400, str(error))
-    return ApiError(500, str(error), None, "generation_failed")
+    # A plugin's failure comes back on the same request: a client is told not to retry it.
+    return ApiError(500, str(error), None, "generation_failed", retry=not isinstance(error, PluginError))
+
+
+def reply_failed(error: ChatcoreError, handle: "Handle") -> ApiError:
+    """:func:`api_error` for a reply that ended with ``error``: a failure on the server's side
+    (500) is said on its console too, with the traceback under CHATCORE_DEBUG=1."""
+    from chatcore.cli import debug_enabled
+
+    failure = api_error(error, handle)
+    if failure.status >= 500:
+        logging.getLogger("chatcore.serve").warning("500: %s", error, exc_info=error if debug_enabled() else None)
+    return failure
 
 
 def served_model_name(engine: "Engine") -> str:

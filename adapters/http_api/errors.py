@@ -22,11 +22,14 @@ ERROR_TYPES = {
 class ApiError(ChatcoreError):
     """A request that gets an error response; ``str(error)`` is the message."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, retry: bool = True
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
         self.code = code
+        self.retry = retry  # False: the same request would fail the same way (sent as x-should-retry)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, str(self), self.param, self.code)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from chatcore.cli import plugin_problems_note
 from chatcore.errors import ChatcoreError
 from chatcore.log.errors import LogError
 from chatcore.log.formatting import SHORT_ID, one_line
@@ -209,11 +210,9 @@ def banner(state: "ChatState") -> str:
         + f"; {log}",
         "/help lists the commands; Ctrl-C stops a reply; Ctrl-D or /quit exits.",
     ]
-    broken = sorted({p.plugin for p in state.engine.host.problems})
-    if broken:
-        lines.append(
-            f"note: {count(len(broken), 'plugin')} had problems ({', '.join(broken)}): `chatcore plugins` says what"
-        )
+    note = plugin_problems_note(state.engine.host)
+    if note is not None:
+        lines.append(note)
     if conversation.turns:
         title = one_line(str(conversation.meta.get("title") or ""), 60)
         lines.append(

@@ -65,6 +65,17 @@ class ChatcoreGroup(click.Group):
             raise
 
 
+def plugin_problems_note(host: "PluginHost") -> str | None:
+    """The line that names the plugins that failed to load or to register something (their
+    decoders and steerers are missing from this run), or None: said at the start of every
+    command that answers (`generate`, `chat`, `serve`, `discord`)."""
+    broken = sorted({problem.plugin for problem in host.problems})
+    if not broken:
+        return None
+    plugins = f"{len(broken)} plugin" + ("" if len(broken) == 1 else "s")
+    return f"note: {plugins} had problems ({', '.join(broken)}): `chatcore plugins` says what"
+
+
 def one_line_error(error: BaseException) -> str:
     """``error`` as ``Type: message``, on one line (:func:`chatcore.models.one_line`)."""
     from chatcore.models import one_line

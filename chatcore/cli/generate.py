@@ -179,12 +179,12 @@ def generate(
 
 
 def note_plugin_problems(engine: "Engine") -> None:
-    """A line on standard error naming the plugins that failed to load (or to register), as
-    the chat's first lines do: their decoders and steerers are missing from this run."""
-    broken = sorted({problem.plugin for problem in engine.host.problems})
-    if broken:
-        plugins = f"{len(broken)} plugin" + ("" if len(broken) == 1 else "s")
-        click.echo(f"note: {plugins} had problems ({', '.join(broken)}): `chatcore plugins` says what", err=True)
+    """:func:`chatcore.cli.plugin_problems_note` on standard error, as the chat's first lines say it."""
+    from chatcore.cli import plugin_problems_note
+
+    note = plugin_problems_note(engine.host)
+    if note is not None:
+        click.echo(note, err=True)
 
 
 def show(response: "Response", as_json: bool) -> None:
