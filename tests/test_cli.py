@@ -179,6 +179,7 @@ def test_plugins_json_lists_the_builtins(run):
     assert rows["greedy"]["decoders"] == ["greedy"]
     assert rows["top_k"]["decoders"] == ["top-k"]
     assert rows["bow_bias"]["steerers"] == ["bow-bias"]
+    assert rows["prompt_formats"]["prompt_formats"] == ["chat-template", "dialogpt"]
     for name in ("greedy", "top_k", "bow_bias"):
         assert rows[name]["builtin"] is True and rows[name]["module"] == f"chatcore.plugins.{name}"
     decoders = {d for row in rows.values() for d in row["decoders"]}

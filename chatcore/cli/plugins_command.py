@@ -41,6 +41,7 @@ def plugins(name: str | None, as_json: bool) -> None:
                 "decoders": sorted(e.name for e in registry.decoders.values() if e.plugin == info.name),
                 "steerers": sorted(e.name for e in registry.steerers.values() if e.plugin == info.name),
                 "prompt_sets": sorted(e.name for e in registry.prompt_sets.values() if e.plugin == info.name),
+                "prompt_formats": sorted(e.name for e in registry.prompt_formats.values() if e.plugin == info.name),
             }
         )
     problems = [{"plugin": p.plugin, "stage": p.stage, "message": p.message} for p in host.problems]
@@ -51,7 +52,7 @@ def plugins(name: str | None, as_json: bool) -> None:
         origin = "built-in" if row["builtin"] else f"{row['distribution']} {row['version']}"
         click.echo(f"{row['name']}  ({origin}; {row['module']})")
         click.echo(f"  hooks: {', '.join(row['hooks']) or '-'}")
-        for kind in ("decoders", "steerers", "prompt_sets"):
+        for kind in ("decoders", "steerers", "prompt_sets", "prompt_formats"):
             if row[kind]:
                 click.echo(f"  {kind.replace('_', ' ')}: {', '.join(row[kind])}")
     for line in model_sampling_lines():
