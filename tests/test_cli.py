@@ -474,6 +474,29 @@ def test_a_hook_failing_in_generate_is_said_and_the_reply_stands(tiny_model_dir,
     assert said == ["plugin 'listener' failed at hook on_response: RuntimeError: on_response boom"]
 
 
+def test_a_line_logged_while_a_reply_streams_is_said_after_the_reply_s_line():
+    """What a hook logs as the reply ends waits for the reply's newline (one terminal, one
+    stream here), and goes to the handlers there were."""
+    import io
+    import logging
+
+    from chatcore.cli.generate import log_lines_held
+
+    terminal = io.StringIO()
+    handler = logging.StreamHandler(terminal)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with log_lines_held():
+            terminal.write("Hello!")
+            logging.getLogger("chatcore.plugins").warning("plugin 'p' failed at hook on_response")
+            terminal.write("\n")
+        assert handler in root.handlers
+    finally:
+        root.removeHandler(handler)
+    assert terminal.getvalue() == "Hello!\nplugin 'p' failed at hook on_response\n"
+
+
 def test_generate_continue_writes_what_an_ended_chat_journaled_before_it_reads(
     run, tiny_model_dir, engine, tmp_path, monkeypatch
 ):

@@ -6,6 +6,8 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import click
@@ -187,6 +189,28 @@ def note_plugin_problems(engine: "Engine") -> None:
         click.echo(note, err=True)
 
 
+@contextmanager
+def log_lines_held() -> Iterator[None]:
+    """Lines logged inside the block are said when it ends (to the handlers there were): a
+    reply streamed on standard output never shares its line with one."""
+    root = logging.getLogger()
+    handlers, held = root.handlers[:], []
+
+    class Holding(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    root.handlers = [Holding()]
+    try:
+        yield
+    finally:
+        root.handlers = handlers
+        for record in held:
+            for handler in handlers:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+
+
 def show(response: "Response", as_json: bool) -> None:
     """Print the reply (streamed, control characters escaped) or, with ``as_json``, the reply and its provenance;
     a reply cut by its budget says so (on standard error, so the reply stays clean)."""
@@ -196,17 +220,18 @@ def show(response: "Response", as_json: bool) -> None:
     from chatcore.text import display_safe
 
     started = False
-    try:
-        for delta in response:
-            # Shown, not acted on: a reply's ESC or bidi override must not drive the terminal
-            # (as the chat and `logs show` show them).
-            click.echo(display_safe(delta), nl=False)
-            started = started or bool(delta)
-    except Exception:
-        if started:  # the error goes on a line of its own, after what was shown of the reply
-            click.echo()
-        raise
-    click.echo()
+    with log_lines_held():  # a hook's failure, said as the reply ends, goes on a line of its own
+        try:
+            for delta in response:
+                # Shown, not acted on: a reply's ESC or bidi override must not drive the terminal
+                # (as the chat and `logs show` show them).
+                click.echo(display_safe(delta), nl=False)
+                started = started or bool(delta)
+        except Exception:
+            if started:  # the error goes on a line of its own, after what was shown of the reply
+                click.echo()
+            raise
+        click.echo()
     note = budget_note(response)
     if note is not None:
         click.echo(note, err=True)
