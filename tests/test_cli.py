@@ -674,6 +674,18 @@ def test_eval_json_dash_writes_the_report_to_standard_output(run, tiny_model_dir
     assert "standard output" in run("eval", "--help").output
 
 
+def add_reads_command(group: click.Group) -> None:
+    """A ``reads`` command whose option fails as it is read (a ValueError in its callback)."""
+
+    def bad_level(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        raise ValueError(f"no level {value!r}")
+
+    @group.command("reads")
+    @click.option("--level", callback=bad_level, default="x")
+    def reads(level: str) -> None:
+        click.echo(level)
+
+
 class Commands:
     @chatcore.hookimpl
     def register_commands(self, cli):
@@ -689,13 +701,7 @@ class Commands:
         def refuses() -> None:
             raise click.ClickException("not today")
 
-        def bad_level(ctx: click.Context, param: click.Parameter, value: str) -> str:
-            raise ValueError(f"no level {value!r}")
-
-        @cli.command("reads")
-        @click.option("--level", callback=bad_level, default="x")
-        def reads(level: str) -> None:
-            click.echo(level)
+        add_reads_command(cli)
 
         @cli.command("generate")
         def generate() -> None:
@@ -760,13 +766,7 @@ class NestedCommands:
         def deep() -> None:
             raise ValueError("deeper")
 
-        def bad_level(ctx: click.Context, param: click.Parameter, value: str) -> str:
-            raise ValueError(f"no level {value!r}")
-
-        @train.command("reads")
-        @click.option("--level", callback=bad_level, default="x")
-        def reads(level: str) -> None:
-            click.echo(level)
+        add_reads_command(train)
 
 
 @pytest.fixture
