@@ -210,11 +210,15 @@ def clean_system_prompt(text: Any) -> str | None:
     """A system prompt as given (line breaks kept), or None for empty; ChatcoreError if unusable."""
     import unicodedata
 
-    from chatcore.text import checked_text, remove_escape_sequences
+    from chatcore.text import checked_text, remove_escape_sequences, undecodable_at
 
     if text is None:
         return None
-    text = remove_escape_sequences(checked_text(text, "system prompt", MAX_SYSTEM_CHARS))
+    text = checked_text(text, "system prompt", MAX_SYSTEM_CHARS)
+    bad = undecodable_at(text)  # a command line's byte that was not UTF-8: refused, as in a message
+    if bad is not None:
+        raise ChatcoreError(f"the system prompt is not UTF-8 text (bad byte at position {bad})")
+    text = remove_escape_sequences(text)
     kept = "".join(
         char
         for char in text.replace("\r\n", "\n").replace("\t", " ")

@@ -408,6 +408,15 @@ def test_a_message_argument_that_is_not_utf8_is_refused_in_one_line(run, tiny_mo
     assert "Traceback" not in result.output
 
 
+def test_a_system_prompt_or_persona_that_is_not_utf8_is_refused_not_cut(run, tiny_model_dir, tmp_path, monkeypatch):
+    """A Latin-1 "café" would otherwise lose its é for good (a persona keeps it)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    says = "the system prompt is not UTF-8 text (bad byte at position 3)"
+    assert_clean_failure(run("generate", "--model", str(tiny_model_dir), "--system", "caf\udce9 ok", "hi"), says)
+    assert_clean_failure(run("personas", "add", "latin", "caf\udce9 ok"), says)
+    assert "latin" not in run("personas").output
+
+
 def test_eval_takes_the_sampling_options_the_other_commands_take(run, tiny_model_dir, tmp_path):
     common = ("eval", "--model", str(tiny_model_dir), "--limit", "2", "--samples", "0", "-n", "4", "--dtype", "float32")
     shortcut = run(*common, "--temperature", "0.5", "--top-p", "0.9", "--json", str(tmp_path / "a.json"))
@@ -798,3 +807,21 @@ def test_a_plugin_command_inside_a_built_in_group_fails_in_one_line_and_takes_no
     assert "command 'train model' is a built-in command" in problems and "boom" not in problems
     monkeypatch.setenv("CHATCORE_DEBUG", "1")
     assert isinstance(CliRunner().invoke(group, ["train", "boom"]).exception, RuntimeError)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_output_or_a_folder_that_cannot_be_made_is_one_line(tmp_path):
+    """Errors of the system that no command turns into its own line: an output that cannot
+    be written (``> /dev/full``), a data folder under a file."""
+    home_file = tmp_path / "home"
+    home_file.write_text("not a folder\n")
+    environment = {**os.environ, "CHATCORE_PLUGINS": "", "HOME": str(home_file)}
+    environment.pop("XDG_DATA_HOME", None)
+    command = [sys.executable, "-m", "chatcore.cli"]
+    with open("/dev/full", "w") as full:
+        written = subprocess.run([*command, "plugins"], stdout=full, stderr=subprocess.PIPE, env=environment)
+    assert written.returncode == 1
+    assert written.stderr.decode().splitlines() == ["Error: cannot write the output: No space left on device"]
+    made = subprocess.run([*command, "personas", "add", "x", "hi"], capture_output=True, env=environment)
+    assert made.returncode == 1 and made.stdout == b""
+    assert made.stderr.decode().splitlines() == [f"Error: Not a directory: {home_file}/.local"]

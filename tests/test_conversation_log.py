@@ -262,6 +262,15 @@ def test_memory_is_a_log_kept_in_memory_while_the_process_runs(engine, tmp_path,
 
 
 # -- the hooks, through a real engine -------------------------------------------------------
+@pytest.mark.parametrize("given", ["/", "sqlite://///", "{tmp}"])
+def test_a_folder_named_as_the_log_is_refused_in_one_line_by_every_subcommand(tmp_path, logs_cli, given):
+    given = given.format(tmp=tmp_path)
+    for subcommand in ("where", "list"):
+        refused = logs_cli(subcommand, "--db", given)
+        assert refused.exit_code == 1 and refused.stdout == "", refused.output
+        assert refused.stderr.strip().endswith("is a folder, not a conversation log file (name the file in it)")
+
+
 def test_the_hooks_write_every_turn_with_its_provenance(engine, store, log_plugin, db_path, notices):
     conversation = engine.conversation(adapter="test", channel_key="room-1")
     response = engine.send(conversation, "hello there, how are you?", decoder="greedy", max_new_tokens=5, seed=3)

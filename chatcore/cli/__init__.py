@@ -220,4 +220,27 @@ def main(argv: list[str] | None = None) -> Any:
 
     logging.basicConfig(format="chatcore: %(message)s", level=logging.WARNING)
     group = build_cli()
-    return group.main(args=argv if argv is not None else sys.argv[1:], prog_name="chatcore")
+    try:
+        return group.main(args=argv if argv is not None else sys.argv[1:], prog_name="chatcore")
+    except OSError as error:  # what no command turned into its own line: a full output, a folder that cannot be made
+        if debug_enabled():
+            raise
+        click.echo(f"Error: {os_error_line(error)}", err=True)
+        sys.exit(1)
+
+
+def os_error_line(error: OSError) -> str:
+    """``error`` in one line; a write to the terminal's streams that failed (a full disk behind
+    ``> file``, a device that refuses it) says so."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    reason = error.strerror or str(error)
+    if any(frame.name in ("echo", "secho") and "click" in frame.filename for frame in frames):
+        try:  # the rest is dropped, so that exiting does not fail on it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return f"cannot write the output: {reason}"
+    return f"{reason}: {error.filename}" if error.filename else reason

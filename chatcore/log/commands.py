@@ -360,6 +360,7 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
     from sqlalchemy.exc import ArgumentError
 
     from chatcore.log.connection import MEMORY_REFUSED, is_memory, sqlite_file
+    from chatcore.log.errors import folder_refused
     from chatcore.log.location import resolve_url
 
     url = resolve_url(db_url or (ctx.find_object(dict) or {}).get("db_url"))
@@ -369,8 +370,10 @@ def where_command(ctx: click.Context, db_url: str | None) -> None:
         raise click.ClickException(f"{url!r} is not a database URL") from None
     if is_memory(parsed):
         raise click.ClickException(MEMORY_REFUSED)
-    click.echo(parsed.render_as_string(hide_password=True))
     log_path = sqlite_file(parsed)
+    if log_path is not None and log_path.is_dir():  # as opening it says
+        raise click.ClickException(folder_refused(log_path))
+    click.echo(parsed.render_as_string(hide_password=True))
     for line in loose_files(log_path):
         click.echo(f"warning: {line}", err=True)
 

@@ -26,7 +26,7 @@ from sqlalchemy.exc import ArgumentError, DataError, DBAPIError, IntegrityError,
 from sqlalchemy.orm import Session, sessionmaker
 
 from chatcore.log import schema
-from chatcore.log.errors import LogError, LogUnavailableError, NotALogError
+from chatcore.log.errors import LogError, LogUnavailableError, NotALogError, folder_refused
 from chatcore.log.location import is_default_folder, private_data_folder
 from chatcore.log.private_files import create_private_file, make_private_folder
 
@@ -317,7 +317,7 @@ class StoreConnection:
             return parsed
         path = Path(database).expanduser()
         if path.is_dir():
-            raise NotALogError(f"{path} is a folder, not a conversation log file (name the file in it)")
+            raise NotALogError(folder_refused(path))
         if not create:
             if not path.is_file():
                 raise NotALogError(f"no conversation log at {path} (a chat creates it; check the path or URL)")

@@ -35,3 +35,8 @@ class AwaitingReplyError(ConversationTakenError):
 
 class ConversationDeletedError(LogError):
     """The conversation this chat has written into is no longer in the log (``chatcore logs delete``)."""
+
+
+def folder_refused(path: object) -> str:
+    """What a log location that names a folder is told, wherever it is given."""
+    return f"{path} is a folder, not a conversation log file (name the file in it)"

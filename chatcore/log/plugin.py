@@ -444,7 +444,7 @@ class ConversationLogPlugin:
         except LogUnavailableError as error:
             if self.failing is None:
                 self.notify(
-                    f"conversation log unavailable ({error}); the chat goes on: turns are kept in its journal "
+                    f"conversation log unavailable ({error}); replies go on: turns are kept in its journal "
                     "and written when it works again"
                 )
             self.failing = str(error)

@@ -32,7 +32,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from chatcore.log.errors import LogError
+from chatcore.log.errors import LogError, folder_refused
 
 if TYPE_CHECKING:
     import click
@@ -263,7 +263,7 @@ def _layouts(store: "ConversationStore") -> tuple[_Layout, _Layout]:
 def salvage(path: Path, into: "ConversationStore") -> SalvageReport:
     """Read every row of the log file at ``path`` that still can be, into the new log ``into``."""
     if path.is_dir():
-        raise LogError(f"{path} is a folder, not a conversation log file (name the file in it)")
+        raise LogError(folder_refused(path))
     if not path.is_file():
         raise LogError(f"no conversation log at {path}")
     conversation_layout, message_layout = _layouts(into)
