@@ -61,9 +61,11 @@ test: $(STAMP) lint
 
 # The oldest transformers release pyproject.toml allows, installed beside the venv's
 # newer one (in .floor/, first on the path), under the fast tests. Left out there: the
-# tests of the conversation log, the terminal, Discord and serving operations, which
-# reach transformers only through the engine that the other tests exercise.
-FLOOR_LEFT_OUT := conversation_log conversation_log_faults log_faults_io log_damage discord http_ops repl
+# tests of the conversation log, the command line, the terminal, Discord, the HTTP API and
+# the plugin tooling, which reach transformers only through the engine that the other
+# tests exercise.
+FLOOR_LEFT_OUT := conversation_log conversation_log_faults log_faults_io log_damage discord http_ops repl \
+	http_api http_params http_local_files cli plugins testing_helpers python_api_doc
 TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 test-floor: $(STAMP)
 	test -f .floor/.transformers-$(TRANSFORMERS_FLOOR) || { rm -rf .floor && \

@@ -365,6 +365,8 @@ def test_a_deleted_conversation_does_not_come_back_when_the_journal_is_replayed(
     store.add_message(secret.id, "user", "a secret", conversation={"title": "a secret"})
     journal_while_unavailable(chat_engine, store, backend, journal, turns)
     assert len(list(journal.glob("*.jsonl"))) == 1
+    listed = logs_command("list", "--db", url)  # what it shows leaves the waiting writes out, and says so
+    assert listed.exit_code == 0 and listed.stderr.startswith("note: 4 write(s) wait in the journal"), listed.output
 
     deleted = logs_command("delete", "--yes", secret.id[:12], "--db", url)
     assert deleted.exit_code == 0, deleted.output
@@ -372,6 +374,8 @@ def test_a_deleted_conversation_does_not_come_back_when_the_journal_is_replayed(
         f"deleted conversation {secret.id} and its 1 message(s), and 2 waiting in the journal, "
         "which will not be written"
     )
+    shown = logs_command("search", "pin", "--db", url)  # the deleted conversation's writes are not counted
+    assert shown.exit_code == 0 and "note: 2 write(s) wait in the journal" in shown.stderr, shown.output
     with ConversationStore(url, journal_dir=journal) as later:  # the next chat: the journal is replayed
         assert [summary.id for summary in later.list_conversations()] == [kept.id]
         assert logged_texts(later, kept.id) == [("user", "keep this one"), ("bot", "a fixed reply")]

@@ -28,14 +28,25 @@ def db_option(function: F) -> F:
     return click.option("--db", "db_url", default=None, metavar="URL", help=DB_HELP)(function)
 
 
-def open_store(ctx: click.Context, db_url: str | None) -> "ConversationStore":
-    """The log the command works on; never a new one (a mistyped path creates nothing)."""
+def open_store(ctx: click.Context, db_url: str | None, reading: bool = False) -> "ConversationStore":
+    """The log the command works on; never a new one (a mistyped path creates nothing).
+    ``reading``: what the command shows leaves out writes that wait in the journal, so it
+    ends with a note of how many there are, if any."""
     from chatcore.log.location import resolve_url
     from chatcore.log.store import ConversationStore
 
     group_url = (ctx.find_object(dict) or {}).get("db_url")
     store = ConversationStore(resolve_url(db_url or group_url), create=False)
     ctx.call_on_close(store.close)
+    waiting = store.waiting_in_journal() if reading else 0
+    if waiting:
+        ctx.call_on_close(
+            lambda: click.echo(
+                f"note: {waiting} write(s) wait in the journal (made while the log was locked or down) and are "
+                "not shown: the next chat, bot, server or `generate --continue` writes them",
+                err=True,
+            )
+        )
     return store
 
 
@@ -71,7 +82,7 @@ def list_command(
     """The most recently active conversations: id, last activity, adapter, messages, title."""
     from chatcore.log import formatting
 
-    store = open_store(ctx, db_url)
+    store = open_store(ctx, db_url, reading=True)
     summaries = store.list_conversations(limit=limit, offset=offset, adapter=adapter, channel_key=channel_key)
     if as_json:
         click.echo(formatting.to_json([summary.to_dict() for summary in summaries]))
@@ -90,7 +101,7 @@ def show_command(ctx: click.Context, conversation_id: str, as_json: bool, db_url
     """One conversation, every message with its decoder, tokens, latency and flags."""
     from chatcore.log import formatting
 
-    record = open_store(ctx, db_url).get_conversation(conversation_id)
+    record = open_store(ctx, db_url, reading=True).get_conversation(conversation_id)
     click.echo(formatting.to_json(record.to_dict()) if as_json else formatting.conversation_text(record))
 
 
@@ -104,7 +115,7 @@ def search_command(ctx: click.Context, text: str, limit: int, as_json: bool, db_
     """Messages that contain TEXT (case-insensitive), newest first."""
     from chatcore.log import formatting
 
-    hits = open_store(ctx, db_url).search(text, limit=limit)
+    hits = open_store(ctx, db_url, reading=True).search(text, limit=limit)
     if as_json:
         click.echo(formatting.to_json([hit.to_dict() for hit in hits]))
     elif hits:
@@ -179,7 +190,7 @@ def export_command(
         store, log_path = salvaged_store(ctx, db_url or (ctx.find_object(dict) or {}).get("db_url"), problems)
         records = store.iter_conversations()
     else:
-        store = open_store(ctx, db_url)
+        store = open_store(ctx, db_url, reading=True)
         log_path = store.file_path
         records = store.iter_conversations(conversation_ids or None, author_id=author_id)
     render = formatting.conversation_jsonl if export_format == "jsonl" else formatting.conversation_markdown

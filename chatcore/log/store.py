@@ -27,7 +27,14 @@ from pathlib import Path
 
 from chatcore.log.check import StoreCheck
 from chatcore.log.errors import LogError, LogUnavailableError, UnknownConversationError
-from chatcore.log.journal import journal_folders, record_deletion, replay_left_writes, scrub_deletion
+from chatcore.log.journal import (
+    Deletions,
+    journal_folders,
+    record_deletion,
+    replay_left_writes,
+    scrub_deletion,
+    waiting_writes,
+)
 from chatcore.log.writing import NUL_SYMBOL, REPLACEMENT, StoreWriting, storable
 
 __all__ = [
@@ -112,6 +119,18 @@ class ConversationStore(StoreWriting, StoreCheck):
         deleted = super().delete_conversation(full_id)
         self._scrub(folders, conversation_id=full_id)
         return deleted
+
+    def waiting_in_journal(self) -> int:
+        """How many writes wait in this log's journal (made while the database was locked or
+        down), not counting those of what was deleted since: the next process that opens the log
+        to write replays them. Read without taking them."""
+        if self.in_memory:
+            return 0
+        count = 0
+        for folder in journal_folders(self.url, self.journal_dir):
+            deletions = Deletions.read(folder, self.url)
+            count += sum(1 for write in waiting_writes(folder, self.url) if not deletions.withholds(write))
+        return count
 
     def delete_author(self, author_id: str) -> int:
         """Delete every message written by ``author_id``, and withhold those waiting in the journal
