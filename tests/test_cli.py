@@ -663,6 +663,21 @@ def test_a_prompt_files_reference_must_be_text_before_the_model_loads(run, tmp_p
     assert_clean_failure(result, f"{prompts}:1:", '"reference" must be', needle)
 
 
+@pytest.mark.parametrize(
+    "name, line, needle",
+    [
+        ("long.jsonl", '{"turns": ["' + "a" * 9000 + '"]}', ":1: the turn: the message is 9,000 characters long"),
+        ("blank.jsonl", '{"turns": ["hi", " \\u0007 "]}', ":1: turn 2: the message is empty"),
+        ("long.txt", "b" * 9000, ":1: the line: the message is 9,000 characters long"),
+    ],
+)
+def test_a_prompt_files_turns_are_checked_as_messages_before_the_model_loads(run, tmp_path, name, line, needle):
+    prompts = tmp_path / name
+    prompts.write_text(line + "\n")
+    result = run("eval", "--model", str(tmp_path / "no-such-model"), "--prompts", str(prompts), "-n", "8")
+    assert_clean_failure(result, f"{prompts}{needle}")
+
+
 @pytest.mark.parametrize("seed", ["-5", str(2**63 - 1)])
 def test_eval_refuses_a_seed_out_of_range_before_the_model_loads(run, tmp_path, seed):
     # The second: context 1 would take seed + 1, past the largest seed.

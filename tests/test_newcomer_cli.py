@@ -414,13 +414,22 @@ def test_an_empty_device_is_refused(run, command, no_model_load):
 
 
 def test_eval_whose_every_context_fails_says_so_without_a_table(run, tiny_model_dir, tmp_path):
-    prompts = tmp_path / "long.txt"
-    prompts.write_text(("word " * 2000).strip() + "\n")  # past the 8,000 characters of a message
+    from serving_steerers import ServingTestPlugin
+
+    from chatcore import plugin_manager
+
+    host = plugin_manager.PluginHost()
+    host.load_entry_points()
+    host.register(ServingTestPlugin(), "test-serving")
+    plugin_manager.set_plugin_host(host)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi there\n")
     report = tmp_path / "report.json"
-    result = run("eval", "-m", str(tiny_model_dir), "--prompts", str(prompts), "-n", "2", "--json", str(report))
-    one_line_failure(result, "every context failed (1)", "characters long")
+    steer = ["--steer", "failing-shared at_step=0"]  # every reply fails at its first step
+    result = run("eval", "-m", str(tiny_model_dir), "--prompts", str(prompts), "-n", "2", *steer, "--json", str(report))
+    one_line_failure(result, "every context failed (1)", "RuntimeError: boom")
     assert result.stdout == ""
-    assert "characters long" in json.loads(report.read_text())["samples"][0]["error"]  # the report still says why
+    assert "RuntimeError: boom" in json.loads(report.read_text())["samples"][0]["error"]  # the report still says why
 
 
 def test_generate_names_the_turn_that_is_empty(run, no_model_load):

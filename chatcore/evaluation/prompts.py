@@ -64,12 +64,27 @@ def load_prompt_file(path: str | Path) -> list[EvalContext]:
                     f'{path}:{number}: "reference" must be the human reply\'s text (a non-empty string) '
                     f"or left out, got {shown_argument(reference)}"
                 )
+            for index, turn in enumerate(turns, start=1):
+                checked_turn(path, number, turn, f"turn {index}" if len(turns) > 1 else "the turn")
             contexts.append(EvalContext(turns, reference))
         else:
+            checked_turn(path, number, line, "the line")
             contexts.append(EvalContext([line.strip()]))
     if not contexts:
         raise CorpusError(f"{path}: no prompts")
     return contexts
+
+
+def checked_turn(path: Path, number: int, turn: str, which: str) -> None:
+    """A turn of a prompt file checked as a message is when it is sent (its length, text that
+    is left once control characters go), so that its line is named before the model loads."""
+    from chatcore.errors import ChatcoreError
+    from chatcore.text import clean_message
+
+    try:
+        clean_message(turn)
+    except ChatcoreError as error:
+        raise CorpusError(f"{path}:{number}: {which}: {error}") from None
 
 
 def is_text(value: Any) -> bool:
