@@ -692,6 +692,25 @@ def test_answered_requests_are_logged_and_a_follow_up_continues_its_conversation
     ]
 
 
+def test_a_history_that_repeats_a_message_is_logged_whole(logged):
+    """Turns alike in role and text ("ok" twice) are turns of their own, each logged, in order."""
+    client, request_log, db = logged
+    history = [
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "sure"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "sure"},
+        {"role": "user", "content": "ok"},
+    ]
+    reply = client.chat.completions.create(model=model_name(client), messages=history, max_tokens=4, seed=1)
+    request_log.close()
+    (conversation,) = read_log(db)
+    assert [(m.role, m.text) for m in conversation.messages] == [
+        *[("user" if turn["role"] == "user" else "bot", turn["content"]) for turn in history],
+        ("bot", reply.choices[0].message.content),
+    ]
+
+
 def test_configurations_that_cannot_reply_get_400_and_nothing_is_logged(loaded, tmp_path):
     from refused_configurations import IMPOSSIBLE_STEERERS, NON_DECODABLE_DECODERS, PLUGIN_MODULES, REPEATED_STEERERS
 

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -93,18 +93,19 @@ def exchange_conversation(exchange: Exchange, engine: "Engine", conversation_id:
     now = datetime.now(timezone.utc)
     received, finished = exchange.received or now, exchange.finished or now
     author = {"author_id": exchange.user} if exchange.user else {}
+    history = [m for m in exchange.messages if m.role != "system"]
+    # One microsecond apart, in order: a turn that repeats an earlier one ("ok" twice) is a
+    # write of its own, not taken for the same turn written again (the write key holds the time).
+    times = [received + timedelta(microseconds=index) for index in range(len(history))]
     turns = [
-        Turn("user", m.text, created=received, meta=dict(author))
-        if m.role == "user"
-        else Turn("bot", m.text, created=received)
-        for m in exchange.messages
-        if m.role != "system"
+        Turn("user", m.text, created=at, meta=dict(author)) if m.role == "user" else Turn("bot", m.text, created=at)
+        for m, at in zip(history, times)
     ]
     turns.append(
         Turn(
             "bot",
             exchange.reply,
-            created=finished,
+            created=max(finished, received + timedelta(microseconds=len(history))),
             interrupted=exchange.interrupted,
             meta={"provenance": exchange.provenance},
         )
